@@ -1,0 +1,19 @@
+"""Project error types: every message names the problem and the fix."""
+
+from __future__ import annotations
+
+
+class CosyVoiceCpuError(Exception):
+    """Base class for errors raised by cosyvoice-cpu with a user-facing message."""
+
+
+class ModelDirError(CosyVoiceCpuError):
+    """A model directory is missing a file, holds a corrupt one, or is of an unknown family."""
+
+
+class ConfigError(CosyVoiceCpuError, ValueError):
+    """A configuration value is out of range or inconsistent."""
+
+
+class MissingExtraError(CosyVoiceCpuError, ImportError):
+    """An optional dependency group (``[export]``, ``[server]``) is not installed."""
