@@ -8,11 +8,13 @@ missing official package is a failure, never a skip: parity is what makes the re
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import os
 import sys
 import types
 
 import pytest
+import torch
 
 
 def _install_torchaudio_stub() -> None:
@@ -37,18 +39,29 @@ def _install_torchaudio_stub() -> None:
     kaldi = types.ModuleType("torchaudio.compliance.kaldi")
     kaldi.fbank = _unavailable
     transforms = types.ModuleType("torchaudio.transforms")
-    transforms.Resample = _unavailable
+
+    class _Transform(torch.nn.Module):
+        """Constructible (the GAN discriminator builds a Spectrogram), unusable."""
+
+        def __init__(self, *_a, **_k) -> None:
+            super().__init__()
+
+        def forward(self, *_a, **_k):
+            _unavailable()
+
+    transforms.Resample = transforms.Spectrogram = _Transform
     functional = types.ModuleType("torchaudio.functional")
     ta.compliance, compliance.kaldi, ta.transforms, ta.functional = compliance, kaldi, transforms, functional
-    sys.modules.update(
-        {
-            "torchaudio": ta,
-            "torchaudio.compliance": compliance,
-            "torchaudio.compliance.kaldi": kaldi,
-            "torchaudio.transforms": transforms,
-            "torchaudio.functional": functional,
-        }
-    )
+    modules = {
+        "torchaudio": ta,
+        "torchaudio.compliance": compliance,
+        "torchaudio.compliance.kaldi": kaldi,
+        "torchaudio.transforms": transforms,
+        "torchaudio.functional": functional,
+    }
+    for name, mod in modules.items():  # importlib.util.find_spec() (transformers calls it) needs a spec
+        mod.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=hasattr(mod, "__path__"))
+    sys.modules.update(modules)
 
 
 def official(module: str) -> types.ModuleType:

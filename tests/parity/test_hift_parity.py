@@ -17,11 +17,13 @@ from tests.parity.official import official
 
 pytestmark = pytest.mark.parity
 
-# Relative error max|ours - official| / max|official|, fp32. Measured (torch 2.13 CPU): f0 0, source 0 (bitwise),
-# wave given the same source ~1e-7, whole inference ~1e-7; the bounds leave ~10x headroom.
+# Relative error max|ours - official| / max|official|, fp32, torch 2.13 CPU. Measured: 0.0 (bitwise equal) for
+# f0, source, decode and whole inference, v2 and v1, once weight norm is folded with torch._weight_norm (the
+# kernel the official parametrization runs). With a float32 fold instead (1 ulp off in the weights) we measured
+# f0 6e-8, decode 6e-7, but source/inference 1e-4: the phase integrates f0 * 480 samples * 9 harmonics.
 F0_RTOL = 1e-6
 SOURCE_RTOL = 1e-6
-WAVE_RTOL = 2e-6
+WAVE_RTOL = 1e-6
 T_FRAMES = 37
 
 
@@ -153,7 +155,7 @@ def test_decode_given_source(pair):
 
 def test_inference_same_seed_and_cache_source(pair):
     model, ours = pair
-    mel = _mel(1)
+    mel = _mel(2)
     torch.manual_seed(5)
     want_wave, want_src = model.inference(mel)
     torch.manual_seed(5)
@@ -179,8 +181,10 @@ def test_v1_sine_generator_parity():
     f0 = torch.cat([torch.zeros(1, 4), torch.linspace(90, 300, T_FRAMES - 4)[None]], 1)
     torch.manual_seed(11)
     want = _official_source(model, f0)
+    after_official = torch.rand(3)
     torch.manual_seed(11)
     got = ours.source(f0)
+    torch.testing.assert_close(torch.rand(3), after_official, rtol=0, atol=0)
     assert got.shape == (1, 1, T_FRAMES * 256)
     assert _rel(got, want) <= SOURCE_RTOL
     mel = _mel(1)
