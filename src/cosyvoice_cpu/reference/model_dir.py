@@ -1,0 +1,213 @@
+"""Load a CosyVoice model directory exactly as released, into the PyTorch reference.
+
+The family is told from the yaml's *content* (which LM/flow/vocoder classes it names), not from its file name:
+older CosyVoice2-0.5B downloads ship ``cosyvoice.yaml``. The yaml is read as data (see
+:mod:`cosyvoice_cpu.reference.yamlconf`); nothing in it is executed. Checkpoints are loaded with
+``weights_only=True`` and every module with ``strict=True``.
+
+Families: ``cosyvoice`` (v1, CosyVoice-300M: TransformerLM, MaskedDiffWithXvec, 22.05 kHz HiFT),
+``cosyvoice2`` (v2, CosyVoice2-0.5B: Qwen2LM, CausalMaskedDiffWithXvec, HiFT) and ``cosyvoice3`` (v3,
+Fun-CosyVoice3-0.5B: CosyVoice3LM, CausalMaskedDiffWithDiT, CausalHiFTGenerator). The reference implements
+v2; v1 and v3 are recognised and refused with a clear message until their modules land (:data:`SUPPORTED`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cosyvoice_cpu.errors import ModelDirError
+from cosyvoice_cpu.reference.yamlconf import Tagged, load_yaml_data
+
+logger = logging.getLogger(__name__)
+
+YAML_NAMES = ("cosyvoice3.yaml", "cosyvoice2.yaml", "cosyvoice.yaml")
+LM_CLASSES = {"TransformerLM": "cosyvoice", "Qwen2LM": "cosyvoice2", "CosyVoice3LM": "cosyvoice3"}
+SPEECH_TOKENIZER = {"cosyvoice": "speech_tokenizer_v1.onnx", "cosyvoice2": "speech_tokenizer_v2.onnx",
+                    "cosyvoice3": "speech_tokenizer_v3.onnx"}  # fmt: skip
+SUPPORTED = ("cosyvoice2",)
+
+
+@dataclass
+class MelConfig:
+    """The yaml's ``feat_extractor`` (matcha ``mel_spectrogram``): the prompt-mel / flow-target features."""
+
+    n_fft: int = 1920
+    num_mels: int = 80
+    sampling_rate: int = 24000
+    hop_size: int = 480
+    win_size: int = 1920
+    fmin: float = 0.0
+    fmax: float | None = 8000.0
+
+    @classmethod
+    def from_yaml(cls, node: Any) -> MelConfig:
+        if not isinstance(node, Tagged):
+            return cls()
+        fmax = node.get("fmax", 8000)
+        return cls(
+            n_fft=int(node.get("n_fft", 1920)),
+            num_mels=int(node.get("num_mels", 80)),
+            sampling_rate=int(node.get("sampling_rate", 24000)),
+            hop_size=int(node.get("hop_size", 480)),
+            win_size=int(node.get("win_size", 1920)),
+            fmin=float(node.get("fmin", 0)),
+            fmax=None if fmax is None else float(fmax),
+        )
+
+
+@dataclass
+class ModelConfig:
+    """Everything the reference needs to know about a model directory."""
+
+    model_dir: Path
+    yaml_path: Path
+    family: str
+    sample_rate: int
+    token_frame_rate: int
+    token_mel_ratio: int
+    mel: MelConfig
+    lm: Any = None  # LMConfig
+    flow: Any = None  # FlowConfig
+    hift: Any = None  # HiFTConfig
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def blank_en_dir(self) -> Path:
+        return self.model_dir / "CosyVoice-BlankEN"
+
+    @property
+    def speech_tokenizer_path(self) -> Path:
+        return self.model_dir / SPEECH_TOKENIZER[self.family]
+
+
+def family_of(data: dict[str, Any], where: Path) -> str:
+    """Tell the family from the classes a parsed yaml names."""
+    llm = data.get("llm")
+    if not isinstance(llm, Tagged):
+        raise ModelDirError(f"{where} has no 'llm: !new:...' entry; is it a CosyVoice model yaml?")
+    family = LM_CLASSES.get(llm.class_name)
+    if family is None:
+        raise ModelDirError(
+            f"{where}: unknown LM class {llm.target}; expected one of {sorted(LM_CLASSES)} "
+            "(CosyVoice-300M, CosyVoice2-0.5B or Fun-CosyVoice3-0.5B)"
+        )
+    return family
+
+
+def find_yaml(model_dir: Path) -> Path:
+    """The model yaml of a directory (``cosyvoice3.yaml``, ``cosyvoice2.yaml`` or ``cosyvoice.yaml``)."""
+    if not model_dir.is_dir():
+        raise ModelDirError(f"model directory {model_dir} does not exist or is not a directory")
+    for name in YAML_NAMES:
+        if (model_dir / name).is_file():
+            return model_dir / name
+    raise ModelDirError(
+        f"{model_dir} holds none of {', '.join(YAML_NAMES)}: point at a released CosyVoice model directory "
+        "(e.g. CosyVoice2-0.5B) or make one with `cosyvoice-cpu fixture`"
+    )
+
+
+def read_model_config(model_dir: str | Path) -> ModelConfig:
+    """Parse a model directory's yaml (and, for v2/v3, ``CosyVoice-BlankEN/config.json``)."""
+    from cosyvoice_cpu.reference.flow import FlowConfig
+    from cosyvoice_cpu.reference.hift import HiFTConfig
+    from cosyvoice_cpu.reference.lm import LMConfig
+    from cosyvoice_cpu.reference.qwen2 import Qwen2Config
+
+    model_dir = Path(model_dir)
+    yaml_path = find_yaml(model_dir)
+    data = load_yaml_data(yaml_path, overrides={"qwen_pretrain_path": str(model_dir / "CosyVoice-BlankEN")})
+    family = family_of(data, yaml_path)
+    cfg = ModelConfig(
+        model_dir=model_dir,
+        yaml_path=yaml_path,
+        family=family,
+        sample_rate=int(data.get("sample_rate", 22050 if family == "cosyvoice" else 24000)),
+        token_frame_rate=int(data.get("token_frame_rate", 50 if family == "cosyvoice" else 25)),
+        token_mel_ratio=int(data.get("token_mel_ratio", 2)),
+        mel=MelConfig.from_yaml(data.get("feat_extractor")),
+        raw=data,
+    )
+    if family not in SUPPORTED:
+        raise ModelDirError(
+            f"{model_dir} is a {family} model; the reference implements {', '.join(SUPPORTED)} so far "
+            "(CosyVoice-300M and Fun-CosyVoice3 support is tracked as its own issue)"
+        )
+    try:
+        cfg.lm = LMConfig.from_yaml(data["llm"], Qwen2Config.from_json(cfg.blank_en_dir / "config.json"))
+        cfg.flow = FlowConfig.from_yaml(data["flow"])
+        cfg.hift = HiFTConfig.from_yaml(data["hift"])
+    except (KeyError, ValueError) as e:
+        raise ModelDirError(f"{yaml_path}: {e}") from e
+    return cfg
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """``torch.load`` a released ``*.pt`` state dict safely (``weights_only``, memory-mapped)."""
+    import torch
+
+    if not path.is_file():
+        raise ModelDirError(f"{path} is missing: the model directory is incomplete; re-download it")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        raise ModelDirError(f"{path} is not a readable PyTorch checkpoint ({e}); re-download it") from e
+    if not isinstance(state, dict):
+        raise ModelDirError(f"{path} holds a {type(state).__name__}, not a state dict")
+    return state
+
+
+def load_strict(module: Any, state: dict[str, Any], path: Path) -> None:
+    """``module.load_state_dict(state, strict=True)`` with a message that names the file."""
+    try:
+        module.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise ModelDirError(
+            f"{path} does not match the architecture in the yaml ({str(e).splitlines()[0]} ...): "
+            "the checkpoint and the yaml come from different models"
+        ) from e
+
+
+@dataclass
+class ReferenceModel:
+    """The three stages of a model directory as PyTorch modules (eval mode, fp32)."""
+
+    config: ModelConfig
+    lm: Any
+    flow: Any
+    hift: Any
+
+
+def load_reference(model_dir: str | Path, stages: tuple[str, ...] = ("lm", "flow", "hift")) -> ReferenceModel:
+    """Build the reference modules of a model directory and load its checkpoints strictly.
+
+    Args:
+        model_dir: a released (or fixture) CosyVoice2 directory.
+        stages: which of ``lm``, ``flow``, ``hift`` to load (others stay None).
+    """
+    from cosyvoice_cpu.reference.flow import Flow
+    from cosyvoice_cpu.reference.hift import HiFT
+    from cosyvoice_cpu.reference.lm import Qwen2LM
+
+    cfg = read_model_config(model_dir)
+    out = ReferenceModel(cfg, None, None, None)
+    if "lm" in stages:
+        out.lm = Qwen2LM(cfg.lm).eval()
+        path = cfg.model_dir / "llm.pt"
+        load_strict(out.lm, load_checkpoint(path), path)
+    if "flow" in stages:
+        out.flow = Flow(cfg.flow).eval()
+        path = cfg.model_dir / "flow.pt"
+        load_strict(out.flow, load_checkpoint(path), path)
+    if "hift" in stages:
+        out.hift = HiFT(cfg.hift).eval()
+        path = cfg.model_dir / "hift.pt"
+        try:
+            out.hift.load_checkpoint_state(load_checkpoint(path))
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise ModelDirError(f"{path} does not match the HiFT in the yaml: {e}") from e
+    logger.info("loaded %s reference from %s (%s)", cfg.family, cfg.model_dir, ", ".join(stages))
+    return out

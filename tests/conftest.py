@@ -1,0 +1,15 @@
+"""Shared fixtures: a tiny random-weight CosyVoice2 model directory in the official layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny CosyVoice2 fixture (seed 0), written once per test session."""
+    from cosyvoice_cpu.export.fixture import FixtureSpec, write_fixture
+
+    return write_fixture(FixtureSpec("cosyvoice2", "tiny", 0), tmp_path_factory.mktemp("fixtures") / "tiny")
