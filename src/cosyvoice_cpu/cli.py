@@ -1,0 +1,132 @@
+"""``cosyvoice-cpu`` command line: thin sub-commands that parse arguments, build a config, call the library.
+
+Errors the user can fix (a bad path, a bad value, a missing extra) print one line and exit with status 2;
+``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from cosyvoice_cpu import __version__
+from cosyvoice_cpu.errors import CosyVoiceCpuError, MissingExtraError
+
+logger = logging.getLogger("cosyvoice_cpu")
+
+DEMO_TEXT = "Warning: the temperature on line three is too high. Please check the cooling system now."
+
+
+def cache_dir() -> Path:
+    """Where generated fixtures are kept: ``$COSYVOICE_CPU_CACHE`` or ``~/.cache/cosyvoice-cpu``."""
+    env = os.environ.get("COSYVOICE_CPU_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "cosyvoice-cpu"
+
+
+def _need_export_extra() -> None:
+    try:
+        import torch  # noqa: F401
+    except ImportError as e:
+        raise MissingExtraError(
+            "this command needs the [export] extra (PyTorch): pip install torch==2.13.0 && "
+            "pip install 'cosyvoice-cpu[export]'"
+        ) from e
+
+
+def cmd_fixture(args: argparse.Namespace) -> int:
+    _need_export_extra()
+    from cosyvoice_cpu.export.fixture import FixtureSpec, write_fixture
+
+    t0 = time.perf_counter()
+    out = write_fixture(FixtureSpec(args.family, args.size, args.seed), args.out, force=args.force)
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    print(f"wrote {args.size} {args.family} fixture (seed {args.seed}) to {out}: {size / 1e6:.1f} MB "
+          f"in {time.perf_counter() - t0:.1f} s")  # fmt: skip
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Synthesize a sentence with a tiny random-weight model and print per-stage timings."""
+    _need_export_extra()
+    import numpy as np
+    import torch
+
+    from cosyvoice_cpu.export.fixture import FixtureSpec, write_fixture
+    from cosyvoice_cpu.reference.pipeline import Prompt, ReferencePipeline, write_wav
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = Path(args.model) if args.model else cache_dir() / "fixtures" / "cosyvoice2-tiny-seed0"
+    if not args.model and not (model_dir / "cosyvoice2.yaml").is_file():
+        print(f"generating the tiny CosyVoice2 fixture in {model_dir} ...")
+        write_fixture(FixtureSpec("cosyvoice2", "tiny", 0), model_dir, force=True)
+    t0 = time.perf_counter()
+    pipe = ReferencePipeline.load(model_dir)
+    load_s = time.perf_counter() - t0
+    rng = np.random.default_rng(args.seed)  # a synthetic 2 s voice: the front-end arrives with the runtime
+    prompt = Prompt(
+        text="Good morning everyone.",
+        speech_tokens=rng.integers(0, 6561, 50),
+        mel=(rng.standard_normal((100, 80)) - 5.0).astype(np.float32),
+        embedding=rng.standard_normal(192).astype(np.float32),
+    )
+    result = pipe.synthesize(args.text, prompt, seed=args.seed, n_timesteps=args.flow_steps)
+    write_wav(args.out, result.wave, result.sample_rate)
+    total = sum(result.timings.values())
+    print(f"model   {model_dir} ({pipe.model.config.family}, PyTorch reference, {torch.get_num_threads()} threads)")
+    print(f"load    {load_s * 1000:8.1f} ms")
+    for stage, seconds in result.timings.items():
+        extra = ""
+        if stage == "lm":
+            extra = f"  {len(result.speech_tokens)} tokens, {len(result.speech_tokens) / seconds:.1f} tokens/s"
+        print(f"{stage:7s} {seconds * 1000:8.1f} ms{extra}")
+    print(f"total   {total * 1000:8.1f} ms  for {result.duration:.2f} s of audio (RTF {total / result.duration:.3f})")
+    print(f"wrote   {args.out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cosyvoice-cpu", description="CosyVoice text-to-speech on CPUs alone.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    f = sub.add_parser("fixture", help="write a random-weight model directory in the official layout")
+    f.add_argument("--family", default="cosyvoice2", choices=["cosyvoice2"])
+    f.add_argument("--size", default="tiny", choices=["tiny", "full"])
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--out", required=True, type=Path, help="directory to create")
+    f.add_argument("--force", action="store_true", help="replace an existing directory")
+    f.set_defaults(func=cmd_fixture)
+
+    d = sub.add_parser("demo", help="synthesize a sentence with a tiny model and print stage timings")
+    d.add_argument("--text", default=DEMO_TEXT)
+    d.add_argument("-m", "--model", help="model directory (default: a generated tiny fixture)")
+    d.add_argument("-o", "--out", default="demo.wav", type=Path)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--flow-steps", type=int, default=10)
+    d.add_argument("--threads", type=int, default=0, help="intra-op threads (default: torch's choice)")
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return int(args.func(args) or 0)
+    except (CosyVoiceCpuError, FileExistsError, FileNotFoundError) as e:
+        if args.debug:
+            raise
+        print(f"cosyvoice-cpu: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
