@@ -161,9 +161,13 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 
 
 def load_strict(module: Any, state: dict[str, Any], path: Path) -> None:
-    """``module.load_state_dict(state, strict=True)`` with a message that names the file."""
+    """``module.load_state_dict(state, strict=True)`` with a message that names the file.
+
+    ``assign=True`` keeps the (memory-mapped) checkpoint tensors instead of copying them into the freshly
+    initialised parameters, so the weights are not resident twice.
+    """
     try:
-        module.load_state_dict(state, strict=True)
+        module.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as e:
         raise ModelDirError(
             f"{path} does not match the architecture in the yaml ({str(e).splitlines()[0]} ...): "

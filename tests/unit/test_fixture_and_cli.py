@@ -1,0 +1,73 @@
+"""The fixture generator (deterministic, atomic, refuses to overwrite) and the CLI around it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cosyvoice_cpu.cli import main
+from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.export import fixture as fx
+
+
+def test_same_seed_same_weights_other_seed_other_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
+    again = fx.write_fixture(fx.FixtureSpec("cosyvoice2", "tiny", 0), tmp_path / "again")
+    other = fx.write_fixture(fx.FixtureSpec("cosyvoice2", "tiny", 1), tmp_path / "other")
+    for name in ("llm.pt", "flow.pt", "hift.pt"):
+        a, b, c = (torch.load(d / name, weights_only=True) for d in (tiny_model_dir, again, other))
+        assert a.keys() == b.keys() == c.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a)
+        assert not all(torch.equal(a[k], c[k]) for k in a)
+    assert (tiny_model_dir / "cosyvoice2.yaml").read_text() == (again / "cosyvoice2.yaml").read_text()
+
+
+def test_hift_checkpoint_uses_the_released_weight_norm_layout(tiny_model_dir: Path) -> None:
+    keys = torch.load(tiny_model_dir / "hift.pt", weights_only=True).keys()
+    assert "conv_pre.parametrizations.weight.original0" in keys
+    assert "ups.0.parametrizations.weight.original1" in keys
+    assert "f0_predictor.condnet.0.parametrizations.weight.original0" in keys
+    assert "source_downs.0.weight" in keys  # not weight-normed upstream
+    assert not any(k.endswith("weight_g") for k in keys)
+
+
+def test_refuses_to_overwrite_and_bad_specs(tiny_model_dir: Path) -> None:
+    with pytest.raises(FileExistsError, match="--force"):
+        fx.write_fixture(fx.FixtureSpec(), tiny_model_dir)
+    with pytest.raises(ConfigError, match="family"):
+        fx.FixtureSpec(family="cosyvoice9").validate()
+    with pytest.raises(ConfigError, match="size"):
+        fx.FixtureSpec(size="huge").validate()
+
+
+def test_failed_write_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*_a, **_k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(fx, "write_campplus_standin", boom)
+    with pytest.raises(OSError, match="disk full"):
+        fx.write_fixture(fx.FixtureSpec(), tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_errors_are_one_line(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["fixture", "--out", str(tiny_model_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cosyvoice-cpu: error:") and "--force" in err and err.count("\n") == 1
+    assert main(["demo", "-m", str(tiny_model_dir / "nowhere")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_cli_demo_writes_a_wav_and_prints_stage_timings(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import wave
+
+    out = tmp_path / "demo.wav"
+    assert main(["demo", "-m", str(tiny_model_dir), "-o", str(out), "--text", "Hello there.", "--flow-steps", "2"]) == 0
+    text = capsys.readouterr().out
+    for stage in ("load", "lm", "flow", "hift", "total", "RTF"):
+        assert stage in text
+    with wave.open(str(out)) as w:
+        assert w.getframerate() == 24000 and w.getnchannels() == 1 and w.getnframes() > 0
