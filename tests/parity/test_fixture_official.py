@@ -11,7 +11,8 @@ from tests.parity.official import official
 
 pytestmark = pytest.mark.parity
 
-# Measured on the tiny fixture (fp32): mel 0 (bitwise) to ~1e-7 relative, wave ~1e-7 relative.
+# Measured on the tiny fixture (fp32, seed 4, 320 mel frames): mel 2.8e-7, wave 1.2e-6 relative (max abs err /
+# max abs value); the wave error is the mel error amplified by the F0 -> phase integration.
 MEL_RTOL = 1e-5
 WAVE_RTOL = 1e-5
 
