@@ -22,6 +22,20 @@ logger = logging.getLogger("cosyvoice_cpu")
 DEMO_TEXT = "Warning: the temperature on line three is too high. Please check the cooling system now."
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def cache_dir() -> Path:
     """Where generated fixtures are kept: ``$COSYVOICE_CPU_CACHE`` or ``~/.cache/cosyvoice-cpu``."""
     env = os.environ.get("COSYVOICE_CPU_CACHE")
@@ -100,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fixture", help="write a random-weight model directory in the official layout")
     f.add_argument("--family", default="cosyvoice2", choices=["cosyvoice2"])
     f.add_argument("--size", default="tiny", choices=["tiny", "full"])
-    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--seed", type=_non_negative, default=0)
     f.add_argument("--out", required=True, type=Path, help="directory to create")
     f.add_argument("--force", action="store_true", help="replace an existing directory")
     f.set_defaults(func=cmd_fixture)
@@ -109,9 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--text", default=DEMO_TEXT)
     d.add_argument("-m", "--model", help="model directory (default: a generated tiny fixture)")
     d.add_argument("-o", "--out", default="demo.wav", type=Path)
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--flow-steps", type=int, default=10)
-    d.add_argument("--threads", type=int, default=0, help="intra-op threads (default: torch's choice)")
+    d.add_argument("--seed", type=_non_negative, default=0)
+    d.add_argument("--flow-steps", type=_positive, default=10)
+    d.add_argument("--threads", type=_non_negative, default=0, help="intra-op threads (default: torch's choice)")
     d.set_defaults(func=cmd_demo)
     return p
 
@@ -123,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return int(args.func(args) or 0)
-    except (CosyVoiceCpuError, FileExistsError, FileNotFoundError) as e:
+    except (CosyVoiceCpuError, OSError) as e:
         if args.debug:
             raise
         print(f"cosyvoice-cpu: error: {e}", file=sys.stderr)

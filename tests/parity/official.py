@@ -74,3 +74,35 @@ def official(module: str) -> types.ModuleType:
         if os.environ.get("CI"):
             pytest.fail(msg)
         pytest.skip(msg)
+
+
+def rel_err(ours, ref) -> float:
+    """max|ours - ref| / max|ref| for same-shaped tensors or arrays (the parity tests' error measure)."""
+    import numpy as np
+
+    a, b = (np.asarray(x.detach() if isinstance(x, torch.Tensor) else x, dtype=np.float64) for x in (ours, ref))
+    if a.shape != b.shape:
+        raise AssertionError(f"shape {a.shape} != {b.shape}")
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def load_official_model_dir(model_dir) -> dict:
+    """Build the official llm/flow/hift (and tokenizer factory) from a model directory's yaml with HyperPyYAML,
+    exactly as the official ``CosyVoice2`` class does, and load the checkpoints with ``strict=True``."""
+    official("cosyvoice.llm.llm")
+    from hyperpyyaml import load_hyperpyyaml
+
+    d = str(model_dir)
+    with open(f"{d}/cosyvoice2.yaml") as f:
+        configs = load_hyperpyyaml(f, overrides={"qwen_pretrain_path": f"{d}/CosyVoice-BlankEN"})
+
+    def load(name: str) -> dict:
+        return torch.load(f"{d}/{name}", map_location="cpu", weights_only=True, mmap=True)
+
+    configs["llm"].load_state_dict(load("llm.pt"), strict=True)
+    configs["flow"].load_state_dict(load("flow.pt"), strict=True)
+    hift = {k.replace("generator.", ""): v for k, v in load("hift.pt").items()}
+    configs["hift"].load_state_dict(hift, strict=True)
+    for key in ("llm", "flow", "hift"):
+        configs[key].eval()
+    return configs

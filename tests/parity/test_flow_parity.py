@@ -24,7 +24,7 @@ from cosyvoice_cpu.reference.flow import (
     official_fixed_noise,
 )
 from cosyvoice_cpu.reference.yamlconf import load_yaml_data
-from tests.parity.official import official
+from tests.parity.official import official, rel_err
 
 pytestmark = pytest.mark.parity
 
@@ -35,11 +35,6 @@ CFM_RTOL = 1e-6  # 0 (bitwise equal) given the same mu: fixed and injected noise
 INFERENCE_RTOL = 1e-5  # 3.6e-7 .. 5.8e-7 (the encoder's rounding carried through 10 Euler steps)
 
 N_PROMPT, N_TOKENS = 20, 30  # 50 tokens = 2 encoder chunks of 25; 100 frames = 2 decoder chunks of 50
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    assert ours.shape == ref.shape, (ours.shape, ref.shape)
-    return float((ours - ref).abs().max() / ref.abs().max())
 
 
 def _official_flow() -> torch.nn.Module:

@@ -13,7 +13,7 @@ from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.reference.hift import HiFT, HiFTConfig
 from cosyvoice_cpu.reference.hift_source import SourceNoise
 from cosyvoice_cpu.reference.yamlconf import load_yaml_data
-from tests.parity.official import official
+from tests.parity.official import official, rel_err
 
 pytestmark = pytest.mark.parity
 
@@ -72,10 +72,6 @@ def _cfg(sampling_rate: int = 24000) -> HiFTConfig:
     return HiFTConfig(**kw, f0_cond_channels=32)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-
-
 def _mel(batch: int = 1, frames: int = T_FRAMES) -> torch.Tensor:
     g = torch.Generator().manual_seed(7)
     return torch.randn(batch, 80, frames, generator=g) * 2 - 5
@@ -116,7 +112,7 @@ def test_f0_predictor(pair):
     got = ours.f0(mel)
     assert got.shape == (2, T_FRAMES)
     assert want.max() > 50  # voiced-range F0, so the source is not all noise
-    assert _rel(got, want) <= F0_RTOL
+    assert rel_err(got, want) <= F0_RTOL
 
 
 @torch.no_grad()
@@ -131,14 +127,14 @@ def test_source_same_seed_and_injected(pair):
     got = ours.source(f0)
     after_ours = torch.rand(3)
     assert got.shape == (2, 1, T_FRAMES * 480)
-    assert _rel(got, want) <= SOURCE_RTOL
+    assert rel_err(got, want) <= SOURCE_RTOL
     torch.testing.assert_close(after_ours, after_official, rtol=0, atol=0)  # same RNG consumption
     # injected noise: the official draws, captured by replaying the seed
     torch.manual_seed(99)
     noise = SourceNoise.draw(2, T_FRAMES * 480, 9)
-    assert _rel(ours.source(f0, noise), want) <= SOURCE_RTOL
+    assert rel_err(ours.source(f0, noise), want) <= SOURCE_RTOL
     gen = torch.Generator().manual_seed(99)
-    assert _rel(ours.source(f0, gen), want) <= SOURCE_RTOL
+    assert rel_err(ours.source(f0, gen), want) <= SOURCE_RTOL
 
 
 @torch.no_grad()
@@ -150,7 +146,7 @@ def test_decode_given_source(pair):
     got = ours.decode(mel, source)
     assert got.shape == (2, T_FRAMES * 480)
     assert (want.abs() >= 0.99).float().mean() < 0.5  # mostly not clipped, so the comparison means something
-    assert _rel(got, want) <= WAVE_RTOL
+    assert rel_err(got, want) <= WAVE_RTOL
 
 
 def test_inference_same_seed_and_cache_source(pair):
@@ -160,8 +156,8 @@ def test_inference_same_seed_and_cache_source(pair):
     want_wave, want_src = model.inference(mel)
     torch.manual_seed(5)
     got_wave, got_src = ours.inference(mel)
-    assert _rel(got_src, want_src) <= SOURCE_RTOL
-    assert _rel(got_wave, want_wave) <= WAVE_RTOL
+    assert rel_err(got_src, want_src) <= SOURCE_RTOL
+    assert rel_err(got_wave, want_wave) <= WAVE_RTOL
     # cache_source overwrites the first samples of the new source
     cache = want_src[:, :, :960].clone() * 0.5
     torch.manual_seed(6)
@@ -169,8 +165,8 @@ def test_inference_same_seed_and_cache_source(pair):
     torch.manual_seed(6)
     got_wave, got_src = ours(mel, cache_source=cache)
     torch.testing.assert_close(got_src[:, :, :960], cache, rtol=0, atol=0)
-    assert _rel(got_src, want_src) <= SOURCE_RTOL
-    assert _rel(got_wave, want_wave) <= WAVE_RTOL
+    assert rel_err(got_src, want_src) <= SOURCE_RTOL
+    assert rel_err(got_wave, want_wave) <= WAVE_RTOL
     with pytest.raises(ConfigError, match="cache_source"):
         ours.inference(mel, cache_source=torch.zeros(1, 1, T_FRAMES * 480 + 1))
 
@@ -186,13 +182,13 @@ def test_v1_sine_generator_parity():
     got = ours.source(f0)
     torch.testing.assert_close(torch.rand(3), after_official, rtol=0, atol=0)
     assert got.shape == (1, 1, T_FRAMES * 256)
-    assert _rel(got, want) <= SOURCE_RTOL
+    assert rel_err(got, want) <= SOURCE_RTOL
     mel = _mel(1)
     torch.manual_seed(12)
     want_wave, _ = model.inference(mel)
     torch.manual_seed(12)
     got_wave, _ = ours.inference(mel)
-    assert _rel(got_wave, want_wave) <= WAVE_RTOL
+    assert rel_err(got_wave, want_wave) <= WAVE_RTOL
 
 
 def _old_layout(sd: dict) -> dict:

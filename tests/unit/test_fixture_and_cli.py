@@ -71,3 +71,20 @@ def test_cli_demo_writes_a_wav_and_prints_stage_timings(
         assert stage in text
     with wave.open(str(out)) as w:
         assert w.getframerate() == 24000 and w.getnchannels() == 1 and w.getnframes() > 0
+
+
+def test_force_replaces_atomically_and_leaves_no_backup(tmp_path: Path) -> None:
+    out = tmp_path / "fx"
+    out.write_text("a file where the directory should go")
+    fx.write_fixture(fx.FixtureSpec(), out, force=True)
+    assert (out / "cosyvoice2.yaml").is_file()
+    fx.write_fixture(fx.FixtureSpec(seed=2), out, force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fx"]
+
+
+def test_cli_rejects_bad_numbers_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["demo", "--seed", "-1"], ["demo", "--flow-steps", "0"], ["fixture", "--out", "x", "--seed", "a"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        assert "usage:" in capsys.readouterr().err

@@ -168,15 +168,27 @@ def write_fixture(spec: FixtureSpec, out: str | Path, force: bool = False) -> Pa
         write_speech_tokenizer_standin(tmp / "speech_tokenizer_v2.onnx", rng)
         # a released directory is checked after writing: every module must load strictly
         load_reference(tmp)
-        if out.exists():
-            shutil.rmtree(out)
         tmp.chmod(0o755)
-        tmp.rename(out)
+        _replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     logger.info("wrote %s %s fixture (seed %d) to %s", spec.size, spec.family, spec.seed, out)
     return out
+
+
+def _replace(new: Path, out: Path) -> None:
+    """Move ``new`` to ``out``; an existing ``out`` is first renamed aside, so a crash leaves one of the two."""
+    backup = None
+    if out.exists() or out.is_symlink():
+        backup = out.with_name(f".{out.name}.old-{new.name}")
+        out.rename(backup)
+    new.rename(out)
+    if backup is not None:
+        if backup.is_dir() and not backup.is_symlink():
+            shutil.rmtree(backup, ignore_errors=True)
+        else:
+            backup.unlink()
 
 
 def _build_random(model_dir: Path):

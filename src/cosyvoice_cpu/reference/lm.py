@@ -199,5 +199,6 @@ class Qwen2LM(nn.Module):
                 break
             yield token
             out.append(token)
-            logp = self.decode_step(token, pos)
-            pos += 1
+            if i + 1 < max_len:
+                logp = self.decode_step(token, pos)
+                pos += 1

@@ -168,6 +168,7 @@ def load_strict(module: Any, state: dict[str, Any], path: Path) -> None:
     """
     try:
         module.load_state_dict(state, strict=True, assign=True)
+        module.float()  # a no-op for fp32 checkpoints; a half-precision one is upcast, the reference is fp32
     except RuntimeError as e:
         raise ModelDirError(
             f"{path} does not match the architecture in the yaml ({str(e).splitlines()[0]} ...): "

@@ -171,7 +171,7 @@ class Attention(nn.Module):
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         if cache is not None:
             k, v = cache.update(pos, k, v)
-        key_pos = torch.arange(k.shape[2])
+        key_pos = torch.arange(k.shape[2]) if cache is not None else pos
         mask = key_pos[None, :] <= pos[:, None]  # (T, S): causal over absolute positions
         rep = self.n_heads // self.n_kv
         k = k.repeat_interleave(rep, dim=1)
@@ -212,6 +212,8 @@ class Qwen2Model(nn.Module):
     """Token embedding table + decoder layers + final norm (HF ``Qwen2Model`` parameter names).
 
     ``embed_tokens`` is only used as a lookup table by the LM wrapper; :meth:`forward` takes embeddings.
+    The KV cache lives on the module (gpt-fast style): one decode at a time per instance. A reference, not a
+    server; the runtime keeps per-request caches in the request.
     """
 
     def __init__(self, cfg: Qwen2Config) -> None:

@@ -147,6 +147,8 @@ def load_yaml_data(path: str | Path, overrides: dict[str, Any] | None = None) ->
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError as e:
         raise ModelDirError(f"{path} not found: the model directory must contain its official yaml") from e
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelDirError(f"{path} cannot be read as UTF-8 text ({e}); re-download the model directory") from e
     try:
         raw = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
