@@ -15,14 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.reference.flow import (
-    NOISE_FRAMES,
-    Flow,
-    FlowConfig,
-    FlowEncoderConfig,
-    FlowEstimatorConfig,
-    official_fixed_noise,
-)
+from cosyvoice_cpu.reference.cfm import NOISE_FRAMES, official_fixed_noise
+from cosyvoice_cpu.reference.flow import Flow, FlowConfig, FlowEncoderConfig, FlowEstimatorConfig
 from cosyvoice_cpu.reference.yamlconf import load_yaml_data
 from tests.parity.official import official, rel_err
 
