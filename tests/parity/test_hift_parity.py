@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
+from cosyvoice_cpu.export.fixture_yaml import FlowHiftSizes, render_cosyvoice2_yaml
 from cosyvoice_cpu.reference.hift import HiFT, HiFTConfig
 from cosyvoice_cpu.reference.hift_source import SourceNoise
 from cosyvoice_cpu.reference.yamlconf import load_yaml_data
@@ -226,37 +227,9 @@ def test_bad_checkpoints_raise(pair):
         HiFT().load_checkpoint_state(sd)  # full-size model vs tiny checkpoint
 
 
-_YAML = """
-sample_rate: 24000
-hift: !new:cosyvoice.hifigan.generator.HiFTGenerator
-    in_channels: 80
-    base_channels: 512
-    nb_harmonics: 8
-    sampling_rate: !ref <sample_rate>
-    nsf_alpha: 0.1
-    nsf_sigma: 0.003
-    nsf_voiced_threshold: 10
-    upsample_rates: [8, 5, 3]
-    upsample_kernel_sizes: [16, 11, 7]
-    istft_params:
-        n_fft: 16
-        hop_len: 4
-    resblock_kernel_sizes: [3, 7, 11]
-    resblock_dilation_sizes: [[1, 3, 5], [1, 3, 5], [1, 3, 5]]
-    source_resblock_kernel_sizes: [7, 7, 11]
-    source_resblock_dilation_sizes: [[1, 3, 5], [1, 3, 5], [1, 3, 5]]
-    lrelu_slope: 0.1
-    audio_limit: 0.99
-    f0_predictor: !new:cosyvoice.hifigan.f0_predictor.ConvRNNF0Predictor
-        num_class: 1
-        in_channels: 80
-        cond_channels: 512
-"""
-
-
 def test_config_from_yaml_and_validate(tmp_path):
     path = tmp_path / "cosyvoice2.yaml"
-    path.write_text(_YAML)
+    path.write_text(render_cosyvoice2_yaml(FlowHiftSizes()))  # the released CosyVoice2 hift entry
     cfg = HiFTConfig.from_yaml(load_yaml_data(path)["hift"])
     assert cfg == HiFTConfig()
     assert cfg.upsample == 480 and cfg.sine_type == "v2"
