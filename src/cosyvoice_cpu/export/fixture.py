@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.export.common import replace_dir
 from cosyvoice_cpu.export.fixture_onnx import write_campplus_standin, write_speech_tokenizer_standin
 from cosyvoice_cpu.export.fixture_tokenizer import write_qwen_tokenizer
 from cosyvoice_cpu.export.fixture_yaml import FlowHiftSizes, render_cosyvoice2_yaml
@@ -169,26 +170,12 @@ def write_fixture(spec: FixtureSpec, out: str | Path, force: bool = False) -> Pa
         # a released directory is checked after writing: every module must load strictly
         load_reference(tmp)
         tmp.chmod(0o755)
-        _replace(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     logger.info("wrote %s %s fixture (seed %d) to %s", spec.size, spec.family, spec.seed, out)
     return out
-
-
-def _replace(new: Path, out: Path) -> None:
-    """Move ``new`` to ``out``; an existing ``out`` is first renamed aside, so a crash leaves one of the two."""
-    backup = None
-    if out.exists() or out.is_symlink():
-        backup = out.with_name(f".{out.name}.old-{new.name}")
-        out.rename(backup)
-    new.rename(out)
-    if backup is not None:
-        if backup.is_dir() and not backup.is_symlink():
-            shutil.rmtree(backup, ignore_errors=True)
-        else:
-            backup.unlink()
 
 
 def _build_random(model_dir: Path):

@@ -1,0 +1,166 @@
+"""Shared pieces of the per-stage ONNX exporters: artifacts, numerics-gate results, saving, ORT sessions.
+
+Every stage exporter (``lm_graph``, ``flow_graph``, ``hift_graph``) returns :class:`GraphArtifact` records for
+the files it wrote and a ``verify_*`` function returning :class:`GateResult` records; ``exporter`` turns both
+into the manifest. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cosyvoice_cpu.manifest import sha256_file  # noqa: F401  (re-exported for the exporters)
+
+logger = logging.getLogger(__name__)
+
+OPSET = 17
+# Initializers at least this large go to the external ``.data`` file (memory-mapped by ORT at load).
+EXTERNAL_MIN_BYTES = 1024
+
+
+@dataclass
+class TensorSpec:
+    """One graph input or output: name, element type, symbolic shape (strings are dynamic axes)."""
+
+    name: str
+    dtype: str  # numpy dtype name: "float32", "int64", "int32"
+    shape: list[int | str]
+    doc: str = ""
+
+
+@dataclass
+class GraphArtifact:
+    """A graph written into the model directory.
+
+    ``key`` is the manifest key (``lm``, ``flow_encoder``, ``flow_estimator``, ``flow_estimator_chunk``,
+    ``hift_f0``, ``hift_decode``); ``file`` and ``data`` are relative to the model directory.
+    """
+
+    key: str
+    file: str
+    data: list[str] = field(default_factory=list)
+    precision: str = "fp32"
+    inputs: list[TensorSpec] = field(default_factory=list)
+    outputs: list[TensorSpec] = field(default_factory=list)
+    attrs: dict[str, Any] = field(default_factory=dict)  # stage facts the runtime needs (e.g. max_len)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class GateResult:
+    """One numerics check: ``value`` (e.g. a max relative error) must be ``<= tolerance``."""
+
+    graph: str
+    check: str
+    value: float
+    tolerance: float
+    detail: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return bool(np.isfinite(self.value)) and self.value <= self.tolerance
+
+    def __str__(self) -> str:
+        mark = "ok" if self.passed else "FAILED"
+        return f"{self.graph}: {self.check} = {self.value:.3g} (tolerance {self.tolerance:.3g}) {mark} {self.detail}"
+
+
+def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
+    """max |ours - ref| / max |ref| (0 when both are all zero)."""
+    ours = np.asarray(ours, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if ours.shape != ref.shape:
+        return float("inf")
+    scale = float(np.max(np.abs(ref))) if ref.size else 0.0
+    diff = float(np.max(np.abs(ours - ref))) if ref.size else 0.0
+    return diff / scale if scale > 0 else diff
+
+
+def save_onnx(model: Any, path: Path) -> list[str]:
+    """Save an ``onnx.ModelProto`` to ``path``, weights >= 1 KiB in ``<name>.data`` beside it.
+
+    Returns the external data file names written (empty when the model had no large initializers).
+    """
+    import onnx
+
+    path = Path(path)
+    data_name = path.name + ".data"
+    if (path.parent / data_name).exists():
+        (path.parent / data_name).unlink()
+    onnx.save_model(
+        model,
+        str(path),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=data_name,
+        size_threshold=EXTERNAL_MIN_BYTES,
+    )
+    return [data_name] if (path.parent / data_name).exists() else []
+
+
+def torch_export(module: Any, args: tuple, path: Path, **kwargs: Any) -> None:
+    """``torch.onnx.export`` with the TorchScript exporter (no onnxscript needed), opset :data:`OPSET`.
+
+    The graph is first written to ``path`` and then re-saved with external data by :func:`save_onnx`.
+    """
+    import onnx
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, args, str(path), dynamo=False, opset_version=OPSET, do_constant_folding=True,
+                          **kwargs)  # fmt: skip
+    model = onnx.load(str(path), load_external_data=True)
+    save_onnx(model, path)
+
+
+def session(path: Path, threads: int = 1, optimize: bool = True) -> Any:
+    """An ORT CPU session for verification and measurement (the runtime has its own factory)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    if not optimize:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def io_specs(path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Read a graph's inputs and outputs (names, dtypes, symbolic shapes) from the file."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+
+    def spec(v: Any) -> TensorSpec:
+        t = v.type.tensor_type
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name
+        shape: list[int | str] = [d.dim_param if d.dim_param else int(d.dim_value) for d in t.shape.dim]
+        return TensorSpec(v.name, dtype, shape, v.doc_string)
+
+    inits = {i.name for i in model.graph.initializer}
+    return [spec(v) for v in model.graph.input if v.name not in inits], [spec(v) for v in model.graph.output]
+
+
+def replace_dir(new: Path, out: Path) -> None:
+    """Move directory ``new`` to ``out``; an existing ``out`` is first renamed aside, so a crash leaves one."""
+    backup = None
+    if out.exists() or out.is_symlink():
+        backup = out.with_name(f".{out.name}.old-{new.name}")
+        out.rename(backup)
+    new.rename(out)
+    if backup is not None:
+        if backup.is_dir() and not backup.is_symlink():
+            shutil.rmtree(backup, ignore_errors=True)
+        else:
+            backup.unlink()

@@ -1,0 +1,204 @@
+"""Quantization recipes: which precision each stage's graph is stored and run in.
+
+A recipe is a named per-stage choice (:data:`RECIPES`), or a spec such as
+``lm=int4,flow_estimator=int8,hift=fp32,embedding=fp16``. The exporter writes fp32 graphs, checks them against
+the PyTorch reference, then applies the recipe stage by stage with the functions below and checks the
+quantized graphs again with looser, recorded tolerances. The measured quality and speed of every recipe is in
+docs/quantization.md (``bench/quant_report.py``).
+
+Stage precisions:
+* ``lm``: ``fp32``; ``int8`` (MatMul weights int8 per output channel, activations quantized per call:
+  ``DynamicQuantizeMatMul``); ``int4`` (weight-only ``MatMulNBits``, 4 bits, block 32, symmetric,
+  int8 compute (accuracy level 4)).
+* ``flow_estimator``: ``fp32`` or ``int8`` (dynamic, per channel, ``reduce_range`` on: 7-bit weights, safe on
+  AVX2 machines without VNNI where u8s8 products can saturate).
+* ``hift``: ``fp32`` or ``int8w`` (Conv weights stored int8 + ``DequantizeLinear``, fp32 activations: a smaller
+  file, same arithmetic). Never the default.
+* ``embedding``: the LM's embedding tables as ``fp32`` or ``fp16`` ``.npy`` (memory-mapped either way).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from cosyvoice_cpu.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+STAGE_CHOICES = {
+    "lm": ("fp32", "int8", "int4"),
+    "flow_estimator": ("fp32", "int8"),
+    "hift": ("fp32", "int8w"),
+    "embedding": ("fp32", "fp16"),
+}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Per-stage precisions; ``name`` is the recipe's name or the spec it was parsed from."""
+
+    name: str
+    lm: str = "fp32"
+    flow_estimator: str = "fp32"
+    hift: str = "fp32"
+    embedding: str = "fp32"
+
+    def validate(self) -> None:
+        for stage, choices in STAGE_CHOICES.items():
+            value = getattr(self, stage)
+            if value not in choices:
+                raise ConfigError(f"recipe {self.name!r}: {stage}={value!r} is not one of {', '.join(choices)}")
+
+    def stages(self) -> dict[str, str]:
+        d = asdict(self)
+        d.pop("name")
+        return d
+
+
+RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in (
+        Recipe("fp32"),
+        Recipe("lm-int8", lm="int8"),
+        Recipe("lm-int4", lm="int4"),
+        Recipe("int8", lm="int8", flow_estimator="int8"),
+        Recipe("int4", lm="int4", flow_estimator="int8"),
+        Recipe("int4-fp16emb", lm="int4", flow_estimator="int8", embedding="fp16"),
+        Recipe("hift-int8w", hift="int8w"),
+    )
+}
+DEFAULT_RECIPE = "int8"
+
+
+def parse_recipe(text: str) -> Recipe:
+    """A recipe by name (see :data:`RECIPES`) or a ``stage=precision,...`` spec (unnamed stages stay fp32)."""
+    text = text.strip()
+    if text in RECIPES:
+        return RECIPES[text]
+    if "=" not in text:
+        raise ConfigError(
+            f"unknown quantization recipe {text!r}: use one of {', '.join(RECIPES)} or a spec like "
+            "'lm=int4,flow_estimator=int8,hift=fp32,embedding=fp16'"
+        )
+    fields: dict[str, str] = {}
+    for part in text.split(","):
+        stage, _, value = part.partition("=")
+        stage, value = stage.strip(), value.strip()
+        if stage not in STAGE_CHOICES:
+            raise ConfigError(f"recipe spec {text!r}: unknown stage {stage!r} (stages: {', '.join(STAGE_CHOICES)})")
+        fields[stage] = value
+    recipe = Recipe(text, **fields)
+    recipe.validate()
+    return recipe
+
+
+def _save(model: object, dst: Path) -> None:
+    from cosyvoice_cpu.export.common import save_onnx
+
+    save_onnx(model, dst)
+
+
+def quantize_int8_dynamic(
+    src: Path, dst: Path, reduce_range: bool = False, exclude: tuple[str, ...] = (), per_channel: bool = True
+) -> None:
+    """MatMul weights -> int8 per output channel, activations quantized at run time (``quantize_dynamic``)."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with tempfile.TemporaryDirectory(dir=Path(dst).parent) as tmp:
+        out = Path(tmp) / "q.onnx"
+        quantize_dynamic(
+            str(src),
+            str(out),
+            op_types_to_quantize=["MatMul"],
+            per_channel=per_channel,
+            reduce_range=reduce_range,
+            weight_type=QuantType.QInt8,
+            nodes_to_exclude=list(exclude),
+            use_external_data_format=True,
+            extra_options={"MatMulConstBOnly": True},
+        )
+        _save(onnx.load(str(out), load_external_data=True), Path(dst))
+
+
+def quantize_nbits(
+    src: Path, dst: Path, bits: int = 4, block_size: int = 32, accuracy_level: int = 4, exclude: tuple[str, ...] = ()
+) -> None:
+    """Weight-only ``MatMulNBits`` (symmetric blocks of ``block_size``; accuracy 4 = int8 compute on x86)."""
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    model = onnx.load(str(src), load_external_data=True)
+    quant = MatMulNBitsQuantizer(
+        model,
+        bits=bits,
+        block_size=block_size,
+        is_symmetric=True,
+        accuracy_level=accuracy_level,
+        nodes_to_exclude=list(exclude),
+        op_types_to_quantize=("MatMul",),
+    )
+    quant.process()
+    _save(quant.model.model, Path(dst))
+
+
+def quantize_conv_weights_int8(src: Path, dst: Path) -> None:
+    """Conv/ConvTranspose weights stored as int8 (per output channel, symmetric) behind ``DequantizeLinear``.
+
+    Arithmetic stays fp32 (ORT folds the dequantization at load), so this only shrinks the file; the
+    quality cost is the weight rounding, measured in docs/quantization.md.
+    """
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(src), load_external_data=True)
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    done = 0
+    for node in graph.node:
+        if node.op_type not in ("Conv", "ConvTranspose") or len(node.input) < 2 or node.input[1] not in inits:
+            continue
+        name = node.input[1]
+        w = numpy_helper.to_array(inits[name]).astype(np.float32)
+        axis = 0 if node.op_type == "Conv" else 1  # output channels: Conv (O, I, k), ConvTranspose (I, O, k)
+        reduce = tuple(i for i in range(w.ndim) if i != axis)
+        scale = np.max(np.abs(w), axis=reduce) / 127.0
+        scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+        shape = [1] * w.ndim
+        shape[axis] = -1
+        q = np.clip(np.round(w / scale.reshape(shape)), -127, 127).astype(np.int8)
+        graph.initializer.remove(inits[name])
+        graph.initializer.extend([
+            numpy_helper.from_array(q, name + "_q"),
+            numpy_helper.from_array(scale, name + "_scale"),
+            numpy_helper.from_array(np.zeros_like(scale, dtype=np.int8), name + "_zero"),
+        ])  # fmt: skip
+        graph.node.append(
+            helper.make_node("DequantizeLinear", [name + "_q", name + "_scale", name + "_zero"], [name], axis=axis)
+        )
+        done += 1
+    if not done:
+        raise ConfigError(f"{src} has no Conv weights to quantize")
+    # DequantizeLinear nodes were appended; restore a topological order for the checker
+    sorted_nodes = sorted(graph.node, key=lambda n: 0 if n.op_type == "DequantizeLinear" else 1)
+    del graph.node[:]
+    graph.node.extend(sorted_nodes)
+    logger.info("stored %d conv weights of %s as int8", done, src.name)
+    _save(model, Path(dst))
+
+
+def convert_embedding(src: Path, dst: Path, precision: str) -> None:
+    """Write an embedding ``.npy`` in ``precision`` (``fp32`` copies, ``fp16`` halves the file)."""
+    table = np.load(src, mmap_mode="r")
+    dtype = {"fp32": np.float32, "fp16": np.float16}[precision]
+    out = np.lib.format.open_memmap(dst, mode="w+", dtype=dtype, shape=table.shape)
+    step = 1 << 14
+    for i in range(0, table.shape[0], step):
+        out[i : i + step] = table[i : i + step].astype(dtype)
+    out.flush()
+    del out
