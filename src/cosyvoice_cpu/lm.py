@@ -1,0 +1,312 @@
+"""Torch-free driver of the exported LM graph (``lm.onnx``): embeddings, a shared KV cache, prefill and decode.
+
+The graph (written by :mod:`cosyvoice_cpu.export.lm_graph`) is the Qwen2 backbone plus the speech head; it takes
+``inputs_embeds`` (B, S, D), a KV cache per layer and the per-row cache lengths, and returns the speech-token
+log-probabilities at the last position of every row. Embedding tables live beside it as ``.npy`` files that are
+memory-mapped here and gathered with NumPy, so the 151,936-row text table costs no RAM for rows never used
+(float32 or float16 tables; gathered rows are widened to float32).
+
+Graph contract (B rows, S new positions, L layers, Hkv KV heads, M = ``max_len`` cache capacity, Dh head dim):
+
+- ``inputs_embeds`` float32 (B, S, D); ``past_key_<i>`` / ``past_value_<i>`` float32 (B, Hkv, M, Dh);
+  ``seqlens_k`` int32 (B,) = number of valid cache positions of the row *after* this call, minus one;
+  ``total_sequence_length`` int32 scalar = max over rows of ``seqlens_k + 1``.
+- ``logp`` float32 (B, V) log-softmax of the speech head at position S-1 of each row;
+  ``present_key_<i>`` / ``present_value_<i>`` float32 (B, Hkv, M, Dh).
+
+Row b's S new positions are written to cache positions ``seqlens_k[b] + 1 - S ... seqlens_k[b]`` and are also their
+RoPE positions; attention is causal over positions ``0 ... seqlens_k[b]``. ``past_*`` and ``present_*`` are bound
+(IO binding, raw pointers) to the *same* buffer, which GroupQueryAttention updates in place, so nothing is copied
+per step. A call over rows r0..r0+B binds a pointer offset into a cache of more rows. S > 1 is run for one row at
+a time (``LMSession.prefill``); a decode (S = 1) may mix rows of any lengths. The graph uses only the GQA inputs
+that onnxruntime 1.24 already has (no ``query_seqlens``); it loads and gives the same logp on 1.24.1 and 1.32.0.
+
+Nothing here samples: :meth:`LMSession.decode` returns log-probabilities for a sampler to use.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from cosyvoice_cpu.errors import ConfigError, ModelDirError
+
+logger = logging.getLogger(__name__)
+
+GRAPH_FILE = "lm.onnx"
+EMBEDDING_FILES = {
+    "text": "lm_text_embedding.npy",  # (text_vocab, D): Qwen2 embed_tokens
+    "speech": "lm_speech_embedding.npy",  # (speech_vocab, D): speech tokens + 3 stop ids
+    "special": "lm_special_embedding.npy",  # (2, D): llm_embedding rows below
+}
+SPECIALS = {"sos": 0, "task_id": 1}
+EXPORT_HINT = "re-export the model directory with `cosyvoice-cpu export`"
+
+
+def past_names(i: int) -> tuple[str, str]:
+    """Graph input names of layer i's cache: (past_key_i, past_value_i)."""
+    return f"past_key_{i}", f"past_value_{i}"
+
+
+def present_names(i: int) -> tuple[str, str]:
+    """Graph output names of layer i's cache: (present_key_i, present_value_i)."""
+    return f"present_key_{i}", f"present_value_{i}"
+
+
+@dataclass(frozen=True)
+class LMSpec:
+    """The facts of an exported LM the runtime needs (the ``lm`` GraphArtifact's ``attrs``)."""
+
+    max_len: int
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    speech_vocab: int
+    text_vocab: int
+
+    @classmethod
+    def from_attrs(cls, attrs: Mapping[str, Any]) -> LMSpec:
+        missing = [k for k in cls.__dataclass_fields__ if k not in attrs]
+        if missing:
+            raise ModelDirError(f"LM attributes lack {', '.join(missing)}; {EXPORT_HINT}")
+        return cls(**{k: int(attrs[k]) for k in cls.__dataclass_fields__})
+
+
+class KVCache:
+    """Per-request decoding state: a preallocated cache for ``rows`` sequences and their lengths.
+
+    ``keys[i]`` / ``values[i]``: float32 (rows, Hkv, max_len, Dh) for layer i (zero pages until touched);
+    ``lengths``: (rows,) int64 number of valid positions per row.
+    """
+
+    def __init__(self, spec: LMSpec, rows: int) -> None:
+        if rows <= 0:
+            raise ConfigError(f"a KV cache needs at least one row, got {rows}")
+        shape = (rows, spec.kv_heads, spec.max_len, spec.head_dim)
+        self.spec = spec
+        self.keys = [np.zeros(shape, np.float32) for _ in range(spec.num_layers)]
+        self.values = [np.zeros(shape, np.float32) for _ in range(spec.num_layers)]
+        self.lengths = np.zeros(rows, np.int64)
+        self._bindings: dict[tuple[int, int, int], tuple[Any, Any]] = {}  # see LMSession._binding
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    def reset(self, row: int) -> None:
+        """Forget row ``row`` (its buffer is overwritten by the next prefill)."""
+        self._check_row(row)
+        self.lengths[row] = 0
+
+    def _check_row(self, row: int) -> None:
+        if not 0 <= row < self.rows:
+            raise ConfigError(f"row {row} is out of range for a KV cache of {self.rows} rows")
+
+
+class LMSession:
+    """The LM graph on ONNX Runtime (CPU) with memory-mapped embedding tables.
+
+    Args:
+        graph: path of ``lm.onnx`` (or a quantized variant with the same inputs/outputs).
+        embeddings: paths of the ``text``, ``speech`` and ``special`` tables (see :data:`EMBEDDING_FILES`).
+        attrs: the LM facts (:class:`LMSpec` fields); checked against the graph and the tables.
+        threads: ONNX Runtime intra-op threads.
+    """
+
+    def __init__(
+        self, graph: str | Path, embeddings: Mapping[str, str | Path], attrs: Mapping[str, Any], threads: int = 2
+    ) -> None:
+        if threads <= 0:
+            raise ConfigError(f"threads must be positive, got {threads}")
+        self.spec = spec = LMSpec.from_attrs(attrs)
+        self.graph = Path(graph)
+        if not self.graph.is_file():
+            raise ModelDirError(f"{self.graph} is missing; {EXPORT_HINT}")
+        self.tables = {k: self._load_table(k, embeddings) for k in EMBEDDING_FILES}
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+        so.log_severity_level = 3
+        try:
+            self.session = ort.InferenceSession(str(self.graph), so, providers=["CPUExecutionProvider"])
+        except Exception as e:  # ORT raises its own exception types (Fail, InvalidGraph, ...)
+            raise ModelDirError(f"onnxruntime {ort.__version__} cannot load {self.graph} ({e}); {EXPORT_HINT}") from e
+        self._check_graph()
+        logger.info("LM graph %s loaded (%d layers, max_len %d, %d threads)", self.graph, spec.num_layers,
+                    spec.max_len, threads)  # fmt: skip
+
+    @classmethod
+    def from_dir(
+        cls, model_dir: str | Path, attrs: Mapping[str, Any], graph_file: str = GRAPH_FILE, threads: int = 2
+    ) -> LMSession:
+        """Open ``graph_file`` and the tables named in ``attrs["embeddings"]`` (default names) in model_dir."""
+        model_dir = Path(model_dir)
+        names = {**EMBEDDING_FILES, **dict(attrs.get("embeddings", {}))}
+        return cls(model_dir / graph_file, {k: model_dir / v for k, v in names.items()}, attrs, threads)
+
+    def _load_table(self, key: str, embeddings: Mapping[str, str | Path]) -> np.ndarray:
+        rows = {"text": self.spec.text_vocab, "speech": self.spec.speech_vocab, "special": len(SPECIALS)}[key]
+        if key not in embeddings:
+            raise ConfigError(f"no path given for the {key} embedding table")
+        path = Path(embeddings[key])
+        try:
+            table = np.load(path, mmap_mode="r")
+        except (OSError, ValueError) as e:
+            raise ModelDirError(f"cannot read the {key} embedding table {path} ({e}); {EXPORT_HINT}") from e
+        if table.dtype not in (np.float32, np.float16) or table.shape != (rows, self.spec.hidden):
+            raise ModelDirError(
+                f"{path} holds {table.dtype} {table.shape}, expected float32 or float16 {(rows, self.spec.hidden)}; "
+                f"{EXPORT_HINT}"
+            )
+        return table
+
+    def _check_graph(self) -> None:
+        """Raise ModelDirError unless the graph's inputs/outputs are exactly the contract for ``self.spec``."""
+        s = self.spec
+        kv = ["batch", s.kv_heads, s.max_len, s.head_dim]
+        want_in = {
+            "inputs_embeds": ("tensor(float)", ["batch", "seq", s.hidden]),
+            "seqlens_k": ("tensor(int32)", ["batch"]),
+            "total_sequence_length": ("tensor(int32)", []),
+        }
+        want_out = {"logp": ("tensor(float)", ["batch", s.speech_vocab])}  # fmt: skip
+        for i in range(s.num_layers):
+            want_in.update({n: ("tensor(float)", kv) for n in past_names(i)})
+            want_out.update({n: ("tensor(float)", kv) for n in present_names(i)})
+        problems = []
+        for kind, want, got in (("input", want_in, self.session.get_inputs()),
+                                ("output", want_out, self.session.get_outputs())):  # fmt: skip
+            have = {a.name: (a.type, list(a.shape)) for a in got}
+            for name in sorted(set(have) - set(want)):
+                problems.append(f"unexpected {kind} {name}")
+            for name, (dtype, shape) in want.items():
+                if name not in have:
+                    problems.append(f"missing {kind} {name}")
+                    continue
+                gdtype, gshape = have[name]
+                # dynamic axes (strings/None in the graph) match anything; fixed sizes must agree
+                fixed_ok = len(gshape) == len(shape) and all(
+                    not isinstance(w, int) or not isinstance(g, int) or g == w for g, w in zip(gshape, shape)
+                )
+                if gdtype != dtype or not fixed_ok:
+                    problems.append(f"{kind} {name} is {gdtype} {gshape}, expected {dtype} {shape}")
+        if problems:
+            shown = "; ".join(problems[:6]) + (f"; ... ({len(problems)} problems)" if len(problems) > 6 else "")
+            raise ModelDirError(f"{self.graph} does not match the LM attributes: {shown}; {EXPORT_HINT}")
+
+    # ---- embeddings -------------------------------------------------------------------------------------------
+
+    def _gather(self, key: str, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        table = self.tables[key]
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= len(table)):
+            raise ConfigError(f"{key} token ids must lie in [0, {len(table)}), got {ids.min()}..{ids.max()}")
+        return np.ascontiguousarray(table[ids], dtype=np.float32)
+
+    def embed_text(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Text token ids (T,) -> embeddings (T, D)."""
+        return self._gather("text", ids)
+
+    def embed_speech(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Speech token ids (T,) (including the stop ids) -> embeddings (T, D)."""
+        return self._gather("speech", ids)
+
+    def special(self, name: str) -> np.ndarray:
+        """The ``sos`` or ``task_id`` embedding (D,)."""
+        if name not in SPECIALS:
+            raise ConfigError(f"unknown special embedding {name!r}; choose one of {', '.join(SPECIALS)}")
+        return np.array(self.tables["special"][SPECIALS[name]], dtype=np.float32)
+
+    # ---- running ----------------------------------------------------------------------------------------------
+
+    def new_cache(self, rows: int = 1) -> KVCache:
+        """A KV cache for ``rows`` sequences of up to ``max_len`` positions each."""
+        return KVCache(self.spec, rows)
+
+    def prefill(self, cache: KVCache, row: int, embeds: np.ndarray) -> np.ndarray:
+        """Append embeds (T, D) to row ``row`` (empty or not) and return logp (V,) after its last position."""
+        cache._check_row(row)
+        embeds = np.asarray(embeds, dtype=np.float32)
+        if embeds.ndim != 2 or embeds.shape[0] == 0 or embeds.shape[1] != self.spec.hidden:
+            raise ConfigError(f"prefill embeds must have shape (T>0, {self.spec.hidden}), got {embeds.shape}")
+        return self._run(cache, row, embeds[None], np.array([cache.lengths[row] + len(embeds)]))[0]
+
+    def decode(self, cache: KVCache, rows: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+        """Feed one speech token to each of ``rows``; return logp (len(rows), V) in the order of ``rows``.
+
+        The graph runs on the contiguous row range min(rows)..max(rows); rows in between that are not decoded
+        get a zero embedding written one past their end (their length does not change, and the next position
+        written to them overwrites it), so they cost compute but not correctness.
+        """
+        rows = [int(r) for r in rows]
+        if not rows or len(rows) != len(tokens) or len(set(rows)) != len(rows):
+            raise ConfigError(f"decode needs distinct rows and one token per row, got rows {rows}, tokens {tokens}")
+        for r in rows:
+            cache._check_row(r)
+        r0, r1 = min(rows), max(rows) + 1
+        active = np.array(rows) - r0
+        embeds = np.zeros((r1 - r0, 1, self.spec.hidden), np.float32)
+        embeds[active, 0] = self.embed_speech(tokens)
+        ends = cache.lengths[r0:r1] + 1  # idle rows: a scratch position just past their end
+        idle = np.ones(r1 - r0, bool)
+        idle[active] = False
+        # a full idle row gets its last position overwritten: harmless, as any further use of it raises
+        ends[idle] = np.minimum(ends[idle], self.spec.max_len)
+        return self._run(cache, r0, embeds, ends, active=active)[active]
+
+    def _binding(self, cache: KVCache, r0: int, b: int) -> Any:
+        """An IO binding with rows r0..r0+b of every layer's cache bound as both past and present (in place).
+
+        Kept on the cache (which owns the buffers the raw pointers point into) and reused by later steps over
+        the same rows, so a step only rebinds the small inputs and ``logp``.
+        """
+        key = (id(self), r0, b)
+        if key not in cache._bindings:
+            kv_shape = (b, self.spec.kv_heads, self.spec.max_len, self.spec.head_dim)
+            offset = r0 * int(np.prod(kv_shape[1:])) * 4
+            io = self.session.io_binding()
+            for i in range(self.spec.num_layers):
+                for bufs, pn, qn in zip((cache.keys, cache.values), past_names(i), present_names(i)):
+                    ptr = bufs[i].ctypes.data + offset
+                    io.bind_input(pn, "cpu", 0, np.float32, kv_shape, ptr)
+                    io.bind_output(qn, "cpu", 0, np.float32, kv_shape, ptr)
+            cache._bindings[key] = (self, io)  # holding self keeps id(self) from being reused
+        return cache._bindings[key][1]
+
+    def _run(
+        self, cache: KVCache, r0: int, embeds: np.ndarray, ends: np.ndarray, active: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Run rows r0..r0+B with embeds (B, S, D) so that row b holds ``ends[b]`` positions afterwards.
+
+        ``active`` (indices into the B rows) are the rows whose lengths advance; default all. Returns logp (B, V).
+        """
+        b, s, _ = embeds.shape
+        if s > 1 and b > 1:
+            raise ConfigError("multi-position steps run one row at a time")
+        act = np.arange(b) if active is None else active
+        if np.any(ends[act] > self.spec.max_len):
+            raise ConfigError(
+                f"rows {sorted(int(r0 + i) for i in act if ends[i] > self.spec.max_len)} would exceed the "
+                f"KV cache capacity max_len={self.spec.max_len}; end the request or export with a larger max_len"
+            )
+        # the arrays stay referenced here until the run is over
+        feeds = {
+            "inputs_embeds": np.ascontiguousarray(embeds),
+            "seqlens_k": (ends - 1).astype(np.int32),
+            "total_sequence_length": np.array(int(ends.max()), np.int32),
+        }
+        io = self._binding(cache, r0, b)
+        for name, value in feeds.items():
+            io.bind_cpu_input(name, value)
+        logp = np.empty((b, self.spec.speech_vocab), np.float32)
+        io.bind_output("logp", "cpu", 0, np.float32, logp.shape, logp.ctypes.data)
+        self.session.run_with_iobinding(io)
+        cache.lengths[r0 + act] = ends[act]
+        return logp
