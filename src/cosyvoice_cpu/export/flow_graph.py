@@ -1,0 +1,337 @@
+"""Export the CosyVoice2 flow to ONNX: token encoder, estimator (full and chunk-causal attention), fixed noise.
+
+Graphs (``export_flow``; the runtime side is :class:`cosyvoice_cpu.flow.FlowStage`):
+
+``flow_encoder.onnx`` (batch 1)
+    token (1, T) int64: prompt tokens + tokens to synthesise, concatenated (negative ids count as 0)
+    context (1, C) int64: C = 0 for a final chunk (zero look-ahead padding, ``finalize=True``), else the
+        1 <= C <= pre_lookahead_len look-ahead tokens that follow ``token`` and only feed the PreLookaheadLayer
+    embedding (1, 192) float32: raw x-vector (L2-normalised in the graph)
+    chunk_size () int64: encoder attention chunk in tokens; <= 0 full attention, ``static_chunk_size`` for
+        the official streaming (chunk-causal) mode (the frame-level chunk after the x2 upsampling is doubled)
+    -> mu (1, 80, 2T) float32, spks (1, 80) float32
+``flow_estimator.onnx`` / ``flow_estimator_chunk.onnx`` (the official estimator contract, batch and time dynamic)
+    x, mask, mu, t, spks, cond: (B, 80, T), (B, 1, T), (B, 80, T), (B,), (B, 80), (B, 80, T) float32
+    -> estimator_out (B, 80, T) float32; full attention over the frames where mask = 1, or chunk-causal
+    (``static_chunk_size`` frames, all left chunks) for the ``_chunk`` file.
+``flow_noise.npy``: the official fixed noise ``randn(1, 80, 15000)`` after seed 0, float32.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cosyvoice_cpu.export.common import GateResult, GraphArtifact, io_specs, rel_err, session, torch_export
+from cosyvoice_cpu.reference.cfm import NOISE_FRAMES, NOISE_SEED, official_fixed_noise
+from cosyvoice_cpu.reference.flow import Flow
+from cosyvoice_cpu.reference.flow_estimator import MASK_BIAS, FlowEstimator, timestep_embedding
+
+logger = logging.getLogger(__name__)
+
+FILES = {
+    "flow_encoder": "flow_encoder.onnx",
+    "flow_estimator": "flow_estimator.onnx",
+    "flow_estimator_chunk": "flow_estimator_chunk.onnx",
+    "flow_noise": "flow_noise.npy",
+}
+# fp32 gates (max |ort - torch| / max |torch|), measured with 2 threads on the tiny / full-size random fixtures:
+# encoder mu 7.4e-7 .. 8.0e-7 / 6.1e-7 .. 7.0e-7, spks 2.9e-7; estimators 7.4e-7 .. 8.5e-7 / 1.1e-6 .. 1.4e-6,
+# padded row vs the same row alone 0 .. 6.9e-7; whole flow (10 steps, CFG 0.7) 2.8e-7 .. 4.4e-7. Dynamic int8
+# MatMul estimators (full size) reach 1.8e-2 .. 3.6e-2 and a mel error of 5e-3 .. 1e-2: pass ``tolerance``.
+TOLERANCE = {"encoder": 1e-5, "estimator": 2e-5, "mel": 3e-5}  # by check kind (both estimators share one)
+_FULL_CHUNK = 1 << 30  # a chunk longer than any input: chunk-causal visibility degenerates to full attention
+
+
+def chunk_visibility(size: Any, chunk: torch.Tensor) -> torch.Tensor:
+    """Traceable chunk-causal mask, bool (size, size): key j visible from query i iff ``j < (i//chunk+1)*chunk``."""
+    pos = torch.arange(size)
+    end = (torch.div(pos, chunk, rounding_mode="floor") + 1) * chunk
+    return pos.unsqueeze(0) < end.unsqueeze(1)
+
+
+def rel_position_encoding(size: Any, d_model: int) -> torch.Tensor:
+    """Traceable form of :func:`~cosyvoice_cpu.reference.flow_encoder.relative_position_encoding`: (1, 2T-1, D)."""
+    position = (size - 1 - torch.arange(2 * size - 1)).to(torch.float32).unsqueeze(1)
+    div_term = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * -(math.log(10000.0) / d_model))
+    angle = position * div_term
+    return torch.stack([angle.sin(), angle.cos()], dim=-1).flatten(1).unsqueeze(0)  # sin even, cos odd channels
+
+
+class EncoderGraph(nn.Module):
+    """``flow_encoder.onnx``: the reference ``Flow`` token path and speaker projection with in-graph masks."""
+
+    def __init__(self, flow: Flow) -> None:
+        super().__init__()
+        self.flow = flow
+        self.lookahead = flow.config.pre_lookahead_len
+        self.stride = flow.encoder.up_layer.stride
+
+    def forward(
+        self, token: torch.Tensor, context: torch.Tensor, embedding: torch.Tensor, chunk_size: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """token (1, T), context (1, C), embedding (1, 192), chunk_size () -> mu (1, 80, 2T), spks (1, 80)."""
+        flow, enc = self.flow, self.flow.encoder
+        spks = flow.spk_embed_affine_layer(F.normalize(embedding, dim=1))
+        size = token.size(1)
+        # Embedding + LinearEmbed are per position, so the context is embedded with the tokens.
+        xs = enc.embed(flow.input_embedding(torch.cat([token, context], dim=1).clamp(min=0)))  # (1, T+C, D)
+        pad = torch.zeros(1, self.lookahead, xs.size(2), dtype=xs.dtype)
+        ahead = torch.cat([xs, pad], dim=1)[:, : size + self.lookahead].transpose(1, 2)  # context, then zeros
+        la = enc.pre_lookahead_layer
+        h = la.conv2(F.pad(F.leaky_relu(la.conv1(ahead)), (la.conv2.kernel_size[0] - 1, 0)))
+        xs = h.transpose(1, 2) + xs[:, :size]
+
+        chunk = torch.where(chunk_size > 0, chunk_size, torch.full_like(chunk_size, _FULL_CHUNK))
+        mask = chunk_visibility(size, chunk).unsqueeze(0)
+        pos_emb = rel_position_encoding(size, enc.output_size)
+        for layer in enc.encoders:
+            xs = layer(xs, mask, pos_emb)
+
+        s = self.stride
+        h = xs.transpose(1, 2)
+        h = h.unsqueeze(3).expand(-1, -1, -1, s).reshape(1, h.size(1), size * s)  # repeat_interleave
+        xs = enc.up_embed(enc.up_layer.conv(F.pad(h, (2 * s, 0))).transpose(1, 2))
+        mask = chunk_visibility(size * s, chunk * s).unsqueeze(0)
+        pos_emb = rel_position_encoding(size * s, enc.output_size)
+        for layer in enc.up_encoders:
+            xs = layer(xs, mask, pos_emb)
+        mu = flow.encoder_proj(enc.after_norm(xs)).transpose(1, 2)
+        return mu, spks
+
+
+class EstimatorGraph(nn.Module):
+    """``flow_estimator[_chunk].onnx``: :meth:`FlowEstimator.forward` with a data-independent attention bias."""
+
+    def __init__(self, estimator: FlowEstimator, streaming: bool) -> None:
+        super().__init__()
+        self.est = estimator
+        self.streaming = streaming
+
+    def attention_bias(self, mask: torch.Tensor) -> torch.Tensor:
+        """(B, 1, T) float mask -> additive bias (B, 1, T) (full) or (B, T, T) (chunk), 0 or -1e10."""
+        visible = mask
+        if self.streaming:
+            size = mask.size(2)
+            chunk = torch.full((), self.est.static_chunk_size, dtype=torch.int64)
+            visible = mask * chunk_visibility(size, chunk).unsqueeze(0).to(mask.dtype)
+            empty = (visible.sum(dim=-1, keepdim=True) == 0).to(mask.dtype)  # re-opened, as the official mask
+            visible = torch.maximum(visible, empty)
+        return (1.0 - visible) * MASK_BIAS
+
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
+        cond: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """The official ONNX estimator contract; shapes as :meth:`FlowEstimator.forward`."""
+        est = self.est
+        t_emb = est.time_mlp(timestep_embedding(t, est.in_channels))
+        h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.size(2)), cond], dim=1)
+        bias = self.attention_bias(mask)
+        down, up = est.down_blocks[0], est.up_blocks[0]
+        h = est._run(down, h, mask, t_emb, bias)
+        skip = h
+        h = down[2](h * mask)
+        for mid in est.mid_blocks:
+            h = est._run(mid, h, mask, t_emb, bias)
+        h = est._run(up, torch.cat([h, skip], dim=1), mask, t_emb, bias)
+        h = up[2](h * mask)
+        h = est.final_block(h, mask)
+        return est.final_proj(h * mask) * mask
+
+
+def _estimator_inputs(rng: np.random.Generator, lengths: list[int], size: int) -> dict[str, np.ndarray]:
+    """Random estimator feeds, batch len(lengths), row b valid on its first lengths[b] of ``size`` frames."""
+    b = len(lengths)
+    mask = (np.arange(size)[None, None, :] < np.asarray(lengths)[:, None, None]).astype(np.float32)
+    feeds = {
+        "x": rng.standard_normal((b, 80, size)),
+        "mask": mask,
+        "mu": rng.standard_normal((b, 80, size)) * mask,
+        "t": rng.uniform(0, 1, b),
+        "spks": rng.standard_normal((b, 80)),
+        "cond": rng.standard_normal((b, 80, size)) * mask,
+    }
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in feeds.items()}
+
+
+def _pin_output_shape(path: Path, name: str, shape: list[int | str]) -> None:
+    """Write a graph output's declared shape (the tracer leaves batch-1 dims symbolic); weights stay put."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    out = next(o for o in model.graph.output if o.name == name)
+    for dim, value in zip(out.type.tensor_type.shape.dim, shape):
+        dim.Clear()
+        if isinstance(value, str):
+            dim.dim_param = value
+        else:
+            dim.dim_value = value
+    onnx.save_model(model, str(path))
+
+
+def _artifact(out_dir: Path, key: str, attrs: dict[str, Any]) -> GraphArtifact:
+    path = out_dir / FILES[key]
+    data = [path.name + ".data"] if (out_dir / (path.name + ".data")).exists() else []
+    inputs, outputs = io_specs(path)
+    return GraphArtifact(key, path.name, data, "fp32", inputs, outputs, attrs)
+
+
+@torch.inference_mode()
+def export_flow(flow: Flow, out_dir: Path) -> list[GraphArtifact]:
+    """Write ``flow_encoder.onnx``, ``flow_estimator.onnx``, ``flow_estimator_chunk.onnx`` (each with its
+    ``.data``) and ``flow_noise.npy`` into ``out_dir``.
+
+    Returns:
+        the three graph artifacts (contracts in the module doc). The noise table is a plain array, not a graph:
+        the estimators' attrs name it (``noise_file``); the exporter lists ``*.npy`` files as arrays.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    flow = flow.eval()
+    cfg = flow.config
+    t0 = time.perf_counter()
+    enc_args = (
+        torch.randint(0, cfg.vocab_size, (1, 37)),
+        torch.randint(0, cfg.vocab_size, (1, max(cfg.pre_lookahead_len - 1, 1))),
+        torch.randn(1, cfg.spk_embed_dim),
+        torch.tensor(cfg.encoder.static_chunk_size, dtype=torch.int64),
+    )
+    torch_export(EncoderGraph(flow), enc_args, out_dir / FILES["flow_encoder"],
+                 input_names=["token", "context", "embedding", "chunk_size"], output_names=["mu", "spks"],
+                 dynamic_axes={"token": {1: "tokens"}, "context": {1: "context"}, "mu": {2: "frames"}})  # fmt: skip
+    _pin_output_shape(out_dir / FILES["flow_encoder"], "mu", [1, cfg.output_size, "frames"])
+    rng = np.random.default_rng(0)
+    est_args = tuple(torch.from_numpy(v) for v in _estimator_inputs(rng, [71, 60], 71).values())
+    names = ["x", "mask", "mu", "t", "spks", "cond"]
+    axes: dict[str, dict[int, str]] = {n: {0: "batch", 2: "time"} for n in ("x", "mask", "mu", "cond")}
+    axes.update(t={0: "batch"}, spks={0: "batch"}, estimator_out={0: "batch", 2: "time"})
+    for key, streaming in (("flow_estimator", False), ("flow_estimator_chunk", True)):
+        torch_export(EstimatorGraph(flow.decoder.estimator, streaming), est_args, out_dir / FILES[key],
+                     input_names=names, output_names=["estimator_out"], dynamic_axes=axes)  # fmt: skip
+    np.save(out_dir / FILES["flow_noise"], official_fixed_noise().numpy().astype(np.float32))
+    logger.info("exported the flow to %s in %.1f s", out_dir, time.perf_counter() - t0)
+
+    common = {"token_mel_ratio": cfg.token_mel_ratio, "pre_lookahead_len": cfg.pre_lookahead_len}
+    encoder = {"static_chunk_size": cfg.encoder.static_chunk_size, "chunk_unit": "tokens", "vocab_size": cfg.vocab_size,
+               "spk_embed_dim": cfg.spk_embed_dim, "output_size": cfg.output_size, **common}  # fmt: skip
+    solver = {"n_timesteps": cfg.cfm.n_timesteps, "cfg_rate": cfg.cfm.inference_cfg_rate,
+              "t_scheduler": cfg.cfm.t_scheduler, "noise_file": FILES["flow_noise"], "noise_frames": NOISE_FRAMES,
+              "noise_seed": NOISE_SEED, **common}  # fmt: skip
+    chunk = {"attention": "chunk", "static_chunk_size": cfg.estimator.static_chunk_size, "chunk_unit": "frames",
+             "num_left_chunks": -1, **solver}  # fmt: skip
+    return [
+        _artifact(out_dir, "flow_encoder", encoder),
+        _artifact(out_dir, "flow_estimator", {"attention": "full", **solver}),
+        _artifact(out_dir, "flow_estimator_chunk", chunk),
+    ]
+
+
+def _gate(key: str, check: str, ours: np.ndarray, ref: np.ndarray, tol: float, detail: str = "") -> GateResult:
+    result = GateResult(key, check, rel_err(ours, ref), tol, detail)
+    logger.info("%s", result)
+    return result
+
+
+@torch.inference_mode()
+def verify_flow(
+    flow: Flow,
+    out_dir: Path,
+    seed: int = 0,
+    files: dict[str, str] | None = None,
+    tolerance: dict[str, float] | None = None,
+    threads: int = 1,
+) -> list[GateResult]:
+    """ONNX Runtime vs the PyTorch reference on random inputs (max relative errors).
+
+    Gates: encoder mu/spks (final and non-final with look-ahead context, full and chunk attention); both
+    estimators at batch 2 (a padded row, two lengths) plus padded rows vs single unpadded rows; the whole flow
+    (ORT encoder + :class:`~cosyvoice_cpu.flow.FlowStage` Euler/CFG loop + estimator) vs ``Flow.inference``
+    with the official noise (final/full and non-final/streaming).
+
+    Args:
+        files: overrides of :data:`FILES` by key (names relative to ``out_dir``), e.g. a quantized estimator.
+        tolerance: overrides of :data:`TOLERANCE` by check kind: ``encoder`` (mu, spks), ``estimator`` (both
+            estimator graphs), ``mel`` (whole flow).
+    Returns:
+        the gates; ``GateResult.graph`` is the file key (``flow_encoder``, ``flow_estimator``,
+        ``flow_estimator_chunk``) or ``flow`` for the whole-flow mel.
+    """
+    from cosyvoice_cpu.flow import FlowStage
+
+    out_dir = Path(out_dir)
+    paths = {k: out_dir / v for k, v in {**FILES, **(files or {})}.items()}
+    unknown = set(tolerance or {}) - set(TOLERANCE) or set(files or {}) - set(FILES)
+    if unknown:
+        raise ValueError(f"verify_flow: unknown keys {sorted(unknown)}; tolerance keys are {sorted(TOLERANCE)}, "
+                         f"file keys {sorted(FILES)}")  # fmt: skip
+    tol = {**TOLERANCE, **(tolerance or {})}
+    flow = flow.eval()
+    cfg = flow.config
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    stage = FlowStage(paths["flow_encoder"], paths["flow_estimator"], paths["flow_estimator_chunk"],
+                      paths["flow_noise"], settings=_settings(flow), threads=threads)  # fmt: skip
+    n_prompt, n_tok, n_ctx = 20, 37, cfg.pre_lookahead_len  # 57 tokens: > 2 encoder chunks of 25
+    prompt = torch.randint(0, cfg.vocab_size, (1, n_prompt), generator=gen)
+    tokens = torch.randint(0, cfg.vocab_size, (1, n_tok + n_ctx), generator=gen)
+    emb = torch.randn(1, cfg.spk_embed_dim, generator=gen)
+    feat = torch.randn(1, 2 * n_prompt, 80, generator=gen)
+    results: list[GateResult] = []
+
+    for finalize in (True, False):
+        for streaming in (False, True):
+            ref = flow.encode(tokens, torch.tensor([tokens.size(1)]), prompt, torch.tensor([n_prompt]), feat, emb,
+                              finalize=finalize, streaming=streaming)  # fmt: skip
+            toks, ctx = (tokens, None) if finalize else (tokens[:, :n_tok], tokens[:, n_tok:])
+            mu, spks = stage.encode(toks.numpy(), prompt.numpy(), emb.numpy(), context=None if ctx is None
+                                    else ctx.numpy(), streaming=streaming)  # fmt: skip
+            what = f"{'final' if finalize else 'non-final+context'}, {'chunk' if streaming else 'full'} attention"
+            results.append(_gate("flow_encoder", "mu rel err", mu, ref.mu.numpy(), tol["encoder"], what))
+    results.append(_gate("flow_encoder", "spks rel err", spks, ref.spks.numpy(), tol["encoder"]))
+
+    est = flow.decoder.estimator
+    for key, streaming in (("flow_estimator", False), ("flow_estimator_chunk", True)):
+        sess = session(paths[key], threads)
+        for size in (64, 131):
+            lengths = [size, size - 17]
+            feeds = _estimator_inputs(rng, lengths, size)
+            ours = sess.run(None, feeds)[0]
+            ref = est(*(torch.from_numpy(v) for v in feeds.values()), streaming=streaming).numpy()
+            what = f"batch 2, T={size}, lengths {lengths}"
+            results.append(_gate(key, "velocity rel err", ours, ref, tol["estimator"], what))
+            row = {k: v[1:2, :, : lengths[1]] if v.ndim == 3 else v[1:2] for k, v in feeds.items()}
+            single = sess.run(None, row)[0]
+            ours = ours[1:2, :, : lengths[1]]
+            results.append(_gate(key, "padded row vs single row", ours, single, tol["estimator"], f"T={size}"))
+
+    for finalize, streaming in ((True, False), (False, True)):
+        ref, _ = flow.inference(tokens, torch.tensor([tokens.size(1)]), prompt, torch.tensor([n_prompt]), feat, None,
+                                emb, streaming=streaming, finalize=finalize)  # fmt: skip
+        toks, ctx = (tokens, None) if finalize else (tokens[:, :n_tok], tokens[:, n_tok:].numpy())
+        mel = stage.inference(toks.numpy(), prompt.numpy(), feat.numpy(), emb.numpy(), context=ctx,
+                              streaming=streaming)  # fmt: skip
+        what = f"{'final' if finalize else 'non-final'}, {'streaming' if streaming else 'full'}, 10 steps, cfg 0.7"
+        results.append(_gate("flow", "mel rel err", mel, ref.numpy(), tol["mel"], what))
+    return results
+
+
+def _settings(flow: Flow) -> dict[str, Any]:
+    """The :class:`~cosyvoice_cpu.flow.FlowSettings` fields of a reference flow (as the artifacts' attrs)."""
+    cfg = flow.config
+    return {
+        "token_mel_ratio": cfg.token_mel_ratio,
+        "pre_lookahead_len": cfg.pre_lookahead_len,
+        "static_chunk_size": cfg.encoder.static_chunk_size,
+        "n_timesteps": cfg.cfm.n_timesteps,
+        "cfg_rate": cfg.cfm.inference_cfg_rate,
+        "t_scheduler": cfg.cfm.t_scheduler,
+    }

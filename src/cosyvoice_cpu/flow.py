@@ -1,0 +1,277 @@
+"""The flow stage at run time (NumPy + ONNX Runtime, no torch): speech tokens -> 80-bin mel.
+
+    tokens --flow_encoder.onnx--> mu (1, 80, 2T), spks (1, 80)
+    cond = prompt mel then zeros; x_0 = the official fixed noise (``flow_noise.npy``) or caller noise
+    Euler over a cosine time schedule, classifier-free guidance as one batch-2 call of ``flow_estimator.onnx``
+    (``flow_estimator_chunk.onnx`` when streaming): rows [conditioned; mu = spks = cond = 0]
+
+Numerically this is :meth:`cosyvoice_cpu.reference.flow.Flow.inference` (same time bookkeeping, same noise);
+graph contracts are documented in :mod:`cosyvoice_cpu.export.flow_graph`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from cosyvoice_cpu.errors import ConfigError, ModelDirError
+
+logger = logging.getLogger(__name__)
+
+N_MELS = 80
+ENCODER_IO = ({"token": ("int64", 2), "context": ("int64", 2), "embedding": ("float", 2), "chunk_size": ("int64", 0)},
+              ("mu", "spks"))  # fmt: skip
+ESTIMATOR_IO = ({"x": ("float", 3), "mask": ("float", 3), "mu": ("float", 3), "t": ("float", 1),
+                 "spks": ("float", 2), "cond": ("float", 3)}, ("estimator_out",))  # fmt: skip
+
+
+@dataclass
+class FlowSettings:
+    """Stage facts from the export (the graph artifacts' attrs); defaults are the released CosyVoice2 values."""
+
+    token_mel_ratio: int = 2
+    pre_lookahead_len: int = 3
+    static_chunk_size: int = 25  # encoder chunk in tokens for streaming (the estimator's is baked in its graph)
+    n_timesteps: int = 10
+    cfg_rate: float = 0.7
+    t_scheduler: str = "cosine"
+
+    @classmethod
+    def from_attrs(cls, attrs: dict[str, Any] | None) -> FlowSettings:
+        """Pick the known keys out of a dict (unknown keys, e.g. other artifact attrs, are ignored)."""
+        names = {f.name for f in fields(cls)}
+        settings = cls(**{k: v for k, v in (attrs or {}).items() if k in names})
+        if settings.t_scheduler not in ("cosine", "linear"):
+            raise ConfigError(f"flow t_scheduler {settings.t_scheduler!r} is unknown (want 'cosine' or 'linear')")
+        return settings
+
+
+def time_span(n_timesteps: int, scheduler: str = "cosine") -> np.ndarray:
+    """(n_timesteps+1,) float32 times 0..1, cosine-warped ``1 - cos(pi/2 * t)`` for ``scheduler='cosine'``."""
+    span = np.linspace(0.0, 1.0, n_timesteps + 1, dtype=np.float32)
+    if scheduler == "cosine":
+        span = (1.0 - np.cos(span * np.float32(0.5 * math.pi))).astype(np.float32)
+    return span
+
+
+def _session(path: Path, threads: int) -> ort.InferenceSession:
+    if not Path(path).is_file():
+        raise ModelDirError(f"flow graph {path} is missing; export the model directory again")
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def _check_io(sess: ort.InferenceSession, path: Path, io: tuple[dict[str, tuple[str, int]], tuple[str, ...]]) -> None:
+    """Raise :class:`ModelDirError` unless the graph has exactly the expected inputs (dtype, rank) and outputs."""
+    inputs, outputs = io
+    got = {i.name: (i.type, len(i.shape)) for i in sess.get_inputs()}
+    want = {n: (f"tensor({dt})", rank) for n, (dt, rank) in inputs.items()}
+    got_out = tuple(o.name for o in sess.get_outputs())
+    if got != want or got_out != outputs:
+        raise ModelDirError(
+            f"{path} does not have the flow graph contract: inputs {got}, outputs {list(got_out)}; expected "
+            f"inputs {want}, outputs {list(outputs)}. Re-export the model directory with this version."
+        )
+
+
+def _ids(tokens: Any, what: str) -> np.ndarray:
+    """Token ids (T,) or (1, T) -> int64 (1, T)."""
+    arr = np.asarray(tokens)
+    if arr.ndim == 1:
+        arr = arr[None]
+    if arr.ndim != 2 or arr.shape[0] != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise ValueError(f"{what} must be integer ids of shape (T,) or (1, T), got {arr.dtype} {arr.shape}")
+    return arr.astype(np.int64, copy=False)
+
+
+class FlowStage:
+    """Tokens -> mel with the exported flow graphs.
+
+    Args:
+        encoder, estimator: ``flow_encoder.onnx`` and ``flow_estimator.onnx`` paths.
+        estimator_chunk: ``flow_estimator_chunk.onnx`` (needed for ``streaming=True``), or None.
+        noise: ``flow_noise.npy`` (the official fixed noise), or None: then every ``solve`` needs ``noise=``.
+        settings: :class:`FlowSettings` or the artifacts' attrs dict.
+        threads: ORT intra-op threads per session.
+    """
+
+    def __init__(
+        self,
+        encoder: str | Path,
+        estimator: str | Path,
+        estimator_chunk: str | Path | None = None,
+        noise: str | Path | None = None,
+        settings: FlowSettings | dict[str, Any] | None = None,
+        threads: int = 1,
+    ) -> None:
+        self.settings = settings if isinstance(settings, FlowSettings) else FlowSettings.from_attrs(settings)
+        self.encoder = _session(Path(encoder), threads)
+        _check_io(self.encoder, Path(encoder), ENCODER_IO)
+        emb_shape = next(i.shape for i in self.encoder.get_inputs() if i.name == "embedding")
+        self._emb_dim = int(emb_shape[1]) if isinstance(emb_shape[1], int) else 192
+        self.estimators: dict[bool, ort.InferenceSession] = {False: _session(Path(estimator), threads)}
+        _check_io(self.estimators[False], Path(estimator), ESTIMATOR_IO)
+        if estimator_chunk is not None:
+            self.estimators[True] = _session(Path(estimator_chunk), threads)
+            _check_io(self.estimators[True], Path(estimator_chunk), ESTIMATOR_IO)
+        self.noise: np.ndarray | None = None
+        if noise is not None:
+            if not Path(noise).is_file():
+                raise ModelDirError(f"flow noise table {noise} is missing; export the model directory again")
+            self.noise = np.load(noise, mmap_mode="r")
+            if self.noise.ndim != 3 or self.noise.shape[:2] != (1, N_MELS) or self.noise.dtype != np.float32:
+                raise ModelDirError(f"{noise}: expected float32 noise (1, 80, frames), got {self.noise.dtype} "
+                                    f"{self.noise.shape}")  # fmt: skip
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, settings: FlowSettings | dict[str, Any] | None = None,
+                 threads: int = 1) -> FlowStage:  # fmt: skip
+        """The stage from the standard file names in an exported directory."""
+        d = Path(model_dir)
+        chunk = d / "flow_estimator_chunk.onnx"
+        return cls(d / "flow_encoder.onnx", d / "flow_estimator.onnx", chunk if chunk.is_file() else None,
+                   d / "flow_noise.npy", settings, threads)  # fmt: skip
+
+    def encode(
+        self, tokens: Any, prompt_tokens: Any, embedding: np.ndarray, context: Any = None, streaming: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Encode prompt + tokens.
+
+        Args:
+            tokens: (T,) or (1, T) ids to synthesise; prompt_tokens: (T_p,) or (1, T_p) (may be empty).
+            embedding: (1, 192) or (192,) raw speaker x-vector.
+            context: None for a final chunk, else the 1..pre_lookahead_len look-ahead ids after ``tokens``
+                (the official ``finalize=False`` call with those ids appended to ``tokens``).
+            streaming: chunk-causal encoder attention (``static_chunk_size`` tokens).
+        Returns:
+            mu (1, 80, 2 (T_p + T)) float32, spks (1, 80) float32.
+        """
+        token = np.concatenate([_ids(prompt_tokens, "prompt_tokens"), _ids(tokens, "tokens")], axis=1)
+        ctx = np.zeros((1, 0), np.int64) if context is None else _ids(context, "context")
+        if ctx.shape[1] > self.settings.pre_lookahead_len:
+            raise ValueError(f"context has {ctx.shape[1]} tokens, at most pre_lookahead_len = "
+                             f"{self.settings.pre_lookahead_len} are used")  # fmt: skip
+        if token.shape[1] == 0:
+            raise ValueError("no tokens to encode")
+        emb = np.asarray(embedding, dtype=np.float32)
+        if emb.size != self._emb_dim:
+            raise ValueError(f"embedding must hold {self._emb_dim} values ((1, {self._emb_dim})), got {emb.shape}")
+        emb = emb.reshape(1, self._emb_dim)
+        chunk = np.array(self.settings.static_chunk_size if streaming else 0, dtype=np.int64)
+        mu, spks = self.encoder.run(None, {"token": token, "context": ctx, "embedding": emb, "chunk_size": chunk})
+        return mu, spks
+
+    def solve(
+        self,
+        mu: np.ndarray,
+        spks: np.ndarray,
+        cond: np.ndarray,
+        mask: np.ndarray | None = None,
+        n_timesteps: int | None = None,
+        cfg_rate: float | None = None,
+        noise: np.ndarray | None = None,
+        streaming: bool = False,
+    ) -> np.ndarray:
+        """Euler flow matching from noise (t=0) to mel (t=1) with classifier-free guidance.
+
+        Args:
+            mu: (B, 80, T), spks: (B, 80), cond: (B, 80, T), mask: (B, 1, T) float (default all ones).
+            n_timesteps: Euler steps (default settings, 10); cfg_rate: r in ``(1+r) v_cond - r v_uncond``
+                (default settings, 0.7; 0 skips the unconditioned rows).
+            noise: (1|B, 80, >= T) float32 starting noise (first T frames); default the official fixed noise.
+            streaming: the chunk-causal estimator.
+        Returns:
+            (B, 80, T) float32 mel.
+        """
+        n_timesteps = self.settings.n_timesteps if n_timesteps is None else int(n_timesteps)
+        cfg_rate = self.settings.cfg_rate if cfg_rate is None else float(cfg_rate)
+        if n_timesteps < 1 or cfg_rate < 0:
+            raise ValueError(f"need n_timesteps >= 1 and cfg_rate >= 0, got {n_timesteps} and {cfg_rate}")
+        if streaming not in self.estimators:
+            raise ModelDirError("streaming needs flow_estimator_chunk.onnx, which this stage was built without")
+        mu = np.asarray(mu, dtype=np.float32)
+        if mu.ndim != 3 or mu.shape[1] != N_MELS:
+            raise ValueError(f"mu must be (B, 80, T), got {mu.shape}")
+        b, size = mu.shape[0], mu.shape[2]
+        spks = np.asarray(spks, dtype=np.float32).reshape(b, N_MELS)
+        cond = np.asarray(cond, dtype=np.float32)
+        mask = np.ones((b, 1, size), np.float32) if mask is None else np.asarray(mask, dtype=np.float32)
+        if cond.shape != mu.shape or mask.shape != (b, 1, size):
+            raise ValueError(f"cond must be {mu.shape} and mask {(b, 1, size)}, got {cond.shape} and {mask.shape}")
+        x = self._noise(noise, b, size)
+
+        # Row block 0 conditioned, block 1 unconditioned (mu, spks, cond zeroed), as the reference solver.
+        rows = 2 if cfg_rate > 0 else 1
+        feeds = {
+            "mask": np.concatenate([mask] * rows),
+            "mu": np.concatenate([mu, np.zeros_like(mu)][:rows]),
+            "spks": np.concatenate([spks, np.zeros_like(spks)][:rows]),
+            "cond": np.concatenate([cond, np.zeros_like(cond)][:rows]),
+        }
+        sess = self.estimators[streaming]
+        span = time_span(n_timesteps, self.settings.t_scheduler)
+        t, dt = span[0], span[1] - span[0]  # official bookkeeping: t accumulates dt; next dt = span[k+1] - t
+        for step in range(1, n_timesteps + 1):
+            feeds["x"] = np.concatenate([x] * rows)
+            feeds["t"] = np.full(rows * b, t, dtype=np.float32)
+            v = sess.run(None, feeds)[0]
+            if rows == 2:
+                v = np.float32(1.0 + cfg_rate) * v[:b] - np.float32(cfg_rate) * v[b:]
+            x = x + dt * v
+            t = np.float32(t + dt)
+            if step < n_timesteps:
+                dt = np.float32(span[step + 1] - t)
+        return x
+
+    def _noise(self, noise: np.ndarray | None, b: int, size: int) -> np.ndarray:
+        """x_0 (b, 80, size) float32 from caller noise or the official table."""
+        if noise is None:
+            if self.noise is None:
+                raise ModelDirError("this flow stage has no noise table (flow_noise.npy); pass noise=")
+            noise = self.noise
+        noise = np.asarray(noise)
+        if noise.ndim != 3 or noise.shape[0] not in (1, b) or noise.shape[1] != N_MELS or noise.shape[2] < size:
+            raise ValueError(f"noise must be (1 or {b}, 80, >= {size}) frames, got {noise.shape}")
+        return np.ascontiguousarray(np.broadcast_to(noise[:, :, :size], (b, N_MELS, size)), dtype=np.float32)
+
+    def inference(
+        self,
+        tokens: Any,
+        prompt_tokens: Any,
+        prompt_feat: np.ndarray,
+        embedding: np.ndarray,
+        context: Any = None,
+        streaming: bool = False,
+        n_timesteps: int | None = None,
+        cfg_rate: float | None = None,
+        noise: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Tokens -> mel, as :meth:`Flow.inference` (``context`` given = ``finalize=False``).
+
+        Args:
+            prompt_feat: (1, T_pm, 80) or (T_pm, 80) prompt mel (T_pm = token_mel_ratio * T_p normally).
+            others: as :meth:`encode` and :meth:`solve`.
+        Returns:
+            (1, 80, T_mel - T_pm) float32 mel without the prompt frames.
+        """
+        mu, spks = self.encode(tokens, prompt_tokens, embedding, context, streaming)
+        feat = np.asarray(prompt_feat, dtype=np.float32)
+        feat = feat[None] if feat.ndim == 2 else feat
+        if feat.ndim != 3 or feat.shape[0] != 1 or feat.shape[2] != N_MELS:
+            raise ValueError(f"prompt_feat must be (1, T_pm, 80), got {feat.shape}")
+        n_prompt = feat.shape[1]
+        if n_prompt >= mu.shape[2]:
+            raise ValueError(f"prompt_feat has {n_prompt} frames but the tokens give only {mu.shape[2]}")
+        cond = np.zeros_like(mu)
+        cond[:, :, :n_prompt] = feat.transpose(0, 2, 1)
+        mel = self.solve(mu, spks, cond, None, n_timesteps, cfg_rate, noise, streaming)
+        return mel[:, :, n_prompt:]

@@ -1,0 +1,192 @@
+"""Flow ONNX export (``export.flow_graph``) and the torch-free flow stage (``cosyvoice_cpu.flow``) on the tiny
+fixture: every verification gate, dynamic batch/time, padding, streaming look-ahead context, whole-flow parity."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cosyvoice_cpu.errors import ModelDirError
+from cosyvoice_cpu.export.common import rel_err, session
+from cosyvoice_cpu.export.flow_graph import FILES, export_flow, verify_flow
+from cosyvoice_cpu.flow import FlowStage
+from cosyvoice_cpu.reference.model_dir import load_reference
+
+RTOL = 1e-5  # measured 2e-7 .. 1e-6 (fp32 ORT vs torch)
+
+
+@pytest.fixture(scope="module")
+def flow(tiny_model_dir: Path):
+    return load_reference(tiny_model_dir, stages=("flow",)).flow
+
+
+@pytest.fixture(scope="module")
+def flow_dir(flow, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("flow_onnx")
+    artifacts = export_flow(flow, out)
+    assert [a.key for a in artifacts] == ["flow_encoder", "flow_estimator", "flow_estimator_chunk"]
+    assert all((out / a.file).is_file() and all((out / d).is_file() for d in a.data) for a in artifacts)
+    assert (out / FILES["flow_noise"]).is_file()
+    return out
+
+
+@pytest.fixture(scope="module")
+def stage(flow_dir: Path, flow) -> FlowStage:
+    c = flow.config
+    attrs = {"static_chunk_size": c.encoder.static_chunk_size, "pre_lookahead_len": c.pre_lookahead_len}
+    return FlowStage.from_dir(flow_dir, settings=attrs, threads=2)
+
+
+def _estimator_feeds(rng: np.random.Generator, lengths: list[int], size: int) -> dict[str, np.ndarray]:
+    mask = (np.arange(size)[None, None] < np.array(lengths)[:, None, None]).astype(np.float32)
+    b = len(lengths)
+    feeds = {"x": rng.standard_normal((b, 80, size)), "mask": mask, "mu": rng.standard_normal((b, 80, size)) * mask,
+             "t": rng.uniform(0, 1, b), "spks": rng.standard_normal((b, 80)),
+             "cond": rng.standard_normal((b, 80, size)) * mask}  # fmt: skip
+    return {k: v.astype(np.float32) for k, v in feeds.items()}
+
+
+def test_all_verification_gates_pass(flow, flow_dir: Path) -> None:
+    results = verify_flow(flow, flow_dir, seed=3, threads=2)
+    assert len(results) == 15
+    assert all(r.passed for r in results), "\n".join(str(r) for r in results)
+
+
+def test_verify_flow_rejects_unknown_keys(flow, flow_dir: Path) -> None:
+    with pytest.raises(ValueError, match="unknown keys"):
+        verify_flow(flow, flow_dir, tolerance={"flow_estimator": 0.1})
+
+
+def test_artifact_contracts(flow, tmp_path: Path) -> None:
+    artifacts = {a.key: a for a in export_flow(flow, tmp_path)}
+    enc = artifacts["flow_encoder"]
+    assert [(s.name, s.dtype, s.shape) for s in enc.inputs] == [
+        ("token", "int64", [1, "tokens"]), ("context", "int64", [1, "context"]),
+        ("embedding", "float32", [1, 192]), ("chunk_size", "int64", []),
+    ]  # fmt: skip
+    assert [(s.name, s.shape) for s in enc.outputs] == [("mu", [1, 80, "frames"]), ("spks", [1, 80])]
+    assert enc.attrs["static_chunk_size"] == 25 and enc.attrs["pre_lookahead_len"] == 3
+    for key in ("flow_estimator", "flow_estimator_chunk"):
+        est = artifacts[key]
+        assert [s.name for s in est.inputs] == ["x", "mask", "mu", "t", "spks", "cond"]
+        assert est.inputs[0].shape == ["batch", 80, "time"] and est.inputs[3].shape == ["batch"]
+        assert [(s.name, s.shape) for s in est.outputs] == [("estimator_out", ["batch", 80, "time"])]
+    assert artifacts["flow_estimator_chunk"].attrs["static_chunk_size"] == 50
+    noise = np.load(tmp_path / "flow_noise.npy")
+    assert noise.shape == (1, 80, 15000) and noise.dtype == np.float32
+    from cosyvoice_cpu.reference.cfm import official_fixed_noise
+
+    assert np.array_equal(noise, official_fixed_noise().numpy())
+
+
+@pytest.mark.parametrize("key,streaming", [("flow_estimator", False), ("flow_estimator_chunk", True)])
+def test_estimator_dynamic_batch_and_padding(flow, flow_dir: Path, key: str, streaming: bool) -> None:
+    sess = session(flow_dir / FILES[key], threads=2)
+    est = flow.decoder.estimator
+    rng = np.random.default_rng(0)
+    for lengths, size in (([57], 57), ([120, 120], 120), ([150, 99, 150, 40], 150)):
+        feeds = _estimator_feeds(rng, lengths, size)
+        ours = sess.run(None, feeds)[0]
+        with torch.inference_mode():
+            ref = est(*(torch.from_numpy(v) for v in feeds.values()), streaming=streaming).numpy()
+        assert rel_err(ours, ref) < RTOL, (lengths, size)
+        for b, n in enumerate(lengths):  # each padded row equals the same row alone, unpadded
+            row = {k: v[b : b + 1, :, :n] if v.ndim == 3 else v[b : b + 1] for k, v in feeds.items()}
+            assert rel_err(ours[b : b + 1, :, :n], sess.run(None, row)[0]) < RTOL, (lengths, b)
+            assert not ours[b, :, n:].any()  # padded frames are zeroed
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize("n_ctx", [0, 1, 3])
+def test_encoder_streaming_context_matches_reference(flow, stage: FlowStage, streaming: bool, n_ctx: int) -> None:
+    gen = torch.Generator().manual_seed(n_ctx)
+    prompt = torch.randint(0, 6561, (1, 11), generator=gen)
+    tokens = torch.randint(0, 6561, (1, 43), generator=gen)
+    emb = torch.randn(1, 192, generator=gen)
+    ref = flow.encode(tokens, torch.tensor([43]), prompt, torch.tensor([11]), torch.zeros(1, 22, 80), emb,
+                      finalize=n_ctx == 0, streaming=streaming)  # fmt: skip
+    if n_ctx in (0, 3):  # the reference splits off exactly pre_lookahead_len context tokens
+        toks, ctx = (tokens, None) if n_ctx == 0 else (tokens[:, :-n_ctx], tokens[:, -n_ctx:].numpy())
+        mu, spks = stage.encode(toks.numpy(), prompt.numpy(), emb.numpy(), ctx, streaming)
+        assert mu.shape == ref.mu.shape
+        assert rel_err(mu, ref.mu.numpy()) < RTOL and rel_err(spks, ref.spks.numpy()) < RTOL
+    else:  # a shorter context: the reference encoder with an explicit context of n_ctx tokens
+        with torch.inference_mode():
+            xs = flow.input_embedding(torch.cat([prompt, tokens], dim=1))
+            h, _ = flow.encoder(xs[:, :-n_ctx], torch.tensor([54]), context=xs[:, -n_ctx:], streaming=streaming)
+            ref_mu = flow.encoder_proj(h).transpose(1, 2).numpy()
+        toks, ctx = tokens[:, :-n_ctx].numpy(), tokens[:, -n_ctx:].numpy()
+        mu, _ = stage.encode(toks, prompt.numpy(), emb.numpy(), ctx, streaming)
+        assert rel_err(mu, ref_mu) < RTOL
+
+
+@pytest.mark.parametrize("n_timesteps,cfg_rate", [(10, 0.7), (4, 0.0)])
+@pytest.mark.parametrize("streaming,finalize", [(False, True), (True, False)])
+def test_stage_inference_matches_reference(flow, stage: FlowStage, n_timesteps, cfg_rate, streaming, finalize) -> None:
+    gen = torch.Generator().manual_seed(n_timesteps)
+    prompt = torch.randint(0, 6561, (1, 15), generator=gen)
+    tokens = torch.randint(0, 6561, (1, 40), generator=gen)
+    emb, feat = torch.randn(1, 192, generator=gen), torch.randn(1, 30, 80, generator=gen)
+    ref, _ = flow.inference(tokens, torch.tensor([40]), prompt, torch.tensor([15]), feat, None, emb, streaming,
+                            finalize=finalize, n_timesteps=n_timesteps, cfg_rate=cfg_rate)  # fmt: skip
+    toks, ctx = (tokens, None) if finalize else (tokens[:, :-3], tokens[:, -3:].numpy())
+    mel = stage.inference(toks.numpy(), prompt.numpy(), feat.numpy(), emb.numpy(), context=ctx,
+                          streaming=streaming, n_timesteps=n_timesteps, cfg_rate=cfg_rate)  # fmt: skip
+    assert mel.shape == ref.shape
+    assert rel_err(mel, ref.numpy()) < 3e-5
+
+
+def test_stage_injected_noise_and_batch_solve(flow, stage: FlowStage) -> None:
+    rng = np.random.default_rng(0)
+    mu, cond = rng.standard_normal((2, 80, 64)).astype(np.float32), np.zeros((2, 80, 64), np.float32)
+    spks, noise = rng.standard_normal((2, 80)).astype(np.float32), rng.standard_normal((2, 80, 70)).astype(np.float32)
+    mel = stage.solve(mu, spks, cond, n_timesteps=3, cfg_rate=0.5, noise=noise)
+    with torch.inference_mode():
+        ref = flow.decoder(*(torch.from_numpy(a) for a in (mu, np.ones((2, 1, 64), np.float32), spks, cond)), 3, 0.5,
+                           noise=torch.from_numpy(noise)).numpy()  # fmt: skip
+    assert rel_err(mel, ref) < RTOL
+    with pytest.raises(ValueError, match="noise must be"):
+        stage.solve(mu, spks, cond, noise=noise[:, :, :10])
+
+
+def test_stage_rejects_bad_inputs_and_graphs(stage: FlowStage, flow_dir: Path) -> None:
+    with pytest.raises(ValueError, match="at most pre_lookahead_len"):
+        stage.encode([1, 2, 3], [], np.zeros(192, np.float32), context=[1, 2, 3, 4])
+    with pytest.raises(ValueError, match="embedding must hold 192"):
+        stage.encode([1, 2, 3], [], np.zeros(80, np.float32))
+    with pytest.raises(ValueError, match="integer ids"):
+        stage.encode([[1.5, 2.0]], [], np.zeros(192, np.float32))
+    with pytest.raises(ValueError, match="prompt_feat has"):
+        stage.inference([1, 2], [3], np.zeros((1, 10, 80), np.float32), np.ones(192, np.float32))
+    with pytest.raises(ModelDirError, match="flow graph contract"):
+        FlowStage(flow_dir / FILES["flow_estimator"], flow_dir / FILES["flow_estimator"])
+    with pytest.raises(ModelDirError, match="missing"):
+        FlowStage(flow_dir / "nope.onnx", flow_dir / FILES["flow_estimator"])
+
+
+@pytest.mark.parametrize("reduce_range", [False, True])
+def test_estimators_survive_dynamic_int8_quantization(flow, flow_dir: Path, reduce_range: bool) -> None:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    files = {}
+    for key in ("flow_estimator", "flow_estimator_chunk"):
+        files[key] = f"{key}.int8{'.rr' if reduce_range else ''}.onnx"
+        quantize_dynamic(flow_dir / FILES[key], flow_dir / files[key], op_types_to_quantize=["MatMul"],
+                         per_channel=True, weight_type=QuantType.QInt8, reduce_range=reduce_range,
+                         use_external_data_format=True)  # fmt: skip
+    loose = {"estimator": 0.05, "mel": 0.05}  # measured 0.6 % .. 3.6 %
+    results = [r for r in verify_flow(flow, flow_dir, files=files, tolerance=loose) if r.graph != "flow_encoder"]
+    assert all(r.passed for r in results), "\n".join(str(r) for r in results)
+    assert max(r.value for r in results) > 1e-4  # the quantized graphs were really used
+
+
+def test_flow_stage_imports_without_torch() -> None:
+    code = ("import sys; sys.modules['torch'] = None\nimport cosyvoice_cpu.flow\n"
+            "assert 'onnx' not in sys.modules, 'the runtime must not need the onnx package'\n")  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
