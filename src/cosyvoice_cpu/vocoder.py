@@ -1,0 +1,277 @@
+"""The HiFT vocoder stage at run time: NumPy harmonic source + two ONNX graphs (no torch, no onnx package).
+
+mel ``(B, 80, T)`` -> ``hift_f0.onnx`` -> F0 ``(B, T)`` -> NumPy sine source ``(B, 1, T*480)`` ->
+``hift_decode.onnx`` (source STFT as a conv, the conv stack, the inverse STFT as a transposed conv) -> wave
+``(B, T*480)``. The graphs and the attrs come from :mod:`cosyvoice_cpu.export.hift_graph`; its docstring gives
+the measurements behind the split.
+
+The source is computed here, not in a graph, because its randomness (initial phases, Gaussian noise) must come
+from the caller's RNG and because its phase integration is precision-critical: the phase reaches ~1e6 radians
+at 10 s (float32 ulp 0.06 rad), so the float32 operations of the PyTorch reference (``hift_source.py``) are
+mirrored one by one, including the fused multiply-adds torch's AVX2/AVX-512 ``upsample_linear1d`` kernel
+compiles to. Against torch 2.13 on x86-64 the source is then bitwise equal for v2 and equal to float32
+rounding (``sin``, the ``H -> 1`` merge) otherwise; on a torch build without FMA expect ulp-level phase
+differences, which the sine turns into up to ~1e-2 absolute differences after seconds of audio.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cosyvoice_cpu.errors import ConfigError, ModelDirError
+
+logger = logging.getLogger(__name__)
+
+_F32 = np.float32
+SINE_TYPES = ("v1", "v2")
+# attrs of the hift_decode artifact the runtime reads (see export.hift_graph.export_hift)
+REQUIRED_ATTRS = ("in_channels", "sampling_rate", "upsample", "nb_harmonics", "nsf_alpha", "nsf_sigma",
+                  "voiced_threshold", "sine_type", "istft_n_fft", "istft_hop", "audio_limit",
+                  "l_linear_weight", "l_linear_bias")  # fmt: skip
+
+
+@dataclass
+class SourceNoise:
+    """The random draws of one source computation (NumPy twin of ``reference.hift_source.SourceNoise``).
+
+    Attributes:
+        initial_phase: ``(B, H)`` float32 uniform in ``[0, 1)``, ``H = nb_harmonics + 1``; column 0 is ignored.
+        sine_noise: ``(B, L, H)`` float32 standard normal, ``L = T * upsample``.
+    """
+
+    initial_phase: np.ndarray
+    sine_noise: np.ndarray
+
+    @classmethod
+    def draw(cls, rng: np.random.Generator, batch: int, length: int, harmonics: int) -> SourceNoise:
+        """Draw from a NumPy generator (not the same numbers as torch's RNG, the same distributions)."""
+        phase = rng.random((batch, harmonics), dtype=_F32)
+        noise = rng.standard_normal((batch, length, harmonics), dtype=_F32)
+        return cls(phase, noise)
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """The harmonic source's constants (``HarmonicSource`` + the ``l_linear`` merge weights)."""
+
+    sampling_rate: int
+    upsample: int
+    harmonics: int  # nb_harmonics + 1
+    sine_amp: float  # nsf_alpha
+    noise_std: float  # nsf_sigma
+    voiced_threshold: float
+    sine_type: str
+    weight: np.ndarray  # (H,) float32, l_linear.weight[0]
+    bias: float
+
+    @classmethod
+    def from_attrs(cls, attrs: dict[str, Any]) -> SourceConfig:
+        missing = [k for k in REQUIRED_ATTRS if k not in attrs]
+        if missing:
+            raise ModelDirError(f"hift attrs lack {missing}; re-export the model directory")
+        if attrs["sine_type"] not in SINE_TYPES:
+            raise ModelDirError(f"hift sine_type must be one of {SINE_TYPES}, got {attrs['sine_type']!r}")
+        weight = np.asarray(attrs["l_linear_weight"], dtype=_F32).reshape(-1)
+        if weight.size != int(attrs["nb_harmonics"]) + 1:
+            raise ModelDirError(f"hift l_linear_weight has {weight.size} values, expected nb_harmonics + 1")
+        return cls(int(attrs["sampling_rate"]), int(attrs["upsample"]), weight.size, float(attrs["nsf_alpha"]),
+                   float(attrs["nsf_sigma"]), float(attrs["voiced_threshold"]), str(attrs["sine_type"]), weight,
+                   float(attrs["l_linear_bias"]))  # fmt: skip
+
+
+def upsample_nearest(f0: np.ndarray, upsample: int) -> np.ndarray:
+    """``(B, T)`` -> ``(B, T * upsample)``, torch ``F.interpolate(mode="nearest", scale_factor=upsample)``."""
+    length = int(f0.shape[-1] * float(upsample))
+    scale = _F32(1.0 / float(upsample))
+    idx = np.floor(np.arange(length).astype(_F32) * scale).astype(np.int64)
+    return f0[..., np.minimum(idx, f0.shape[-1] - 1)]
+
+
+def _linear_taps(in_size: int, scale_factor: float) -> tuple[np.ndarray, ...]:
+    """Indices and weights of torch ``upsample_linear1d`` (``align_corners=False``, scale factor given).
+
+    The source index ``scale * (dst + 0.5) - 0.5`` is one rounding (an FMA in torch's vectorised build).
+    """
+    out_size = int(in_size * scale_factor)
+    scale = _F32(1.0 / scale_factor)
+    dst = np.arange(out_size).astype(_F32) + _F32(0.5)
+    src = np.maximum((np.float64(scale) * dst - 0.5).astype(_F32), _F32(0))
+    i0 = np.minimum(np.floor(src).astype(np.int64), in_size - 1)
+    w1 = np.clip(src - i0.astype(_F32), _F32(0), _F32(1))
+    return i0, i0 + (i0 < in_size - 1), _F32(1) - w1, w1
+
+
+def interpolate_linear(x: np.ndarray, scale_factor: float) -> np.ndarray:
+    """``(..., N)`` -> ``(..., int(N * scale_factor))`` like torch ``F.interpolate(mode="linear")``.
+
+    torch's vectorised kernel computes ``fma(x0, w0, x1 * w1)``; ``x0 * w0`` is exact in float64, so one float64
+    add and a cast to float32 reproduce it (bar a double rounding, ~1 in 2**29 values).
+    """
+    i0, i1, w0, w1 = _linear_taps(x.shape[-1], scale_factor)
+    return (x[..., i0].astype(np.float64) * w0 + x[..., i1] * w1).astype(_F32)
+
+
+def sine_phase_v2(f0_up: np.ndarray, initial_phase: np.ndarray, sampling_rate: int, upsample: int) -> np.ndarray:
+    """SineGen2 phase: ``f0_up (B, L)`` Hz -> radians ``(B, H, L)``, integrated at the frame rate.
+
+    The per-sample increment ``(f0 * k / sr) % 1`` is only evaluated at the samples the linear down-sampling
+    reads (two per frame), which is exact: the down-sampling is a gather + blend.
+    """
+    harmonics = initial_phase.shape[1]
+    k = np.arange(1, harmonics + 1, dtype=_F32)
+    i0, i1, w0, w1 = _linear_taps(f0_up.shape[-1], 1 / upsample)
+    start = initial_phase.astype(_F32).copy()
+    start[:, 0] = 0
+
+    def step(idx: np.ndarray) -> np.ndarray:  # (B, H, T) cycles per sample at the given samples
+        s = np.remainder(f0_up[:, idx, None] * k / _F32(sampling_rate), _F32(1)).transpose(0, 2, 1)
+        if idx[0] == 0:  # the initial phase is added to sample 0 only
+            s[:, :, 0] += start
+        return s
+
+    frames = (step(i0).astype(np.float64) * w0 + step(i1) * w1).astype(_F32)
+    phase = np.cumsum(frames, axis=-1, dtype=np.float64).astype(_F32) * _F32(2) * _F32(math.pi)
+    return interpolate_linear(phase * _F32(upsample), float(upsample))
+
+
+def sine_phase_v1(f0_up: np.ndarray, initial_phase: np.ndarray, sampling_rate: int) -> np.ndarray:
+    """SineGen phase: ``f0_up (B, L)`` Hz -> radians ``(B, H, L)``, a wrapped running sum at the sample rate."""
+    harmonics = initial_phase.shape[1]
+    step = np.stack([f0_up * _F32(i + 1) / _F32(sampling_rate) for i in range(harmonics)], axis=1)
+    start = initial_phase.astype(_F32) * _F32(2 * math.pi) + _F32(-math.pi)
+    start[:, 0] = 0
+    cycles = np.remainder(np.cumsum(step, axis=-1, dtype=np.float64).astype(_F32), _F32(1))
+    return _F32(2 * math.pi) * cycles + start[..., None]
+
+
+def harmonic_source(f0: np.ndarray, cfg: SourceConfig, noise: SourceNoise) -> np.ndarray:
+    """Merged excitation: ``f0 (B, T)`` Hz at the frame rate -> ``(B, 1, T * upsample)`` in ``[-1, 1]``."""
+    f0 = np.asarray(f0, dtype=_F32)
+    if f0.ndim != 2:
+        raise ConfigError(f"hift source expects f0 (B, T), got shape {f0.shape}")
+    f0_up = upsample_nearest(f0, cfg.upsample)
+    batch, length = f0_up.shape
+    phase0 = np.asarray(noise.initial_phase, dtype=_F32)
+    sine_noise = np.asarray(noise.sine_noise, dtype=_F32)
+    if phase0.shape != (batch, cfg.harmonics) or sine_noise.shape != (batch, length, cfg.harmonics):
+        raise ConfigError(
+            f"SourceNoise shapes {phase0.shape}/{sine_noise.shape} do not match "
+            f"{(batch, cfg.harmonics)}/{(batch, length, cfg.harmonics)}"
+        )
+    if cfg.sine_type == "v2":
+        phase = sine_phase_v2(f0_up, phase0, cfg.sampling_rate, cfg.upsample)
+    else:
+        phase = sine_phase_v1(f0_up, phase0, cfg.sampling_rate)
+    sines = (np.sin(phase) * _F32(cfg.sine_amp)).transpose(0, 2, 1)  # (B, L, H)
+    uv = (f0_up > _F32(cfg.voiced_threshold)).astype(_F32)[..., None]
+    noise_amp = uv * _F32(cfg.noise_std) + (_F32(1) - uv) * _F32(cfg.sine_amp) / _F32(3)
+    excitation = sines * uv + noise_amp * sine_noise
+    merged = np.tanh(excitation @ cfg.weight + _F32(cfg.bias))  # (B, L)
+    return merged[:, None, :]
+
+
+def _session(path: Path, threads: int) -> Any:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.log_severity_level = 3
+    try:
+        return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    except Exception as e:  # ORT raises its own exception types
+        raise ModelDirError(f"cannot load {path}: {e}") from e
+
+
+def _check_io(sess: Any, path: Path, inputs: dict[str, int], outputs: dict[str, int]) -> None:
+    """``inputs``/``outputs``: name -> rank; all float32."""
+    for kind, want, have in (("input", inputs, sess.get_inputs()), ("output", outputs, sess.get_outputs())):
+        got = {v.name: (len(v.shape), v.type) for v in have}
+        expected = {name: (rank, "tensor(float)") for name, rank in want.items()}
+        if got != expected:
+            raise ModelDirError(f"{path.name}: graph {kind}s {got} are not the expected {expected}; re-export it")
+
+
+class Vocoder:
+    """mel -> wave with ``hift_f0.onnx``, the NumPy source and ``hift_decode.onnx`` (``HiFT.inference``).
+
+    Args:
+        f0_path: ``hift_f0.onnx``: ``mel (B, 80, T)`` -> ``f0 (B, T)``.
+        decode_path: ``hift_decode.onnx``: ``mel (B, 80, T)``, ``source (B, 1, T*480)`` -> ``wave (B, T*480)``.
+        attrs: the ``hift_decode`` artifact's attrs (:data:`REQUIRED_ATTRS`).
+        threads: ORT intra-op threads per session.
+    Raises:
+        ModelDirError: a graph is missing, unloadable, or its inputs/outputs differ from the contract.
+    """
+
+    def __init__(self, f0_path: str | Path, decode_path: str | Path, attrs: dict[str, Any], threads: int = 1) -> None:
+        self.source_cfg = SourceConfig.from_attrs(attrs)
+        self.in_channels = int(attrs["in_channels"])
+        self.audio_limit = float(attrs["audio_limit"])
+        paths = (Path(f0_path), Path(decode_path))
+        for p in paths:
+            if not p.is_file():
+                raise ModelDirError(f"hift graph {p} not found; export the model directory first")
+        self.f0_sess = _session(paths[0], threads)
+        self.decode_sess = _session(paths[1], threads)
+        _check_io(self.f0_sess, paths[0], {"mel": 3}, {"f0": 2})
+        _check_io(self.decode_sess, paths[1], {"mel": 3, "source": 3}, {"wave": 2})
+        logger.debug("vocoder ready: %s, %s (%d threads)", paths[0].name, paths[1].name, threads)
+
+    def f0(self, mel: np.ndarray) -> np.ndarray:
+        """``mel (B, 80, T)`` -> F0 in Hz ``(B, T)``."""
+        return self.f0_sess.run(["f0"], {"mel": self._mel(mel)})[0]
+
+    def decode(self, mel: np.ndarray, source: np.ndarray) -> np.ndarray:
+        """``mel (B, 80, T)``, ``source (B, 1, T * upsample)`` -> wave ``(B, T * upsample)`` in ±audio_limit."""
+        mel = self._mel(mel)
+        source = np.ascontiguousarray(source, dtype=_F32)
+        want = (mel.shape[0], 1, mel.shape[2] * self.source_cfg.upsample)
+        if source.shape != want:
+            raise ConfigError(f"hift decode expects source {want} for mel {mel.shape}, got {source.shape}")
+        return self.decode_sess.run(["wave"], {"mel": mel, "source": source})[0]
+
+    def __call__(
+        self,
+        mel: np.ndarray,
+        rng: np.random.Generator | None = None,
+        noise: SourceNoise | None = None,
+        cache_source: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``mel (B, 80, T)`` -> ``(wave (B, T*480), source (B, 1, T*480))``, like ``HiFT.inference``.
+
+        ``noise`` (any object with ``initial_phase``/``sine_noise`` arrays) wins over ``rng``; without both a
+        fresh ``default_rng()`` draws it. ``cache_source (B or 1, 1, n)`` overwrites the first ``n`` source
+        samples (streaming overlap); the returned source holds it.
+        """
+        mel = self._mel(mel)
+        f0 = self.f0(mel)
+        cfg = self.source_cfg
+        if noise is None:
+            rng = rng if rng is not None else np.random.default_rng()
+            noise = SourceNoise.draw(rng, mel.shape[0], mel.shape[2] * cfg.upsample, cfg.harmonics)
+        source = harmonic_source(f0, cfg, noise)
+        if cache_source is not None and np.shape(cache_source)[-1] != 0:
+            cache = np.asarray(cache_source, dtype=_F32)
+            if (
+                cache.ndim != 3
+                or cache.shape[1] != 1
+                or cache.shape[0] not in (1, source.shape[0])
+                or (cache.shape[-1] > source.shape[-1])
+            ):
+                raise ConfigError(f"cache_source {cache.shape} must be (B or 1, 1, n) with n <= {source.shape[-1]}")
+            source[:, :, : cache.shape[-1]] = cache
+        return self.decode(mel, source), source
+
+    def _mel(self, mel: np.ndarray) -> np.ndarray:
+        mel = np.ascontiguousarray(mel, dtype=_F32)
+        if mel.ndim != 3 or mel.shape[1] != self.in_channels or mel.shape[2] == 0:
+            raise ConfigError(f"hift expects mel (B, {self.in_channels}, T>0), got shape {mel.shape}")
+        return mel
