@@ -104,6 +104,30 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Official CosyVoice directory -> deployable model directory (graphs, manifest, tokenizer)."""
+    if args.list_recipes:
+        from cosyvoice_cpu.export.quantize import DEFAULT_RECIPE, RECIPES
+
+        for name, r in RECIPES.items():
+            stages = ", ".join(f"{k}={v}" for k, v in r.stages().items())
+            print(f"{name:14s} {stages}{'  (default)' if name == DEFAULT_RECIPE else ''}")
+        return 0
+    if args.src is None or args.dst is None:
+        raise CosyVoiceCpuError("export needs --from OFFICIAL_DIR and --to MODEL_DIR")
+    _need_export_extra()
+    from cosyvoice_cpu.export.exporter import ExportOptions, export_model
+
+    options = ExportOptions(force=args.force, verify=not args.no_verify, max_len=args.max_len)
+    if args.quant:
+        options.recipe = args.quant
+    manifest = export_model(args.src, args.dst, options, progress=print)
+    if args.verbose:
+        for check in manifest.verification:
+            print(f"  {check['graph']}: {check['check']} = {check['value']:.3g} (<= {check['tolerance']:.3g})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cosyvoice-cpu", description="CosyVoice text-to-speech on CPUs alone.")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -118,6 +142,16 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--out", required=True, type=Path, help="directory to create")
     f.add_argument("--force", action="store_true", help="replace an existing directory")
     f.set_defaults(func=cmd_fixture)
+
+    e = sub.add_parser("export", help="export an official CosyVoice directory to a deployable ONNX model directory")
+    e.add_argument("--from", dest="src", type=Path, help="official model directory (e.g. CosyVoice2-0.5B)")
+    e.add_argument("--to", dest="dst", type=Path, help="model directory to create")
+    e.add_argument("--quant", help="quant recipe name or spec (default: the recommended one; see --list-recipes)")
+    e.add_argument("--force", action="store_true", help="replace an existing model directory")
+    e.add_argument("--no-verify", action="store_true", help="skip the numerics gate (ORT vs PyTorch reference)")
+    e.add_argument("--max-len", type=_positive, default=2048, help="LM KV-cache positions (default 2048)")
+    e.add_argument("--list-recipes", action="store_true", help="print the quantization recipes and exit")
+    e.set_defaults(func=cmd_export)
 
     d = sub.add_parser("demo", help="synthesize a sentence with a tiny model and print stage timings")
     d.add_argument("--text", default=DEMO_TEXT)

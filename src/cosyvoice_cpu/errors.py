@@ -17,3 +17,7 @@ class ConfigError(CosyVoiceCpuError, ValueError):
 
 class MissingExtraError(CosyVoiceCpuError, ImportError):
     """An optional dependency group (``[export]``, ``[server]``) is not installed."""
+
+
+class ExportError(ModelDirError):
+    """An export failed: a bad source directory or target, too little disk, or a graph failed its numerics gate."""

@@ -104,7 +104,10 @@ def save_onnx(model: Any, path: Path) -> list[str]:
         location=data_name,
         size_threshold=EXTERNAL_MIN_BYTES,
     )
-    return [data_name] if (path.parent / data_name).exists() else []
+    written = [data_name] if (path.parent / data_name).exists() else []
+    for name in (path.name, *written):  # onnx writes external data 0600; a model directory is shared read-only
+        (path.parent / name).chmod(0o644)
+    return written
 
 
 def torch_export(module: Any, args: tuple, path: Path, **kwargs: Any) -> None:

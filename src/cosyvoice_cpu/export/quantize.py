@@ -7,13 +7,14 @@ quantized graphs again with looser, recorded tolerances. The measured quality an
 docs/quantization.md (``bench/quant_report.py``).
 
 Stage precisions:
-* ``lm``: ``fp32``; ``int8`` (MatMul weights int8 per output channel, activations quantized per call:
-  ``DynamicQuantizeMatMul``); ``int4`` (weight-only ``MatMulNBits``, 4 bits, block 32, symmetric,
-  int8 compute (accuracy level 4)).
+* ``lm``: ``fp32``; ``int8`` (MatMul weights int8 per output channel, activations quantized per call and per
+  tensor: ``DynamicQuantizeMatMul``; rows of a batch share one activation scale, so a row's output depends on its
+  neighbours); ``int8w`` (weight-only ``MatMulNBits``, 8 bits, block 32, int8 compute: rows independent);
+  ``int4`` (the same with 4 bits).
 * ``flow_estimator``: ``fp32`` or ``int8`` (dynamic, per channel, ``reduce_range`` on: 7-bit weights, safe on
   AVX2 machines without VNNI where u8s8 products can saturate).
-* ``hift``: ``fp32`` or ``int8w`` (Conv weights stored int8 + ``DequantizeLinear``, fp32 activations: a smaller
-  file, same arithmetic). Never the default.
+* ``hift``: ``fp32`` or ``int8w`` (Conv weights stored int8 per output channel + ``DequantizeLinear``, fp32
+  activations: a 4x smaller file, the same speed; see ``hift_graph.quantize_hift_weights_int8``). Never the default.
 * ``embedding``: the LM's embedding tables as ``fp32`` or ``fp16`` ``.npy`` (memory-mapped either way).
 """
 
@@ -31,7 +32,7 @@ from cosyvoice_cpu.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 STAGE_CHOICES = {
-    "lm": ("fp32", "int8", "int4"),
+    "lm": ("fp32", "int8", "int8w", "int4"),
     "flow_estimator": ("fp32", "int8"),
     "hift": ("fp32", "int8w"),
     "embedding": ("fp32", "fp16"),
@@ -65,8 +66,10 @@ RECIPES: dict[str, Recipe] = {
     for r in (
         Recipe("fp32"),
         Recipe("lm-int8", lm="int8"),
+        Recipe("lm-int8w", lm="int8w"),
         Recipe("lm-int4", lm="int4"),
         Recipe("int8", lm="int8", flow_estimator="int8"),
+        Recipe("int8w", lm="int8w", flow_estimator="int8"),
         Recipe("int4", lm="int4", flow_estimator="int8"),
         Recipe("int4-fp16emb", lm="int4", flow_estimator="int8", embedding="fp16"),
         Recipe("hift-int8w", hift="int8w"),
@@ -145,51 +148,6 @@ def quantize_nbits(
     )
     quant.process()
     _save(quant.model.model, Path(dst))
-
-
-def quantize_conv_weights_int8(src: Path, dst: Path) -> None:
-    """Conv/ConvTranspose weights stored as int8 (per output channel, symmetric) behind ``DequantizeLinear``.
-
-    Arithmetic stays fp32 (ORT folds the dequantization at load), so this only shrinks the file; the
-    quality cost is the weight rounding, measured in docs/quantization.md.
-    """
-    import onnx
-    from onnx import helper, numpy_helper
-
-    model = onnx.load(str(src), load_external_data=True)
-    graph = model.graph
-    inits = {i.name: i for i in graph.initializer}
-    done = 0
-    for node in graph.node:
-        if node.op_type not in ("Conv", "ConvTranspose") or len(node.input) < 2 or node.input[1] not in inits:
-            continue
-        name = node.input[1]
-        w = numpy_helper.to_array(inits[name]).astype(np.float32)
-        axis = 0 if node.op_type == "Conv" else 1  # output channels: Conv (O, I, k), ConvTranspose (I, O, k)
-        reduce = tuple(i for i in range(w.ndim) if i != axis)
-        scale = np.max(np.abs(w), axis=reduce) / 127.0
-        scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-        shape = [1] * w.ndim
-        shape[axis] = -1
-        q = np.clip(np.round(w / scale.reshape(shape)), -127, 127).astype(np.int8)
-        graph.initializer.remove(inits[name])
-        graph.initializer.extend([
-            numpy_helper.from_array(q, name + "_q"),
-            numpy_helper.from_array(scale, name + "_scale"),
-            numpy_helper.from_array(np.zeros_like(scale, dtype=np.int8), name + "_zero"),
-        ])  # fmt: skip
-        graph.node.append(
-            helper.make_node("DequantizeLinear", [name + "_q", name + "_scale", name + "_zero"], [name], axis=axis)
-        )
-        done += 1
-    if not done:
-        raise ConfigError(f"{src} has no Conv weights to quantize")
-    # DequantizeLinear nodes were appended; restore a topological order for the checker
-    sorted_nodes = sorted(graph.node, key=lambda n: 0 if n.op_type == "DequantizeLinear" else 1)
-    del graph.node[:]
-    graph.node.extend(sorted_nodes)
-    logger.info("stored %d conv weights of %s as int8", done, src.name)
-    _save(model, Path(dst))
 
 
 def convert_embedding(src: Path, dst: Path, precision: str) -> None:

@@ -1,0 +1,109 @@
+"""``cosyvoice-cpu export`` refuses bad input precisely and never leaves a half-written model directory."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from cosyvoice_cpu.cli import main
+from cosyvoice_cpu.errors import ConfigError, ModelDirError
+from cosyvoice_cpu.export import exporter
+from cosyvoice_cpu.export.exporter import ExportError, ExportOptions, export_model
+
+
+def _linked_copy(src: Path, dst: Path) -> Path:
+    """A copy of a model directory made of symlinks (fast); break a file by replacing its link."""
+    for p in src.rglob("*"):
+        target = dst / p.relative_to(src)
+        if p.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(p, target)
+    return dst
+
+
+def _replace(path: Path, data: bytes) -> None:
+    path.unlink()
+    path.write_bytes(data)
+
+
+def _no_leftovers(parent: Path) -> None:
+    assert not [p.name for p in parent.iterdir() if ".partial" in p.name or ".old-" in p.name]
+
+
+@pytest.mark.parametrize(
+    ("breakage", "error", "message"),
+    [
+        (lambda d: (d / "flow.pt").unlink(), ExportError, r"missing flow\.pt"),
+        (lambda d: (d / "CosyVoice-BlankEN" / "merges.txt").unlink(), ExportError, "merges.txt"),
+        (lambda d: _replace(d / "llm.pt", b"\x80\x02not a checkpoint"), ModelDirError, "not a readable PyTorch"),
+        (lambda d: _replace(d / "campplus.onnx", b"garbage"), ExportError, "campplus.onnx is not a readable ONNX"),
+        (
+            lambda d: _replace(
+                d / "cosyvoice2.yaml",
+                (d.parent / "orig.yaml").read_text().replace("llm.llm.Qwen2LM", "llm.llm.TransformerLM").encode(),
+            ),
+            ModelDirError,
+            "is a cosyvoice model",
+        ),
+    ],
+    ids=["missing-checkpoint", "missing-tokenizer-file", "corrupt-checkpoint", "corrupt-onnx", "wrong-family"],
+)
+def test_broken_sources_fail_precisely_and_leave_nothing(
+    tiny_model_dir: Path, tmp_path: Path, breakage, error, message
+) -> None:
+    (tmp_path / "orig.yaml").write_text((tiny_model_dir / "cosyvoice2.yaml").read_text())
+    src = _linked_copy(tiny_model_dir, tmp_path / "src")
+    breakage(src)
+    out = tmp_path / "out"
+    with pytest.raises(error, match=message):
+        export_model(src, out / "model", ExportOptions(recipe="fp32", verify=False))
+    assert not (out / "model").exists()
+    if out.exists():
+        _no_leftovers(out)
+
+
+def test_existing_target_needs_force(tiny_model_dir: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "model"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match=r"already exists.*--force"):
+        export_model(tiny_model_dir, dst, ExportOptions(recipe="fp32", verify=False))
+    assert (dst / "keep.txt").read_text() == "mine"
+
+
+def test_target_inside_source_is_refused(tiny_model_dir: Path) -> None:
+    with pytest.raises(ExportError, match="must be outside"):
+        export_model(tiny_model_dir, tiny_model_dir / "exported", ExportOptions(recipe="fp32", verify=False))
+    assert not (tiny_model_dir / "exported").exists()
+
+
+def test_too_little_disk_is_refused_before_writing(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(exporter, "free_bytes", lambda path: 10 << 20)
+    with pytest.raises(ExportError, match=r"not enough disk space .* needs about"):
+        export_model(tiny_model_dir, tmp_path / "model", ExportOptions(recipe="fp32", verify=False))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_recipe_and_max_len_are_config_errors(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown quantization recipe 'int3'"):
+        export_model(tiny_model_dir, tmp_path / "m", ExportOptions(recipe="int3"))
+    with pytest.raises(ConfigError, match="lm='int2' is not one of"):
+        export_model(tiny_model_dir, tmp_path / "m", ExportOptions(recipe="lm=int2"))
+    with pytest.raises(ConfigError, match="unknown stage 'vocoder'"):
+        export_model(tiny_model_dir, tmp_path / "m", ExportOptions(recipe="vocoder=int8"))
+    with pytest.raises(ConfigError, match="max_len"):
+        export_model(tiny_model_dir, tmp_path / "m", ExportOptions(max_len=8))
+
+
+def test_cli_reports_errors_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["export", "--from", str(tmp_path / "nope"), "--to", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no such directory" in err
+    assert main(["export", "--list-recipes"]) == 0
+    assert "int4" in capsys.readouterr().out

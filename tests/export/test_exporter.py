@@ -1,0 +1,131 @@
+"""``cosyvoice-cpu export`` end to end on the tiny fixture: the model directory, its manifest, its gates."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cosyvoice_cpu.cli import main
+from cosyvoice_cpu.errors import ModelDirError
+from cosyvoice_cpu.export import stages
+from cosyvoice_cpu.export.common import GateResult
+from cosyvoice_cpu.export.exporter import ExportError, ExportOptions, export_model
+from cosyvoice_cpu.export.quantize import DEFAULT_RECIPE, RECIPES
+from cosyvoice_cpu.manifest import MANIFEST_NAME, Manifest
+
+GRAPHS = {"lm", "flow_encoder", "flow_estimator", "flow_estimator_chunk", "hift_f0", "hift_decode"}
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("export") / "tiny-default"
+    lines: list[str] = []
+    export_model(tiny_model_dir, out, ExportOptions(max_len=256), progress=lines.append)
+    assert any("LM: numerics gate" in line for line in lines) and lines[-1].count("done:")
+    return out
+
+
+def test_model_directory_is_complete_and_self_describing(exported: Path, tiny_model_dir: Path) -> None:
+    m = Manifest.load(exported, check_hashes=True)
+    assert m.family == "cosyvoice2" and m.format_version == 1
+    assert m.recipe["name"] == DEFAULT_RECIPE and m.recipe["stages"] == RECIPES[DEFAULT_RECIPE].stages()
+    assert set(m.graphs) == GRAPHS
+    assert m.graphs["lm"].precision == RECIPES[DEFAULT_RECIPE].lm
+    assert m.graphs["hift_decode"].precision == "fp32"
+    assert {"lm_text_embedding", "lm_speech_embedding", "lm_special_embedding", "flow_noise"} <= set(m.arrays)
+    assert (m.sample_rate, m.token_frame_rate, m.token_mel_ratio) == (24000, 25, 2)
+    assert m.lm["stop_ids"] == [6561, 6562, 6563] and m.graphs["lm"].attrs["max_len"] == 256
+    assert m.flow["n_timesteps"] == 10 and m.flow["cfg_rate"] == 0.7 and m.flow["static_chunk_size"] == 25
+    assert m.sampling["top_k"] == 25 and m.hift["sampling_rate"] == 24000
+    assert m.source["files"]["llm.pt"]["size"] == (tiny_model_dir / "llm.pt").stat().st_size
+    # every gate ran and passed, fp32 and quantized ones
+    assert m.verification and all(v["passed"] for v in m.verification)
+    assert {v["graph"] for v in m.verification} >= {"lm", "flow_encoder", "flow_estimator", "flow_estimator_chunk"}
+    # graph I/O recorded from the files themselves
+    lm_inputs = {i["name"] for i in m.graphs["lm"].inputs}
+    assert {"inputs_embeds", "seqlens_k", "total_sequence_length", "past_key_0"} <= lm_inputs
+    est = [i["name"] for i in m.graphs["flow_estimator"].inputs]
+    assert est == ["x", "mask", "mu", "t", "spks", "cond"]
+    # front-end models copied byte for byte; nothing else left behind
+    for name in ("campplus.onnx", "speech_tokenizer_v2.onnx"):
+        assert (exported / name).read_bytes() == (tiny_model_dir / name).read_bytes()
+    listed = {f.file for f in m.all_files()} | {MANIFEST_NAME}
+    assert {p.name for p in exported.iterdir()} == listed
+    assert all(oct(p.stat().st_mode & 0o777) == "0o644" for p in exported.iterdir())
+
+
+def test_tokenizer_needs_no_torch_and_matches_the_reference(exported: Path, tiny_model_dir: Path) -> None:
+    from tokenizers import Tokenizer
+
+    from cosyvoice_cpu.reference.tokenizer import CosyVoice2Tokenizer
+
+    m = Manifest.load(exported)
+    ours = Tokenizer.from_file(str(m.path(exported, "tokenizer")))
+    ref = CosyVoice2Tokenizer(tiny_model_dir / "CosyVoice-BlankEN")
+    for text in ("Hello world, 你好世界!", "[laughter] it <strong>is</strong> fine<|endofprompt|>ok", "a  b\n\nc"):
+        assert ours.encode(text, add_special_tokens=False).ids == ref.encode(text)
+    assert m.text["special_ids"]["<|endofprompt|>"] == ref.token_id("<|endofprompt|>")
+    assert m.text["vocab_size"] == len(ref) == ours.get_vocab_size()
+
+
+def test_manifest_catches_missing_altered_and_foreign_directories(exported: Path, tmp_path: Path) -> None:
+    d = tmp_path / "copy"
+    shutil.copytree(exported, d)
+    (d / "hift_f0.onnx.data").write_bytes(b"x" * (d / "hift_f0.onnx.data").stat().st_size)  # same size
+    Manifest.load(d)  # sizes agree: only the hash check sees it
+    with pytest.raises(ModelDirError, match=r"hift_f0\.onnx\.data does not match its sha256"):
+        Manifest.load(d, check_hashes=True)
+    (d / "flow_noise.npy").unlink()
+    with pytest.raises(ModelDirError, match=r"flow_noise\.npy is missing.*Re-export"):
+        Manifest.load(d)
+    data = json.loads((d / MANIFEST_NAME).read_text())
+    (d / MANIFEST_NAME).write_text(json.dumps({**data, "format_version": 99}))
+    with pytest.raises(ModelDirError, match="format_version 99, newer"):
+        Manifest.load(d)
+    (d / MANIFEST_NAME).write_text("{not json")
+    with pytest.raises(ModelDirError, match="not readable JSON"):
+        Manifest.load(d)
+
+
+def test_official_directory_is_pointed_to_export(tiny_model_dir: Path) -> None:
+    with pytest.raises(ModelDirError, match="cosyvoice-cpu export --from"):
+        Manifest.load(tiny_model_dir)
+
+
+def test_failed_gate_discards_the_export_and_keeps_the_old_one(
+    exported: Path, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dst = tmp_path / "model"
+    shutil.copytree(exported, dst)
+    before = (dst / MANIFEST_NAME).read_bytes()
+    import cosyvoice_cpu.export.hift_graph as hift_graph
+
+    monkeypatch.setattr(hift_graph, "verify_hift", lambda *a, **k: [GateResult("hift_decode", "wave", 0.5, 1e-4)])
+    with pytest.raises(ExportError, match=r"numerics gate failed.*hift_decode: wave = 0\.5"):
+        export_model(tiny_model_dir, dst, ExportOptions(recipe="fp32", force=True, max_len=256))
+    assert (dst / MANIFEST_NAME).read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_cli_export_with_a_recipe_spec(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    dst = tmp_path / "m"
+    spec = "lm=int4,embedding=fp16,hift=int8w"
+    assert main(["export", "--from", str(tiny_model_dir), "--to", str(dst), "--quant", spec, "--max-len", "128"]) == 0
+    out = capsys.readouterr().out
+    assert "HiFT: numerics gate (int8w vs PyTorch)" in out and "done:" in out
+    m = Manifest.load(dst)
+    assert m.recipe["stages"] == {"lm": "int4", "flow_estimator": "fp32", "hift": "int8w", "embedding": "fp16"}
+    assert np.load(dst / "lm_text_embedding.npy", mmap_mode="r").dtype == np.float16
+    assert m.graphs["hift_decode"].precision == "int8w" and m.graphs["flow_estimator"].precision == "fp32"
+    # a second export without --force is refused, with --force it replaces the directory
+    assert main(["export", "--from", str(tiny_model_dir), "--to", str(dst), "--quant", "fp32"]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert main(["export", "--from", str(tiny_model_dir), "--to", str(dst), "--quant", "fp32", "--force",
+                 "--no-verify", "--max-len", "128"]) == 0  # fmt: skip
+    m = Manifest.load(dst)
+    assert m.recipe["name"] == "fp32" and m.verification == []
+    assert stages.QUANT_TOLERANCE  # the quantized gates are configured
