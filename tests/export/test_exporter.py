@@ -17,6 +17,13 @@ from cosyvoice_cpu.export.exporter import ExportError, ExportOptions, export_mod
 from cosyvoice_cpu.export.quantize import DEFAULT_RECIPE, RECIPES
 from cosyvoice_cpu.manifest import MANIFEST_NAME, Manifest
 
+
+def _ops(path: Path) -> set[str]:
+    import onnx
+
+    return {n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node}
+
+
 GRAPHS = {"lm", "flow_encoder", "flow_estimator", "flow_estimator_chunk", "hift_f0", "hift_decode"}
 
 
@@ -36,6 +43,10 @@ def test_model_directory_is_complete_and_self_describing(exported: Path, tiny_mo
     assert set(m.graphs) == GRAPHS
     assert m.graphs["lm"].precision == RECIPES[DEFAULT_RECIPE].lm
     assert m.graphs["hift_decode"].precision == "fp32"
+    expected_lm_op = {"int8": "DynamicQuantizeLinear", "int8w": "MatMulNBits", "int4": "MatMulNBits"}
+    assert expected_lm_op[RECIPES[DEFAULT_RECIPE].lm] in _ops(exported / "lm.onnx")
+    assert "DynamicQuantizeLinear" in _ops(exported / "flow_estimator.onnx")
+    assert "DynamicQuantizeLinear" in _ops(exported / "flow_estimator_chunk.onnx")
     assert {"lm_text_embedding", "lm_speech_embedding", "lm_special_embedding", "flow_noise"} <= set(m.arrays)
     assert (m.sample_rate, m.token_frame_rate, m.token_mel_ratio) == (24000, 25, 2)
     assert m.lm["stop_ids"] == [6561, 6562, 6563] and m.graphs["lm"].attrs["max_len"] == 256
@@ -121,6 +132,10 @@ def test_cli_export_with_a_recipe_spec(tiny_model_dir: Path, tmp_path: Path, cap
     assert m.recipe["stages"] == {"lm": "int4", "flow_estimator": "fp32", "hift": "int8w", "embedding": "fp16"}
     assert np.load(dst / "lm_text_embedding.npy", mmap_mode="r").dtype == np.float16
     assert m.graphs["hift_decode"].precision == "int8w" and m.graphs["flow_estimator"].precision == "fp32"
+    # the graphs really are what the manifest says
+    assert "MatMulNBits" in _ops(dst / "lm.onnx")
+    assert "DequantizeLinear" in _ops(dst / "hift_decode.onnx") and "DequantizeLinear" not in _ops(dst / "hift_f0.onnx")
+    assert not {"MatMulNBits", "DynamicQuantizeLinear"} & _ops(dst / "flow_estimator.onnx")
     # a second export without --force is refused, with --force it replaces the directory
     assert main(["export", "--from", str(tiny_model_dir), "--to", str(dst), "--quant", "fp32"]) == 2
     assert "--force" in capsys.readouterr().err

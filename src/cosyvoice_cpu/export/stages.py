@@ -60,14 +60,15 @@ def _quantize(art: GraphArtifact, precision: str, work: Path, out: Path) -> Grap
         return art
     _move(art, out, work)
     src, dst = work / art.file, out / art.file
-    if precision == "int8" and art.key == "lm":
+    lm, estimator, hift = art.key == "lm", art.key.startswith("flow_estimator"), art.key == "hift_decode"
+    if lm and precision == "int8":
         quantize_int8_dynamic(src, dst, reduce_range=False)
-    elif precision == "int8":
-        # estimator: 7-bit weights, exact on every ISA (u8s8 saturation on AVX2 without VNNI)
-        quantize_int8_dynamic(src, dst, reduce_range=True)
-    elif precision in ("int4", "int8w"):
+    elif lm and precision in ("int4", "int8w"):
         quantize_nbits(src, dst, bits=4 if precision == "int4" else 8, block_size=32, accuracy_level=4)
-    elif precision == "int8w":
+    elif estimator and precision == "int8":
+        # 7-bit weights: exact on every ISA (u8s8 products saturate on AVX2 without VNNI)
+        quantize_int8_dynamic(src, dst, reduce_range=True)
+    elif hift and precision == "int8w":
         from cosyvoice_cpu.export.hift_graph import quantize_hift_weights_int8
 
         quantize_hift_weights_int8(src, dst)
