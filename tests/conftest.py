@@ -13,3 +13,11 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from cosyvoice_cpu.export.fixture import FixtureSpec, write_fixture
 
     return write_fixture(FixtureSpec("cosyvoice2", "tiny", 0), tmp_path_factory.mktemp("fixtures") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def full_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The full-size CosyVoice2 fixture (random weights, real shapes; ~2.5 GB, about a minute to write)."""
+    from cosyvoice_cpu.export.fixture import FixtureSpec, write_fixture
+
+    return write_fixture(FixtureSpec("cosyvoice2", "full", 0), tmp_path_factory.mktemp("fixtures") / "full")

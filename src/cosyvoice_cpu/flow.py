@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnxruntime as ort
 
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
+from cosyvoice_cpu.sessions import SessionConfig, check_io, make_session
 
 logger = logging.getLogger(__name__)
 
@@ -60,27 +60,14 @@ def time_span(n_timesteps: int, scheduler: str = "cosine") -> np.ndarray:
     return span
 
 
-def _session(path: Path, threads: int) -> ort.InferenceSession:
-    if not Path(path).is_file():
-        raise ModelDirError(f"flow graph {path} is missing; export the model directory again")
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.inter_op_num_threads = 1
-    so.log_severity_level = 3
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-
-
-def _check_io(sess: ort.InferenceSession, path: Path, io: tuple[dict[str, tuple[str, int]], tuple[str, ...]]) -> None:
-    """Raise :class:`ModelDirError` unless the graph has exactly the expected inputs (dtype, rank) and outputs."""
+def _open(path: Path, threads: int, io: tuple[dict[str, tuple[str, int]], tuple[str, ...]]) -> Any:
+    """A session on a flow graph whose inputs (dtype, rank) and output names are checked against ``io``."""
+    sess = make_session(path, SessionConfig(threads=threads))
     inputs, outputs = io
-    got = {i.name: (i.type, len(i.shape)) for i in sess.get_inputs()}
-    want = {n: (f"tensor({dt})", rank) for n, (dt, rank) in inputs.items()}
-    got_out = tuple(o.name for o in sess.get_outputs())
-    if got != want or got_out != outputs:
-        raise ModelDirError(
-            f"{path} does not have the flow graph contract: inputs {got}, outputs {list(got_out)}; expected "
-            f"inputs {want}, outputs {list(outputs)}. Re-export the model directory with this version."
-        )
+    want_in = {n: (f"tensor({dt})", rank) for n, (dt, rank) in inputs.items()}
+    out_rank = {o.name: len(o.shape) for o in sess.get_outputs()}
+    check_io(sess, path, want_in, {n: ("tensor(float)", out_rank.get(n, 0)) for n in outputs})
+    return sess
 
 
 def _ids(tokens: Any, what: str) -> np.ndarray:
@@ -114,15 +101,12 @@ class FlowStage:
         threads: int = 1,
     ) -> None:
         self.settings = settings if isinstance(settings, FlowSettings) else FlowSettings.from_attrs(settings)
-        self.encoder = _session(Path(encoder), threads)
-        _check_io(self.encoder, Path(encoder), ENCODER_IO)
+        self.encoder = _open(Path(encoder), threads, ENCODER_IO)
         emb_shape = next(i.shape for i in self.encoder.get_inputs() if i.name == "embedding")
         self._emb_dim = int(emb_shape[1]) if isinstance(emb_shape[1], int) else 192
-        self.estimators: dict[bool, ort.InferenceSession] = {False: _session(Path(estimator), threads)}
-        _check_io(self.estimators[False], Path(estimator), ESTIMATOR_IO)
+        self.estimators: dict[bool, Any] = {False: _open(Path(estimator), threads, ESTIMATOR_IO)}
         if estimator_chunk is not None:
-            self.estimators[True] = _session(Path(estimator_chunk), threads)
-            _check_io(self.estimators[True], Path(estimator_chunk), ESTIMATOR_IO)
+            self.estimators[True] = _open(Path(estimator_chunk), threads, ESTIMATOR_IO)
         self.noise: np.ndarray | None = None
         if noise is not None:
             if not Path(noise).is_file():

@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnxruntime as ort
 
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
+from cosyvoice_cpu.sessions import SessionConfig, check_io, make_session
 
 logger = logging.getLogger(__name__)
 
@@ -130,14 +130,7 @@ class LMSession:
         if not self.graph.is_file():
             raise ModelDirError(f"{self.graph} is missing; {EXPORT_HINT}")
         self.tables = {k: self._load_table(k, embeddings) for k in EMBEDDING_FILES}
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = threads
-        so.inter_op_num_threads = 1
-        so.log_severity_level = 3
-        try:
-            self.session = ort.InferenceSession(str(self.graph), so, providers=["CPUExecutionProvider"])
-        except Exception as e:  # ORT raises its own exception types (Fail, InvalidGraph, ...)
-            raise ModelDirError(f"onnxruntime {ort.__version__} cannot load {self.graph} ({e}); {EXPORT_HINT}") from e
+        self.session = make_session(self.graph, SessionConfig(threads=threads))
         self._check_graph()
         logger.info("LM graph %s loaded (%d layers, max_len %d, %d threads)", self.graph, spec.num_layers,
                     spec.max_len, threads)  # fmt: skip
@@ -176,30 +169,11 @@ class LMSession:
             "seqlens_k": ("tensor(int32)", ["batch"]),
             "total_sequence_length": ("tensor(int32)", []),
         }
-        want_out = {"logp": ("tensor(float)", ["batch", s.speech_vocab])}  # fmt: skip
+        want_out = {"logp": ("tensor(float)", ["batch", s.speech_vocab])}
         for i in range(s.num_layers):
             want_in.update({n: ("tensor(float)", kv) for n in past_names(i)})
             want_out.update({n: ("tensor(float)", kv) for n in present_names(i)})
-        problems = []
-        for kind, want, got in (("input", want_in, self.session.get_inputs()),
-                                ("output", want_out, self.session.get_outputs())):  # fmt: skip
-            have = {a.name: (a.type, list(a.shape)) for a in got}
-            for name in sorted(set(have) - set(want)):
-                problems.append(f"unexpected {kind} {name}")
-            for name, (dtype, shape) in want.items():
-                if name not in have:
-                    problems.append(f"missing {kind} {name}")
-                    continue
-                gdtype, gshape = have[name]
-                # dynamic axes (strings/None in the graph) match anything; fixed sizes must agree
-                fixed_ok = len(gshape) == len(shape) and all(
-                    not isinstance(w, int) or not isinstance(g, int) or g == w for g, w in zip(gshape, shape)
-                )
-                if gdtype != dtype or not fixed_ok:
-                    problems.append(f"{kind} {name} is {gdtype} {gshape}, expected {dtype} {shape}")
-        if problems:
-            shown = "; ".join(problems[:6]) + (f"; ... ({len(problems)} problems)" if len(problems) > 6 else "")
-            raise ModelDirError(f"{self.graph} does not match the LM attributes: {shown}; {EXPORT_HINT}")
+        check_io(self.session, self.graph, want_in, want_out)
 
     # ---- embeddings -------------------------------------------------------------------------------------------
 

@@ -8,7 +8,6 @@ difference (not at the first ``run`` with an ORT error).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,18 +59,35 @@ def make_session(path: str | Path, config: SessionConfig | None = None) -> Any:
         raise ModelDirError(f"cannot load graph {path}: {str(e).splitlines()[0]}; re-export the model") from e
 
 
-def check_io(session: Any, inputs: Iterable[str], outputs: Iterable[str], what: str) -> None:
-    """Raise :class:`ModelDirError` unless the session's input and output names are exactly as expected."""
-    have_in = [i.name for i in session.get_inputs()]
-    have_out = [o.name for o in session.get_outputs()]
-    want_in, want_out = list(inputs), list(outputs)
+Spec = dict[str, tuple[str, "int | list[int | str]"]]  # name -> (ORT type such as "tensor(float)", rank or shape)
+
+
+def check_io(session: Any, path: str | Path, inputs: Spec, outputs: Spec) -> None:
+    """Raise :class:`ModelDirError` unless the graph has exactly these inputs and outputs.
+
+    Each entry is ``name -> (type, rank)`` or ``name -> (type, shape)``; in a shape, strings are dynamic axes
+    (anything matches) and integers must equal the graph's fixed size.
+    """
     problems = []
-    if sorted(have_in) != sorted(want_in):
-        problems.append(f"inputs {have_in} (expected {want_in})")
-    if sorted(have_out) != sorted(want_out):
-        problems.append(f"outputs {have_out} (expected {want_out})")
+    for kind, want, got in (("input", inputs, session.get_inputs()), ("output", outputs, session.get_outputs())):
+        have = {a.name: (a.type, list(a.shape)) for a in got}
+        problems += [f"unexpected {kind} {name}" for name in sorted(set(have) - set(want))]
+        for name, (dtype, shape) in want.items():
+            if name not in have:
+                problems.append(f"missing {kind} {name}")
+                continue
+            gtype, gshape = have[name]
+            if isinstance(shape, int):
+                ok = len(gshape) == shape
+            else:
+                ok = len(gshape) == len(shape) and all(
+                    not isinstance(w, int) or not isinstance(g, int) or g == w for g, w in zip(gshape, shape)
+                )
+            if gtype != dtype or not ok:
+                problems.append(f"{kind} {name} is {gtype} {gshape}, expected {dtype} {shape}")
     if problems:
+        shown = "; ".join(problems[:6]) + (f"; ... ({len(problems)} problems)" if len(problems) > 6 else "")
         raise ModelDirError(
-            f"{what} graph has " + " and ".join(problems) + ": it was not written by this version of "
+            f"{path} does not have the expected graph contract: {shown}. It was not written by this version of "
             "`cosyvoice-cpu export`; re-export the model directory"
         )

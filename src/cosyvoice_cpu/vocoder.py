@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
+from cosyvoice_cpu.sessions import SessionConfig, check_io, make_session
 
 logger = logging.getLogger(__name__)
 
@@ -176,29 +177,6 @@ def harmonic_source(f0: np.ndarray, cfg: SourceConfig, noise: SourceNoise) -> np
     return merged[:, None, :]
 
 
-def _session(path: Path, threads: int) -> Any:
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.inter_op_num_threads = 1
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    so.log_severity_level = 3
-    try:
-        return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    except Exception as e:  # ORT raises its own exception types
-        raise ModelDirError(f"cannot load {path}: {e}") from e
-
-
-def _check_io(sess: Any, path: Path, inputs: dict[str, int], outputs: dict[str, int]) -> None:
-    """``inputs``/``outputs``: name -> rank; all float32."""
-    for kind, want, have in (("input", inputs, sess.get_inputs()), ("output", outputs, sess.get_outputs())):
-        got = {v.name: (len(v.shape), v.type) for v in have}
-        expected = {name: (rank, "tensor(float)") for name, rank in want.items()}
-        if got != expected:
-            raise ModelDirError(f"{path.name}: graph {kind}s {got} are not the expected {expected}; re-export it")
-
-
 class Vocoder:
     """mel -> wave with ``hift_f0.onnx``, the NumPy source and ``hift_decode.onnx`` (``HiFT.inference``).
 
@@ -219,10 +197,12 @@ class Vocoder:
         for p in paths:
             if not p.is_file():
                 raise ModelDirError(f"hift graph {p} not found; export the model directory first")
-        self.f0_sess = _session(paths[0], threads)
-        self.decode_sess = _session(paths[1], threads)
-        _check_io(self.f0_sess, paths[0], {"mel": 3}, {"f0": 2})
-        _check_io(self.decode_sess, paths[1], {"mel": 3, "source": 3}, {"wave": 2})
+        config = SessionConfig(threads=threads)
+        self.f0_sess = make_session(paths[0], config)
+        self.decode_sess = make_session(paths[1], config)
+        f32 = "tensor(float)"
+        check_io(self.f0_sess, paths[0], {"mel": (f32, 3)}, {"f0": (f32, 2)})
+        check_io(self.decode_sess, paths[1], {"mel": (f32, 3), "source": (f32, 3)}, {"wave": (f32, 2)})
         logger.debug("vocoder ready: %s, %s (%d threads)", paths[0].name, paths[1].name, threads)
 
     def f0(self, mel: np.ndarray) -> np.ndarray:

@@ -163,7 +163,7 @@ def test_stage_rejects_bad_inputs_and_graphs(stage: FlowStage, flow_dir: Path) -
         stage.encode([[1.5, 2.0]], [], np.zeros(192, np.float32))
     with pytest.raises(ValueError, match="prompt_feat has"):
         stage.inference([1, 2], [3], np.zeros((1, 10, 80), np.float32), np.ones(192, np.float32))
-    with pytest.raises(ModelDirError, match="flow graph contract"):
+    with pytest.raises(ModelDirError, match="does not have the expected graph contract"):
         FlowStage(flow_dir / FILES["flow_estimator"], flow_dir / FILES["flow_estimator"])
     with pytest.raises(ModelDirError, match="missing"):
         FlowStage(flow_dir / "nope.onnx", flow_dir / FILES["flow_estimator"])

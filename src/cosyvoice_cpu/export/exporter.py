@@ -186,7 +186,7 @@ def _export_tokenizer(cfg: Any, out: Path) -> dict[str, Any]:
     tok = CosyVoice2Tokenizer(cfg.blank_en_dir)
     tok._tok.backend_tokenizer.save(str(out / "tokenizer.json"))
     specials = {t: tok.token_id(t) for t in ("<|endoftext|>", *COSYVOICE2_SPECIALS)}
-    return {"tokenizer": "tokenizer", "vocab_size": len(tok), "special_ids": specials}
+    return {"tokenizer": "tokenizer.json", "vocab_size": len(tok), "special_ids": specials}
 
 
 def _manifest(
