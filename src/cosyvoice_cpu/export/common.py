@@ -51,6 +51,13 @@ class GraphArtifact:
     outputs: list[TensorSpec] = field(default_factory=list)
     attrs: dict[str, Any] = field(default_factory=dict)  # stage facts the runtime needs (e.g. max_len)
 
+    @classmethod
+    def of(cls, out_dir: Path, key: str, file: str, attrs: dict[str, Any], precision: str = "fp32") -> GraphArtifact:
+        """The artifact of a graph written at ``out_dir/file``: external data and I/O read from the files."""
+        data = [file + ".data"] if (Path(out_dir) / (file + ".data")).exists() else []
+        inputs, outputs = io_specs(Path(out_dir) / file)
+        return cls(key, file, data, precision, inputs, outputs, dict(attrs))
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosyvoice_cpu.export.common import GateResult, GraphArtifact, io_specs, rel_err, session, torch_export
+from cosyvoice_cpu.export.common import GateResult, GraphArtifact, rel_err, session, torch_export
 from cosyvoice_cpu.reference.cfm import NOISE_FRAMES, NOISE_SEED, official_fixed_noise
 from cosyvoice_cpu.reference.flow import Flow
 from cosyvoice_cpu.reference.flow_estimator import MASK_BIAS, FlowEstimator, timestep_embedding
@@ -179,10 +179,7 @@ def _pin_output_shape(path: Path, name: str, shape: list[int | str]) -> None:
 
 
 def _artifact(out_dir: Path, key: str, attrs: dict[str, Any]) -> GraphArtifact:
-    path = out_dir / FILES[key]
-    data = [path.name + ".data"] if (out_dir / (path.name + ".data")).exists() else []
-    inputs, outputs = io_specs(path)
-    return GraphArtifact(key, path.name, data, "fp32", inputs, outputs, attrs)
+    return GraphArtifact.of(out_dir, key, FILES[key], attrs)
 
 
 @torch.inference_mode()

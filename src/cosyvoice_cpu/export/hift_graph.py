@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosyvoice_cpu.export.common import GateResult, GraphArtifact, io_specs, rel_err, torch_export
+from cosyvoice_cpu.export.common import GateResult, GraphArtifact, rel_err, torch_export
 from cosyvoice_cpu.reference.hift import HiFT
 from cosyvoice_cpu.reference.hift_source import SourceNoise
 
@@ -167,16 +167,10 @@ def export_hift(hift: HiFT, out_dir: Path) -> list[GraphArtifact]:
         dynamic_axes={"mel": {0: "batch", 2: "frames"}, "source": {0: "batch", 2: "samples"},
                       "wave": {0: "batch", 1: "samples"}},
     )  # fmt: skip
-    artifacts = []
-    attrs = hift_attrs(hift)
-    for key, name, extra in (
-        ("hift_f0", F0_FILE, {"in_channels": cfg.in_channels}),
-        ("hift_decode", DECODE_FILE, attrs),
-    ):
-        path = out_dir / name
-        inputs, outputs = io_specs(path)
-        data = [p.name for p in [out_dir / (name + ".data")] if p.exists()]
-        artifacts.append(GraphArtifact(key, name, data, "fp32", inputs, outputs, dict(extra)))
+    artifacts = [
+        GraphArtifact.of(out_dir, "hift_f0", F0_FILE, {"in_channels": cfg.in_channels}),
+        GraphArtifact.of(out_dir, "hift_decode", DECODE_FILE, hift_attrs(hift)),
+    ]
     logger.info("exported hift graphs to %s", out_dir)
     return artifacts
 

@@ -211,12 +211,12 @@ def export_lm(lm: Any, out_dir: Path, max_len: int = 2048) -> list[GraphArtifact
         np.save(out_dir / EMBEDDING_FILES[key], weight.detach().float().cpu().numpy())
     cos, sin = rope_tables(lm, max_len)
     model = build_lm_model(lm_weights(lm), cos, sin, lm.cfg.qwen)
-    data = save_onnx(model, out_dir / GRAPH_FILE)
+    save_onnx(model, out_dir / GRAPH_FILE)
     del model
-    inputs, outputs = io_specs(out_dir / GRAPH_FILE)  # docs come from the graph's doc strings (IO_DOCS)
     logger.info("wrote %s (%d layers, max_len %d) and embedding tables", out_dir / GRAPH_FILE,
                 lm.cfg.qwen.num_hidden_layers, max_len)  # fmt: skip
-    return [GraphArtifact("lm", GRAPH_FILE, data, "fp32", inputs, outputs, lm_attrs(lm, max_len))]
+    # inputs/outputs (with their docs, IO_DOCS) are read back from the graph
+    return [GraphArtifact.of(out_dir, "lm", GRAPH_FILE, lm_attrs(lm, max_len))]
 
 
 # ---- verification ---------------------------------------------------------------------------------------------

@@ -7,9 +7,11 @@ the largest stage (the LM) instead of the whole model.
 from __future__ import annotations
 
 import gc
+import importlib
 import logging
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,86 +78,71 @@ def _quantize(art: GraphArtifact, precision: str, work: Path, out: Path) -> Grap
         raise ValueError(f"no quantizer for {art.key}={precision}")
     for name in (art.file, *art.data):
         (work / name).unlink(missing_ok=True)
-    data = [f"{art.file}.data"] if (out / f"{art.file}.data").exists() else []
-    return GraphArtifact(art.key, art.file, data, precision, art.inputs, art.outputs, art.attrs)
+    return GraphArtifact.of(out, art.key, art.file, art.attrs, precision)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """One stage: its reference module, its exporter/verifier, and the graphs its recipe precision applies to."""
+
+    name: str  # for progress lines
+    ref: str  # load_reference stage and checkpoint stem
+    module: str  # cosyvoice_cpu.export.<module> with export_<ref>/verify_<ref>
+    recipe_field: str  # the Recipe field (and QUANT_TOLERANCE prefix)
+    quantized: tuple[str, ...]  # graph keys the precision applies to
+
+
+PLANS = (
+    _Plan("LM", "lm", "lm_graph", "lm", ("lm",)),
+    _Plan("flow", "flow", "flow_graph", "flow_estimator", ("flow_estimator", "flow_estimator_chunk")),
+    _Plan("HiFT", "hift", "hift_graph", "hift", ("hift_decode",)),
+)
+CHECKPOINTS = {"lm": "llm.pt", "flow": "flow.pt", "hift": "hift.pt"}
 
 
 def export_stage_files(
     src: Path, out: Path, cfg: Any, recipe: Recipe, options: Any, step: Step
 ) -> tuple[list[GraphArtifact], list[GateResult], dict[str, dict[str, Any]]]:
-    """Write every stage's graphs and arrays into ``out``; return artifacts, gate results and manifest facts."""
+    """Write every stage's graphs and arrays into ``out``; return artifacts, gate results and manifest facts.
+
+    Per stage: load the reference, write fp32 graphs, gate them, apply the recipe, gate the result again with
+    :data:`QUANT_TOLERANCE`, free the reference. A failed gate raises :class:`ExportError` at once.
+    """
     from cosyvoice_cpu.reference.model_dir import load_reference
 
     work = out / "_work"
     work.mkdir()
     graphs: list[GraphArtifact] = []
     gates: list[GateResult] = []
-    facts: dict[str, dict[str, Any]] = {}
     try:
-        # ---------------------------------------------------------------- LM
-        from cosyvoice_cpu.export.lm_graph import export_lm, verify_lm
-
-        step("LM: loading llm.pt")
-        lm = load_reference(src, ("lm",)).lm
-        step("LM: writing the fp32 graph and embedding tables")
-        arts = export_lm(lm, out, max_len=options.max_len)
-        if options.verify:
-            step("LM: numerics gate (fp32 vs PyTorch)")
-            gates = _passed(gates, verify_lm(lm, out, seed=options.seed))
-        if recipe.embedding != "fp32":
-            for table in sorted(out.glob("lm_*embedding.npy")):
-                convert_embedding(table, work / table.name, recipe.embedding)
-                shutil.move(str(work / table.name), str(table))
-        arts = [_quantize(a, recipe.lm, work, out) if a.key == "lm" else a for a in arts]
-        if (recipe.lm, recipe.embedding) != ("fp32", "fp32") and options.verify:
-            step(f"LM: numerics gate ({recipe.lm}, {recipe.embedding} embeddings vs PyTorch)")
-            tol = QUANT_TOLERANCE[f"lm:{recipe.lm}"]
-            gates = _passed(gates, verify_lm(lm, out, seed=options.seed, tolerance=tol))
-        graphs += arts
-        facts["lm"] = {"embedding_precision": recipe.embedding}
-        del lm
-        gc.collect()
-
-        # ---------------------------------------------------------------- flow
-        from cosyvoice_cpu.export.flow_graph import export_flow, verify_flow
-
-        step("flow: loading flow.pt")
-        flow = load_reference(src, ("flow",)).flow
-        step("flow: writing the encoder and estimator graphs")
-        arts = export_flow(flow, out)
-        if options.verify:
-            step("flow: numerics gate (fp32 vs PyTorch)")
-            gates = _passed(gates, verify_flow(flow, out, seed=options.seed))
-        prec = recipe.flow_estimator
-        arts = [_quantize(a, prec, work, out) if a.key.startswith("flow_estimator") else a for a in arts]
-        if prec != "fp32" and options.verify:
-            step(f"flow: numerics gate (estimator {prec} vs PyTorch)")
-            tol = QUANT_TOLERANCE[f"flow_estimator:{prec}"]
-            gates = _passed(gates, verify_flow(flow, out, seed=options.seed, tolerance=tol))
-        graphs += arts
-        del flow
-        gc.collect()
-
-        # ---------------------------------------------------------------- HiFT
-        from cosyvoice_cpu.export.hift_graph import export_hift, verify_hift
-
-        step("HiFT: loading hift.pt")
-        hift = load_reference(src, ("hift",)).hift
-        step("HiFT: writing the vocoder graphs")
-        arts = export_hift(hift, out)
-        if options.verify:
-            step("HiFT: numerics gate (fp32 vs PyTorch)")
-            gates = _passed(gates, verify_hift(hift, out, seed=options.seed))
-        arts = [_quantize(a, recipe.hift, work, out) if a.key == "hift_decode" else a for a in arts]
-        if recipe.hift != "fp32" and options.verify:
-            step(f"HiFT: numerics gate ({recipe.hift} vs PyTorch)")
-            tol = QUANT_TOLERANCE[f"hift:{recipe.hift}"]
-            gates = _passed(gates, verify_hift(hift, out, seed=options.seed, tolerance=tol))
-        graphs += arts
-        del hift
-        gc.collect()
+        for plan in PLANS:
+            module = importlib.import_module(f"cosyvoice_cpu.export.{plan.module}")
+            export, verify = getattr(module, f"export_{plan.ref}"), getattr(module, f"verify_{plan.ref}")
+            step(f"{plan.name}: loading {CHECKPOINTS[plan.ref]}")
+            model = getattr(load_reference(src, (plan.ref,)), plan.ref)
+            step(f"{plan.name}: writing the fp32 graphs")
+            arts = export(model, out, max_len=options.max_len) if plan.ref == "lm" else export(model, out)
+            if options.verify:
+                step(f"{plan.name}: numerics gate (fp32 vs PyTorch)")
+                gates = _passed(gates, verify(model, out, seed=options.seed))
+            precision = getattr(recipe, plan.recipe_field)
+            changed = precision != "fp32"
+            if plan.ref == "lm" and recipe.embedding != "fp32":
+                changed = True
+                for table in sorted(out.glob("lm_*embedding.npy")):
+                    convert_embedding(table, work / table.name, recipe.embedding)
+                    shutil.move(str(work / table.name), str(table))
+            arts = [_quantize(a, precision, work, out) if a.key in plan.quantized else a for a in arts]
+            if changed and options.verify:
+                what = precision + (f", {recipe.embedding} embeddings" if plan.ref == "lm" else "")
+                step(f"{plan.name}: numerics gate ({what} vs PyTorch)")
+                tol = QUANT_TOLERANCE[f"{plan.recipe_field}:{precision}"]
+                gates = _passed(gates, verify(model, out, seed=options.seed, tolerance=tol))
+            graphs += arts
+            del model
+            gc.collect()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     for g in gates:
         logger.info("%s", g)
-    return graphs, gates, facts
+    return graphs, gates, {"lm": {"embedding_precision": recipe.embedding}}
