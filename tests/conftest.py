@@ -21,3 +21,13 @@ def full_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from cosyvoice_cpu.export.fixture import FixtureSpec, write_fixture
 
     return write_fixture(FixtureSpec("cosyvoice2", "full", 0), tmp_path_factory.mktemp("fixtures") / "full")
+
+
+@pytest.fixture(scope="session")
+def tiny_export_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny fixture exported with the default recipe (a deployable model directory)."""
+    from cosyvoice_cpu.export.exporter import ExportOptions, export_model
+
+    out = tmp_path_factory.mktemp("export") / "tiny-default"
+    export_model(tiny_model_dir, out, ExportOptions(max_len=256))
+    return out

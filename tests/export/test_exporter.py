@@ -28,12 +28,16 @@ GRAPHS = {"lm", "flow_encoder", "flow_estimator", "flow_estimator_chunk", "hift_
 
 
 @pytest.fixture(scope="module")
-def exported(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("export") / "tiny-default"
+def exported(tiny_export_dir: Path) -> Path:
+    return tiny_export_dir
+
+
+def test_progress_is_reported_stage_by_stage(tiny_model_dir: Path, tmp_path: Path) -> None:
     lines: list[str] = []
-    export_model(tiny_model_dir, out, ExportOptions(max_len=256), progress=lines.append)
-    assert any("LM: numerics gate" in line for line in lines) and lines[-1].count("done:")
-    return out
+    export_model(tiny_model_dir, tmp_path / "m", ExportOptions(recipe="fp32", max_len=128), progress=lines.append)
+    stages = ["LM: loading", "LM: numerics gate", "flow: writing", "HiFT: numerics gate", "tokenizer", "done:"]
+    positions = [next(i for i, line in enumerate(lines) if s in line) for s in stages]
+    assert positions == sorted(positions) and lines[-1].startswith("[") and "checks passed" in lines[-1]
 
 
 def test_model_directory_is_complete_and_self_describing(exported: Path, tiny_model_dir: Path) -> None:
