@@ -75,7 +75,7 @@ RECIPES: dict[str, Recipe] = {
         Recipe("hift-int8w", hift="int8w"),
     )
 }
-DEFAULT_RECIPE = "int8"
+DEFAULT_RECIPE = "int8w"  # chosen from the measurements in docs/quantization.md ("Decisions")
 
 
 def parse_recipe(text: str) -> Recipe:
