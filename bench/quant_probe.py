@@ -21,6 +21,16 @@ SHAPES = {"tiny": {"prefill": 60, "frames": 200, "voc_frames": 100}, "full": {"p
                                                                                "voc_frames": 500}}  # fmt: skip
 
 
+def estimator_feeds(rng: np.random.Generator, frames: int) -> dict[str, np.ndarray]:
+    """Random inputs of one CFG estimator call: batch 2, ``frames`` frames, all valid."""
+
+    def normal(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape).astype(np.float32)
+
+    return {"x": normal(2, 80, frames), "mask": np.ones((2, 1, frames), np.float32), "mu": normal(2, 80, frames),
+            "t": np.array([0.5, 0.5], np.float32), "spks": normal(2, 80), "cond": normal(2, 80, frames)}  # fmt: skip
+
+
 def peak_rss_mb() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -50,8 +60,7 @@ def probe(model_dir: Path, threads: int, size: str) -> dict:
     m = Manifest.load(model_dir)
     lm = LMSession.from_dir(model_dir, m.graphs["lm"].attrs, threads=threads)
     flow = FlowStage.from_dir(model_dir, m.flow, threads=threads)
-    voc = Vocoder(model_dir / "hift_f0.onnx", model_dir / "hift_decode.onnx", m.graphs["hift_decode"].attrs,
-                  threads=threads)  # fmt: skip
+    voc = Vocoder.from_dir(model_dir, m.graphs["hift_decode"].attrs, threads=threads)
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
 
@@ -64,10 +73,7 @@ def probe(model_dir: Path, threads: int, size: str) -> dict:
     decode_ms = _median_ms(lambda: lm.decode(cache, [0], [next(toks)]), 40)
 
     t = shapes["frames"]
-    est_in = {"x": rng.standard_normal((2, 80, t)).astype(np.float32), "mask": np.ones((2, 1, t), np.float32),
-              "mu": rng.standard_normal((2, 80, t)).astype(np.float32), "t": np.array([0.5, 0.5], np.float32),
-              "spks": rng.standard_normal((2, 80)).astype(np.float32),
-              "cond": rng.standard_normal((2, 80, t)).astype(np.float32)}  # fmt: skip
+    est_in = estimator_feeds(rng, t)
     est = flow.estimators[False]
     estimator_ms = _median_ms(lambda: est.run(["estimator_out"], est_in), 3)
 

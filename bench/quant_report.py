@@ -29,7 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from quant_probe import probe_runtime  # noqa: E402
+from quant_probe import estimator_feeds, probe_runtime  # noqa: E402
 
 from cosyvoice_cpu.cli import cache_dir  # noqa: E402
 from cosyvoice_cpu.export.quantize import RECIPES  # noqa: E402
@@ -84,8 +84,7 @@ def flow_and_vocoder_quality(dirs: dict[str, Path], size: str, threads: int) -> 
         d = dirs[recipe]
         manifest = json.loads((d / "cosyvoice_cpu.json").read_text())
         flow = FlowStage.from_dir(d, manifest["flow"], threads=threads)
-        voc = Vocoder(d / "hift_f0.onnx", d / "hift_decode.onnx", manifest["graphs"]["hift_decode"]["attrs"],
-                      threads=threads)  # fmt: skip
+        voc = Vocoder.from_dir(d, manifest["graphs"]["hift_decode"]["attrs"], threads=threads)
         mels, waves = [], []
         for i, (tok, ptok, pfeat, emb) in enumerate(cases):
             mel = flow.inference(tok, ptok, pfeat, emb)
@@ -95,13 +94,7 @@ def flow_and_vocoder_quality(dirs: dict[str, Path], size: str, threads: int) -> 
             mels.append(mel)
             waves.append(voc(mel, noise=noise)[0])
         if est_in is None:
-            t = 650 if size == "full" else 200
-            est_in = {"x": rng.standard_normal((2, 80, t)).astype(np.float32),
-                      "mask": np.ones((2, 1, t), np.float32),
-                      "mu": rng.standard_normal((2, 80, t)).astype(np.float32),
-                      "t": np.array([0.3, 0.3], np.float32),
-                      "spks": rng.standard_normal((2, 80)).astype(np.float32),
-                      "cond": rng.standard_normal((2, 80, t)).astype(np.float32)}  # fmt: skip
+            est_in = estimator_feeds(rng, 650 if size == "full" else 200)
         est = flow.estimators[False].run(["estimator_out"], est_in)[0]
         if recipe == "fp32":
             base = {"mel": mels, "wave": waves, "est": [est]}

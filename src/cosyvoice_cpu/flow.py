@@ -25,6 +25,13 @@ from cosyvoice_cpu.sessions import SessionConfig, check_io, make_session
 logger = logging.getLogger(__name__)
 
 N_MELS = 80
+# the stage's files in an exported model directory (manifest keys -> file names)
+FILES = {
+    "flow_encoder": "flow_encoder.onnx",
+    "flow_estimator": "flow_estimator.onnx",
+    "flow_estimator_chunk": "flow_estimator_chunk.onnx",
+    "flow_noise": "flow_noise.npy",
+}
 ENCODER_IO = ({"token": ("int64", 2), "context": ("int64", 2), "embedding": ("float", 2), "chunk_size": ("int64", 0)},
               ("mu", "spks"))  # fmt: skip
 ESTIMATOR_IO = ({"x": ("float", 3), "mask": ("float", 3), "mu": ("float", 3), "t": ("float", 1),
@@ -76,7 +83,7 @@ def _ids(tokens: Any, what: str) -> np.ndarray:
     if arr.ndim == 1:
         arr = arr[None]
     if arr.ndim != 2 or arr.shape[0] != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-        raise ValueError(f"{what} must be integer ids of shape (T,) or (1, T), got {arr.dtype} {arr.shape}")
+        raise ConfigError(f"{what} must be integer ids of shape (T,) or (1, T), got {arr.dtype} {arr.shape}")
     return arr.astype(np.int64, copy=False)
 
 
@@ -121,9 +128,9 @@ class FlowStage:
                  threads: int = 1) -> FlowStage:  # fmt: skip
         """The stage from the standard file names in an exported directory."""
         d = Path(model_dir)
-        chunk = d / "flow_estimator_chunk.onnx"
-        return cls(d / "flow_encoder.onnx", d / "flow_estimator.onnx", chunk if chunk.is_file() else None,
-                   d / "flow_noise.npy", settings, threads)  # fmt: skip
+        chunk = d / FILES["flow_estimator_chunk"]
+        return cls(d / FILES["flow_encoder"], d / FILES["flow_estimator"], chunk if chunk.is_file() else None,
+                   d / FILES["flow_noise"], settings, threads)  # fmt: skip
 
     def encode(
         self, tokens: Any, prompt_tokens: Any, embedding: np.ndarray, context: Any = None, streaming: bool = False
@@ -142,13 +149,13 @@ class FlowStage:
         token = np.concatenate([_ids(prompt_tokens, "prompt_tokens"), _ids(tokens, "tokens")], axis=1)
         ctx = np.zeros((1, 0), np.int64) if context is None else _ids(context, "context")
         if ctx.shape[1] > self.settings.pre_lookahead_len:
-            raise ValueError(f"context has {ctx.shape[1]} tokens, at most pre_lookahead_len = "
+            raise ConfigError(f"context has {ctx.shape[1]} tokens, at most pre_lookahead_len = "
                              f"{self.settings.pre_lookahead_len} are used")  # fmt: skip
         if token.shape[1] == 0:
-            raise ValueError("no tokens to encode")
+            raise ConfigError("no tokens to encode")
         emb = np.asarray(embedding, dtype=np.float32)
         if emb.size != self._emb_dim:
-            raise ValueError(f"embedding must hold {self._emb_dim} values ((1, {self._emb_dim})), got {emb.shape}")
+            raise ConfigError(f"embedding must hold {self._emb_dim} values ((1, {self._emb_dim})), got {emb.shape}")
         emb = emb.reshape(1, self._emb_dim)
         chunk = np.array(self.settings.static_chunk_size if streaming else 0, dtype=np.int64)
         mu, spks = self.encoder.run(None, {"token": token, "context": ctx, "embedding": emb, "chunk_size": chunk})
@@ -179,18 +186,18 @@ class FlowStage:
         n_timesteps = self.settings.n_timesteps if n_timesteps is None else int(n_timesteps)
         cfg_rate = self.settings.cfg_rate if cfg_rate is None else float(cfg_rate)
         if n_timesteps < 1 or cfg_rate < 0:
-            raise ValueError(f"need n_timesteps >= 1 and cfg_rate >= 0, got {n_timesteps} and {cfg_rate}")
+            raise ConfigError(f"need n_timesteps >= 1 and cfg_rate >= 0, got {n_timesteps} and {cfg_rate}")
         if streaming not in self.estimators:
             raise ModelDirError("streaming needs flow_estimator_chunk.onnx, which this stage was built without")
         mu = np.asarray(mu, dtype=np.float32)
         if mu.ndim != 3 or mu.shape[1] != N_MELS:
-            raise ValueError(f"mu must be (B, 80, T), got {mu.shape}")
+            raise ConfigError(f"mu must be (B, 80, T), got {mu.shape}")
         b, size = mu.shape[0], mu.shape[2]
         spks = np.asarray(spks, dtype=np.float32).reshape(b, N_MELS)
         cond = np.asarray(cond, dtype=np.float32)
         mask = np.ones((b, 1, size), np.float32) if mask is None else np.asarray(mask, dtype=np.float32)
         if cond.shape != mu.shape or mask.shape != (b, 1, size):
-            raise ValueError(f"cond must be {mu.shape} and mask {(b, 1, size)}, got {cond.shape} and {mask.shape}")
+            raise ConfigError(f"cond must be {mu.shape} and mask {(b, 1, size)}, got {cond.shape} and {mask.shape}")
         x = self._noise(noise, b, size)
 
         # Row block 0 conditioned, block 1 unconditioned (mu, spks, cond zeroed), as the reference solver.
@@ -224,7 +231,7 @@ class FlowStage:
             noise = self.noise
         noise = np.asarray(noise)
         if noise.ndim != 3 or noise.shape[0] not in (1, b) or noise.shape[1] != N_MELS or noise.shape[2] < size:
-            raise ValueError(f"noise must be (1 or {b}, 80, >= {size}) frames, got {noise.shape}")
+            raise ConfigError(f"noise must be (1 or {b}, 80, >= {size}) frames, got {noise.shape}")
         return np.ascontiguousarray(np.broadcast_to(noise[:, :, :size], (b, N_MELS, size)), dtype=np.float32)
 
     def inference(
@@ -251,10 +258,10 @@ class FlowStage:
         feat = np.asarray(prompt_feat, dtype=np.float32)
         feat = feat[None] if feat.ndim == 2 else feat
         if feat.ndim != 3 or feat.shape[0] != 1 or feat.shape[2] != N_MELS:
-            raise ValueError(f"prompt_feat must be (1, T_pm, 80), got {feat.shape}")
+            raise ConfigError(f"prompt_feat must be (1, T_pm, 80), got {feat.shape}")
         n_prompt = feat.shape[1]
         if n_prompt >= mu.shape[2]:
-            raise ValueError(f"prompt_feat has {n_prompt} frames but the tokens give only {mu.shape[2]}")
+            raise ConfigError(f"prompt_feat has {n_prompt} frames but the tokens give only {mu.shape[2]}")
         cond = np.zeros_like(mu)
         cond[:, :, :n_prompt] = feat.transpose(0, 2, 1)
         mel = self.solve(mu, spks, cond, None, n_timesteps, cfg_rate, noise, streaming)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cosyvoice_cpu.errors import ModelDirError
+from cosyvoice_cpu.errors import ConfigError, ModelDirError
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class SessionConfig:
 
     def validate(self) -> None:
         if self.threads < 0:
-            raise ValueError(f"threads must be >= 0 (0 = all cores), got {self.threads}")
+            raise ConfigError(f"threads must be >= 0 (0 = all cores), got {self.threads}")
 
 
 def make_session(path: str | Path, config: SessionConfig | None = None) -> Any:

@@ -177,6 +177,10 @@ def harmonic_source(f0: np.ndarray, cfg: SourceConfig, noise: SourceNoise) -> np
     return merged[:, None, :]
 
 
+F0_FILE = "hift_f0.onnx"  # file names in an exported model directory
+DECODE_FILE = "hift_decode.onnx"
+
+
 class Vocoder:
     """mel -> wave with ``hift_f0.onnx``, the NumPy source and ``hift_decode.onnx`` (``HiFT.inference``).
 
@@ -204,6 +208,12 @@ class Vocoder:
         check_io(self.f0_sess, paths[0], {"mel": (f32, 3)}, {"f0": (f32, 2)})
         check_io(self.decode_sess, paths[1], {"mel": (f32, 3), "source": (f32, 3)}, {"wave": (f32, 2)})
         logger.debug("vocoder ready: %s, %s (%d threads)", paths[0].name, paths[1].name, threads)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, attrs: dict[str, Any], threads: int = 1) -> Vocoder:
+        """The vocoder from the standard file names in an exported directory (``attrs``: ``hift_decode``'s)."""
+        d = Path(model_dir)
+        return cls(d / F0_FILE, d / DECODE_FILE, attrs, threads)
 
     def f0(self, mel: np.ndarray) -> np.ndarray:
         """``mel (B, 80, T)`` -> F0 in Hz ``(B, T)``."""

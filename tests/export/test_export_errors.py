@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from cosyvoice_cpu.cli import main
-from cosyvoice_cpu.errors import ConfigError, ModelDirError
+from cosyvoice_cpu.errors import ConfigError, MissingExtraError, ModelDirError
 from cosyvoice_cpu.export import exporter
 from cosyvoice_cpu.export.exporter import ExportError, ExportOptions, export_model
 
@@ -42,6 +42,11 @@ def _no_leftovers(parent: Path) -> None:
         (lambda d: _replace(d / "llm.pt", b"\x80\x02not a checkpoint"), ModelDirError, "not a readable PyTorch"),
         (lambda d: _replace(d / "campplus.onnx", b"garbage"), ExportError, "campplus.onnx is not a readable ONNX"),
         (
+            lambda d: _replace(d / "campplus.onnx", (d / "speech_tokenizer_v2.onnx").read_bytes()),
+            ExportError,
+            r"campplus\.onnx \(campplus\) has 2 inputs of ranks \[3, 1\], expected ranks \[3\]",
+        ),
+        (
             lambda d: _replace(
                 d / "cosyvoice2.yaml",
                 (d.parent / "orig.yaml").read_text().replace("llm.llm.Qwen2LM", "llm.llm.TransformerLM").encode(),
@@ -50,7 +55,8 @@ def _no_leftovers(parent: Path) -> None:
             "is a cosyvoice model",
         ),
     ],
-    ids=["missing-checkpoint", "missing-tokenizer-file", "corrupt-checkpoint", "corrupt-onnx", "wrong-family"],
+    ids=["missing-checkpoint", "missing-tokenizer-file", "corrupt-checkpoint", "corrupt-onnx", "wrong-onnx",
+         "wrong-family"],
 )
 def test_broken_sources_fail_precisely_and_leave_nothing(
     tiny_model_dir: Path, tmp_path: Path, breakage, error, message
@@ -73,6 +79,52 @@ def test_existing_target_needs_force(tiny_model_dir: Path, tmp_path: Path) -> No
     with pytest.raises(ExportError, match=r"already exists.*--force"):
         export_model(tiny_model_dir, dst, ExportOptions(recipe="fp32", verify=False))
     assert (dst / "keep.txt").read_text() == "mine"
+
+
+def test_force_only_replaces_a_model_directory(tiny_model_dir: Path, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "thesis.tex").write_text("years of work")
+    with pytest.raises(ExportError, match=r"holds no cosyvoice_cpu\.json: --force only replaces a cosyvoice-cpu model"):
+        export_model(tiny_model_dir, home, ExportOptions(recipe="fp32", force=True, verify=False))
+    assert (home / "thesis.tex").read_text() == "years of work"
+
+
+def test_missing_export_dependency_is_named_before_any_work(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(exporter.EXPORT_MODULES, "no_such_module_xyz", "no-such-dist")
+    with pytest.raises(MissingExtraError, match=r"export needs no-such-dist: pip install 'cosyvoice-cpu\[export\]'"):
+        export_model(tiny_model_dir, tmp_path / "m", ExportOptions(recipe="fp32", verify=False))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unexpected_failures_become_one_line_errors_naming_the_step(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import cosyvoice_cpu.export.flow_graph as flow_graph
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("tracer exploded\nsecond line")
+
+    monkeypatch.setattr(flow_graph, "export_flow", boom)
+    stale = tmp_path / ".m.partial-999999999"  # left by a killed export (no such pid)
+    stale.mkdir()
+    with pytest.raises(ExportError, match=r"while 'flow: writing the fp32 graphs': RuntimeError: tracer exploded; "):
+        export_model(tiny_model_dir, tmp_path / "m", ExportOptions(recipe="fp32", verify=False))
+    assert list(tmp_path.iterdir()) == []  # the stale partial directory was swept, the new one removed
+
+
+def test_replace_dir_puts_the_old_directory_back_when_the_swap_fails(tmp_path: Path) -> None:
+    from cosyvoice_cpu.export.common import replace_dir
+
+    old = tmp_path / "model"
+    old.mkdir()
+    (old / "cosyvoice_cpu.json").write_text("{}")
+    with pytest.raises(FileNotFoundError):
+        replace_dir(tmp_path / "vanished", old)
+    assert (old / "cosyvoice_cpu.json").read_text() == "{}"
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
 
 
 def test_target_inside_source_is_refused(tiny_model_dir: Path) -> None:

@@ -57,9 +57,15 @@ def test_model_directory_is_complete_and_self_describing(exported: Path, tiny_mo
     assert m.flow["n_timesteps"] == 10 and m.flow["cfg_rate"] == 0.7 and m.flow["static_chunk_size"] == 25
     assert m.sampling["top_k"] == 25 and m.hift["sampling_rate"] == 24000
     assert m.source["files"]["llm.pt"]["size"] == (tiny_model_dir / "llm.pt").stat().st_size
-    # every gate ran and passed, fp32 and quantized ones
+    # every gate ran and passed: fp32 graphs, then the recipe's quantized graphs with their own tolerances
     assert m.verification and all(v["passed"] for v in m.verification)
-    assert {v["graph"] for v in m.verification} >= {"lm", "flow_encoder", "flow_estimator", "flow_estimator_chunk"}
+    fp32 = {v["graph"] for v in m.verification if v["phase"] == "fp32"}
+    assert fp32 == {"lm", "flow_encoder", "flow_estimator", "flow_estimator_chunk", "flow", "hift_f0", "hift_source",
+                    "hift_decode", "hift"}  # fmt: skip
+    recipe = RECIPES[DEFAULT_RECIPE]
+    quantized = {(v["graph"], v["check"]): v["tolerance"] for v in m.verification if v["phase"] != "fp32"}
+    assert quantized[("lm", "decode_kl")] == stages.QUANT_TOLERANCE[f"lm:{recipe.lm}"]["decode_kl"]
+    assert quantized[("flow", "mel rel err")] == stages.QUANT_TOLERANCE["flow_estimator:int8"]["mel"]
     # graph I/O recorded from the files themselves
     lm_inputs = {i["name"] for i in m.graphs["lm"].inputs}
     assert {"inputs_embeds", "seqlens_k", "total_sequence_length", "past_key_0"} <= lm_inputs
@@ -119,8 +125,9 @@ def test_failed_gate_discards_the_export_and_keeps_the_old_one(
     before = (dst / MANIFEST_NAME).read_bytes()
     import cosyvoice_cpu.export.hift_graph as hift_graph
 
-    monkeypatch.setattr(hift_graph, "verify_hift", lambda *a, **k: [GateResult("hift_decode", "wave", 0.5, 1e-4)])
-    with pytest.raises(ExportError, match=r"numerics gate failed.*hift_decode: wave = 0\.5"):
+    failing = [GateResult("hift_decode", "decode max rel err", 0.5, 1e-5)]
+    monkeypatch.setattr(hift_graph, "verify_hift", lambda *a, **k: failing)
+    with pytest.raises(ExportError, match=r"numerics gate failed.*hift_decode \[fp32\]: decode max rel err = 0\.5"):
         export_model(tiny_model_dir, dst, ExportOptions(recipe="fp32", force=True, max_len=256))
     assert (dst / MANIFEST_NAME).read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
@@ -147,4 +154,3 @@ def test_cli_export_with_a_recipe_spec(tiny_model_dir: Path, tmp_path: Path, cap
                  "--no-verify", "--max-len", "128"]) == 0  # fmt: skip
     m = Manifest.load(dst)
     assert m.recipe["name"] == "fp32" and m.verification == []
-    assert stages.QUANT_TOLERANCE  # the quantized gates are configured

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from cosyvoice_cpu.errors import ModelDirError
-from cosyvoice_cpu.export.common import rel_err, session
+from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.flow_graph import FILES, export_flow, verify_flow
 from cosyvoice_cpu.flow import FlowStage
 from cosyvoice_cpu.reference.model_dir import load_reference
+from cosyvoice_cpu.sessions import SessionConfig, make_session
 
 RTOL = 1e-5  # measured 2e-7 .. 1e-6 (fp32 ORT vs torch)
 
@@ -86,7 +87,7 @@ def test_artifact_contracts(flow, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("key,streaming", [("flow_estimator", False), ("flow_estimator_chunk", True)])
 def test_estimator_dynamic_batch_and_padding(flow, flow_dir: Path, key: str, streaming: bool) -> None:
-    sess = session(flow_dir / FILES[key], threads=2)
+    sess = make_session(flow_dir / FILES[key], SessionConfig(threads=2))
     est = flow.decoder.estimator
     rng = np.random.default_rng(0)
     for lengths, size in (([57], 57), ([120, 120], 120), ([150, 99, 150, 40], 150)):

@@ -6,6 +6,7 @@ the weight-only int8 variant, and the import wall (no torch, no onnx)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import subprocess
 import sys
@@ -72,7 +73,7 @@ def test_export_contract_and_gates(hift: HiFT, tmp_path: Path) -> None:
     assert [(s.name, s.dtype, s.shape) for s in dec.outputs] == [("wave", "float32", ["batch", "samples"])]
     assert set(V.REQUIRED_ATTRS) <= set(dec.attrs)
     assert dec.attrs["upsample"] == 480 and dec.attrs["sine_type"] == "v2" and len(dec.attrs["l_linear_weight"]) == 9
-    json.dumps([a.to_json() for a in artifacts])  # manifest-ready
+    json.dumps([dataclasses.asdict(a) for a in artifacts])  # manifest-ready
     gates = verify_hift(hift, tmp_path)
     assert [g.check.split()[0] for g in gates] == ["f0", "source", "decode", "wave"]
     assert all(g.passed for g in gates), "\n".join(map(str, gates))

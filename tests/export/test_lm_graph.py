@@ -77,6 +77,18 @@ def test_cached_decode_equals_full_recompute(exported, session) -> None:
     assert rel_err(np.stack(ours), full) < RTOL
 
 
+def test_prefill_appends_to_a_non_empty_row(exported, session) -> None:
+    """Two prefill chunks (e.g. a prompt cached per voice, then the request's text) equal one prefill."""
+    rng = np.random.default_rng(3)
+    prompt = rng.standard_normal((17, 64)).astype(np.float32)
+    whole = session.prefill(session.new_cache(1), 0, prompt)
+    cache = session.new_cache(1)
+    session.prefill(cache, 0, prompt[:9])
+    split = session.prefill(cache, 0, prompt[9:])
+    assert cache.lengths[0] == 17
+    assert rel_err(split, whole) < RTOL
+
+
 def test_ragged_batch_and_idle_rows_equal_single_rows(session) -> None:
     rng = np.random.default_rng(2)
     prompts = [rng.standard_normal((n, 64)).astype(np.float32) for n in (5, 12, 9)]

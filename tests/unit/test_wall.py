@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -52,11 +53,10 @@ for _ in range(12):
 flow = FlowStage.from_dir(d, m.flow)
 rng = np.random.default_rng(0)
 mel = flow.inference(tokens, [], np.zeros((0, 80), np.float32), rng.standard_normal(192).astype(np.float32))
-voc = Vocoder(d + "/hift_f0.onnx", d + "/hift_decode.onnx", m.graphs["hift_decode"].attrs)
+voc = Vocoder.from_dir(d, m.graphs["hift_decode"].attrs)
 wave, _ = voc(mel, rng=rng)
-loaded = {k for k, v in sys.modules.items() if v is not None}
-print(json.dumps({"modules": len(runtime), "samples": int(wave.shape[-1]), "finite": bool(np.isfinite(wave).all()),
-                  "torch": "torch" in loaded, "onnx": "onnx" in loaded}))
+print(json.dumps({"modules": sorted(runtime), "samples": int(wave.shape[-1]),
+                  "finite": bool(np.isfinite(wave).all())}))
 """
 
 
@@ -65,5 +65,8 @@ def test_runtime_runs_an_exported_model_without_torch_or_onnx(tiny_export_dir) -
     r = subprocess.run([sys.executable, "-c", BLOCK_TORCH + RUNTIME_CHAIN, str(tiny_export_dir)],
                        capture_output=True, text=True, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr
-    out = r.stdout.strip().splitlines()[-1]
-    assert '"samples": 11520, "finite": true, "torch": false, "onnx": false' in out, out
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (out["samples"], out["finite"]) == (11520, True)  # 12 tokens x 2 frames x 480 samples
+    stages = {"cosyvoice_cpu.lm", "cosyvoice_cpu.flow", "cosyvoice_cpu.vocoder", "cosyvoice_cpu.manifest",
+              "cosyvoice_cpu.sessions", "cosyvoice_cpu.cli"}  # fmt: skip
+    assert stages <= set(out["modules"])

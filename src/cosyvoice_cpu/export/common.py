@@ -1,4 +1,4 @@
-"""Shared pieces of the per-stage ONNX exporters: artifacts, numerics-gate results, saving, ORT sessions.
+"""Shared pieces of the per-stage ONNX exporters: artifacts, numerics-gate results, saving.
 
 Every stage exporter (``lm_graph``, ``flow_graph``, ``hift_graph``) returns :class:`GraphArtifact` records for
 the files it wrote and a ``verify_*`` function returning :class:`GateResult` records; ``exporter`` turns both
@@ -10,13 +10,11 @@ from __future__ import annotations
 import logging
 import shutil
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from cosyvoice_cpu.manifest import sha256_file  # noqa: F401  (re-exported for the exporters)
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +56,6 @@ class GraphArtifact:
         inputs, outputs = io_specs(Path(out_dir) / file)
         return cls(key, file, data, precision, inputs, outputs, dict(attrs))
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass
 class GateResult:
@@ -71,6 +66,7 @@ class GateResult:
     value: float
     tolerance: float
     detail: str = ""
+    phase: str = "fp32"  # which graphs were checked: "fp32" or the recipe precision (e.g. "int8w")
 
     @property
     def passed(self) -> bool:
@@ -78,7 +74,8 @@ class GateResult:
 
     def __str__(self) -> str:
         mark = "ok" if self.passed else "FAILED"
-        return f"{self.graph}: {self.check} = {self.value:.3g} (tolerance {self.tolerance:.3g}) {mark} {self.detail}"
+        what = f"{self.graph} [{self.phase}]: {self.check} = {self.value:.3g} (tolerance {self.tolerance:.3g})"
+        return f"{what} {mark} {self.detail}".rstrip()
 
 
 def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
@@ -133,19 +130,6 @@ def torch_export(module: Any, args: tuple, path: Path, **kwargs: Any) -> None:
     save_onnx(model, path)
 
 
-def session(path: Path, threads: int = 1, optimize: bool = True) -> Any:
-    """An ORT CPU session for verification and measurement (the runtime has its own factory)."""
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.inter_op_num_threads = 1
-    so.log_severity_level = 3
-    if not optimize:
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-
-
 def io_specs(path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """Read a graph's inputs and outputs (names, dtypes, symbolic shapes) from the file."""
     import onnx
@@ -168,7 +152,12 @@ def replace_dir(new: Path, out: Path) -> None:
     if out.exists() or out.is_symlink():
         backup = out.with_name(f".{out.name}.old-{new.name}")
         out.rename(backup)
-    new.rename(out)
+    try:
+        new.rename(out)
+    except BaseException:
+        if backup is not None:  # put the old directory back under its name
+            backup.rename(out)
+        raise
     if backup is not None:
         if backup.is_dir() and not backup.is_symlink():
             shutil.rmtree(backup, ignore_errors=True)

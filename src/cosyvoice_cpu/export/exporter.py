@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from cosyvoice_cpu import __version__
-from cosyvoice_cpu.errors import ConfigError, ExportError
+from cosyvoice_cpu.errors import ConfigError, CosyVoiceCpuError, ExportError, MissingExtraError
 from cosyvoice_cpu.export.common import GateResult, GraphArtifact, replace_dir
 from cosyvoice_cpu.export.quantize import DEFAULT_RECIPE, Recipe, parse_recipe
 from cosyvoice_cpu.export.stages import export_stage_files
-from cosyvoice_cpu.manifest import FORMAT_VERSION, FileEntry, GraphEntry, Manifest, sha256_file
+from cosyvoice_cpu.lm import SPECIALS
+from cosyvoice_cpu.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, GraphEntry, Manifest, sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +43,11 @@ REQUIRED = (
     "CosyVoice-BlankEN/merges.txt",
     "CosyVoice-BlankEN/tokenizer_config.json",
 )
-# ONNX front-end models copied as they are, with the inputs the runtime feeds them.
-COPIED_ONNX = {"campplus": ("campplus.onnx", ("input",)), "speech_tokenizer": ("speech_tokenizer_v2.onnx", ("feats",))}
+# ONNX front-end models copied as they are, with the ranks of the inputs the runtime feeds them (by position, as
+# the official frontend does): campplus fbank (B, T, 80); speech tokenizer log-mel (1, 128, T) and its length (1,).
+COPIED_ONNX = {"campplus": ("campplus.onnx", (3,)), "speech_tokenizer": ("speech_tokenizer_v2.onnx", (3, 1))}
+# Python packages the export needs beyond torch (checked up front, not after minutes of work).
+EXPORT_MODULES = {"onnx": "onnx", "onnx_ir": "onnx-ir", "transformers": "transformers", "tokenizers": "tokenizers"}
 
 
 @dataclass
@@ -101,21 +105,36 @@ def check_source(src: Path) -> Any:
             "(e.g. modelscope download iic/CosyVoice2-0.5B) or make a fixture with `cosyvoice-cpu fixture`"
         )
     cfg = read_model_config(src)  # raises ModelDirError for a wrong/unsupported family
-    for key, (name, inputs) in COPIED_ONNX.items():
-        _check_onnx(src / name, inputs, key)
+    for key, (name, ranks) in COPIED_ONNX.items():
+        _check_onnx(src / name, ranks, key)
     return cfg
 
 
-def _check_onnx(path: Path, inputs: tuple[str, ...], what: str) -> None:
+def _check_onnx(path: Path, ranks: tuple[int, ...], what: str) -> None:
     import onnx
 
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as e:
         raise ExportError(f"{path} is not a readable ONNX model ({type(e).__name__}); re-download it") from e
-    names = {i.name for i in model.graph.input}
-    if not set(inputs) <= names:
-        raise ExportError(f"{path} ({what}) has inputs {sorted(names)}, expected {list(inputs)}; is it the right file?")
+    inits = {i.name for i in model.graph.initializer}
+    have = [len(i.type.tensor_type.shape.dim) for i in model.graph.input if i.name not in inits]
+    if tuple(have) != ranks:
+        raise ExportError(
+            f"{path} ({what}) has {len(have)} inputs of ranks {have}, expected ranks {list(ranks)}; is it the "
+            "right file? re-download it"
+        )
+
+
+def check_extra() -> None:
+    """The export's own dependencies are importable (a missing one is named with the pip command)."""
+    import importlib.util
+
+    missing = [pip for mod, pip in EXPORT_MODULES.items() if importlib.util.find_spec(mod) is None]
+    if missing:
+        raise MissingExtraError(
+            f"export needs {', '.join(missing)}: pip install 'cosyvoice-cpu[export]' (after pip install torch==2.13.0)"
+        )
 
 
 def _check_target(src: Path, dst: Path, force: bool) -> None:
@@ -124,8 +143,24 @@ def _check_target(src: Path, dst: Path, force: bool) -> None:
         raise ExportError(f"--to {dst} must be outside --from {src} (and not contain it)")
     if dst.exists() and not dst.is_dir():
         raise ExportError(f"--to {dst} exists and is not a directory")
-    if dst.exists() and any(dst.iterdir()) and not force:
-        raise ExportError(f"--to {dst} already exists and is not empty; pass --force to replace it")
+    if dst.exists() and any(dst.iterdir()):
+        if not force:
+            raise ExportError(f"--to {dst} already exists and is not empty; pass --force to replace it")
+        if not (dst / MANIFEST_NAME).is_file():
+            raise ExportError(
+                f"--to {dst} is not empty and holds no {MANIFEST_NAME}: --force only replaces a cosyvoice-cpu "
+                "model directory; choose a new or empty directory"
+            )
+
+
+def _sweep_partials(parent: Path, name: str) -> None:
+    """Remove ``.NAME.partial-PID`` directories of exports whose process is gone (killed, out of memory)."""
+    for p in parent.glob(f".{name}.partial-*"):
+        pid = p.name.rsplit("-", 1)[-1]
+        alive = pid.isdigit() and Path(f"/proc/{pid}").exists() and int(pid) != os.getpid()
+        if not alive:
+            logger.info("removing %s left by an interrupted export", p)
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def export_model(
@@ -143,11 +178,15 @@ def export_model(
     say = progress or (lambda msg: logger.info("%s", msg))
     t0 = time.perf_counter()
 
+    doing = ["checking the source"]
+
     def step(msg: str) -> None:
+        doing[0] = msg
         say(f"[{time.perf_counter() - t0:6.1f}s] {msg}")
 
-    cfg = check_source(src)
+    check_extra()
     _check_target(src, dst, options.force)
+    cfg = check_source(src)
     need, free = needed_bytes(src), free_bytes(dst.parent if not dst.exists() else dst)
     if free < need:
         raise ExportError(
@@ -155,6 +194,7 @@ def export_model(
             f"{free / 1e9:.1f} GB are free; free some space or export elsewhere"
         )
     dst.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_partials(dst.parent, dst.name)
     tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -165,10 +205,22 @@ def export_model(
         text = _export_tokenizer(cfg, tmp)
         for name, _ in COPIED_ONNX.values():
             shutil.copy2(src / name, tmp / name)
+        for p in tmp.iterdir():  # copies keep the source's mode, np.save follows the umask: a shared model is 0644
+            p.chmod(0o644)
         manifest = _manifest(src, tmp, cfg, recipe, graphs, gates, text, stage_facts)
         manifest.save(tmp)
+        (tmp / MANIFEST_NAME).chmod(0o644)
         tmp.chmod(0o755)
         replace_dir(tmp, dst)
+    except CosyVoiceCpuError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except Exception as e:  # torch/onnx/ORT/quantizer failures: one line naming the step, traceback with --debug
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportError(
+            f"export failed while {doing[0]!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; "
+            "nothing was written. Re-run with --debug for the traceback"
+        ) from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -231,8 +283,8 @@ def _manifest(
             "speech_token_size": lm.speech_token_size,
             "eos_id": lm.eos_id,
             "stop_ids": list(lm.stop_ids),
-            "sos_row": 0,
-            "task_id_row": 1,
+            "sos_row": SPECIALS["sos"],
+            "task_id_row": SPECIALS["task_id"],
             "min_token_text_ratio": lm.min_token_text_ratio,
             "max_token_text_ratio": lm.max_token_text_ratio,
             **stage_facts.get("lm", {}),

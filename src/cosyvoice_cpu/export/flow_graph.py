@@ -30,19 +30,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosyvoice_cpu.export.common import GateResult, GraphArtifact, rel_err, session, torch_export
+from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.export.common import GateResult, GraphArtifact, rel_err, torch_export
+from cosyvoice_cpu.flow import FILES
 from cosyvoice_cpu.reference.cfm import NOISE_FRAMES, NOISE_SEED, official_fixed_noise
 from cosyvoice_cpu.reference.flow import Flow
 from cosyvoice_cpu.reference.flow_estimator import MASK_BIAS, FlowEstimator, timestep_embedding
+from cosyvoice_cpu.sessions import SessionConfig, make_session
 
 logger = logging.getLogger(__name__)
 
-FILES = {
-    "flow_encoder": "flow_encoder.onnx",
-    "flow_estimator": "flow_estimator.onnx",
-    "flow_estimator_chunk": "flow_estimator_chunk.onnx",
-    "flow_noise": "flow_noise.npy",
-}
 # fp32 gates (max |ort - torch| / max |torch|), measured with 2 threads on the tiny / full-size random fixtures:
 # encoder mu 7.4e-7 .. 8.0e-7 / 6.1e-7 .. 7.0e-7, spks 2.9e-7; estimators 7.4e-7 .. 8.5e-7 / 1.1e-6 .. 1.4e-6,
 # padded row vs the same row alone 0 .. 6.9e-7; whole flow (10 steps, CFG 0.7) 2.8e-7 .. 4.4e-7. Dynamic int8
@@ -268,7 +265,7 @@ def verify_flow(
     paths = {k: out_dir / v for k, v in {**FILES, **(files or {})}.items()}
     unknown = set(tolerance or {}) - set(TOLERANCE) or set(files or {}) - set(FILES)
     if unknown:
-        raise ValueError(f"verify_flow: unknown keys {sorted(unknown)}; tolerance keys are {sorted(TOLERANCE)}, "
+        raise ConfigError(f"verify_flow: unknown keys {sorted(unknown)}; tolerance keys are {sorted(TOLERANCE)}, "
                          f"file keys {sorted(FILES)}")  # fmt: skip
     tol = {**TOLERANCE, **(tolerance or {})}
     flow = flow.eval()
@@ -297,7 +294,7 @@ def verify_flow(
 
     est = flow.decoder.estimator
     for key, streaming in (("flow_estimator", False), ("flow_estimator_chunk", True)):
-        sess = session(paths[key], threads)
+        sess = make_session(paths[key], SessionConfig(threads=threads))
         for size in (64, 131):
             lengths = [size, size - 17]
             feeds = _estimator_inputs(rng, lengths, size)

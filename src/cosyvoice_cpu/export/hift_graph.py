@@ -39,14 +39,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import GateResult, GraphArtifact, rel_err, torch_export
 from cosyvoice_cpu.reference.hift import HiFT
 from cosyvoice_cpu.reference.hift_source import SourceNoise
+from cosyvoice_cpu.vocoder import DECODE_FILE, F0_FILE
 
 logger = logging.getLogger(__name__)
 
-F0_FILE = "hift_f0.onnx"
-DECODE_FILE = "hift_decode.onnx"
 # Gate tolerances, ~10x the worst fp32 max relative errors measured by verify_hift (ORT 1.32, torch 2.13, x86-64)
 # on the tiny and full-size fixtures, as released (F0 ~0.15 Hz) and with F0 moved to ~120 Hz (voiced), seeds 0-3:
 # f0 3.1e-6 (full, unvoiced: the abs of a nearly cancelled sum), source 2.6e-7, decode 1.2e-6, wave 2.9e-5 (tiny,
@@ -195,6 +195,10 @@ def verify_hift(
     from cosyvoice_cpu.vocoder import Vocoder, harmonic_source
 
     out_dir = Path(out_dir)
+    unknown = sorted(set(tolerance or {}) - set(TOLERANCE)) + sorted(set(files or {}) - {"hift_f0", "hift_decode"})
+    if unknown:
+        raise ConfigError(f"verify_hift: unknown keys {unknown}; tolerance keys are {sorted(TOLERANCE)}, "
+                          "files keys hift_f0, hift_decode")  # fmt: skip
     tol = {**TOLERANCE, **(tolerance or {})}
     names = {"hift_f0": F0_FILE, "hift_decode": DECODE_FILE, **(files or {})}
     hift = hift.eval()
@@ -221,7 +225,8 @@ def verify_hift(
         for key, value in errors.items():
             if not value <= worst[key][0]:  # also keeps NaN
                 worst[key] = (value, f"B={batch} T={frames}")
-    graphs = {"f0": names["hift_f0"], "source": "numpy", "decode": names["hift_decode"], "wave": "vocoder"}
+    # graph keys as in the manifest; "hift_source" is the NumPy source, "hift" the whole chain
+    graphs = {"f0": "hift_f0", "source": "hift_source", "decode": "hift_decode", "wave": "hift"}
     results = [
         GateResult(graphs[k], f"{k} max rel err", v, tol[k], f"worst at {where}") for k, (v, where) in worst.items()
     ]

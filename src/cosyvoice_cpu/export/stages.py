@@ -28,13 +28,19 @@ logger = logging.getLogger(__name__)
 
 Step = Callable[[str], None]
 
-# Gate tolerances of quantized graphs (fp32 gates use each verifier's own, much tighter, defaults).
-# Values are chosen from measurements on random-weight fixtures (docs/quantization.md) with a 2-3x margin.
+# Gate tolerances of quantized graphs (fp32 gates use each verifier's own, much tighter, defaults), about 3-10x
+# the values measured on the tiny and full-size random-weight fixtures (recorded in each export's manifest):
+# LM logp rel err int8 1.4e-3..4.7e-3, int8w 1.4e-3..2.3e-3, int4 1.3e-2..2.8e-2; mean KL over the 9 gate steps
+# int8 8e-6..5e-5, int8w 8e-6..2e-5, int4 8e-4..2.1e-3; greedy argmax mismatch 0..3 of 9 steps (random weights give
+# near-flat distributions, so it is loose and KL is the real gate). MatMulNBits rows are independent: a batched row
+# equals the row alone exactly. Estimator int8 (reduce_range): velocity 1.4-3.6 %, whole-flow mel 1 %.
+# HiFT int8w: decode 6.9e-3, wave 1.2e-2.
+_LM_8BIT = {"logp": 0.02, "greedy_mismatch": 0.34, "decode_kl": 5e-4}
 QUANT_TOLERANCE: dict[str, dict[str, Any]] = {
-    "lm:fp32": {"logp": 0.01},  # fp32 graph with fp16 embedding tables
-    "lm:int8": {"logp": 0.05},
-    "lm:int8w": {"logp": 0.05},
-    "lm:int4": {"logp": 0.15},
+    "lm:fp32": {"logp": 0.01, "greedy_mismatch": 0.23, "decode_kl": 1e-4},  # fp32 graph, fp16 embedding tables
+    "lm:int8": _LM_8BIT,
+    "lm:int8w": {**_LM_8BIT, "batch_vs_single": 1e-5},
+    "lm:int4": {"logp": 0.1, "batch_vs_single": 1e-5, "greedy_mismatch": 0.56, "decode_kl": 0.02},
     "flow_estimator:int8": {"estimator": 0.08, "mel": 0.08},
     "hift:int8w": {"decode": 0.02, "wave": 0.05},
 }
@@ -137,7 +143,10 @@ def export_stage_files(
                 what = precision + (f", {recipe.embedding} embeddings" if plan.ref == "lm" else "")
                 step(f"{plan.name}: numerics gate ({what} vs PyTorch)")
                 tol = QUANT_TOLERANCE[f"{plan.recipe_field}:{precision}"]
-                gates = _passed(gates, verify(model, out, seed=options.seed, tolerance=tol))
+                checked = verify(model, out, seed=options.seed, tolerance=tol)
+                for g in checked:
+                    g.phase = what
+                gates = _passed(gates, checked)
             graphs += arts
             del model
             gc.collect()
