@@ -1,16 +1,17 @@
 """Quantization report: every recipe exported and measured against fp32 on one fixture, in one run.
 
-    python bench/quant_report.py --size tiny            # minutes
-    python bench/quant_report.py --size full            # ~1 h on 2 cores (7 full-size exports)
+    python bench/quant_report.py --size tiny            # about a minute
+    python bench/quant_report.py --size full            # ~30 min on 2 cores (one full-size export per recipe)
 
 For each recipe of ``cosyvoice_cpu.export.quantize.RECIPES`` it runs ``cosyvoice-cpu export`` (a subprocess:
 wall time and peak RSS of the export itself), then measures, against the fp32 export of the same fixture:
 LM next-token agreement and KL over teacher-forced steps (vs the PyTorch reference), estimator relative error,
 end-to-end mel L1 with the same tokens and noise, waveform SNR with the same source noise, graph sizes, and
-load time / peak RSS / per-stage speed of the runtime on that directory (a fresh subprocess each). Results go to
-``bench/results/quant-<size>.json``, a table between markers in ``docs/quantization.md`` and
-``docs/img/quant_mel_error.png``. Random weights: quality numbers describe the quantization error of these
-architectures, not a listening test.
+load time / peak RSS / per-stage speed of the runtime on that directory (a fresh subprocess each); and the
+estimator's int8 error with and without ``reduce_range``. Exports are cached under the cache directory and reused
+only when made by the same code version (git commit). Results go to ``bench/results/quant-<size>.json``, a
+table between markers in ``docs/quantization.md`` and ``docs/img/quant_mel_error_<size>.png``. Random weights:
+quality numbers describe the quantization error of these architectures, not a listening test.
 """
 
 from __future__ import annotations
@@ -38,6 +39,47 @@ UTTERANCES = {"tiny": 4, "full": 3}
 TOKENS = {"tiny": 60, "full": 125}  # 5 s of speech at 25 Hz for full size
 PROMPT_TOKENS = 50
 LM_STEPS = 300
+
+
+def code_version() -> str:
+    """``git describe --always --dirty`` of the repository (exports made by other code are not reused)."""
+    out = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def reduce_range_check(fp32_dir: Path, size: str, threads: int) -> dict:
+    """The fp32 estimator quantized to dynamic int8 with and without reduce_range: error vs fp32 and speed."""
+    import tempfile
+
+    from cosyvoice_cpu.export.common import rel_err
+    from cosyvoice_cpu.export.quantize import quantize_int8_dynamic
+    from cosyvoice_cpu.sessions import SessionConfig, make_session
+
+    feeds = estimator_feeds(np.random.default_rng(7), 650 if size == "full" else 200)
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = {"fp32": fp32_dir / "flow_estimator.onnx"}
+        for name, rr in (("on", True), ("off", False)):
+            paths[name] = Path(tmp) / f"est_{name}.onnx"
+            quantize_int8_dynamic(paths["fp32"], paths[name], reduce_range=rr)
+        results = {}
+        for name, path in paths.items():
+            sess = make_session(path, SessionConfig(threads=threads))
+            results[name] = sess.run(None, feeds)[0]
+            t0 = time.perf_counter()
+            for _ in range(3):
+                sess.run(None, feeds)
+            out[f"{name}_ms"] = (time.perf_counter() - t0) / 3 * 1000
+        for name in ("on", "off"):
+            out[f"{name}_rel_err"] = rel_err(results[name], results["fp32"])
+    return out
 
 
 def run_export(src: Path, dst: Path, recipe: str) -> dict:
@@ -155,7 +197,13 @@ def markdown(results: dict[str, dict], size: str, meta: dict) -> str:
             ("LM ms/tok", "lm_decode_ms"), ("est. ms/call", "estimator_ms"), ("HiFT ms", "vocoder_ms"),
             ("load s", "load_s"), ("RSS MB", "runtime_peak_rss_mb"), ("size MB", "size_total_mb"),
             ("export s", "export_s"), ("export RSS MB", "export_peak_rss_mb")]  # fmt: skip
-    lines = [f"Measured {meta['date']} on {meta['machine']}, {meta['threads']} threads, `{meta['command']}`.", "",
+    rr = meta.get("estimator_reduce_range")
+    note = "" if not rr else (
+        f" Estimator dynamic int8 vs fp32, one call: reduce_range on {rr['on_rel_err']:.3g} rel. err "
+        f"({rr['on_ms']:.0f} ms), off {rr['off_rel_err']:.3g} ({rr['off_ms']:.0f} ms), fp32 {rr['fp32_ms']:.0f} ms."
+    )
+    lines = [f"Measured {meta['date']} on {meta['machine']}, {meta['threads']} threads, onnxruntime "
+             f"{meta.get('onnxruntime', '?')}, code {meta.get('code', '?')}: `{meta['command']}`.{note}", "",
              "| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]  # fmt: skip
     for name, r in results.items():
         row = [f"`{name}`"]
@@ -202,16 +250,20 @@ def main() -> None:
         write_fixture(FixtureSpec("cosyvoice2", args.size, 0), src, force=True)
     dirs: dict[str, Path] = {}
     results: dict[str, dict] = {}
+    version = code_version()
     for r in recipes:
         d = cache_dir() / "exports" / f"cosyvoice2-{args.size}-seed0-{r}"
         stats = d.with_name(d.name + ".export.json")  # beside the model directory, not in it
+        cached = json.loads(stats.read_text()) if stats.is_file() else {}
         results[r] = {}
-        if args.reexport or not (d / "cosyvoice_cpu.json").is_file() or not stats.is_file():
+        fresh = (d / "cosyvoice_cpu.json").is_file() and cached.get("code") == version and "-dirty" not in version
+        if args.reexport or not fresh:
             print(f"exporting {r} ...", flush=True)
             results[r].update(run_export(src, d, r))
-            stats.write_text(json.dumps({k: results[r][k] for k in ("export_s", "export_peak_rss_mb")}))
+            keep = {k: results[r][k] for k in ("export_s", "export_peak_rss_mb")}
+            stats.write_text(json.dumps({**keep, "code": version}))
         else:
-            results[r].update(json.loads(stats.read_text()))
+            results[r].update({k: v for k, v in cached.items() if k != "code"})
         dirs[r] = d
         results[r].update(dir_sizes(d))
         print(f"probing the runtime on {r} ...", flush=True)
@@ -222,9 +274,13 @@ def main() -> None:
     print("flow + vocoder quality ...", flush=True)
     for r, q in flow_and_vocoder_quality(dirs, args.size, args.threads).items():
         results[r].update(q)
-    meta = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.processor() or platform.machine()}, "
-            f"{os.cpu_count()} logical CPUs", "threads": args.threads,
-            "command": f"python bench/quant_report.py --size {args.size}"}  # fmt: skip
+    print("estimator reduce_range on/off ...", flush=True)
+    import onnxruntime
+
+    meta = {"date": time.strftime("%Y-%m-%d"), "machine": f"{cpu_model()}, {os.cpu_count()} logical CPUs",
+            "threads": args.threads, "code": version, "onnxruntime": onnxruntime.__version__,
+            "command": f"python bench/quant_report.py --size {args.size}",
+            "estimator_reduce_range": reduce_range_check(dirs["fp32"], args.size, args.threads)}  # fmt: skip
     out = ROOT / "bench" / "results" / f"quant-{args.size}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
