@@ -128,6 +128,56 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Report what this machine can run; exit 1 when something needs attention."""
+    from cosyvoice_cpu.hardware import detect
+
+    hw = detect()
+    problems: list[str] = []
+    cpu = hw.cpu
+    if cpu:
+        yes = {True: "yes", False: "no"}
+        print(f"cpu          {cpu.model}: AVX2 {yes[cpu.avx2]}, AVX-512 {yes[cpu.avx512]}, VNNI {yes[cpu.vnni]} "
+              f"(int8 kernels: {cpu.isa})")  # fmt: skip
+        print(f"cores        {cpu.logical} logical, {cpu.physical} physical; usable {hw.usable_cores} "
+              f"(affinity {hw.affinity}, quota {'none' if hw.quota is None else f'{hw.quota:g}'})")  # fmt: skip
+        try:
+            hw.check_cpu()
+        except CosyVoiceCpuError as e:
+            problems.append(str(e))
+    else:
+        print(f"cpu          /proc/cpuinfo not readable; {os.cpu_count()} logical CPUs")
+    gib = 2**30
+    mem = ", ".join(f"{name} {v / gib:.1f} GiB" for name, v in (("total", hw.mem_total), ("available",
+                    hw.mem_available), ("container limit", hw.mem_limit)) if v is not None)  # fmt: skip
+    print(f"memory       {mem or 'unknown'}")
+    print(f"threads      {hw.threads()} intra-op by default (usable physical cores)")
+    for note in hw.notes:
+        print(f"note         {note}")
+    if not problems:  # import onnxruntime only once the CPU is known to run it
+        import onnxruntime as ort
+
+        print(f"onnxruntime  {ort.__version__}, providers {', '.join(ort.get_available_providers())}")
+    if args.model:
+        from cosyvoice_cpu.manifest import Manifest
+
+        try:
+            m = Manifest.load(args.model, check_hashes=not args.quick)
+            size = sum(f.size for f in m.all_files())
+            print(f"model        {args.model}: {m.family}, recipe {m.recipe['name']}, {size / 1e9:.2f} GB, files ok"
+                  f"{'' if args.quick else ' (sha256 checked)'}")  # fmt: skip
+            warning = hw.memory_warning(size)
+            if warning:
+                problems.append(warning)
+        except CosyVoiceCpuError as e:
+            problems.append(str(e))
+    for p in problems:
+        print(f"PROBLEM      {p}")
+    if not problems:
+        print("ok")
+    return 1 if problems else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cosyvoice-cpu", description="CosyVoice text-to-speech on CPUs alone.")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -152,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-len", type=_positive, default=2048, help="LM KV-cache positions (default 2048)")
     e.add_argument("--list-recipes", action="store_true", help="print the quantization recipes and exit")
     e.set_defaults(func=cmd_export)
+
+    h = sub.add_parser("doctor", help="check this machine (CPU features, cores, memory) and optionally a model")
+    h.add_argument("-m", "--model", type=Path, help="also check an exported model directory")
+    h.add_argument("--quick", action="store_true", help="check the model's file sizes only, not their sha256")
+    h.set_defaults(func=cmd_doctor)
 
     d = sub.add_parser("demo", help="synthesize a sentence with a tiny model and print stage timings")
     d.add_argument("--text", default=DEMO_TEXT)

@@ -1,0 +1,209 @@
+"""What this machine (or container) can run: CPU features, usable cores, memory, and the thread plan.
+
+Everything is read from the OS (``/proc``, ``/sys/fs/cgroup``) with the standard library only, *before*
+onnxruntime is imported: a CPU without AVX2 gets an explanation instead of ``Illegal instruction``. Every reader
+takes a ``root`` directory so tests can point it at a fake filesystem.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cosyvoice_cpu.errors import ConfigError, CosyVoiceCpuError
+
+logger = logging.getLogger(__name__)
+
+SKIP_CHECK_ENV = "COSYVOICE_CPU_SKIP_CPU_CHECK"
+ROOT = Path("/")
+
+
+class UnsupportedCpuError(CosyVoiceCpuError):
+    """The CPU lacks an instruction set the prebuilt onnxruntime wheels need."""
+
+
+def _read(root: Path, rel: str) -> str | None:
+    try:
+        return (root / rel).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    """Facts of ``/proc/cpuinfo``: model name, flags of the first CPU, logical and physical core counts."""
+
+    model: str
+    flags: frozenset[str]
+    logical: int
+    physical: int
+
+    @property
+    def avx2(self) -> bool:
+        return "avx2" in self.flags and "fma" in self.flags
+
+    @property
+    def avx512(self) -> bool:
+        return "avx512f" in self.flags
+
+    @property
+    def vnni(self) -> bool:
+        """int8 dot products (AVX-512 VNNI or AVX-VNNI): fast u8s8 GEMMs without saturation."""
+        return bool({"avx512_vnni", "avx_vnni"} & self.flags)
+
+    @property
+    def isa(self) -> str:
+        if self.avx512 and self.vnni:
+            return "avx512-vnni"
+        if self.avx2 and self.vnni:
+            return "avx2-vnni"
+        return "avx512" if self.avx512 else "avx2" if self.avx2 else "pre-avx2"
+
+
+def read_cpuinfo(root: Path = ROOT) -> CpuInfo | None:
+    """Parse ``/proc/cpuinfo`` (x86 Linux); None where it does not exist (other OSes)."""
+    text = _read(root, "proc/cpuinfo")
+    if not text:
+        return None
+    model, flags = "", frozenset()
+    logical, cores = 0, set()
+    physical_id = core_id = None
+    for line in text.splitlines() + [""]:
+        if not line.strip():  # end of one processor block
+            if core_id is not None:
+                cores.add((physical_id, core_id))
+            physical_id = core_id = None
+            continue
+        key, _, value = line.partition(":")
+        key, value = key.strip(), value.strip()
+        if key == "processor":
+            logical += 1
+        elif key == "model name" and not model:
+            model = value
+        elif key == "flags" and not flags:
+            flags = frozenset(value.split())
+        elif key == "physical id":
+            physical_id = value
+        elif key == "core id":
+            core_id = value
+    return CpuInfo(model or "unknown CPU", flags, logical, len(cores) or logical)
+
+
+def cgroup_cpu_limit(root: Path = ROOT) -> float | None:
+    """CPUs allowed by the cgroup quota (v2 ``cpu.max`` or v1 ``cfs_quota_us``), None when unlimited."""
+    v2 = _read(root, "sys/fs/cgroup/cpu.max")
+    if v2:
+        quota, _, period = v2.strip().partition(" ")
+        if quota != "max" and period:
+            return int(quota) / int(period)
+        return None
+    quota_s = _read(root, "sys/fs/cgroup/cpu/cpu.cfs_quota_us")
+    period_s = _read(root, "sys/fs/cgroup/cpu/cpu.cfs_period_us")
+    if quota_s and period_s and int(quota_s) > 0:
+        return int(quota_s) / int(period_s)
+    return None
+
+
+def memory_bytes(root: Path = ROOT) -> tuple[int | None, int | None, int | None]:
+    """(total, available, cgroup limit) in bytes; None for what cannot be read or is unlimited."""
+    total = available = None
+    for line in (_read(root, "proc/meminfo") or "").splitlines():
+        key, _, value = line.partition(":")
+        if key in ("MemTotal", "MemAvailable"):
+            kb = int(value.split()[0]) * 1024
+            total, available = (kb, available) if key == "MemTotal" else (total, kb)
+    limit = None
+    for rel in ("sys/fs/cgroup/memory.max", "sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        text = _read(root, rel)
+        if text and text.strip().isdigit() and int(text) < (1 << 60):  # v1 "unlimited" is a huge number
+            limit = int(text)
+            break
+    return total, available, limit
+
+
+@dataclass
+class Hardware:
+    """The machine as the engine sees it, and the thread plan derived from it."""
+
+    cpu: CpuInfo | None
+    affinity: int  # logical CPUs this process may run on (cpuset / taskset)
+    quota: float | None  # cgroup CPU quota in CPUs
+    mem_total: int | None
+    mem_available: int | None
+    mem_limit: int | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def usable_cores(self) -> int:
+        """Physical cores we can really use: the affinity set scaled by cores per thread, capped by the quota."""
+        logical = self.affinity
+        if self.cpu and self.cpu.logical:
+            logical = round(self.affinity * self.cpu.physical / self.cpu.logical)
+        cores = max(1, logical)
+        if self.quota is not None:
+            cores = min(cores, max(1, math.floor(self.quota)))
+        return cores
+
+    @property
+    def memory_for_us(self) -> int | None:
+        """Bytes we may use: available memory, capped by the cgroup limit."""
+        values = [v for v in (self.mem_available, self.mem_limit) if v is not None]
+        return min(values) if values else None
+
+    def threads(self, leave_for_os: int = 0) -> int:
+        """Default intra-op threads: the usable physical cores minus ``leave_for_os`` (at least 1)."""
+        if leave_for_os < 0:
+            raise ConfigError(f"leave_for_os must be >= 0, got {leave_for_os}")
+        return max(1, self.usable_cores - leave_for_os)
+
+    def check_cpu(self) -> None:
+        """Raise :class:`UnsupportedCpuError` on an x86 CPU without AVX2 (``COSYVOICE_CPU_SKIP_CPU_CHECK=1`` skips)."""
+        if self.cpu is None or os.environ.get(SKIP_CHECK_ENV) == "1":
+            return
+        if not self.cpu.flags or "sse2" not in self.cpu.flags:  # not an x86 cpuinfo (e.g. ARM): nothing to check
+            return
+        if not self.cpu.avx2:
+            raise UnsupportedCpuError(
+                f"this CPU ({self.cpu.model}) has no AVX2/FMA: the prebuilt onnxruntime wheels can stop the process "
+                "with 'Illegal instruction' on it. Run on an AVX2 machine (Intel Haswell 2013+, AMD Zen+), or build "
+                f"onnxruntime from source for this CPU and set {SKIP_CHECK_ENV}=1 to skip this check"
+            )
+
+    def memory_warning(self, model_bytes: int) -> str | None:
+        """A warning when the model (plus per-request working memory) may not fit; None when it fits or unknown."""
+        free = self.memory_for_us
+        if free is None:
+            return None
+        per_request = 256 << 20  # KV cache + flow/vocoder activations of one 10 s request, full size (measured ~200 MB)
+        if model_bytes + per_request > free:
+            return (
+                f"about {free / 2**30:.1f} GiB of memory is available but the model needs about "
+                f"{(model_bytes + per_request) / 2**30:.1f} GiB: use a smaller recipe (int4) or free memory"
+            )
+        batch = max(1, (free - model_bytes) // per_request)
+        if batch < 4:
+            return f"memory allows about {batch} concurrent request(s); keep the server's batch size at {batch}"
+        return None
+
+
+def detect(root: Path = ROOT) -> Hardware:
+    """Read everything once (cheap: a few small files)."""
+    try:
+        affinity = len(os.sched_getaffinity(0)) if root == ROOT else 0
+    except AttributeError:  # not Linux
+        affinity = os.cpu_count() or 1
+    cpu = read_cpuinfo(root)
+    if not affinity:
+        affinity = cpu.logical if cpu else (os.cpu_count() or 1)
+    total, available, limit = memory_bytes(root)
+    hw = Hardware(cpu, affinity, cgroup_cpu_limit(root), total, available, limit)
+    if cpu and affinity < cpu.logical:
+        hw.notes.append(f"this process may use {affinity} of {cpu.logical} logical CPUs (cpuset/affinity)")
+    if hw.quota is not None:
+        hw.notes.append(f"the container's CPU quota is {hw.quota:g} CPUs")
+    if limit is not None:
+        hw.notes.append(f"the container's memory limit is {limit / 2**30:.1f} GiB")
+    return hw

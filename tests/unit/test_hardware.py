@@ -1,0 +1,93 @@
+"""Hardware detection from a fake /proc and /sys: CPU features, cores, cgroup quota and memory, the thread plan."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cosyvoice_cpu.cli import main
+from cosyvoice_cpu.hardware import SKIP_CHECK_ENV, Hardware, UnsupportedCpuError, detect, read_cpuinfo
+
+
+def _cpuinfo(flags: str, sockets: int = 1, cores: int = 2, threads: int = 2, model: str = "Test CPU") -> str:
+    blocks, n = [], 0
+    for s in range(sockets):
+        for c in range(cores):
+            for _ in range(threads):
+                blocks.append(f"processor\t: {n}\nmodel name\t: {model}\nphysical id\t: {s}\ncore id\t\t: {c}\n"
+                              f"flags\t\t: {flags}\n")  # fmt: skip
+                n += 1
+    return "\n".join(blocks) + "\n"
+
+
+def _root(tmp_path: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    return tmp_path
+
+
+MEMINFO = "MemTotal:       16384000 kB\nMemFree:         1000 kB\nMemAvailable:    8192000 kB\n"
+
+
+def test_features_cores_quota_and_memory_of_a_container(tmp_path: Path) -> None:
+    root = _root(tmp_path, {
+        "proc/cpuinfo": _cpuinfo("fpu sse2 avx avx2 fma avx512f avx512_vnni", sockets=2, cores=4, threads=2),
+        "proc/meminfo": MEMINFO,
+        "sys/fs/cgroup/cpu.max": "300000 100000\n",
+        "sys/fs/cgroup/memory.max": str(4 << 30) + "\n",
+    })  # fmt: skip
+    hw = detect(root)
+    assert (hw.cpu.logical, hw.cpu.physical, hw.cpu.isa) == (16, 8, "avx512-vnni")
+    assert hw.quota == 3.0 and hw.usable_cores == 3 and hw.threads() == 3 and hw.threads(leave_for_os=1) == 2
+    assert hw.mem_total == 16384000 * 1024 and hw.mem_limit == 4 << 30 and hw.memory_for_us == 4 << 30
+    assert any("quota is 3 CPUs" in n for n in hw.notes) and any("memory limit is 4.0 GiB" in n for n in hw.notes)
+    hw.check_cpu()  # AVX2 present: fine
+
+
+def test_hyperthreads_count_as_half_a_core_and_v1_cgroups_are_read(tmp_path: Path) -> None:
+    root = _root(tmp_path, {
+        "proc/cpuinfo": _cpuinfo("sse2 avx2 fma", cores=4, threads=2),
+        "sys/fs/cgroup/cpu/cpu.cfs_quota_us": "-1\n",
+        "sys/fs/cgroup/cpu/cpu.cfs_period_us": "100000\n",
+        "sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712\n",  # v1 "unlimited"
+    })  # fmt: skip
+    hw = detect(root)
+    assert (hw.cpu.logical, hw.cpu.physical, hw.cpu.isa) == (8, 4, "avx2")
+    assert hw.quota is None and hw.mem_limit is None and hw.usable_cores == 4
+    hw.affinity = 4  # taskset to 4 logical CPUs = 2 cores' worth
+    assert hw.usable_cores == 2
+
+
+def test_cpu_without_avx2_gets_an_explanation_not_a_crash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    hw = detect(_root(tmp_path, {"proc/cpuinfo": _cpuinfo("fpu sse2 sse4_2 avx", model="Old Atom")}))
+    with pytest.raises(UnsupportedCpuError, match=r"Old Atom\) has no AVX2.*Illegal instruction.*SKIP_CPU_CHECK=1"):
+        hw.check_cpu()
+    monkeypatch.setenv(SKIP_CHECK_ENV, "1")
+    hw.check_cpu()
+
+
+def test_non_x86_and_missing_files_are_not_errors(tmp_path: Path) -> None:
+    hw = detect(_root(tmp_path, {"proc/cpuinfo": "processor\t: 0\nFeatures\t: fp asimd\n"}))
+    hw.check_cpu()  # ARM cpuinfo: no x86 flags, nothing to check
+    assert read_cpuinfo(tmp_path / "nowhere") is None
+    bare = Hardware(None, 2, None, None, None, None)
+    bare.check_cpu()
+    assert bare.usable_cores == 2 and bare.memory_for_us is None and bare.memory_warning(1 << 30) is None
+
+
+def test_memory_warnings_suggest_a_recipe_or_a_batch_size() -> None:
+    hw = Hardware(None, 2, None, 8 << 30, 1 << 30, None)
+    assert "use a smaller recipe (int4)" in hw.memory_warning(2 << 30)
+    assert "about 2 concurrent request(s)" in hw.memory_warning(512 << 20)
+    roomy = Hardware(None, 2, None, 8 << 30, 8 << 30, 4 << 30)  # the cgroup limit is what counts
+    assert roomy.memory_for_us == 4 << 30 and roomy.memory_warning(1 << 30) is None
+
+
+def test_doctor_reports_the_machine_and_a_model(tiny_export_dir: Path, tmp_path: Path, capsys) -> None:
+    code = main(["doctor", "-m", str(tiny_export_dir)])
+    out = capsys.readouterr().out
+    assert code in (0, 1) and "cpu " in out and "threads " in out and "files ok (sha256 checked)" in out
+    assert main(["doctor", "-m", str(tmp_path)]) == 1
+    assert "PROBLEM      " in capsys.readouterr().out
