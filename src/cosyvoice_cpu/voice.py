@@ -1,0 +1,148 @@
+"""A cloned voice: everything the engine needs about a prompt, computed once and saved as a small ``.npz``.
+
+A :class:`Voice` holds the prompt's transcript, its speech tokens (25 Hz), its mel at the model rate and the
+speaker x-vector. Saving is atomic (temporary file + rename), loading validates every array, so a server never
+serves a half-written or corrupt voice.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import re
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cosyvoice_cpu.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+VOICE_FORMAT = 1
+NAME_RE = re.compile(r"^[A-Za-z0-9\u00C0-\uFFFF][\w\u00C0-\uFFFF .-]{0,63}$")
+N_MELS = 80
+EMBEDDING_DIM = 192
+
+
+class VoiceError(ConfigError):
+    """A voice file is missing, corrupt, from another model family, or its name is not allowed."""
+
+
+def check_name(name: str) -> str:
+    """A voice name usable as a file name everywhere: 1-64 letters, digits, ``_ - . space``, no path parts."""
+    if not isinstance(name, str) or not NAME_RE.match(name) or name.strip() != name or ".." in name:
+        raise VoiceError(
+            f"voice name {name!r} is not allowed: use 1-64 letters, digits, '_', '-', '.', or spaces, starting with "
+            "a letter or digit (no slashes, no '..')"
+        )
+    return name
+
+
+@dataclass
+class Voice:
+    """A prompt, ready for synthesis.
+
+    Attributes:
+        name: the voice's name (see :func:`check_name`).
+        prompt_text: the transcript of the prompt audio ("" for cross-lingual voices).
+        speech_tokens: (T_tok,) int32 speech tokens of the prompt (25 Hz for CosyVoice2).
+        mel: (T_mel, 80) float32 log-mel of the prompt at the model's sample rate (T_mel = 2 * T_tok).
+        embedding: (192,) float32 speaker x-vector (campplus).
+        family: model family the features were made for (``cosyvoice2``).
+        sample_rate: the model's sample rate the mel was computed at.
+        meta: free-form facts (source file, duration, creation time).
+    """
+
+    name: str
+    prompt_text: str
+    speech_tokens: np.ndarray
+    mel: np.ndarray
+    embedding: np.ndarray
+    family: str = "cosyvoice2"
+    sample_rate: int = 24000
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_name(self.name)
+        self.speech_tokens = np.asarray(self.speech_tokens, dtype=np.int32).reshape(-1)
+        self.mel = np.asarray(self.mel, dtype=np.float32)
+        self.embedding = np.asarray(self.embedding, dtype=np.float32).reshape(-1)
+        if self.mel.ndim != 2 or self.mel.shape[1] != N_MELS:
+            raise VoiceError(f"voice {self.name!r}: mel must be (frames, {N_MELS}), got {self.mel.shape}")
+        if self.embedding.shape != (EMBEDDING_DIM,):
+            raise VoiceError(
+                f"voice {self.name!r}: embedding must hold {EMBEDDING_DIM} values, got {self.embedding.shape}"
+            )
+        if not (np.isfinite(self.mel).all() and np.isfinite(self.embedding).all()):
+            raise VoiceError(f"voice {self.name!r} holds NaN or infinite values; make it again from the prompt audio")
+        if self.speech_tokens.size == 0 or self.speech_tokens.min() < 0:
+            raise VoiceError(f"voice {self.name!r} has no valid speech tokens; make it again from the prompt audio")
+
+    @property
+    def duration(self) -> float:
+        """Seconds of prompt audio (from the mel: hop 480 at 24 kHz = 20 ms)."""
+        return self.mel.shape[0] * 0.02
+
+    # ------------------------------------------------------------------ files
+
+    def to_bytes(self) -> bytes:
+        header = {"format": VOICE_FORMAT, "name": self.name, "prompt_text": self.prompt_text, "family": self.family,
+                  "sample_rate": self.sample_rate, "meta": self.meta}  # fmt: skip
+        buf = io.BytesIO()
+        np.savez(buf, header=np.array(json.dumps(header, ensure_ascii=False)), speech_tokens=self.speech_tokens,
+                 mel=self.mel, embedding=self.embedding)  # fmt: skip
+        return buf.getvalue()
+
+    def save(self, path: str | Path) -> Path:
+        """Write atomically: a temporary file in the same directory, fsync, then rename over ``path``."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(self.to_bytes())
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str = "voice") -> Voice:
+        try:
+            with np.load(io.BytesIO(data), allow_pickle=False) as z:
+                header = json.loads(str(z["header"]))
+                arrays = {k: z[k] for k in ("speech_tokens", "mel", "embedding")}
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile, json.JSONDecodeError) as e:
+            raise VoiceError(f"{where} is not a readable voice file ({type(e).__name__}); make the voice again") from e
+        if not isinstance(header, dict) or header.get("format") != VOICE_FORMAT:
+            raise VoiceError(f"{where} has voice format {header.get('format') if isinstance(header, dict) else '?'}"
+                             f", this version reads {VOICE_FORMAT}; make the voice again")  # fmt: skip
+        return cls(header["name"], header["prompt_text"], family=header["family"],
+                   sample_rate=int(header["sample_rate"]), meta=header.get("meta", {}), **arrays)  # fmt: skip
+
+    @classmethod
+    def load(cls, path: str | Path) -> Voice:
+        path = Path(path)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError as e:
+            raise VoiceError(f"voice file {path} not found") from e
+        return cls.from_bytes(data, str(path))
+
+    def check_model(self, family: str, sample_rate: int) -> None:
+        """Raise :class:`VoiceError` unless the voice was made for this model family and rate."""
+        if (self.family, self.sample_rate) != (family, sample_rate):
+            raise VoiceError(
+                f"voice {self.name!r} was made for {self.family} at {self.sample_rate} Hz, this model is {family} at "
+                f"{sample_rate} Hz; make the voice again with this model"
+            )
