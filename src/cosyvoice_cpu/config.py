@@ -1,0 +1,123 @@
+"""Public configuration of the runtime: how to load the engine and how to synthesize one request.
+
+Each dataclass validates itself with messages that name the field, the value and the allowed range, so bad
+parameters fail before any work (and a server can answer 4xx with the message).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from cosyvoice_cpu.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def _need(ok: bool, name: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name} = {value!r} is out of range: {rule}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to load a model directory.
+
+    Attributes:
+        threads: ONNX Runtime intra-op threads per session; 0 = the usable physical cores (cgroup quota and
+            affinity respected) minus ``leave_cores``.
+        leave_cores: cores to leave to the OS and other processes when ``threads`` is 0.
+        spinning: let idle ORT threads spin (lower latency for a single stream; keep off when requests overlap).
+        verify_hashes: recompute every file's sha256 at load (seconds per GB).
+        streaming_estimator: also load the chunk-causal flow estimator (needed for ``stream=True``).
+    """
+
+    threads: int = 0
+    leave_cores: int = 0
+    spinning: bool = False
+    verify_hashes: bool = False
+    streaming_estimator: bool = True
+
+    def validate(self) -> EngineConfig:
+        _need(0 <= self.threads <= 512, "threads", self.threads, "0 (auto) to 512")
+        _need(0 <= self.leave_cores <= 64, "leave_cores", self.leave_cores, "0 to 64")
+        return self
+
+
+@dataclass(frozen=True)
+class SynthesisConfig:
+    """Per-request settings.
+
+    Attributes:
+        seed: seed of the request's random numbers (LM sampling, vocoder source); None = fresh entropy.
+        flow_steps: Euler steps of the flow (quality/speed knob; official 10).
+        cfg_rate: classifier-free guidance strength of the flow (official 0.7; 0 halves the flow's work).
+        speed: speaking-rate factor applied to the mel (1.0 = as generated; 0.5-2.0).
+        stream: yield audio chunk by chunk as tokens are generated.
+        first_chunk_tokens: speech tokens in the first streamed chunk (25 tokens = 1 s); later chunks grow.
+        normalize: run text normalization (numbers, dates, symbols) before tokenizing.
+        top_p, top_k, win_size, tau_r: RAS sampling overrides (None = the model's defaults).
+    """
+
+    seed: int | None = None
+    flow_steps: int = 10
+    cfg_rate: float = 0.7
+    speed: float = 1.0
+    stream: bool = False
+    first_chunk_tokens: int = 15
+    normalize: bool = True
+    top_p: float | None = None
+    top_k: int | None = None
+    win_size: int | None = None
+    tau_r: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> SynthesisConfig:
+        _need(self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "0 to 2**63-1, or None")
+        _need(1 <= self.flow_steps <= 100, "flow_steps", self.flow_steps, "1 to 100 (official 10)")
+        _need(0.0 <= self.cfg_rate <= 10.0, "cfg_rate", self.cfg_rate, "0 to 10 (official 0.7)")
+        _need(0.5 <= self.speed <= 2.0, "speed", self.speed, "0.5 to 2.0")
+        _need(5 <= self.first_chunk_tokens <= 500, "first_chunk_tokens", self.first_chunk_tokens, "5 to 500")
+        _need(self.top_p is None or 0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
+        _need(self.top_k is None or 1 <= self.top_k <= 6561, "top_k", self.top_k, "1 to 6561")
+        _need(self.win_size is None or 1 <= self.win_size <= 1000, "win_size", self.win_size, "1 to 1000")
+        _need(self.tau_r is None or 0.0 <= self.tau_r <= 1.0, "tau_r", self.tau_r, "0 to 1")
+        return self
+
+    def with_(self, **changes: Any) -> SynthesisConfig:
+        """A validated copy with some fields changed."""
+        return replace(self, **changes).validate()
+
+    def rng(self) -> np.random.Generator:
+        """The request's random generator (seeded when ``seed`` is set)."""
+        return np.random.default_rng(self.seed)
+
+
+@dataclass
+class AudioChunk:
+    """A piece of synthesized audio.
+
+    Attributes:
+        samples: (N,) float32 in [-1, 1].
+        sample_rate: samples per second (24000 for CosyVoice2).
+        final: True for the last chunk of the request.
+        text: the input text this chunk speaks (the sentence, for non-streamed chunks).
+        span: (start, end) character offsets of ``text`` in the request's input.
+    """
+
+    samples: np.ndarray
+    sample_rate: int
+    final: bool = False
+    text: str = ""
+    span: tuple[int, int] = (0, 0)
+
+    @property
+    def duration(self) -> float:
+        return len(self.samples) / self.sample_rate
+
+    def pcm16(self) -> bytes:
+        """Little-endian 16-bit PCM bytes of the samples (clipped)."""
+        return (np.clip(self.samples, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
