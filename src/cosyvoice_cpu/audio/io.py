@@ -1,0 +1,158 @@
+"""Audio in and out without torch: soundfile for reading/writing, soxr for resampling, and prompt sanity checks."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from cosyvoice_cpu.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+AudioSource = str | os.PathLike | bytes | bytearray | memoryview | BinaryIO
+
+PROMPT_MIN_SECONDS = 1.0
+PROMPT_MAX_SECONDS = 30.0  # the speech tokenizer's limit (the official frontend asserts it)
+SILENT_PEAK = 1e-4
+SILENT_RMS = 1e-5
+
+
+def _describe(source: AudioSource) -> str:
+    """A short name of ``source`` for error messages."""
+    if isinstance(source, (str, os.PathLike)):
+        return f"'{os.fspath(source)}'"
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return f"<{len(source)} bytes>"
+    return "<stream>"
+
+
+def resample(samples: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:
+    """Resample float samples ``(N,)`` or ``(N, C)`` with soxr "HQ": float32 ``(round(N * target/orig), ...)``."""
+    if orig_sr <= 0 or target_sr <= 0:
+        raise ConfigError(f"sample rates must be positive (got {orig_sr} -> {target_sr})")
+    x = np.asarray(samples, dtype=np.float32)
+    if orig_sr == target_sr or x.shape[0] == 0:
+        return x
+    import soxr
+
+    return np.asarray(soxr.resample(x, orig_sr, target_sr, quality="HQ"), dtype=np.float32)
+
+
+def load_audio(source: AudioSource, target_sr: int) -> np.ndarray:
+    """Read any format soundfile supports (wav, flac, ogg, ...), mix to mono and resample to ``target_sr``.
+
+    Args:
+        source: a path, the file's bytes, or a binary file object.
+        target_sr: the output sample rate (16000 for the tokenizer and speaker model, 24000 for the prompt mel).
+    Returns:
+        float32 mono samples ``(N,)`` in [-1, 1] (PCM is scaled by soundfile).
+    Raises:
+        ConfigError: missing, empty, corrupt or non-audio input, or a non-positive ``target_sr``.
+    """
+    import soundfile as sf
+
+    if target_sr <= 0:
+        raise ConfigError(f"target_sr must be a positive sample rate, got {target_sr}")
+    name = _describe(source)
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"audio file {name} does not exist (or is not a file); check the path")
+        if path.stat().st_size == 0:
+            raise ConfigError(f"audio file {name} is empty (0 bytes); record or export the prompt again")
+        handle: str | BinaryIO = os.fspath(path)
+    elif isinstance(source, (bytes, bytearray, memoryview)):
+        if len(source) == 0:
+            raise ConfigError("the audio bytes are empty; send the content of a wav/flac/ogg file")
+        handle = io.BytesIO(bytes(source))
+    elif hasattr(source, "read"):
+        handle = source
+    else:
+        raise ConfigError(f"load_audio takes a path, bytes or a binary file object, not {type(source).__name__}")
+    try:
+        data, sr = sf.read(handle, dtype="float32", always_2d=True)
+    except (sf.LibsndfileError, RuntimeError, TypeError) as e:
+        raise ConfigError(
+            f"cannot decode {name} as audio ({e}); use a wav, flac or ogg file (convert mp3/m4a with ffmpeg first)"
+        ) from e
+    if data.shape[0] == 0:
+        raise ConfigError(f"audio {name} holds no samples; record or export the prompt again")
+    if not np.all(np.isfinite(data)):
+        raise ConfigError(f"audio {name} contains NaN or infinite samples; re-export it as 16-bit PCM")
+    mono = data.mean(axis=1, dtype=np.float32) if data.shape[1] > 1 else data[:, 0]
+    out = resample(mono, int(sr), int(target_sr))
+    logger.debug(
+        "loaded %s: %d ch, %d Hz, %d samples -> %d at %d Hz", name, data.shape[1], sr, len(mono), len(out), target_sr
+    )
+    return np.ascontiguousarray(out, dtype=np.float32)
+
+
+def write_wav(path: str | os.PathLike, samples: np.ndarray, sr: int, subtype: str = "PCM_16") -> Path:
+    """Write float samples ``(N,)`` or ``(N, C)`` as a wav file; ``subtype`` is ``"PCM_16"`` or ``"FLOAT"``.
+
+    PCM_16 clips to [-1, 1] first (logged when it does). Parent directories are created. Returns the path.
+    """
+    import soundfile as sf
+
+    if subtype not in ("PCM_16", "FLOAT"):
+        raise ConfigError(f"write_wav subtype must be 'PCM_16' or 'FLOAT', got {subtype!r}")
+    if sr <= 0:
+        raise ConfigError(f"sample rate must be positive, got {sr}")
+    x = np.asarray(samples, dtype=np.float32)
+    if x.ndim not in (1, 2) or x.shape[0] == 0:
+        raise ConfigError(f"write_wav expects non-empty samples of shape (N,) or (N, C), got {x.shape}")
+    if not np.all(np.isfinite(x)):
+        raise ConfigError("write_wav got NaN or infinite samples; the synthesis produced invalid audio")
+    if subtype == "PCM_16":
+        peak = float(np.abs(x).max())
+        if peak > 1.0:
+            logger.warning("clipping %s: peak %.3f > 1.0 (write subtype='FLOAT' to keep it)", path, peak)
+            x = np.clip(x, -1.0, 1.0)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sf.write(os.fspath(out), x, int(sr), subtype=subtype, format="WAV")
+    return out
+
+
+def check_prompt(samples: np.ndarray, sr: int) -> float:
+    """Refuse prompts the models cannot use: silent, shorter than 1 s or longer than 30 s.
+
+    Args:
+        samples: float mono samples ``(N,)``.
+        sr: their sample rate.
+    Returns:
+        The duration in seconds.
+    Raises:
+        ConfigError: naming the fix.
+    """
+    x = np.asarray(samples)
+    if x.ndim != 1:
+        raise ConfigError(f"the prompt must be mono samples of shape (N,), got {x.shape}; load it with load_audio")
+    if sr <= 0:
+        raise ConfigError(f"sample rate must be positive, got {sr}")
+    seconds = x.shape[0] / sr
+    if seconds < PROMPT_MIN_SECONDS:
+        raise ConfigError(
+            f"the prompt is {seconds:.2f} s long; use at least {PROMPT_MIN_SECONDS:.0f} s of clear speech "
+            "(3-10 s is best)"
+        )
+    if seconds > PROMPT_MAX_SECONDS:
+        raise ConfigError(
+            f"the prompt is {seconds:.1f} s long; the speech tokenizer accepts at most {PROMPT_MAX_SECONDS:.0f} s, "
+            "trim it (3-10 s is best)"
+        )
+    if not np.all(np.isfinite(x)):
+        raise ConfigError("the prompt contains NaN or infinite samples; re-export it as 16-bit PCM")
+    x64 = x.astype(np.float64)
+    peak = float(np.abs(x64).max())
+    rms = float(np.sqrt(np.mean(x64**2)))
+    if peak < SILENT_PEAK or rms < SILENT_RMS:
+        raise ConfigError(
+            f"the prompt is silent (peak {peak:.1e}, RMS {rms:.1e}); check the recording level or the file"
+        )
+    return seconds
