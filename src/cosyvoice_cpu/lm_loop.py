@@ -1,0 +1,205 @@
+"""The speech-token decoding loop on the exported LM: text ids + prompt -> a stream of speech tokens.
+
+The torch-free twin of ``Qwen2LM.inference`` (:mod:`cosyvoice_cpu.reference.lm`). One request:
+
+1. prefill embeddings ``[sos, text_emb(prompt_text ⊕ text), task_id, speech_emb(prompt_speech)]`` (T, D) into a
+   KV-cache row (``T = 1 + Tp + Tt + 1 + Ts``);
+2. sample with :func:`cosyvoice_cpu.sampling.sample_next` (EOS kept out while fewer than
+   ``min_len = int(Tt * min_token_text_ratio)`` tokens are out), stop at the first stop id (not yielded) or after
+   ``max_len = int(Tt * max_token_text_ratio)`` tokens, feeding each yielded token back (except the last one).
+
+:class:`SpeechTokenGenerator` holds only read-only things (the shared :class:`~cosyvoice_cpu.lm.LMSession`, the
+LM facts, the default sampling); every mutable thing (KV cache, random source, decoded tokens) lives in the
+:class:`TokenRequest` it hands out, so one generator serves concurrent requests from several threads.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.lm import KVCache, LMSession
+from cosyvoice_cpu.sampling import Draw, RngDraw, SamplingConfig, sample_next
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LMFacts:
+    """The manifest's ``lm`` section as the loop needs it."""
+
+    speech_token_size: int
+    eos_id: int
+    stop_ids: tuple[int, ...]
+    min_token_text_ratio: float
+    max_token_text_ratio: float
+
+    @classmethod
+    def from_manifest(cls, d: Mapping[str, Any]) -> LMFacts:
+        """Read from the manifest's ``lm`` dict; raise ConfigError if a fact is missing or inconsistent."""
+        missing = [k for k in cls.__dataclass_fields__ if k not in d]
+        if missing:
+            raise ConfigError(f"the manifest's lm section lacks {', '.join(missing)}; re-export the model directory")
+        facts = cls(int(d["speech_token_size"]), int(d["eos_id"]), tuple(int(i) for i in d["stop_ids"]),
+                    float(d["min_token_text_ratio"]), float(d["max_token_text_ratio"]))  # fmt: skip
+        if facts.eos_id not in facts.stop_ids or not 0 <= facts.min_token_text_ratio <= facts.max_token_text_ratio:
+            raise ConfigError(f"inconsistent lm facts {facts}; re-export the model directory")
+        return facts
+
+    def token_budget(self, n_text: int) -> tuple[int, int]:
+        """(min_len, max_len) speech tokens for ``n_text`` text tokens, rounded down as the reference does."""
+        return int(n_text * self.min_token_text_ratio), int(n_text * self.max_token_text_ratio)
+
+
+def _ids(name: str, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Token ids as int64 (T,); raise ConfigError unless they are a flat sequence of integers."""
+    a = np.asarray(ids)
+    if a.size == 0:
+        return np.zeros(0, np.int64)
+    if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+        raise ConfigError(f"{name} must be a flat sequence of integer token ids, got {a.dtype} {a.shape}")
+    return a.astype(np.int64)
+
+
+class SpeechTokenGenerator:
+    """Runs speech-token requests on a shared :class:`LMSession`.
+
+    Args:
+        session: the loaded LM graph (shared, never mutated here).
+        facts: the manifest's LM facts (stop ids, length ratios).
+        sampling: the default sampling settings (a request may override them).
+    """
+
+    def __init__(self, session: LMSession, facts: LMFacts, sampling: SamplingConfig | None = None) -> None:
+        self.session = session
+        self.facts = facts
+        self.sampling = sampling or SamplingConfig()
+        self.sampling.validate()
+        if not facts.stop_ids or max(facts.stop_ids) >= session.spec.speech_vocab:
+            raise ConfigError(f"stop ids {facts.stop_ids} exceed the LM head ({session.spec.speech_vocab}); re-export")
+
+    @classmethod
+    def from_manifest(cls, session: LMSession, manifest: Any) -> SpeechTokenGenerator:
+        """Build from a :class:`cosyvoice_cpu.manifest.Manifest` (its ``lm`` and ``sampling`` sections)."""
+        return cls(session, LMFacts.from_manifest(manifest.lm), SamplingConfig.from_manifest(manifest.sampling))
+
+    def prompt_embeddings(
+        self,
+        text: Sequence[int] | np.ndarray,
+        prompt_text: Sequence[int] | np.ndarray = (),
+        prompt_speech: Sequence[int] | np.ndarray = (),
+    ) -> np.ndarray:
+        """The prefill input ``[sos, text_emb(prompt_text ⊕ text), task_id, speech_emb(prompt_speech)]`` (T, D)."""
+        s = self.session
+        text, prompt_text = _ids("text", text), _ids("prompt_text", prompt_text)
+        prompt_speech = _ids("prompt_speech", prompt_speech)
+        if prompt_speech.size and (prompt_speech.min() < 0 or prompt_speech.max() >= self.facts.speech_token_size):
+            raise ConfigError(
+                f"prompt speech tokens must lie in [0, {self.facts.speech_token_size}), got "
+                f"{prompt_speech.min()}..{prompt_speech.max()}; pass the speech tokenizer's output unchanged"
+            )
+        return np.concatenate([s.special("sos")[None], s.embed_text(np.concatenate([prompt_text, text])),
+                               s.special("task_id")[None], s.embed_speech(prompt_speech)])  # fmt: skip
+
+    def request(
+        self,
+        text: Sequence[int] | np.ndarray,
+        prompt_text: Sequence[int] | np.ndarray = (),
+        prompt_speech: Sequence[int] | np.ndarray = (),
+        *,
+        seed: int | None = None,
+        draw: Draw | None = None,
+        sampling: SamplingConfig | None = None,
+        cache: KVCache | None = None,
+        row: int = 0,
+    ) -> TokenRequest:
+        """Check the inputs and the KV capacity now; return the request, whose iteration does the work.
+
+        Args:
+            text: (Tt,) text token ids to speak (not empty); prompt_text: (Tp,) the prompt's transcript ids.
+            prompt_speech: (Ts,) the prompt audio's speech tokens in [0, speech_token_size).
+            seed: seed of the default random source (:class:`RngDraw`); ignored if ``draw`` is given.
+            draw: the random source (tests replay the reference's draws through it).
+            sampling: overrides the generator's default sampling settings.
+            cache, row: the KV-cache row to use (reset first); default a new one-row cache owned by the request.
+        """
+        text = _ids("text", text)
+        if text.size == 0:
+            raise ConfigError("text is empty: give at least one text token to speak")
+        sampling = sampling or self.sampling
+        sampling.validate()
+        embeds = self.prompt_embeddings(text, prompt_text, prompt_speech)
+        min_len, max_len = self.facts.token_budget(len(text))
+        # positions used: the prompt, then every yielded token but the last is fed back
+        need, cap = len(embeds) + max(max_len - 1, 0), self.session.spec.max_len
+        if need > cap:
+            raise ConfigError(
+                f"this request needs {need} KV-cache positions ({len(embeds)} prompt + up to {max_len} speech tokens "
+                f"for {len(text)} text tokens) but the model directory was exported with max_len={cap}; shorten the "
+                "text (split it into sentences), use a shorter voice prompt, or re-export with a larger --max-len"
+            )
+        if cache is None:
+            cache, row = self.session.new_cache(1), 0
+        cache.reset(row)
+        return TokenRequest(self, embeds, min_len, max_len, sampling, draw or RngDraw(seed), cache, row)
+
+    def generate(self, text: Sequence[int] | np.ndarray, *args: Any, **kw: Any) -> Iterator[int]:
+        """Shorthand for ``iter(self.request(text, ...))``: speech tokens one at a time."""
+        return iter(self.request(text, *args, **kw))
+
+
+class TokenRequest:
+    """One request's decoding state; iterate it (once) for the speech tokens.
+
+    Attributes:
+        tokens: the speech tokens yielded so far. min_len, max_len: the token budget.
+        stop_reason: None while running, then ``"stop"`` (a stop id was drawn; ``stop_token`` holds it) or
+            ``"max_len"``.
+    """
+
+    def __init__(
+        self,
+        gen: SpeechTokenGenerator,
+        embeds: np.ndarray,
+        min_len: int,
+        max_len: int,
+        sampling: SamplingConfig,
+        draw: Draw,
+        cache: KVCache,
+        row: int,
+    ) -> None:
+        self.gen, self.embeds, self.sampling, self.draw = gen, embeds, sampling, draw
+        self.min_len, self.max_len = min_len, max_len
+        self.cache, self.row = cache, row
+        self.tokens: list[int] = []
+        self.stop_reason: str | None = None
+        self.stop_token: int | None = None
+        self._started = False
+
+    def __iter__(self) -> Iterator[int]:
+        if self._started:
+            raise ConfigError("a TokenRequest can be iterated only once; make a new request to generate again")
+        self._started = True
+        return self._run()
+
+    def _run(self) -> Iterator[int]:
+        """Prefill, then sample/feed until a stop id or max_len; yields speech token ids."""
+        session, facts, out = self.gen.session, self.gen.facts, self.tokens
+        logp = session.prefill(self.cache, self.row, self.embeds)
+        for i in range(self.max_len):
+            token = sample_next(logp, out, self.sampling, self.draw, facts.eos_id, ignore_eos=i < self.min_len)
+            if token in facts.stop_ids:
+                self.stop_reason, self.stop_token = "stop", token
+                logger.debug("request stopped by %d after %d tokens", token, len(out))
+                return
+            out.append(token)
+            yield token
+            if i + 1 < self.max_len:
+                logp = session.decode(self.cache, [self.row], [token])[0]
+        self.stop_reason = "max_len"
+        logger.debug("request reached max_len %d", self.max_len)
