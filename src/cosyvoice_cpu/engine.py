@@ -1,0 +1,215 @@
+"""The torch-free text-to-speech engine: a model directory made by ``cosyvoice-cpu export`` -> audio.
+
+    engine = Engine.load("models/cosyvoice2-int8w")
+    voice = engine.make_voice("alice.wav", "Transcript of alice.wav.", name="alice")
+    for chunk in engine.synthesize("Hello there. How are you?", voice, SynthesisConfig(seed=1)):
+        play(chunk.samples, chunk.sample_rate)
+
+The engine is immutable after ``load`` and may be shared by threads: per-request state (KV cache, random
+generator, decoded tokens) lives in each ``synthesize`` call. Text is spoken a sentence at a time, so memory does
+not grow with the text's length. Modes follow the official CosyVoice2 frontend:
+
+- zero-shot: a voice with a transcript: the LM sees the transcript and the prompt's speech tokens;
+- cross-lingual: a voice without a transcript: the LM gets no prompt, the flow still clones the voice;
+- instruct: ``instruct="..."``: the LM sees the instruction + ``<|endofprompt|>`` instead of the transcript.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cosyvoice_cpu.config import AudioChunk, EngineConfig, SynthesisConfig
+from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.hardware import detect
+
+logger = logging.getLogger(__name__)
+
+END_OF_PROMPT = "<|endofprompt|>"
+SEGMENT_TOKENS = 80  # text tokens per LM call at most: the official split_paragraph's token_max_n
+
+
+@dataclass
+class Timings:
+    """Seconds spent per stage in one ``synthesize`` call (filled as it runs)."""
+
+    lm: float = 0.0
+    flow: float = 0.0
+    vocoder: float = 0.0
+    tokens: int = 0
+    audio: float = 0.0
+    first_audio: float | None = None
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class Engine:
+    """CosyVoice2 on ONNX Runtime and NumPy. Build it with :meth:`load`."""
+
+    def __init__(self, model_dir: Path, manifest: Any, parts: dict[str, Any], threads: int) -> None:
+        self.model_dir = model_dir
+        self.manifest = manifest
+        self.tokenizer = parts["tokenizer"]
+        self.lm = parts["lm"]
+        self.flow = parts["flow"]
+        self.vocoder = parts["vocoder"]
+        self.frontend = parts["frontend"]
+        self.threads = threads
+        self.sample_rate = int(manifest.sample_rate)
+
+    @classmethod
+    def load(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
+        """Check the machine, then load every stage of ``model_dir`` (graphs memory-mapped)."""
+        config = (config or EngineConfig()).validate()
+        hw = detect()
+        hw.check_cpu()  # before onnxruntime is imported: no 'Illegal instruction'
+        threads = config.threads or hw.threads(config.leave_cores)
+        from cosyvoice_cpu.flow import FlowStage
+        from cosyvoice_cpu.frontend import Frontend
+        from cosyvoice_cpu.lm import LMSession
+        from cosyvoice_cpu.lm_loop import SpeechTokenGenerator
+        from cosyvoice_cpu.manifest import Manifest
+        from cosyvoice_cpu.sessions import SessionConfig
+        from cosyvoice_cpu.text import TextTokenizer
+        from cosyvoice_cpu.vocoder import Vocoder
+
+        t0 = time.perf_counter()
+        model_dir = Path(model_dir)
+        m = Manifest.load(model_dir, check_hashes=config.verify_hashes)
+        session = LMSession.from_dir(model_dir, m.graphs["lm"].attrs, threads=threads)
+        parts = {
+            "tokenizer": TextTokenizer.from_dir(model_dir),
+            "lm": SpeechTokenGenerator.from_manifest(session, m),
+            "flow": FlowStage.from_dir(model_dir, m.flow, threads=threads),
+            "vocoder": Vocoder.from_dir(model_dir, m.graphs["hift_decode"].attrs, threads=threads),
+            "frontend": Frontend(model_dir, m, SessionConfig(threads=threads, spinning=config.spinning)),
+        }
+        for note in hw.notes:
+            logger.info("%s", note)
+        logger.info("loaded %s (%s, recipe %s) in %.2f s, %d threads", model_dir, m.family, m.recipe["name"],
+                    time.perf_counter() - t0, threads)  # fmt: skip
+        return cls(model_dir, m, parts, threads)
+
+    # ------------------------------------------------------------------ voices
+
+    def make_voice(self, prompt: Any, prompt_text: str = "", name: str = "voice") -> Any:
+        """A :class:`~cosyvoice_cpu.voice.Voice` from prompt audio and its transcript (see ``Frontend``)."""
+        return self.frontend.make_voice(prompt, prompt_text, name)
+
+    # ------------------------------------------------------------------ synthesis
+
+    def _lm_prompt(self, voice: Any, instruct: str | None) -> tuple[list[int], np.ndarray]:
+        """(prompt text ids, prompt speech tokens) the LM sees, per mode."""
+        if instruct is not None:
+            if not instruct.strip():
+                raise ConfigError("instruct is empty: give an instruction (e.g. 'Speak happily.') or omit it")
+            return self.tokenizer.encode(instruct.strip() + END_OF_PROMPT), np.zeros(0, np.int32)
+        if voice.prompt_text:
+            return self.tokenizer.encode(voice.prompt_text), voice.speech_tokens
+        return [], np.zeros(0, np.int32)  # cross-lingual
+
+    def _segment_cap(self, prompt_ids: list[int], prompt_speech: np.ndarray) -> int:
+        """Text tokens per segment so that prompt + text + the longest speech fits the KV cache."""
+        facts = self.lm.facts
+        free = self.lm.session.spec.max_len - (2 + len(prompt_ids) + len(prompt_speech))
+        cap = int(free // (1 + facts.max_token_text_ratio))
+        if cap < 8:
+            raise ConfigError(
+                f"the voice prompt leaves room for only {max(cap, 0)} text tokens in the KV cache (max_len "
+                f"{self.lm.session.spec.max_len}); use a shorter prompt or re-export with a larger --max-len"
+            )
+        return min(SEGMENT_TOKENS, cap)
+
+    def synthesize(
+        self,
+        text: str,
+        voice: Any,
+        config: SynthesisConfig | None = None,
+        instruct: str | None = None,
+        timings: Timings | None = None,
+    ) -> Iterator[AudioChunk]:
+        """Speak ``text`` with ``voice``; yields one :class:`AudioChunk` per sentence (``final`` on the last).
+
+        Raises ConfigError at once for bad parameters, empty text or a voice from another model.
+        """
+        config = (config or SynthesisConfig()).validate()
+        if config.stream:
+            raise ConfigError("stream=True is not available yet in this version; synthesize sentence by sentence")
+        voice.check_model(self.manifest.family, self.sample_rate)
+        prompt_ids, prompt_speech = self._lm_prompt(voice, instruct)
+        from cosyvoice_cpu.text import prepare
+
+        segments = prepare(text, self.tokenizer, normalize=config.normalize,
+                           max_tokens=self._segment_cap(prompt_ids, prompt_speech))  # fmt: skip
+        return self._run(segments, voice, config, prompt_ids, prompt_speech, timings or Timings())
+
+    def _run(self, segments: Iterator[Any], voice: Any, config: SynthesisConfig, prompt_ids: list[int],
+             prompt_speech: np.ndarray, t: Timings) -> Iterator[AudioChunk]:  # fmt: skip
+        from cosyvoice_cpu.sampling import RngDraw
+
+        rng = config.rng()
+        draw = RngDraw(rng)
+        sampling = self._sampling(config)
+        start = time.perf_counter()
+        pending: AudioChunk | None = None
+        for seg in segments:
+            t0 = time.perf_counter()
+            tokens = list(self.lm.generate(seg.token_ids, prompt_ids, prompt_speech, draw=draw, sampling=sampling))
+            t1 = time.perf_counter()
+            t.lm += t1 - t0
+            t.tokens += len(tokens)
+            if not tokens:
+                logger.info("no speech tokens for %r; skipped", seg.text)
+                continue
+            mel = self.flow.inference(tokens, voice.speech_tokens, voice.mel, voice.embedding,
+                                      n_timesteps=config.flow_steps, cfg_rate=config.cfg_rate)  # fmt: skip
+            mel = _change_speed(mel, config.speed)
+            t2 = time.perf_counter()
+            wave, _ = self.vocoder(mel, rng=rng)
+            t3 = time.perf_counter()
+            t.flow += t2 - t1
+            t.vocoder += t3 - t2
+            chunk = AudioChunk(wave[0].astype(np.float32), self.sample_rate, False, seg.text, (seg.start, seg.end))
+            t.audio += chunk.duration
+            if pending is not None:  # hold one chunk back so the last one can be marked final
+                yield pending
+            if t.first_audio is None:
+                t.first_audio = time.perf_counter() - start
+            pending = chunk
+        if pending is None:
+            raise ConfigError("the model produced no speech for this text; try other text or another seed")
+        pending.final = True
+        yield pending
+
+    def _sampling(self, config: SynthesisConfig) -> Any:
+        base = self.lm.sampling
+        changes = {k: getattr(config, k) for k in ("top_p", "top_k", "win_size", "tau_r") if getattr(config, k)}
+        if not changes:
+            return base
+        from dataclasses import replace
+
+        return replace(base, **changes)
+
+    def synthesize_wav(self, text: str, voice: Any, config: SynthesisConfig | None = None,
+                       instruct: str | None = None) -> np.ndarray:  # fmt: skip
+        """All of :meth:`synthesize` as one (N,) float32 array at :attr:`sample_rate`."""
+        chunks = [c.samples for c in self.synthesize(text, voice, config, instruct)]
+        return np.concatenate(chunks).astype(np.float32)
+
+
+def _change_speed(mel: np.ndarray, speed: float) -> np.ndarray:
+    """Stretch the mel (1, 80, T) to T / speed frames by linear interpolation (as the official speed option)."""
+    if speed == 1.0:
+        return mel
+    frames = mel.shape[2]
+    target = max(1, round(frames / speed))
+    pos = np.linspace(0, frames - 1, target)
+    lo = np.floor(pos).astype(int)
+    hi = np.minimum(lo + 1, frames - 1)
+    w = (pos - lo).astype(np.float32)
+    return (mel[:, :, lo] * (1 - w) + mel[:, :, hi] * w).astype(np.float32)

@@ -1,0 +1,108 @@
+"""The torch-free Engine on an exported tiny model: voices, the three modes, determinism, and clear errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from cosyvoice_cpu.config import SynthesisConfig
+from cosyvoice_cpu.engine import Engine, Timings
+from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.voice import Voice, VoiceError
+
+
+def _prompt_wav(path: Path, seconds: float = 3.0, sr: int = 44100) -> Path:
+    """A voiced, vibrato tone with a little noise, stereo at 44.1 kHz (exercises mixing and resampling)."""
+    rng = np.random.default_rng(0)
+    t = np.arange(int(sr * seconds)) / sr
+    tone = 0.3 * np.sin(2 * np.pi * 170 * t * (1 + 0.05 * np.sin(2 * np.pi * 3 * t)))
+    wav = np.stack([tone, tone * 0.8], axis=1) + 0.01 * rng.standard_normal((t.size, 2))
+    sf.write(path, wav.astype(np.float32), sr)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_export_dir: Path) -> Engine:
+    return Engine.load(tiny_export_dir)
+
+
+@pytest.fixture(scope="module")
+def voice(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Voice:
+    wav = _prompt_wav(tmp_path_factory.mktemp("prompt") / "alice.wav")
+    return engine.make_voice(wav, "Good morning everyone.", name="alice")
+
+
+def test_voice_from_prompt_audio(voice: Voice) -> None:
+    assert voice.mel.shape == (2 * len(voice.speech_tokens), 80)  # trimmed to 2 mel frames per token
+    assert 70 <= len(voice.speech_tokens) <= 75 and voice.embedding.shape == (192,)
+    assert abs(voice.meta["duration_s"] - 3.0) < 0.01 and voice.prompt_text == "Good morning everyone."
+
+
+def test_synthesis_is_deterministic_per_seed_and_reports_timings(engine: Engine, voice: Voice) -> None:
+    timings = Timings()
+    chunks = list(engine.synthesize("Hello world. How are you?", voice, SynthesisConfig(seed=3), timings=timings))
+    assert chunks[-1].final and not any(c.final for c in chunks[:-1])
+    assert all(c.sample_rate == 24000 and c.samples.dtype == np.float32 for c in chunks)
+    wave = np.concatenate([c.samples for c in chunks])
+    assert np.isfinite(wave).all() and np.abs(wave).max() <= 0.99 + 1e-6
+    assert len(wave) == timings.tokens * 2 * 480 and timings.first_audio is not None
+    again = engine.synthesize_wav("Hello world. How are you?", voice, SynthesisConfig(seed=3))
+    np.testing.assert_array_equal(wave, again)
+    other = engine.synthesize_wav("Hello world. How are you?", voice, SynthesisConfig(seed=4))
+    assert other.shape != wave.shape or not np.array_equal(other, wave)
+
+
+def test_modes_and_saved_voices(engine: Engine, voice: Voice, tmp_path: Path) -> None:
+    cfg = SynthesisConfig(seed=7, flow_steps=3)
+    zero_shot = engine.synthesize_wav("Hi there.", voice, cfg)
+    loaded = Voice.load(voice.save(tmp_path / "alice.npz"))
+    np.testing.assert_array_equal(engine.synthesize_wav("Hi there.", loaded, cfg), zero_shot)
+    cross = Voice(voice.name, "", voice.speech_tokens, voice.mel, voice.embedding)
+    instruct = engine.synthesize_wav("Hi there.", voice, cfg, instruct="Speak slowly.")
+    for wave in (engine.synthesize_wav("Hi there.", cross, cfg), instruct):
+        assert wave.shape != zero_shot.shape or not np.array_equal(wave, zero_shot)  # the LM saw another prompt
+    fast = engine.synthesize_wav("Hi there.", voice, cfg.with_(speed=2.0))
+    assert abs(len(fast) - len(zero_shot) / 2) <= 480
+
+
+def test_bad_input_is_refused_clearly(engine: Engine, voice: Voice, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="text is empty"):
+        engine.synthesize("   ", voice)
+    with pytest.raises(ConfigError, match="nothing speakable"):
+        engine.synthesize_wav("?!...", voice)
+    with pytest.raises(ConfigError, match="instruct is empty"):
+        engine.synthesize("Hi.", voice, instruct=" ")
+    with pytest.raises(ConfigError, match="speed = 9"):
+        engine.synthesize("Hi.", voice, SynthesisConfig(speed=9))
+    foreign = Voice("v1", "", voice.speech_tokens, voice.mel, voice.embedding, family="cosyvoice", sample_rate=22050)
+    with pytest.raises(VoiceError, match="made for cosyvoice at 22050 Hz"):
+        engine.synthesize("Hi.", foreign)
+    silent = tmp_path / "silent.wav"
+    sf.write(silent, np.zeros(48000, np.float32), 16000)
+    with pytest.raises(ConfigError, match="silent"):
+        engine.make_voice(silent, "x")
+    with pytest.raises(ConfigError, match=r"0\.50 s long; use at least 1 s"):
+        engine.make_voice(_prompt_wav(tmp_path / "short.wav", seconds=0.5), "x")
+    (tmp_path / "notaudio.wav").write_text("hello")
+    with pytest.raises(ConfigError, match=r"notaudio\.wav"):
+        engine.make_voice(tmp_path / "notaudio.wav", "x")
+
+
+def test_engine_runs_with_torch_blocked(tiny_export_dir: Path, tmp_path: Path) -> None:
+    wav = _prompt_wav(tmp_path / "p.wav")
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from cosyvoice_cpu.engine import Engine; from cosyvoice_cpu.config import SynthesisConfig\n"
+        f"e = Engine.load(r'{tiny_export_dir}')\n"
+        f"v = e.make_voice(r'{wav}', 'Good morning.', name='p')\n"
+        "w = e.synthesize_wav('Hello there.', v, SynthesisConfig(seed=1, flow_steps=2))\n"
+        "print(len(w) > 0, 'onnx' in sys.modules)\n"  # the runtime never needs the onnx package either
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "False"]
