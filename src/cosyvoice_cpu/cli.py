@@ -203,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--list-recipes", action="store_true", help="print the quantization recipes and exit")
     e.set_defaults(func=cmd_export)
 
+    from cosyvoice_cpu.cli_speech import add_commands
+
+    add_commands(sub, _positive, _non_negative)
+
     h = sub.add_parser("doctor", help="check this machine (CPU features, cores, memory) and optionally a model")
     h.add_argument("-m", "--model", type=Path, help="also check an exported model directory")
     h.add_argument("--quick", action="store_true", help="check the model's file sizes only, not their sha256")

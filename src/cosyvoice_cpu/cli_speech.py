@@ -1,0 +1,157 @@
+"""The runtime sub-commands of ``cosyvoice-cpu``: ``say`` and ``voice add|list|rm`` (no torch needed).
+
+Saved voices live in ``--voices DIR`` (default ``$COSYVOICE_CPU_VOICES`` or ``~/.cache/cosyvoice-cpu/voices``) as
+``NAME.npz``, written atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from cosyvoice_cpu.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def voices_dir(arg: Path | None) -> Path:
+    if arg is not None:
+        return arg
+    env = os.environ.get("COSYVOICE_CPU_VOICES")
+    return Path(env) if env else Path.home() / ".cache" / "cosyvoice-cpu" / "voices"
+
+
+def _voice_path(directory: Path, name: str) -> Path:
+    from cosyvoice_cpu.voice import check_name
+
+    return directory / f"{check_name(name)}.npz"
+
+
+def _engine(args: argparse.Namespace):
+    from cosyvoice_cpu.config import EngineConfig
+    from cosyvoice_cpu.engine import Engine
+
+    return Engine.load(args.model, EngineConfig(threads=args.threads))
+
+
+def cmd_voice(args: argparse.Namespace) -> int:
+    from cosyvoice_cpu.voice import Voice, VoiceError
+
+    directory = voices_dir(args.voices)
+    if args.action == "list":
+        for path in sorted(directory.glob("*.npz")) if directory.is_dir() else []:
+            try:
+                v = Voice.load(path)
+                print(f"{v.name}\t{v.family}\t{v.duration:.1f} s\t{v.prompt_text or '(cross-lingual)'}")
+            except VoiceError as e:
+                print(f"{path.stem}\tUNREADABLE\t{e}")
+        return 0
+    path = _voice_path(directory, args.name)
+    if args.action == "rm":
+        if not path.is_file():
+            raise VoiceError(f"no voice named {args.name!r} in {directory}")
+        path.unlink()
+        print(f"removed voice {args.name!r}")
+        return 0
+    if args.model is None or args.prompt_wav is None:
+        raise ConfigError("voice add needs -m MODEL_DIR and --prompt-wav FILE (and --prompt-text TRANSCRIPT)")
+    if path.exists() and not args.force:
+        raise VoiceError(f"voice {args.name!r} already exists in {directory}; pass --force to replace it")
+    voice = _engine(args).make_voice(args.prompt_wav, args.prompt_text or "", name=args.name)
+    voice.save(path)
+    print(f"saved voice {args.name!r} ({voice.duration:.1f} s prompt) to {path}")
+    return 0
+
+
+def _texts(args: argparse.Namespace) -> list[str]:
+    if args.text:
+        return [" ".join(args.text)]
+    if sys.stdin.isatty():
+        raise ConfigError("give the text as an argument or on standard input")
+    lines = [line.strip() for line in sys.stdin.read().splitlines()]
+    texts = [line for line in lines if line]
+    if not texts:
+        raise ConfigError("text is empty: standard input held no text to speak")
+    return texts
+
+
+def cmd_say(args: argparse.Namespace) -> int:
+    from cosyvoice_cpu.config import SynthesisConfig
+    from cosyvoice_cpu.engine import Timings
+    from cosyvoice_cpu.voice import Voice
+
+    config = SynthesisConfig(seed=args.seed, flow_steps=args.flow_steps, cfg_rate=args.cfg_rate, speed=args.speed,
+                             normalize=not args.no_normalize).validate()  # fmt: skip
+    texts = _texts(args)
+    if args.voice and args.prompt_wav:
+        raise ConfigError("give either --voice NAME or --prompt-wav FILE, not both")
+    if args.voice:
+        path = _voice_path(voices_dir(args.voices), args.voice)
+        if not path.is_file():
+            raise ConfigError(f"no voice named {args.voice!r} in {path.parent}; add it with `cosyvoice-cpu voice add`")
+        voice = Voice.load(path)
+    elif not args.prompt_wav:
+        raise ConfigError("CosyVoice2 clones a voice: give --voice NAME or --prompt-wav FILE [--prompt-text T]")
+    engine = _engine(args)
+    if args.prompt_wav:
+        voice = engine.make_voice(args.prompt_wav, args.prompt_text or "", name="prompt")
+    to_stdout = str(args.out) == "-"
+    pieces: list[np.ndarray] = []
+    t0 = time.perf_counter()
+    timings = Timings()
+    for text in texts:
+        for chunk in engine.synthesize(text, voice, config, instruct=args.instruct, timings=timings):
+            if to_stdout:
+                sys.stdout.buffer.write(chunk.pcm16())
+                sys.stdout.buffer.flush()
+            else:
+                pieces.append(chunk.samples)
+            elapsed = time.perf_counter() - t0
+            print(f"[{elapsed:6.1f}s] {chunk.duration:5.1f} s of audio: {chunk.text[:60]}", file=sys.stderr)
+    total = time.perf_counter() - t0
+    if not to_stdout:
+        from cosyvoice_cpu.audio import write_wav
+
+        write_wav(args.out, np.concatenate(pieces), engine.sample_rate)
+    rtf = total / timings.audio if timings.audio else float("nan")
+    print(f"{timings.audio:.1f} s of audio in {total:.1f} s (RTF {rtf:.2f}; LM {timings.lm:.1f} s for "
+          f"{timings.tokens} tokens, flow {timings.flow:.1f} s, vocoder {timings.vocoder:.1f} s)"
+          f"{'' if to_stdout else f' -> {args.out}'}", file=sys.stderr)  # fmt: skip
+    return 0
+
+
+def add_commands(sub: argparse._SubParsersAction, positive: type, non_negative: type) -> None:
+    """Register ``say`` and ``voice`` on the main parser's sub-parsers."""
+    s = sub.add_parser("say", help="speak text with an exported model (text as arguments or stdin lines)")
+    s.add_argument("text", nargs="*", help="text to speak (default: standard input, one utterance per line)")
+    s.add_argument("-m", "--model", type=Path, required=True, help="model directory made by `export`")
+    s.add_argument("-o", "--out", type=Path, default=Path("out.wav"), help="wav file, or - for raw 16-bit PCM")
+    s.add_argument("--voice", help="a saved voice name (see `voice add`)")
+    s.add_argument("--prompt-wav", type=Path, help="clone this recording (1-30 s) instead of a saved voice")
+    s.add_argument("--prompt-text", help="the transcript of --prompt-wav (omit for cross-lingual)")
+    s.add_argument("--instruct", help="an instruction such as 'Speak slowly and happily.' (instruct mode)")
+    s.add_argument("--seed", type=non_negative)
+    s.add_argument("--speed", type=float, default=1.0)
+    s.add_argument("--flow-steps", type=positive, default=10)
+    s.add_argument("--cfg-rate", type=float, default=0.7)
+    s.add_argument("--no-normalize", action="store_true", help="skip text normalization")
+    s.add_argument("--threads", type=non_negative, default=0, help="ORT threads (default: usable physical cores)")
+    s.add_argument("--voices", type=Path, help="saved-voices directory")
+    s.set_defaults(func=cmd_say)
+
+    v = sub.add_parser("voice", help="manage saved voices: add, list, rm")
+    v.add_argument("action", choices=["add", "list", "rm"])
+    v.add_argument("name", nargs="?", default="", help="voice name (add, rm)")
+    v.add_argument("-m", "--model", type=Path, help="model directory (add)")
+    v.add_argument("--prompt-wav", type=Path, help="the recording to clone (add)")
+    v.add_argument("--prompt-text", help="its transcript (add; omit for cross-lingual)")
+    v.add_argument("--force", action="store_true", help="replace an existing voice (add)")
+    v.add_argument("--threads", type=non_negative, default=0)
+    v.add_argument("--voices", type=Path, help="saved-voices directory")
+    v.set_defaults(func=cmd_voice)
