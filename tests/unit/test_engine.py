@@ -37,6 +37,14 @@ def voice(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Voice:
     return engine.make_voice(wav, "Good morning everyone.", name="alice")
 
 
+def test_public_api_is_importable_lazily() -> None:
+    import cosyvoice_cpu
+
+    assert cosyvoice_cpu.Engine is Engine and cosyvoice_cpu.SynthesisConfig is SynthesisConfig
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        cosyvoice_cpu.Nope  # noqa: B018
+
+
 def test_voice_from_prompt_audio(voice: Voice) -> None:
     assert voice.mel.shape == (2 * len(voice.speech_tokens), 80)  # trimmed to 2 mel frames per token
     assert 70 <= len(voice.speech_tokens) <= 75 and voice.embedding.shape == (192,)
