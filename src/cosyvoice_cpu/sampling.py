@@ -66,6 +66,11 @@ class SamplingConfig:
             raise ConfigError(f"sampling eos_policy must be one of {', '.join(EOS_POLICIES)}, got {self.eos_policy!r}")
 
     @classmethod
+    def token2wav_0_1_0(cls, **kw: Any) -> SamplingConfig:
+        """The behaviour of the official code packaged as ``token2wav-cosyvoice==0.1.0`` (parity tests)."""
+        return cls(exclude_repeated=False, eos_policy="resample", **kw)
+
+    @classmethod
     def from_manifest(cls, d: Mapping[str, Any]) -> SamplingConfig:
         """Build from the manifest's ``sampling`` section (missing keys take the defaults) and validate."""
         known = {f.name: f for f in fields(cls)}

@@ -14,49 +14,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
-from cosyvoice_cpu.errors import ConfigError
+# One settings class for the reference and the runtime (plain data, no torch); re-exported from here.
+from cosyvoice_cpu.sampling import SamplingConfig
 
 logger = logging.getLogger(__name__)
+__all__ = ["Draw", "SamplingConfig", "nucleus_sample", "ras_sample", "sample_next", "torch_draw"]
 
 Draw = Callable[[torch.Tensor], int]
 """Draw one index from an unnormalised probability vector (N,)."""
-
-
-@dataclass
-class SamplingConfig:
-    """RAS parameters (defaults = the released CosyVoice2 yaml) and the end-of-speech policy.
-
-    ``eos_policy``: while fewer than ``min_len`` tokens are decoded, EOS is either masked out of the scores
-    (``"mask"``, the official code since 2025) or drawn and rejected up to 100 times (``"resample"``, the
-    ``token2wav-cosyvoice==0.1.0`` code). Decoding stops at any stop id (official HEAD); the 0.1.0 code instead
-    skips a drawn 6562/6563 and re-feeds its previous input, a quirk we do not reproduce.
-    """
-
-    top_p: float = 0.8
-    top_k: int = 25
-    win_size: int = 10
-    tau_r: float = 0.1
-    exclude_repeated: bool = True
-    eos_policy: str = "mask"
-
-    def validate(self) -> None:
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"sampling top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 1:
-            raise ConfigError(f"sampling top_k must be >= 1, got {self.top_k}")
-        if self.win_size < 0 or self.tau_r < 0:
-            raise ConfigError(f"sampling win_size/tau_r must be >= 0, got {self.win_size}/{self.tau_r}")
-        if self.eos_policy not in ("mask", "resample"):
-            raise ConfigError(f"sampling eos_policy must be 'mask' or 'resample', got {self.eos_policy!r}")
-
-    @classmethod
-    def token2wav_0_1_0(cls, **kw: float) -> SamplingConfig:
-        """The behaviour of the official code packaged as ``token2wav-cosyvoice==0.1.0`` (parity tests)."""
-        return cls(exclude_repeated=False, eos_policy="resample", **kw)
 
 
 def torch_draw(generator: torch.Generator | None = None) -> Draw:
