@@ -91,6 +91,9 @@ class Engine:
         }
         for note in hw.notes:
             logger.info("%s", note)
+        warning = hw.memory_warning(sum(f.size for f in m.all_files() if f.file != "speech_tokenizer_v2.onnx"))
+        if warning:
+            logger.warning("%s", warning)
         logger.info("loaded %s (%s, recipe %s) in %.2f s, %d threads", model_dir, m.family, m.recipe["name"],
                     time.perf_counter() - t0, threads)  # fmt: skip
         return cls(model_dir, m, parts, threads)
