@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -69,16 +70,16 @@ def cmd_voice(args: argparse.Namespace) -> int:
     return 0
 
 
-def _texts(args: argparse.Namespace) -> list[str]:
+def _texts(args: argparse.Namespace) -> Iterator[str]:
+    """The argument text, or standard input read lazily, one utterance per non-empty line."""
     if args.text:
-        return [" ".join(args.text)]
+        yield " ".join(args.text)
+        return
     if sys.stdin.isatty():
         raise ConfigError("give the text as an argument or on standard input")
-    lines = [line.strip() for line in sys.stdin.read().splitlines()]
-    texts = [line for line in lines if line]
-    if not texts:
-        raise ConfigError("text is empty: standard input held no text to speak")
-    return texts
+    for line in sys.stdin:
+        if line.strip():
+            yield line.strip()
 
 
 def cmd_say(args: argparse.Namespace) -> int:
@@ -88,7 +89,8 @@ def cmd_say(args: argparse.Namespace) -> int:
 
     config = SynthesisConfig(seed=args.seed, flow_steps=args.flow_steps, cfg_rate=args.cfg_rate, speed=args.speed,
                              normalize=not args.no_normalize).validate()  # fmt: skip
-    texts = _texts(args)
+    if not args.text and sys.stdin.isatty():
+        raise ConfigError("give the text as an argument or on standard input")
     if args.voice and args.prompt_wav:
         raise ConfigError("give either --voice NAME or --prompt-wav FILE, not both")
     if args.voice:
@@ -105,15 +107,24 @@ def cmd_say(args: argparse.Namespace) -> int:
     pieces: list[np.ndarray] = []
     t0 = time.perf_counter()
     timings = Timings()
-    for text in texts:
-        for chunk in engine.synthesize(text, voice, config, instruct=args.instruct, timings=timings):
-            if to_stdout:
-                sys.stdout.buffer.write(chunk.pcm16())
-                sys.stdout.buffer.flush()
-            else:
-                pieces.append(chunk.samples)
-            elapsed = time.perf_counter() - t0
-            print(f"[{elapsed:6.1f}s] {chunk.duration:5.1f} s of audio: {chunk.text[:60]}", file=sys.stderr)
+    failed = 0
+    for text in _texts(args):
+        try:
+            for chunk in engine.synthesize(text, voice, config, instruct=args.instruct, timings=timings):
+                if to_stdout:
+                    sys.stdout.buffer.write(chunk.pcm16())
+                    sys.stdout.buffer.flush()
+                else:
+                    pieces.append(chunk.samples)
+                elapsed = time.perf_counter() - t0
+                print(f"[{elapsed:6.1f}s] {chunk.duration:5.1f} s of audio: {chunk.text[:60]}", file=sys.stderr)
+        except ConfigError as e:  # one bad line does not lose the others
+            if args.text:
+                raise
+            failed += 1
+            print(f"skipped {text[:40]!r}: {e}", file=sys.stderr)
+    if not pieces and not to_stdout:
+        raise ConfigError("nothing was synthesized: every input line was skipped")
     total = time.perf_counter() - t0
     if not to_stdout:
         from cosyvoice_cpu.audio import write_wav
@@ -123,7 +134,7 @@ def cmd_say(args: argparse.Namespace) -> int:
     print(f"{timings.audio:.1f} s of audio in {total:.1f} s (RTF {rtf:.2f}; LM {timings.lm:.1f} s for "
           f"{timings.tokens} tokens, flow {timings.flow:.1f} s, vocoder {timings.vocoder:.1f} s)"
           f"{'' if to_stdout else f' -> {args.out}'}", file=sys.stderr)  # fmt: skip
-    return 0
+    return 1 if failed else 0
 
 
 def add_commands(sub: argparse._SubParsersAction, positive: type, non_negative: type) -> None:

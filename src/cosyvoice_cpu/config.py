@@ -22,6 +22,20 @@ def _need(ok: bool, name: str, value: Any, rule: str) -> None:
         raise ConfigError(f"{name} = {value!r} is out of range: {rule}")
 
 
+def _types(obj: Any, ints: tuple[str, ...], floats: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
+    """Integer fields must be ints (not bools), float fields real numbers; ``optional`` ones may also be None."""
+    for name in ints + floats:
+        value = getattr(obj, name)
+        if value is None and name in optional:
+            continue
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        if name in floats:
+            ok = ok or isinstance(value, float)
+        if not ok:
+            kind = "an integer" if name in ints else "a number"
+            raise ConfigError(f"{name} must be {kind}{' or None' if name in optional else ''}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How to load a model directory.
@@ -42,6 +56,7 @@ class EngineConfig:
     streaming_estimator: bool = True
 
     def validate(self) -> EngineConfig:
+        _types(self, ("threads", "leave_cores"), ())
         _need(0 <= self.threads <= 512, "threads", self.threads, "0 (auto) to 512")
         _need(0 <= self.leave_cores <= 64, "leave_cores", self.leave_cores, "0 to 64")
         return self
@@ -76,6 +91,8 @@ class SynthesisConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> SynthesisConfig:
+        _types(self, ("seed", "flow_steps", "first_chunk_tokens", "top_k", "win_size"),
+               ("cfg_rate", "speed", "top_p", "tau_r"), optional=("seed", "top_p", "top_k", "win_size", "tau_r"))
         _need(self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "0 to 2**63-1, or None")
         _need(1 <= self.flow_steps <= 100, "flow_steps", self.flow_steps, "1 to 100 (official 10)")
         _need(0.0 <= self.cfg_rate <= 10.0, "cfg_rate", self.cfg_rate, "0 to 10 (official 0.7)")

@@ -81,13 +81,14 @@ class Engine:
         t0 = time.perf_counter()
         model_dir = Path(model_dir)
         m = Manifest.load(model_dir, check_hashes=config.verify_hashes)
-        session = LMSession.from_dir(model_dir, m.graphs["lm"].attrs, threads=threads)
+        sc = SessionConfig(threads=threads, spinning=config.spinning)
+        session = LMSession.from_dir(model_dir, m.graphs["lm"].attrs, threads=sc)
         parts = {
             "tokenizer": TextTokenizer.from_dir(model_dir),
             "lm": SpeechTokenGenerator.from_manifest(session, m),
-            "flow": FlowStage.from_dir(model_dir, m.flow, threads=threads),
-            "vocoder": Vocoder.from_dir(model_dir, m.graphs["hift_decode"].attrs, threads=threads),
-            "frontend": Frontend(model_dir, m, SessionConfig(threads=threads, spinning=config.spinning)),
+            "flow": FlowStage.from_dir(model_dir, m.flow, threads=sc, streaming=config.streaming_estimator),
+            "vocoder": Vocoder.from_dir(model_dir, m.graphs["hift_decode"].attrs, threads=sc),
+            "frontend": Frontend(model_dir, m, sc),
         }
         for note in hw.notes:
             logger.info("%s", note)
@@ -106,14 +107,20 @@ class Engine:
 
     # ------------------------------------------------------------------ synthesis
 
-    def _lm_prompt(self, voice: Any, instruct: str | None) -> tuple[list[int], np.ndarray]:
-        """(prompt text ids, prompt speech tokens) the LM sees, per mode."""
+    def _lm_prompt(self, voice: Any, instruct: str | None, normalize: bool = True) -> tuple[list[int], np.ndarray]:
+        """(prompt text ids, prompt speech tokens) the LM sees, per mode (as the official frontend)."""
         if instruct is not None:
-            if not instruct.strip():
-                raise ConfigError("instruct is empty: give an instruction (e.g. 'Speak happily.') or omit it")
-            return self.tokenizer.encode(instruct.strip() + END_OF_PROMPT), np.zeros(0, np.int32)
-        if voice.prompt_text:
-            return self.tokenizer.encode(voice.prompt_text), voice.speech_tokens
+            if not isinstance(instruct, str) or not instruct.strip():
+                raise ConfigError("instruct must be a non-empty instruction (e.g. 'Speak happily.') or omitted")
+            text = instruct.strip()
+            if not text.endswith(END_OF_PROMPT):  # newer official examples already carry the marker
+                text += END_OF_PROMPT
+            return self.tokenizer.encode(text), np.zeros(0, np.int32)
+        if voice.prompt_text:  # zero-shot: the transcript is normalized like the text (official split=False)
+            from cosyvoice_cpu.text import normalize_text
+
+            prompt = normalize_text(voice.prompt_text) if normalize else voice.prompt_text
+            return self.tokenizer.encode(prompt), voice.speech_tokens
         return [], np.zeros(0, np.int32)  # cross-lingual
 
     def _segment_cap(self, prompt_ids: list[int], prompt_speech: np.ndarray) -> int:
@@ -143,8 +150,12 @@ class Engine:
         config = (config or SynthesisConfig()).validate()
         if config.stream:
             raise ConfigError("stream=True is not available yet in this version; synthesize sentence by sentence")
+        from cosyvoice_cpu.voice import Voice
+
+        if not isinstance(voice, Voice):
+            raise ConfigError(f"voice must be a Voice (engine.make_voice or Voice.load), got {type(voice).__name__}")
         voice.check_model(self.manifest.family, self.sample_rate)
-        prompt_ids, prompt_speech = self._lm_prompt(voice, instruct)
+        prompt_ids, prompt_speech = self._lm_prompt(voice, instruct, config.normalize)
         from cosyvoice_cpu.text import prepare
 
         segments = prepare(text, self.tokenizer, normalize=config.normalize,
@@ -159,39 +170,42 @@ class Engine:
         draw = RngDraw(rng)
         sampling = self._sampling(config)
         start = time.perf_counter()
-        pending: AudioChunk | None = None
-        for seg in segments:
+        segments = iter(segments)
+        seg = next(segments, None)
+        produced = 0
+        while seg is not None:
+            following = next(segments, None)  # cheap look-ahead: the chunk of the last segment is marked final
             t0 = time.perf_counter()
             tokens = list(self.lm.generate(seg.token_ids, prompt_ids, prompt_speech, draw=draw, sampling=sampling))
             t1 = time.perf_counter()
             t.lm += t1 - t0
             t.tokens += len(tokens)
-            if not tokens:
-                logger.info("no speech tokens for %r; skipped", seg.text)
-                continue
-            mel = self.flow.inference(tokens, voice.speech_tokens, voice.mel, voice.embedding,
-                                      n_timesteps=config.flow_steps, cfg_rate=config.cfg_rate)  # fmt: skip
-            mel = _change_speed(mel, config.speed)
-            t2 = time.perf_counter()
-            wave, _ = self.vocoder(mel, rng=rng)
-            t3 = time.perf_counter()
-            t.flow += t2 - t1
-            t.vocoder += t3 - t2
-            chunk = AudioChunk(wave[0].astype(np.float32), self.sample_rate, False, seg.text, (seg.start, seg.end))
-            t.audio += chunk.duration
-            if pending is not None:  # hold one chunk back so the last one can be marked final
-                yield pending
-            if t.first_audio is None:
-                t.first_audio = time.perf_counter() - start
-            pending = chunk
-        if pending is None:
-            raise ConfigError("the model produced no speech for this text; try other text or another seed")
-        pending.final = True
-        yield pending
+            if tokens:
+                mel = self.flow.inference(tokens, voice.speech_tokens, voice.mel, voice.embedding,
+                                          n_timesteps=config.flow_steps, cfg_rate=config.cfg_rate)  # fmt: skip
+                mel = _change_speed(mel, config.speed)
+                t2 = time.perf_counter()
+                wave, _ = self.vocoder(mel, rng=rng)
+                t.flow += t2 - t1
+                t.vocoder += time.perf_counter() - t2
+                samples = wave[0].astype(np.float32)
+            else:
+                logger.info("no speech tokens for %r", seg.text)
+                samples = np.zeros(0, np.float32)
+            if len(samples) or following is None:
+                if following is None and not (produced or len(samples)):
+                    raise ConfigError("the model produced no speech for this text; try other text or another seed")
+                chunk = AudioChunk(samples, self.sample_rate, following is None, seg.text, (seg.start, seg.end))
+                t.audio += chunk.duration
+                if t.first_audio is None and len(samples):
+                    t.first_audio = time.perf_counter() - start
+                produced += len(samples)
+                yield chunk
+            seg = following
 
     def _sampling(self, config: SynthesisConfig) -> Any:
         base = self.lm.sampling
-        changes = {k: getattr(config, k) for k in ("top_p", "top_k", "win_size", "tau_r") if getattr(config, k)}
+        changes = {k: v for k in ("top_p", "top_k", "win_size", "tau_r") if (v := getattr(config, k)) is not None}
         if not changes:
             return base
         from dataclasses import replace
@@ -206,13 +220,14 @@ class Engine:
 
 
 def _change_speed(mel: np.ndarray, speed: float) -> np.ndarray:
-    """Stretch the mel (1, 80, T) to T / speed frames by linear interpolation (as the official speed option)."""
+    """Resample the mel (1, 80, T) to int(T / speed) frames, as the official speed option
+    (``F.interpolate(mel, size=int(T / speed), mode="linear")``, align_corners False)."""
     if speed == 1.0:
         return mel
     frames = mel.shape[2]
-    target = max(1, round(frames / speed))
-    pos = np.linspace(0, frames - 1, target)
-    lo = np.floor(pos).astype(int)
+    target = max(1, int(frames / speed))
+    pos = np.maximum((np.arange(target) + 0.5) * (frames / target) - 0.5, 0.0)
+    lo = np.minimum(np.floor(pos).astype(int), frames - 1)
     hi = np.minimum(lo + 1, frames - 1)
     w = (pos - lo).astype(np.float32)
     return (mel[:, :, lo] * (1 - w) + mel[:, :, hi] * w).astype(np.float32)

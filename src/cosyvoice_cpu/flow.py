@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
-from cosyvoice_cpu.sessions import SessionConfig, check_io, make_session
+from cosyvoice_cpu.sessions import SessionConfig, as_config, check_io, make_session
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +67,9 @@ def time_span(n_timesteps: int, scheduler: str = "cosine") -> np.ndarray:
     return span
 
 
-def _open(path: Path, threads: int, io: tuple[dict[str, tuple[str, int]], tuple[str, ...]]) -> Any:
+def _open(path: Path, threads: int | SessionConfig, io: tuple[dict[str, tuple[str, int]], tuple[str, ...]]) -> Any:
     """A session on a flow graph whose inputs (dtype, rank) and output names are checked against ``io``."""
-    sess = make_session(path, SessionConfig(threads=threads))
+    sess = make_session(path, as_config(threads))
     inputs, outputs = io
     want_in = {n: (f"tensor({dt})", rank) for n, (dt, rank) in inputs.items()}
     out_rank = {o.name: len(o.shape) for o in sess.get_outputs()}
@@ -105,7 +105,7 @@ class FlowStage:
         estimator_chunk: str | Path | None = None,
         noise: str | Path | None = None,
         settings: FlowSettings | dict[str, Any] | None = None,
-        threads: int = 1,
+        threads: int | SessionConfig = 1,
     ) -> None:
         self.settings = settings if isinstance(settings, FlowSettings) else FlowSettings.from_attrs(settings)
         self.encoder = _open(Path(encoder), threads, ENCODER_IO)
@@ -125,11 +125,12 @@ class FlowStage:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, settings: FlowSettings | dict[str, Any] | None = None,
-                 threads: int = 1) -> FlowStage:  # fmt: skip
+                 threads: int | SessionConfig = 1, streaming: bool = True) -> FlowStage:  # fmt: skip
         """The stage from the standard file names in an exported directory."""
         d = Path(model_dir)
         chunk = d / FILES["flow_estimator_chunk"]
-        return cls(d / FILES["flow_encoder"], d / FILES["flow_estimator"], chunk if chunk.is_file() else None,
+        chunk_or_none = chunk if streaming and chunk.is_file() else None  # skip it: ~100 MB less when not streaming
+        return cls(d / FILES["flow_encoder"], d / FILES["flow_estimator"], chunk_or_none,
                    d / FILES["flow_noise"], settings, threads)  # fmt: skip
 
     def encode(

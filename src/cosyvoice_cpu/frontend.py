@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.audio import check_prompt, load_audio, matcha_mel, resample, spk_embedding_input, whisper_log_mel
+from cosyvoice_cpu.audio.io import PROMPT_MAX_SECONDS
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.manifest import Manifest
 from cosyvoice_cpu.sessions import SessionConfig, make_session
@@ -69,7 +70,7 @@ class Frontend:
         """
         check_name(name)
         t0 = time.perf_counter()
-        wav16 = load_audio(prompt, FRONTEND_RATE)
+        wav16 = load_audio(prompt, FRONTEND_RATE, max_seconds=PROMPT_MAX_SECONDS)
         duration = check_prompt(wav16, FRONTEND_RATE)
         embedding = self.embedding(wav16)
         tokens = self.speech_tokens(wav16)

@@ -40,6 +40,13 @@ class CpuInfo:
     flags: frozenset[str]
     logical: int
     physical: int
+    core_of: tuple[tuple[int, str], ...] = ()  # (processor id, "physical id/core id") pairs
+
+    def physical_in(self, cpus: set[int]) -> int | None:
+        """Distinct physical cores among logical CPUs ``cpus`` (None when cpuinfo has no core ids)."""
+        if not self.core_of:
+            return None
+        return len({core for cpu, core in self.core_of if cpu in cpus}) or None
 
     @property
     def avx2(self) -> bool:
@@ -69,18 +76,21 @@ def read_cpuinfo(root: Path = ROOT) -> CpuInfo | None:
     if not text:
         return None
     model, flags = "", frozenset()
-    logical, cores = 0, set()
-    physical_id = core_id = None
+    logical, cores, core_of = 0, set(), []
+    processor = physical_id = core_id = None
     for line in text.splitlines() + [""]:
         if not line.strip():  # end of one processor block
             if core_id is not None:
                 cores.add((physical_id, core_id))
-            physical_id = core_id = None
+                if processor is not None:
+                    core_of.append((processor, f"{physical_id}/{core_id}"))
+            processor = physical_id = core_id = None
             continue
         key, _, value = line.partition(":")
         key, value = key.strip(), value.strip()
         if key == "processor":
             logical += 1
+            processor = int(value) if value.isdigit() else None
         elif key == "model name" and not model:
             model = value
         elif key == "flags" and not flags:
@@ -89,7 +99,7 @@ def read_cpuinfo(root: Path = ROOT) -> CpuInfo | None:
             physical_id = value
         elif key == "core id":
             core_id = value
-    return CpuInfo(model or "unknown CPU", flags, logical, len(cores) or logical)
+    return CpuInfo(model or "unknown CPU", flags, logical, len(cores) or logical, tuple(core_of))
 
 
 def cgroup_cpu_limit(root: Path = ROOT) -> float | None:
@@ -135,14 +145,18 @@ class Hardware:
     mem_available: int | None
     mem_limit: int | None
     notes: list[str] = field(default_factory=list)
+    affinity_set: frozenset[int] = frozenset()  # the logical CPU ids, when known
 
     @property
     def usable_cores(self) -> int:
-        """Physical cores we can really use: the affinity set scaled by cores per thread, capped by the quota."""
-        logical = self.affinity
-        if self.cpu and self.cpu.logical:
-            logical = round(self.affinity * self.cpu.physical / self.cpu.logical)
-        cores = max(1, logical)
+        """Physical cores we can really use: distinct cores of the affinity set, capped by the cgroup quota."""
+        cores = self.cpu.physical_in(set(self.affinity_set)) if self.cpu and self.affinity_set else None
+        if cores is None:  # no core ids: assume the allowed CPUs are spread like the machine's
+            logical = self.affinity
+            if self.cpu and self.cpu.logical:
+                logical = round(self.affinity * self.cpu.physical / self.cpu.logical)
+            cores = logical
+        cores = max(1, cores)
         if self.quota is not None:
             cores = min(cores, max(1, math.floor(self.quota)))
         return cores
@@ -191,15 +205,21 @@ class Hardware:
 
 def detect(root: Path = ROOT) -> Hardware:
     """Read everything once (cheap: a few small files)."""
+    cpus: frozenset[int] = frozenset()
     try:
-        affinity = len(os.sched_getaffinity(0)) if root == ROOT else 0
+        if root == ROOT:
+            cpus = frozenset(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        affinity = os.cpu_count() or 1
+        pass
     cpu = read_cpuinfo(root)
-    if not affinity:
-        affinity = cpu.logical if cpu else (os.cpu_count() or 1)
+    affinity = len(cpus) or (cpu.logical if cpu else (os.cpu_count() or 1))
     total, available, limit = memory_bytes(root)
-    hw = Hardware(cpu, affinity, cgroup_cpu_limit(root), total, available, limit)
+    try:
+        quota = cgroup_cpu_limit(root)
+    except ValueError:
+        quota = None
+        logger.warning("the cgroup CPU quota file is malformed; ignoring it")
+    hw = Hardware(cpu, affinity, quota, total, available, limit, affinity_set=cpus)
     if cpu and affinity < cpu.logical:
         hw.notes.append(f"this process may use {affinity} of {cpu.logical} logical CPUs (cpuset/affinity)")
     if hw.quota is not None:

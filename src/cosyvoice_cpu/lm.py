@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
-from cosyvoice_cpu.sessions import SessionConfig, check_io, make_session
+from cosyvoice_cpu.sessions import SessionConfig, as_config, check_io, make_session
 
 logger = logging.getLogger(__name__)
 
@@ -121,23 +121,30 @@ class LMSession:
     """
 
     def __init__(
-        self, graph: str | Path, embeddings: Mapping[str, str | Path], attrs: Mapping[str, Any], threads: int = 2
+        self,
+        graph: str | Path,
+        embeddings: Mapping[str, str | Path],
+        attrs: Mapping[str, Any],
+        threads: int | SessionConfig = 2,
     ) -> None:
-        if threads <= 0:
-            raise ConfigError(f"threads must be positive, got {threads}")
+        config = as_config(threads)
         self.spec = spec = LMSpec.from_attrs(attrs)
         self.graph = Path(graph)
         if not self.graph.is_file():
             raise ModelDirError(f"{self.graph} is missing; {EXPORT_HINT}")
         self.tables = {k: self._load_table(k, embeddings) for k in EMBEDDING_FILES}
-        self.session = make_session(self.graph, SessionConfig(threads=threads))
+        self.session = make_session(self.graph, config)
         self._check_graph()
         logger.info("LM graph %s loaded (%d layers, max_len %d, %d threads)", self.graph, spec.num_layers,
-                    spec.max_len, threads)  # fmt: skip
+                    spec.max_len, config.threads)  # fmt: skip
 
     @classmethod
     def from_dir(
-        cls, model_dir: str | Path, attrs: Mapping[str, Any], graph_file: str = GRAPH_FILE, threads: int = 2
+        cls,
+        model_dir: str | Path,
+        attrs: Mapping[str, Any],
+        graph_file: str = GRAPH_FILE,
+        threads: int | SessionConfig = 2,
     ) -> LMSession:
         """Open ``graph_file`` and the tables named in ``attrs["embeddings"]`` (default names) in model_dir."""
         model_dir = Path(model_dir)

@@ -36,6 +36,15 @@ class SessionConfig:
             raise ConfigError(f"threads must be >= 0 (0 = all cores), got {self.threads}")
 
 
+def as_config(threads: int | SessionConfig) -> SessionConfig:
+    """A stage's ``threads`` argument: a thread count (other options default) or a full :class:`SessionConfig`."""
+    if isinstance(threads, SessionConfig):
+        return threads
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise ConfigError(f"threads must be an int >= 0 (0 = all cores) or a SessionConfig, got {threads!r}")
+    return SessionConfig(threads=threads)
+
+
 def make_session(path: str | Path, config: SessionConfig | None = None) -> Any:
     """Open ``path`` on the CPU execution provider; a missing or unreadable graph is a :class:`ModelDirError`."""
     import onnxruntime as ort

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
-from cosyvoice_cpu.sessions import SessionConfig, check_io, make_session
+from cosyvoice_cpu.sessions import SessionConfig, as_config, check_io, make_session
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,9 @@ class Vocoder:
         ModelDirError: a graph is missing, unloadable, or its inputs/outputs differ from the contract.
     """
 
-    def __init__(self, f0_path: str | Path, decode_path: str | Path, attrs: dict[str, Any], threads: int = 1) -> None:
+    def __init__(
+        self, f0_path: str | Path, decode_path: str | Path, attrs: dict[str, Any], threads: int | SessionConfig = 1
+    ) -> None:
         self.source_cfg = SourceConfig.from_attrs(attrs)
         self.in_channels = int(attrs["in_channels"])
         self.audio_limit = float(attrs["audio_limit"])
@@ -201,16 +203,16 @@ class Vocoder:
         for p in paths:
             if not p.is_file():
                 raise ModelDirError(f"hift graph {p} not found; export the model directory first")
-        config = SessionConfig(threads=threads)
+        config = as_config(threads)
         self.f0_sess = make_session(paths[0], config)
         self.decode_sess = make_session(paths[1], config)
         f32 = "tensor(float)"
         check_io(self.f0_sess, paths[0], {"mel": (f32, 3)}, {"f0": (f32, 2)})
         check_io(self.decode_sess, paths[1], {"mel": (f32, 3), "source": (f32, 3)}, {"wave": (f32, 2)})
-        logger.debug("vocoder ready: %s, %s (%d threads)", paths[0].name, paths[1].name, threads)
+        logger.debug("vocoder ready: %s, %s (%d threads)", paths[0].name, paths[1].name, config.threads)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, attrs: dict[str, Any], threads: int = 1) -> Vocoder:
+    def from_dir(cls, model_dir: str | Path, attrs: dict[str, Any], threads: int | SessionConfig = 1) -> Vocoder:
         """The vocoder from the standard file names in an exported directory (``attrs``: ``hift_decode``'s)."""
         d = Path(model_dir)
         return cls(d / F0_FILE, d / DECODE_FILE, attrs, threads)

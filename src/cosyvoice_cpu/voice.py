@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 VOICE_FORMAT = 1
 NAME_RE = re.compile(r"^[A-Za-z0-9\u00C0-\uFFFF][\w\u00C0-\uFFFF .-]{0,63}$")
 N_MELS = 80
+SPEECH_VOCAB = 6561  # CosyVoice2 speech tokens
 EMBEDDING_DIM = 192
 
 
@@ -81,8 +82,12 @@ class Voice:
             )
         if not (np.isfinite(self.mel).all() and np.isfinite(self.embedding).all()):
             raise VoiceError(f"voice {self.name!r} holds NaN or infinite values; make it again from the prompt audio")
-        if self.speech_tokens.size == 0 or self.speech_tokens.min() < 0:
-            raise VoiceError(f"voice {self.name!r} has no valid speech tokens; make it again from the prompt audio")
+        if self.speech_tokens.size == 0 or self.speech_tokens.min() < 0 or self.speech_tokens.max() >= SPEECH_VOCAB:
+            raise VoiceError(f"voice {self.name!r} has no valid speech tokens (ids in [0, {SPEECH_VOCAB})); make it "
+                             "again from the prompt audio")  # fmt: skip
+        if self.mel.shape[0] != 2 * self.speech_tokens.size:
+            raise VoiceError(f"voice {self.name!r}: {self.mel.shape[0]} mel frames for {self.speech_tokens.size} "
+                             "tokens (need 2 per token); make it again from the prompt audio")  # fmt: skip
 
     @property
     def duration(self) -> float:
@@ -111,6 +116,11 @@ class Voice:
                 os.fsync(f.fileno())
             os.chmod(tmp, 0o644)
             os.replace(tmp, path)
+            dir_fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
@@ -122,13 +132,16 @@ class Voice:
             with np.load(io.BytesIO(data), allow_pickle=False) as z:
                 header = json.loads(str(z["header"]))
                 arrays = {k: z[k] for k in ("speech_tokens", "mel", "embedding")}
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile, json.JSONDecodeError) as e:
+            if not isinstance(header, dict) or header.get("format") != VOICE_FORMAT:
+                version = header.get("format") if isinstance(header, dict) else "?"
+                raise VoiceError(f"{where} has voice format {version}, this version reads {VOICE_FORMAT}; "
+                                 "make the voice again")  # fmt: skip
+            return cls(str(header["name"]), str(header["prompt_text"]), family=str(header["family"]),
+                       sample_rate=int(header["sample_rate"]), meta=dict(header.get("meta", {})), **arrays)  # fmt: skip
+        except VoiceError:
+            raise
+        except (OSError, ValueError, TypeError, KeyError, zipfile.BadZipFile) as e:
             raise VoiceError(f"{where} is not a readable voice file ({type(e).__name__}); make the voice again") from e
-        if not isinstance(header, dict) or header.get("format") != VOICE_FORMAT:
-            raise VoiceError(f"{where} has voice format {header.get('format') if isinstance(header, dict) else '?'}"
-                             f", this version reads {VOICE_FORMAT}; make the voice again")  # fmt: skip
-        return cls(header["name"], header["prompt_text"], family=header["family"],
-                   sample_rate=int(header["sample_rate"]), meta=header.get("meta", {}), **arrays)  # fmt: skip
 
     @classmethod
     def load(cls, path: str | Path) -> Voice:
@@ -137,6 +150,8 @@ class Voice:
             data = path.read_bytes()
         except FileNotFoundError as e:
             raise VoiceError(f"voice file {path} not found") from e
+        except OSError as e:
+            raise VoiceError(f"voice file {path} cannot be read ({e.strerror or type(e).__name__})") from e
         return cls.from_bytes(data, str(path))
 
     def check_model(self, family: str, sample_rate: int) -> None:

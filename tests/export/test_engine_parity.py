@@ -66,3 +66,15 @@ def test_engine_equals_reference_with_the_same_draws(
     err = rel_err(ours, wave[0].numpy())
     print(f"engine vs reference: {len(tokens)} tokens, wave rel err {err:.2e}")
     assert err < WAVE_RTOL
+
+
+def test_speed_resamples_the_mel_like_the_official_interpolate() -> None:
+    import torch.nn.functional as F
+
+    from cosyvoice_cpu.engine import _change_speed
+
+    mel = np.random.default_rng(0).standard_normal((1, 80, 101)).astype(np.float32)
+    for speed in (0.5, 0.7, 1.3, 2.0):
+        ref = F.interpolate(torch.from_numpy(mel), size=int(101 / speed), mode="linear").numpy()
+        ours = _change_speed(mel, speed)
+        assert ours.shape == ref.shape and np.abs(ours - ref).max() < 1e-4

@@ -65,9 +65,10 @@ def test_say_runs_with_torch_blocked_and_streams_pcm(tiny_export_dir: Path, prom
             "raise SystemExit(main(sys.argv[1:]))\n")  # fmt: skip
     argv = ["say", "-m", str(tiny_export_dir), "--prompt-wav", str(prompt), "--prompt-text", "Good morning.",
             "--seed", "2", "--flow-steps", "2", "-o", "-"]  # fmt: skip
-    r = subprocess.run([sys.executable, "-c", code, *argv], input=b"First line.\nSecond line.\n",
+    r = subprocess.run([sys.executable, "-c", code, *argv], input=b"First line.\n?!\nSecond line.\n",
                        capture_output=True, timeout=300)  # fmt: skip
-    assert r.returncode == 0, r.stderr.decode()
+    assert r.returncode == 1, r.stderr.decode()  # the punctuation-only line is skipped, the others are spoken
+    assert b"skipped '?!'" in r.stderr
     pcm = np.frombuffer(r.stdout, "<i2")
     assert len(pcm) > 0 and len(pcm) % 960 == 0  # whole tokens: 2 mel frames x 480 samples
     assert b"First line." in r.stderr and b"Second line." in r.stderr

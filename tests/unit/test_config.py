@@ -29,6 +29,17 @@ def test_bad_synthesis_parameters_are_named(field: str, value: object, rule: str
         SynthesisConfig(**{field: value}).validate()
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [("seed", "1", "seed must be an integer or None"), ("speed", None, "speed must be a number"),
+     ("flow_steps", 2.5, "flow_steps must be an integer"), ("top_k", 2.5, "top_k must be an integer or None"),
+     ("flow_steps", True, "flow_steps must be an integer")],
+)  # fmt: skip
+def test_wrong_types_are_config_errors(field: str, value: object, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        SynthesisConfig(**{field: value}).validate()
+
+
 def test_defaults_are_valid_and_copies_validate() -> None:
     cfg = SynthesisConfig().validate()
     assert (cfg.flow_steps, cfg.cfg_rate, cfg.speed, cfg.stream) == (10, 0.7, 1.0, False)

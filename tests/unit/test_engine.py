@@ -78,13 +78,51 @@ def test_modes_and_saved_voices(engine: Engine, voice: Voice, tmp_path: Path) ->
     assert abs(len(fast) - len(zero_shot) / 2) <= 480
 
 
+def test_lm_prompt_per_mode(engine: Engine, voice: Voice) -> None:
+    """What the LM sees: the official frontend's composition for each mode."""
+    enc = engine.tokenizer.encode
+    ids, speech = engine._lm_prompt(voice, "Speak slowly.")
+    assert ids == enc("Speak slowly.<|endofprompt|>") and len(speech) == 0  # instruct: no prompt speech
+    assert engine._lm_prompt(voice, "Speak slowly.<|endofprompt|>")[0] == ids  # the marker is not doubled
+    numbered = Voice("n", "I paid 5 dollars.", voice.speech_tokens, voice.mel, voice.embedding)
+    ids, speech = engine._lm_prompt(numbered, None)
+    assert ids == enc("I paid five dollars.") and np.array_equal(speech, voice.speech_tokens)  # normalized
+    assert engine._lm_prompt(numbered, None, normalize=False)[0] == enc("I paid 5 dollars.")
+    cross = Voice("c", "", voice.speech_tokens, voice.mel, voice.embedding)
+    ids, speech = engine._lm_prompt(cross, None)
+    assert ids == [] and len(speech) == 0
+    assert engine._sampling(SynthesisConfig(tau_r=0.0, top_k=5)).tau_r == 0.0  # 0 is an override, not "unset"
+
+
+def test_chunks_stream_per_sentence_and_the_engine_is_shared_by_threads(engine: Engine, voice: Voice) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    text = " ".join(f"This is sentence number {w}, and it goes on for a while." for w in ("one", "two", "three"))
+    cfg = SynthesisConfig(seed=1, flow_steps=1, cfg_rate=0.0)
+    chunks = engine.synthesize(text, voice, cfg)
+    first = next(chunks)
+    assert not first.final and first.span[0] == 0  # yielded before the later sentences are synthesized
+    rest = list(chunks)
+    assert rest and rest[-1].final and rest[-1].span[1] == len(text)
+    def say(seed: int) -> np.ndarray:
+        return engine.synthesize_wav("Hello there.", voice, cfg.with_(seed=seed))
+
+    serial = [say(s) for s in (1, 2, 3, 4)]
+    with ThreadPoolExecutor(4) as pool:
+        parallel = list(pool.map(say, (1, 2, 3, 4)))
+    for a, b in zip(serial, parallel):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_bad_input_is_refused_clearly(engine: Engine, voice: Voice, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="text is empty"):
         engine.synthesize("   ", voice)
     with pytest.raises(ConfigError, match="nothing speakable"):
         engine.synthesize_wav("?!...", voice)
-    with pytest.raises(ConfigError, match="instruct is empty"):
+    with pytest.raises(ConfigError, match="instruct must be a non-empty instruction"):
         engine.synthesize("Hi.", voice, instruct=" ")
+    with pytest.raises(ConfigError, match="voice must be a Voice"):
+        engine.synthesize("Hi.", "alice")
     with pytest.raises(ConfigError, match="speed = 9"):
         engine.synthesize("Hi.", voice, SynthesisConfig(speed=9))
     foreign = Voice("v1", "", voice.speech_tokens, voice.mel, voice.embedding, family="cosyvoice", sample_rate=22050)
@@ -96,6 +134,8 @@ def test_bad_input_is_refused_clearly(engine: Engine, voice: Voice, tmp_path: Pa
         engine.make_voice(silent, "x")
     with pytest.raises(ConfigError, match=r"0\.50 s long; use at least 1 s"):
         engine.make_voice(_prompt_wav(tmp_path / "short.wav", seconds=0.5), "x")
+    with pytest.raises(ConfigError, match=r"is 40\.0 s long; at most 30 s"):  # refused from the header
+        engine.make_voice(_prompt_wav(tmp_path / "long.wav", seconds=40.0, sr=8000), "x")
     (tmp_path / "notaudio.wav").write_text("hello")
     with pytest.raises(ConfigError, match=r"notaudio\.wav"):
         engine.make_voice(tmp_path / "notaudio.wav", "x")

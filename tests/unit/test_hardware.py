@@ -56,8 +56,11 @@ def test_hyperthreads_count_as_half_a_core_and_v1_cgroups_are_read(tmp_path: Pat
     hw = detect(root)
     assert (hw.cpu.logical, hw.cpu.physical, hw.cpu.isa) == (8, 4, "avx2")
     assert hw.quota is None and hw.mem_limit is None and hw.usable_cores == 4
-    hw.affinity = 4  # taskset to 4 logical CPUs = 2 cores' worth
+    # cpuinfo numbers processors core by core here (0,1 = core 0; 2,3 = core 1; ...)
+    hw.affinity, hw.affinity_set = 4, frozenset({0, 1, 2, 3})  # two cores with both hyper-threads
     assert hw.usable_cores == 2
+    hw.affinity_set = frozenset({0, 2, 4, 6})  # one thread of each of four cores (a typical --cpuset-cpus)
+    assert hw.usable_cores == 4
 
 
 def test_cpu_without_avx2_gets_an_explanation_not_a_crash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

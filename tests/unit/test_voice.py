@@ -54,13 +54,17 @@ def test_unsafe_names_are_refused(name: str) -> None:
 def test_invalid_arrays_are_refused() -> None:
     rng = np.random.default_rng(1)
     with pytest.raises(VoiceError, match=r"mel must be \(frames, 80\)"):
-        Voice("a", "", [1, 2], np.zeros((10, 40)), np.zeros(192))
+        Voice("a", "", [1, 2], np.zeros((4, 40)), np.zeros(192))
     with pytest.raises(VoiceError, match="embedding must hold 192"):
-        Voice("a", "", [1, 2], np.zeros((10, 80)), np.zeros(80))
+        Voice("a", "", [1, 2], np.zeros((4, 80)), np.zeros(80))
     with pytest.raises(VoiceError, match="NaN or infinite"):
-        Voice("a", "", [1, 2], np.full((10, 80), np.nan), rng.standard_normal(192))
+        Voice("a", "", [1, 2], np.full((4, 80), np.nan), rng.standard_normal(192))
     with pytest.raises(VoiceError, match="no valid speech tokens"):
         Voice("a", "", [], np.zeros((10, 80)), rng.standard_normal(192))
+    with pytest.raises(VoiceError, match="no valid speech tokens"):
+        Voice("a", "", [1, 7000], np.zeros((4, 80)), rng.standard_normal(192))
+    with pytest.raises(VoiceError, match="10 mel frames for 2 tokens"):
+        Voice("a", "", [1, 2], np.zeros((10, 80)), rng.standard_normal(192))
 
 
 def test_corrupt_missing_and_foreign_files(tmp_path: Path) -> None:
@@ -73,5 +77,15 @@ def test_corrupt_missing_and_foreign_files(tmp_path: Path) -> None:
         Voice.load(tmp_path / "half.npz")
     with pytest.raises(VoiceError, match="not found"):
         Voice.load(tmp_path / "nope.npz")
+    with pytest.raises(VoiceError, match="cannot be read"):
+        Voice.load(tmp_path)  # a directory
+    import io as _io
+    import json
+
+    buf = _io.BytesIO()
+    np.savez(buf, header=np.array(json.dumps({"format": 1})), speech_tokens=np.zeros(2, np.int32),
+             mel=np.zeros((4, 80), np.float32), embedding=np.zeros(192, np.float32))  # fmt: skip
+    with pytest.raises(VoiceError, match=r"not a readable voice file \(KeyError\)"):
+        Voice.from_bytes(buf.getvalue())
     with pytest.raises(VoiceError, match="made for cosyvoice2 at 24000 Hz, this model is cosyvoice at 22050 Hz"):
         _voice().check_model("cosyvoice", 22050)

@@ -43,12 +43,14 @@ def resample(samples: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:
     return np.asarray(soxr.resample(x, orig_sr, target_sr, quality="HQ"), dtype=np.float32)
 
 
-def load_audio(source: AudioSource, target_sr: int) -> np.ndarray:
+def load_audio(source: AudioSource, target_sr: int, max_seconds: float | None = None) -> np.ndarray:
     """Read any format soundfile supports (wav, flac, ogg, ...), mix to mono and resample to ``target_sr``.
 
     Args:
         source: a path, the file's bytes, or a binary file object.
         target_sr: the output sample rate (16000 for the tokenizer and speaker model, 24000 for the prompt mel).
+        max_seconds: refuse longer audio from its header, before decoding it (a multi-hour upload never
+            reaches memory).
     Returns:
         float32 mono samples ``(N,)`` in [-1, 1] (PCM is scaled by soundfile).
     Raises:
@@ -74,6 +76,20 @@ def load_audio(source: AudioSource, target_sr: int) -> np.ndarray:
         handle = source
     else:
         raise ConfigError(f"load_audio takes a path, bytes or a binary file object, not {type(source).__name__}")
+    if max_seconds is not None:
+        try:
+            info = sf.info(handle)
+            if hasattr(handle, "seek"):
+                handle.seek(0)
+        except (sf.LibsndfileError, RuntimeError, TypeError) as e:
+            raise ConfigError(
+                f"cannot decode {name} as audio ({e}); use a wav, flac or ogg file (convert mp3/m4a with ffmpeg first)"
+            ) from e
+        if info.samplerate > 0 and info.frames / info.samplerate > max_seconds + 0.05:
+            raise ConfigError(
+                f"audio {name} is {info.frames / info.samplerate:.1f} s long; at most {max_seconds:.0f} s are "
+                "accepted here: cut a shorter clip"
+            )
     try:
         data, sr = sf.read(handle, dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, TypeError) as e:
