@@ -65,7 +65,11 @@ def cmd_fixture(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Synthesize a sentence with a tiny random-weight model and print per-stage timings."""
+    """Synthesize a sentence with a small random-weight model and print per-stage timings."""
+    if not args.reference:
+        from cosyvoice_cpu.cli_speech import demo_runtime
+
+        return demo_runtime(args)
     _need_export_extra()
     import numpy as np
     import torch
@@ -212,9 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--quick", action="store_true", help="check the model's file sizes only, not their sha256")
     h.set_defaults(func=cmd_doctor)
 
-    d = sub.add_parser("demo", help="synthesize a sentence with a tiny model and print stage timings")
+    d = sub.add_parser("demo", help="synthesize a sentence with a small model and print stage timings")
     d.add_argument("--text", default=DEMO_TEXT)
-    d.add_argument("-m", "--model", help="model directory (default: a generated tiny fixture)")
+    d.add_argument("-m", "--model", help="exported model directory (default: the packaged demo model); with "
+                   "--reference, an official directory (default: a generated tiny fixture)")  # fmt: skip
+    d.add_argument("--reference", action="store_true", help="run the PyTorch reference instead (needs [export])")
     d.add_argument("-o", "--out", default="demo.wav", type=Path)
     d.add_argument("--seed", type=_non_negative, default=0)
     d.add_argument("--flow-steps", type=_positive, default=10)

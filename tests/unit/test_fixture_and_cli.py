@@ -55,8 +55,10 @@ def test_cli_errors_are_one_line(tiny_model_dir: Path, capsys: pytest.CaptureFix
     assert main(["fixture", "--out", str(tiny_model_dir)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("cosyvoice-cpu: error:") and "--force" in err and err.count("\n") == 1
-    assert main(["demo", "-m", str(tiny_model_dir / "nowhere")]) == 2
+    assert main(["demo", "--reference", "-m", str(tiny_model_dir / "nowhere")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert main(["demo", "-m", str(tiny_model_dir)]) == 2  # an official directory: export it first
+    assert "cosyvoice-cpu export --from" in capsys.readouterr().err
 
 
 def test_cli_demo_writes_a_wav_and_prints_stage_timings(
@@ -65,7 +67,8 @@ def test_cli_demo_writes_a_wav_and_prints_stage_timings(
     import wave
 
     out = tmp_path / "demo.wav"
-    assert main(["demo", "-m", str(tiny_model_dir), "-o", str(out), "--text", "Hello there.", "--flow-steps", "2"]) == 0
+    argv = ["demo", "--reference", "-m", str(tiny_model_dir), "-o", str(out), "--text", "Hello there."]
+    assert main([*argv, "--flow-steps", "2"]) == 0
     text = capsys.readouterr().out
     for stage in ("load", "lm", "flow", "hift", "total", "RTF"):
         assert stage in text

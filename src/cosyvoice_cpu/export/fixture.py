@@ -31,7 +31,7 @@ from cosyvoice_cpu.export.fixture_yaml import FlowHiftSizes, render_cosyvoice2_y
 logger = logging.getLogger(__name__)
 
 FAMILIES = ("cosyvoice2",)
-SIZES = ("tiny", "full")
+SIZES = ("tiny", "full", "demo")
 
 # Modules the official HiFTGenerator wraps in weight_norm (saved as parametrizations in hift.pt).
 _HIFT_WEIGHT_NORMED = re.compile(
@@ -73,7 +73,9 @@ def _qwen_and_sizes(size: str, tokenizer_ids: int):
     )
     sizes = FlowHiftSizes(
         llm_size=64,
-        flow_input_size=512,  # the official PreLookaheadLayer / Upsample1D hard-code 512 channels
+        # the official PreLookaheadLayer / Upsample1D hard-code 512 channels; "demo" (the packaged runtime demo
+        # model) trades loading into the official code for a 64-wide encoder, 8x smaller
+        flow_input_size=64 if size == "demo" else 512,
         encoder_heads=2,
         encoder_units=64,
         encoder_blocks=1,
