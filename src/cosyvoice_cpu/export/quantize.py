@@ -134,8 +134,14 @@ def quantize_nbits(
 ) -> None:
     """Weight-only ``MatMulNBits`` (symmetric blocks of ``block_size``; accuracy 4 = int8 compute on x86)."""
     import onnx
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
+    # that module calls logging.basicConfig(level=INFO) when imported: undo it, the CLI owns logging
+    root.handlers[:] = handlers
+    root.setLevel(level)
     model = onnx.load(str(src), load_external_data=True)
     quant = MatMulNBitsQuantizer(
         model,
