@@ -154,3 +154,25 @@ def test_engine_runs_with_torch_blocked(tiny_export_dir: Path, tmp_path: Path) -
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True", "False"]
+
+
+def test_broken_model_directories_fail_at_load_with_the_fix(tiny_export_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from cosyvoice_cpu.errors import ModelDirError
+
+    d = tmp_path / "model"
+    shutil.copytree(tiny_export_dir, d)
+    (d / "flow_encoder.onnx").unlink()
+    with pytest.raises(ModelDirError, match=r"flow_encoder\.onnx is missing.*Re-export"):
+        Engine.load(d)
+    shutil.copy(d / "hift_f0.onnx", d / "flow_encoder.onnx")  # a graph of the wrong stage, sizes patched below
+    import json
+
+    m = json.loads((d / "cosyvoice_cpu.json").read_text())
+    m["graphs"]["flow_encoder"]["file"]["size"] = (d / "flow_encoder.onnx").stat().st_size
+    (d / "cosyvoice_cpu.json").write_text(json.dumps(m))
+    with pytest.raises(ModelDirError, match="does not have the expected graph contract"):
+        Engine.load(d)
+    with pytest.raises(ModelDirError, match="not a cosyvoice-cpu model directory"):
+        Engine.load(tmp_path)
