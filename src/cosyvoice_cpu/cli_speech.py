@@ -71,12 +71,11 @@ def cmd_voice(args: argparse.Namespace) -> int:
 
 
 def _texts(args: argparse.Namespace) -> Iterator[str]:
-    """The argument text, or standard input read lazily, one utterance per non-empty line."""
+    """The argument text, or standard input read lazily, one utterance per non-empty line (cmd_say has already
+    refused an interactive terminal)."""
     if args.text:
         yield " ".join(args.text)
         return
-    if sys.stdin.isatty():
-        raise ConfigError("give the text as an argument or on standard input")
     for line in sys.stdin:
         if line.strip():
             yield line.strip()

@@ -7,7 +7,7 @@ parameters fail before any work (and a server can answer 4xx with the message).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -88,7 +88,6 @@ class SynthesisConfig:
     top_k: int | None = None
     win_size: int | None = None
     tau_r: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> SynthesisConfig:
         _types(self, ("seed", "flow_steps", "first_chunk_tokens", "top_k", "win_size"),

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,6 @@ class Timings:
     tokens: int = 0
     audio: float = 0.0
     first_audio: float | None = None
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class Engine:
@@ -206,11 +205,7 @@ class Engine:
     def _sampling(self, config: SynthesisConfig) -> Any:
         base = self.lm.sampling
         changes = {k: v for k in ("top_p", "top_k", "win_size", "tau_r") if (v := getattr(config, k)) is not None}
-        if not changes:
-            return base
-        from dataclasses import replace
-
-        return replace(base, **changes)
+        return replace(base, **changes) if changes else base
 
     def synthesize_wav(self, text: str, voice: Any, config: SynthesisConfig | None = None,
                        instruct: str | None = None) -> np.ndarray:  # fmt: skip
