@@ -38,7 +38,9 @@ def _engine(args: argparse.Namespace):
     from cosyvoice_cpu.config import EngineConfig
     from cosyvoice_cpu.engine import Engine
 
-    return Engine.load(args.model, EngineConfig(threads=args.threads))
+    # the chunk-causal estimator (~100 MB at full size, int8) only when streaming
+    stream = getattr(args, "stream", False)
+    return Engine.load(args.model, EngineConfig(threads=args.threads, streaming_estimator=stream))
 
 
 def cmd_voice(args: argparse.Namespace) -> int:
@@ -87,7 +89,8 @@ def cmd_say(args: argparse.Namespace) -> int:
     from cosyvoice_cpu.voice import Voice
 
     config = SynthesisConfig(seed=args.seed, flow_steps=args.flow_steps, cfg_rate=args.cfg_rate, speed=args.speed,
-                             normalize=not args.no_normalize).validate()  # fmt: skip
+                             normalize=not args.no_normalize, stream=args.stream,
+                             first_chunk_tokens=args.first_chunk_tokens).validate()  # fmt: skip
     if not args.text and sys.stdin.isatty():
         raise ConfigError("give the text as an argument or on standard input")
     if args.voice and args.prompt_wav:
@@ -106,7 +109,7 @@ def cmd_say(args: argparse.Namespace) -> int:
     pieces: list[np.ndarray] = []
     t0 = time.perf_counter()
     timings = Timings()
-    failed = 0
+    failed = chunks = 0
     for text in _texts(args):
         try:
             for chunk in engine.synthesize(text, voice, config, instruct=args.instruct, timings=timings):
@@ -116,7 +119,9 @@ def cmd_say(args: argparse.Namespace) -> int:
                 else:
                     pieces.append(chunk.samples)
                 elapsed = time.perf_counter() - t0
-                print(f"[{elapsed:6.1f}s] {chunk.duration:5.1f} s of audio: {chunk.text[:60]}", file=sys.stderr)
+                chunks += 1
+                if not args.stream or chunk.final or chunks == 1:  # streamed: the first and the last chunk
+                    print(f"[{elapsed:6.1f}s] {chunk.duration:5.1f} s of audio: {chunk.text[:60]}", file=sys.stderr)
         except ConfigError as e:  # one bad line does not lose the others
             if args.text:
                 raise
@@ -201,6 +206,10 @@ def add_commands(sub: argparse._SubParsersAction, positive: type, non_negative: 
     s.add_argument("--flow-steps", type=positive, default=10)
     s.add_argument("--cfg-rate", type=float, default=0.7)
     s.add_argument("--no-normalize", action="store_true", help="skip text normalization")
+    s.add_argument("--stream", action="store_true", help="emit audio chunk by chunk as it is decoded (with -o -, "
+                   "playback can start after the first chunk)")
+    s.add_argument("--first-chunk-tokens", type=positive, default=15, help="speech tokens in the first streamed "
+                   "chunk (25 = 1 s of audio)")
     s.add_argument("--threads", type=non_negative, default=0, help="ORT threads (default: usable physical cores)")
     s.add_argument("--voices", type=Path, help="saved-voices directory")
     s.set_defaults(func=cmd_say)

@@ -71,8 +71,12 @@ class SynthesisConfig:
         flow_steps: Euler steps of the flow (quality/speed knob; official 10).
         cfg_rate: classifier-free guidance strength of the flow (official 0.7; 0 halves the flow's work).
         speed: speaking-rate factor applied to the mel (1.0 = as generated; 0.5-2.0).
-        stream: yield audio chunk by chunk as tokens are generated.
-        first_chunk_tokens: speech tokens in the first streamed chunk (25 tokens = 1 s); later chunks grow.
+        stream: yield audio chunk by chunk as tokens are generated (needs ``EngineConfig.streaming_estimator``).
+        first_chunk_tokens: speech tokens in the first streamed chunk (25 tokens = 1 s); later chunks double up
+            to ``chunk_tokens``.
+        chunk_tokens: the largest streamed chunk, in tokens (bigger chunks: less overhead, coarser latency).
+        context_tokens: history each streamed chunk's flow attends to, in tokens (bounded work per chunk;
+            0 = none, larger = closer to one-shot chunk-causal output; see docs/streaming.md).
         normalize: run text normalization (numbers, dates, symbols) before tokenizing.
         top_p, top_k, win_size, tau_r: RAS sampling overrides (None = the model's defaults).
     """
@@ -83,6 +87,8 @@ class SynthesisConfig:
     speed: float = 1.0
     stream: bool = False
     first_chunk_tokens: int = 15
+    chunk_tokens: int = 50
+    context_tokens: int = 50
     normalize: bool = True
     top_p: float | None = None
     top_k: int | None = None
@@ -90,13 +96,17 @@ class SynthesisConfig:
     tau_r: float | None = None
 
     def validate(self) -> SynthesisConfig:
-        _types(self, ("seed", "flow_steps", "first_chunk_tokens", "top_k", "win_size"),
+        _types(self, ("seed", "flow_steps", "first_chunk_tokens", "chunk_tokens", "context_tokens", "top_k",
+                      "win_size"),
                ("cfg_rate", "speed", "top_p", "tau_r"), optional=("seed", "top_p", "top_k", "win_size", "tau_r"))
         _need(self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "0 to 2**63-1, or None")
         _need(1 <= self.flow_steps <= 100, "flow_steps", self.flow_steps, "1 to 100 (official 10)")
         _need(0.0 <= self.cfg_rate <= 10.0, "cfg_rate", self.cfg_rate, "0 to 10 (official 0.7)")
         _need(0.5 <= self.speed <= 2.0, "speed", self.speed, "0.5 to 2.0")
         _need(5 <= self.first_chunk_tokens <= 500, "first_chunk_tokens", self.first_chunk_tokens, "5 to 500")
+        _need(self.first_chunk_tokens <= self.chunk_tokens <= 1000, "chunk_tokens", self.chunk_tokens,
+              f"first_chunk_tokens ({self.first_chunk_tokens}) to 1000")
+        _need(0 <= self.context_tokens <= 1000, "context_tokens", self.context_tokens, "0 to 1000")
         _need(self.top_p is None or 0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
         _need(self.top_k is None or 1 <= self.top_k <= 6561, "top_k", self.top_k, "1 to 6561")
         _need(self.win_size is None or 1 <= self.win_size <= 1000, "win_size", self.win_size, "1 to 1000")
@@ -107,9 +117,11 @@ class SynthesisConfig:
         """A validated copy with some fields changed."""
         return replace(self, **changes).validate()
 
-    def rng(self) -> np.random.Generator:
-        """The request's random generator (seeded when ``seed`` is set)."""
-        return np.random.default_rng(self.seed)
+    def rngs(self) -> tuple[np.random.Generator, np.random.Generator]:
+        """The request's two independent random generators (LM sampling, vocoder source noise), children of
+        ``SeedSequence(seed)``: streamed and whole-sentence synthesis draw the same numbers for a seed."""
+        lm, vocoder = np.random.SeedSequence(self.seed).spawn(2)
+        return np.random.default_rng(lm), np.random.default_rng(vocoder)
 
 
 @dataclass

@@ -47,6 +47,19 @@ class Timings:
     first_audio: float | None = None
 
 
+@dataclass
+class _Request:
+    """Per-call state of one ``synthesize`` (the engine itself holds none)."""
+
+    voice: Any
+    config: SynthesisConfig
+    prompt_ids: list[int]
+    prompt_speech: np.ndarray
+    draw: Any = None
+    sampling: Any = None
+    vocoder_rng: np.random.Generator | None = None
+
+
 class Engine:
     """CosyVoice2 on ONNX Runtime and NumPy. Build it with :meth:`load`."""
 
@@ -142,13 +155,16 @@ class Engine:
         instruct: str | None = None,
         timings: Timings | None = None,
     ) -> Iterator[AudioChunk]:
-        """Speak ``text`` with ``voice``; yields one :class:`AudioChunk` per sentence (``final`` on the last).
+        """Speak ``text`` with ``voice``; yields :class:`AudioChunk` s (``final`` on the last).
 
-        Raises ConfigError at once for bad parameters, empty text or a voice from another model.
+        One chunk per sentence, or with ``config.stream`` several per sentence as speech tokens are decoded
+        (first after ``first_chunk_tokens`` tokens). Raises ConfigError at once for bad parameters, empty
+        text, a voice from another model or streaming on an engine loaded without the chunk estimator.
         """
         config = (config or SynthesisConfig()).validate()
-        if config.stream:
-            raise ConfigError("stream=True is not available yet in this version; synthesize sentence by sentence")
+        if config.stream and True not in self.flow.estimators:
+            raise ConfigError("stream=True needs the chunk-causal flow estimator: load the engine with "
+                              "EngineConfig(streaming_estimator=True)")  # fmt: skip
         from cosyvoice_cpu.voice import Voice
 
         if not isinstance(voice, Voice):
@@ -159,48 +175,96 @@ class Engine:
 
         segments = prepare(text, self.tokenizer, normalize=config.normalize,
                            max_tokens=self._segment_cap(prompt_ids, prompt_speech))  # fmt: skip
-        return self._run(segments, voice, config, prompt_ids, prompt_speech, timings or Timings())
+        return self._run(segments, _Request(voice, config, prompt_ids, prompt_speech), timings or Timings())
 
-    def _run(self, segments: Iterator[Any], voice: Any, config: SynthesisConfig, prompt_ids: list[int],
-             prompt_speech: np.ndarray, t: Timings) -> Iterator[AudioChunk]:  # fmt: skip
+    def _run(self, segments: Iterator[Any], req: _Request, t: Timings) -> Iterator[AudioChunk]:
         from cosyvoice_cpu.sampling import RngDraw
 
-        rng = config.rng()
-        draw = RngDraw(rng)
-        sampling = self._sampling(config)
+        lm_rng, req.vocoder_rng = req.config.rngs()
+        req.draw = RngDraw(lm_rng)
+        req.sampling = self._sampling(req.config)
         start = time.perf_counter()
         segments = iter(segments)
         seg = next(segments, None)
         produced = 0
         while seg is not None:
             following = next(segments, None)  # cheap look-ahead: the chunk of the last segment is marked final
-            t0 = time.perf_counter()
-            tokens = list(self.lm.generate(seg.token_ids, prompt_ids, prompt_speech, draw=draw, sampling=sampling))
-            t1 = time.perf_counter()
-            t.lm += t1 - t0
-            t.tokens += len(tokens)
-            if tokens:
-                mel = self.flow.inference(tokens, voice.speech_tokens, voice.mel, voice.embedding,
-                                          n_timesteps=config.flow_steps, cfg_rate=config.cfg_rate)  # fmt: skip
-                mel = _change_speed(mel, config.speed)
-                t2 = time.perf_counter()
-                wave, _ = self.vocoder(mel, rng=rng)
-                t.flow += t2 - t1
-                t.vocoder += time.perf_counter() - t2
-                samples = wave[0].astype(np.float32)
-            else:
-                logger.info("no speech tokens for %r", seg.text)
-                samples = np.zeros(0, np.float32)
-            if len(samples) or following is None:
-                if following is None and not (produced or len(samples)):
-                    raise ConfigError("the model produced no speech for this text; try other text or another seed")
-                chunk = AudioChunk(samples, self.sample_rate, following is None, seg.text, (seg.start, seg.end))
+            speak = self._speak_stream if req.config.stream else self._speak
+            spoke = False
+            for samples, seg_done in speak(seg.token_ids, req, t):
+                spoke = spoke or seg_done
+                final = seg_done and following is None
+                if not len(samples) and not final:
+                    continue
+                chunk = AudioChunk(samples, self.sample_rate, final, seg.text, (seg.start, seg.end))
                 t.audio += chunk.duration
                 if t.first_audio is None and len(samples):
                     t.first_audio = time.perf_counter() - start
                 produced += len(samples)
                 yield chunk
+            if not spoke:
+                logger.info("no speech tokens for %r", seg.text)
+                if following is None:
+                    if not produced:
+                        raise ConfigError("the model produced no speech for this text; try other text or another seed")
+                    yield AudioChunk(np.zeros(0, np.float32), self.sample_rate, True, seg.text, (seg.start, seg.end))
             seg = following
+
+    def _tokens(self, text_ids: list[int], req: _Request) -> Iterator[int]:
+        return self.lm.generate(text_ids, req.prompt_ids, req.prompt_speech, draw=req.draw, sampling=req.sampling)
+
+    def _speak(self, text_ids: list[int], req: _Request, t: Timings) -> Iterator[tuple[np.ndarray, bool]]:
+        """One sentence in one piece: yields (samples, True) once, or nothing when the LM gives no tokens."""
+        t0 = time.perf_counter()
+        tokens = list(self._tokens(text_ids, req))
+        t1 = time.perf_counter()
+        t.lm += t1 - t0
+        t.tokens += len(tokens)
+        if not tokens:
+            return
+        voice, config = req.voice, req.config
+        mel = self.flow.inference(tokens, voice.speech_tokens, voice.mel, voice.embedding,
+                                  n_timesteps=config.flow_steps, cfg_rate=config.cfg_rate)  # fmt: skip
+        mel = _change_speed(mel, config.speed)
+        t2 = time.perf_counter()
+        wave, _ = self.vocoder(mel, rng=req.vocoder_rng)
+        t.flow += t2 - t1
+        t.vocoder += time.perf_counter() - t2
+        yield wave[0].astype(np.float32), True
+
+    def _speak_stream(self, text_ids: list[int], req: _Request, t: Timings) -> Iterator[tuple[np.ndarray, bool]]:
+        """One sentence in chunks as its tokens are decoded: yields (samples, last piece of the sentence)."""
+        from cosyvoice_cpu.flow_stream import FlowStream
+        from cosyvoice_cpu.streaming import ChunkPlan, VocoderStream
+
+        voice, config = req.voice, req.config
+        flow = FlowStream(self.flow, voice.speech_tokens, voice.mel, voice.embedding, config.flow_steps,
+                          config.cfg_rate, config.context_tokens)  # fmt: skip
+        vocoder = VocoderStream(self.vocoder, req.vocoder_rng)
+        plan = ChunkPlan(config.first_chunk_tokens, config.chunk_tokens, max(flow.lookahead, 1))
+        tokens: list[int] = []
+
+        def piece(a: int, b: int, final: bool) -> np.ndarray:
+            t1 = time.perf_counter()
+            mel = flow.push(tokens[a:b], None if final else tokens[b : b + flow.lookahead])
+            mel = _change_speed(mel, config.speed)
+            t2 = time.perf_counter()
+            wave = vocoder.push(mel, final)
+            t.flow += t2 - t1
+            t.vocoder += time.perf_counter() - t2
+            return wave.astype(np.float32, copy=False)
+
+        t0 = time.perf_counter()
+        for token in self._tokens(text_ids, req):
+            tokens.append(token)
+            if plan.ready(len(tokens)):
+                t.lm += time.perf_counter() - t0
+                yield piece(*plan.cut(), final=False), False
+                t0 = time.perf_counter()  # the consumer's time between chunks is not the LM's
+        t.lm += time.perf_counter() - t0
+        t.tokens += len(tokens)
+        if len(tokens) > plan.offset:
+            yield piece(plan.offset, len(tokens), final=True), True
 
     def _sampling(self, config: SynthesisConfig) -> Any:
         base = self.lm.sampling

@@ -3,7 +3,8 @@
     tokens --flow_encoder.onnx--> mu (1, 80, 2T), spks (1, 80)
     cond = prompt mel then zeros; x_0 = the official fixed noise (``flow_noise.npy``) or caller noise
     Euler over a cosine time schedule, classifier-free guidance as one batch-2 call of ``flow_estimator.onnx``
-    (``flow_estimator_chunk.onnx`` when streaming): rows [conditioned; mu = spks = cond = 0]
+    (``flow_estimator_chunk.onnx``, chunk-causal by a ``chunk_id`` input, when streaming): rows
+    [conditioned; mu = spks = cond = 0]. Incremental streaming is :mod:`cosyvoice_cpu.flow_stream`.
 
 Numerically this is :meth:`cosyvoice_cpu.reference.flow.Flow.inference` (same time bookkeeping, same noise);
 graph contracts are documented in :mod:`cosyvoice_cpu.export.flow_graph`.
@@ -36,6 +37,7 @@ ENCODER_IO = ({"token": ("int64", 2), "context": ("int64", 2), "embedding": ("fl
               ("mu", "spks"))  # fmt: skip
 ESTIMATOR_IO = ({"x": ("float", 3), "mask": ("float", 3), "mu": ("float", 3), "t": ("float", 1),
                  "spks": ("float", 2), "cond": ("float", 3)}, ("estimator_out",))  # fmt: skip
+CHUNK_ESTIMATOR_IO = ({**ESTIMATOR_IO[0], "chunk_id": ("int64", 2)}, ESTIMATOR_IO[1])
 
 
 @dataclass
@@ -44,7 +46,8 @@ class FlowSettings:
 
     token_mel_ratio: int = 2
     pre_lookahead_len: int = 3
-    static_chunk_size: int = 25  # encoder chunk in tokens for streaming (the estimator's is baked in its graph)
+    static_chunk_size: int = 25  # encoder chunk in tokens for the official streaming mode
+    estimator_chunk_frames: int = 50  # the official estimator chunk (frames) when no chunk_id is given
     n_timesteps: int = 10
     cfg_rate: float = 0.7
     t_scheduler: str = "cosine"
@@ -113,7 +116,7 @@ class FlowStage:
         self._emb_dim = int(emb_shape[1]) if isinstance(emb_shape[1], int) else 192
         self.estimators: dict[bool, Any] = {False: _open(Path(estimator), threads, ESTIMATOR_IO)}
         if estimator_chunk is not None:
-            self.estimators[True] = _open(Path(estimator_chunk), threads, ESTIMATOR_IO)
+            self.estimators[True] = _open(Path(estimator_chunk), threads, CHUNK_ESTIMATOR_IO)
         self.noise: np.ndarray | None = None
         if noise is not None:
             if not Path(noise).is_file():
@@ -172,6 +175,7 @@ class FlowStage:
         cfg_rate: float | None = None,
         noise: np.ndarray | None = None,
         streaming: bool = False,
+        chunk_id: np.ndarray | None = None,
     ) -> np.ndarray:
         """Euler flow matching from noise (t=0) to mel (t=1) with classifier-free guidance.
 
@@ -180,28 +184,66 @@ class FlowStage:
             n_timesteps: Euler steps (default settings, 10); cfg_rate: r in ``(1+r) v_cond - r v_uncond``
                 (default settings, 0.7; 0 skips the unconditioned rows).
             noise: (1|B, 80, >= T) float32 starting noise (first T frames); default the official fixed noise.
-            streaming: the chunk-causal estimator.
+            streaming: the chunk-causal estimator; chunk_id (T,) or (B, T) int chunk per frame (default the
+                official ``i // estimator_chunk_frames``).
         Returns:
             (B, 80, T) float32 mel.
         """
+        n_timesteps, cfg_rate = self.solver_params(n_timesteps, cfg_rate)
+        mu = np.asarray(mu, dtype=np.float32)
+        if mu.ndim != 3 or mu.shape[1] != N_MELS:
+            raise ConfigError(f"mu must be (B, 80, T), got {mu.shape}")
+        b, size = mu.shape[0], mu.shape[2]
+        if streaming and chunk_id is None:
+            chunk_id = np.arange(size, dtype=np.int64) // self.settings.estimator_chunk_frames
+        feeds = self.guided_feeds(mu, spks, cond, mask, cfg_rate, streaming, chunk_id)
+        x = self.initial_noise(noise, b, size)
+        for t, dt in self.schedule(n_timesteps):
+            x = x + dt * self.velocity(feeds, x, t, cfg_rate, streaming)
+        return x
+
+    def solver_params(self, n_timesteps: int | None, cfg_rate: float | None) -> tuple[int, float]:
+        """(steps, cfg rate) with the stage defaults filled in and checked."""
         n_timesteps = self.settings.n_timesteps if n_timesteps is None else int(n_timesteps)
         cfg_rate = self.settings.cfg_rate if cfg_rate is None else float(cfg_rate)
         if n_timesteps < 1 or cfg_rate < 0:
             raise ConfigError(f"need n_timesteps >= 1 and cfg_rate >= 0, got {n_timesteps} and {cfg_rate}")
+        return n_timesteps, cfg_rate
+
+    def schedule(self, n_timesteps: int) -> list[tuple[np.float32, np.float32]]:
+        """The Euler steps as (t, dt) float32 pairs, with the official bookkeeping (t accumulates dt, the next
+        dt is ``span[k+1] - t``), so results match the reference bit for bit in fp32."""
+        span = time_span(n_timesteps, self.settings.t_scheduler)
+        t, dt = span[0], np.float32(span[1] - span[0])
+        steps = []
+        for step in range(1, n_timesteps + 1):
+            steps.append((t, dt))
+            t = np.float32(t + dt)
+            if step < n_timesteps:
+                dt = np.float32(span[step + 1] - t)
+        return steps
+
+    def guided_feeds(
+        self,
+        mu: np.ndarray,
+        spks: np.ndarray,
+        cond: np.ndarray,
+        mask: np.ndarray | None,
+        cfg_rate: float,
+        streaming: bool = False,
+        chunk_id: np.ndarray | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Estimator feeds without x and t: row block 0 conditioned, block 1 (when ``cfg_rate > 0``)
+        unconditioned (mu, spks, cond zeroed), as the reference solver. Shapes as :meth:`solve`."""
         if streaming not in self.estimators:
             raise ModelDirError("streaming needs flow_estimator_chunk.onnx, which this stage was built without")
         mu = np.asarray(mu, dtype=np.float32)
-        if mu.ndim != 3 or mu.shape[1] != N_MELS:
-            raise ConfigError(f"mu must be (B, 80, T), got {mu.shape}")
         b, size = mu.shape[0], mu.shape[2]
         spks = np.asarray(spks, dtype=np.float32).reshape(b, N_MELS)
         cond = np.asarray(cond, dtype=np.float32)
         mask = np.ones((b, 1, size), np.float32) if mask is None else np.asarray(mask, dtype=np.float32)
         if cond.shape != mu.shape or mask.shape != (b, 1, size):
             raise ConfigError(f"cond must be {mu.shape} and mask {(b, 1, size)}, got {cond.shape} and {mask.shape}")
-        x = self._noise(noise, b, size)
-
-        # Row block 0 conditioned, block 1 unconditioned (mu, spks, cond zeroed), as the reference solver.
         rows = 2 if cfg_rate > 0 else 1
         feeds = {
             "mask": np.concatenate([mask] * rows),
@@ -209,31 +251,38 @@ class FlowStage:
             "spks": np.concatenate([spks, np.zeros_like(spks)][:rows]),
             "cond": np.concatenate([cond, np.zeros_like(cond)][:rows]),
         }
-        sess = self.estimators[streaming]
-        span = time_span(n_timesteps, self.settings.t_scheduler)
-        t, dt = span[0], span[1] - span[0]  # official bookkeeping: t accumulates dt; next dt = span[k+1] - t
-        for step in range(1, n_timesteps + 1):
-            feeds["x"] = np.concatenate([x] * rows)
-            feeds["t"] = np.full(rows * b, t, dtype=np.float32)
-            v = sess.run(None, feeds)[0]
-            if rows == 2:
-                v = np.float32(1.0 + cfg_rate) * v[:b] - np.float32(cfg_rate) * v[b:]
-            x = x + dt * v
-            t = np.float32(t + dt)
-            if step < n_timesteps:
-                dt = np.float32(span[step + 1] - t)
-        return x
+        if streaming:
+            ids = np.asarray(chunk_id, dtype=np.int64)
+            if ids.shape not in ((size,), (b, size)):
+                raise ConfigError(f"chunk_id must be ({size},) or ({b}, {size}), got {ids.shape}")
+            feeds["chunk_id"] = np.ascontiguousarray(np.broadcast_to(ids, (rows * b, size)))
+        return feeds
 
-    def _noise(self, noise: np.ndarray | None, b: int, size: int) -> np.ndarray:
-        """x_0 (b, 80, size) float32 from caller noise or the official table."""
+    def velocity(
+        self, feeds: dict[str, np.ndarray], x: np.ndarray, t: np.float32, cfg_rate: float, streaming: bool = False
+    ) -> np.ndarray:
+        """The guided velocity ``(1+r) v_cond - r v_uncond`` (B, 80, T) at x (B, 80, T), time t, one call."""
+        rows = feeds["mu"].shape[0] // x.shape[0]
+        feeds["x"] = np.concatenate([x] * rows) if rows > 1 else np.ascontiguousarray(x, dtype=np.float32)
+        feeds["t"] = np.full(feeds["mu"].shape[0], t, dtype=np.float32)
+        v = self.estimators[streaming].run(None, feeds)[0]
+        if rows == 2:
+            b = x.shape[0]
+            v = np.float32(1.0 + cfg_rate) * v[:b] - np.float32(cfg_rate) * v[b:]
+        return v
+
+    def initial_noise(self, noise: np.ndarray | None, b: int, size: int, offset: int = 0) -> np.ndarray:
+        """x_0 (b, 80, size) float32: frames ``offset:offset+size`` of the caller noise or the official table."""
         if noise is None:
             if self.noise is None:
                 raise ModelDirError("this flow stage has no noise table (flow_noise.npy); pass noise=")
             noise = self.noise
-        noise = np.asarray(noise)
-        if noise.ndim != 3 or noise.shape[0] not in (1, b) or noise.shape[1] != N_MELS or noise.shape[2] < size:
-            raise ConfigError(f"noise must be (1 or {b}, 80, >= {size}) frames, got {noise.shape}")
-        return np.ascontiguousarray(np.broadcast_to(noise[:, :, :size], (b, N_MELS, size)), dtype=np.float32)
+        noise = np.asarray(noise) if not isinstance(noise, np.ndarray) else noise
+        end = offset + size
+        if noise.ndim != 3 or noise.shape[0] not in (1, b) or noise.shape[1] != N_MELS or noise.shape[2] < end:
+            raise ConfigError(f"noise must be (1 or {b}, 80, >= {end}) frames, got {noise.shape}; for longer "
+                              "outputs split the text into shorter sentences")  # fmt: skip
+        return np.ascontiguousarray(np.broadcast_to(noise[:, :, offset:end], (b, N_MELS, size)), dtype=np.float32)
 
     def inference(
         self,

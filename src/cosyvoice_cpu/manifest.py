@@ -20,7 +20,7 @@ from cosyvoice_cpu.errors import ModelDirError
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "cosyvoice_cpu.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: flow_estimator_chunk.onnx takes a chunk_id input (streaming)
 FAMILIES = ("cosyvoice2",)
 STAGE_SECTIONS = ("text", "lm", "sampling", "flow", "hift")
 
@@ -137,6 +137,11 @@ class Manifest:
             raise ModelDirError(
                 f"{where} has format_version {version}, newer than this cosyvoice-cpu understands "
                 f"({FORMAT_VERSION}): upgrade cosyvoice-cpu or re-export the model with this version"
+            )
+        if version < FORMAT_VERSION:
+            raise ModelDirError(
+                f"{where} has format_version {version}, from an older cosyvoice-cpu (this one writes "
+                f"{FORMAT_VERSION}): export the model directory again with `cosyvoice-cpu export`"
             )
         if d.get("family") not in FAMILIES:
             raise ModelDirError(f"{where}: family {d.get('family')!r} is not supported (supported: {FAMILIES})")

@@ -46,8 +46,8 @@ def test_engine_equals_reference_with_the_same_draws(
 
     ref = load_reference(tiny_model_dir)
     tok = CosyVoice2Tokenizer(tiny_model_dir / "CosyVoice-BlankEN")
-    rng = np.random.default_rng(seed)  # the engine's stream: LM draws first, then the vocoder's source noise
-    draw = RngDraw(rng)
+    lm_rng, vocoder_rng = SynthesisConfig(seed=seed).rngs()  # the engine's two streams: LM draws, source noise
+    draw = RngDraw(lm_rng)
     prompt_tokens = torch.as_tensor(voice.speech_tokens, dtype=torch.long)[None]
     lm_prompt = prompt_tokens if prompt_text else prompt_tokens[:, :0]
     with torch.inference_mode():
@@ -59,7 +59,7 @@ def test_engine_equals_reference_with_the_same_draws(
                                     torch.tensor([prompt_tokens.shape[1]]), torch.from_numpy(voice.mel)[None], None,
                                     torch.from_numpy(voice.embedding)[None])  # fmt: skip
         length = mel.shape[2] * ref.hift.cfg.upsample
-        noise = SourceNoise.draw(rng, 1, length, ref.hift.m_source.harmonics)
+        noise = SourceNoise.draw(vocoder_rng, 1, length, ref.hift.m_source.harmonics)
         wave, _ = ref.hift.inference(mel, noise=TorchNoise(torch.from_numpy(noise.initial_phase),
                                                            torch.from_numpy(noise.sine_noise)))  # fmt: skip
     assert len(ours) == wave.shape[1] == len(tokens) * 2 * 480

@@ -42,7 +42,7 @@ def test_progress_is_reported_stage_by_stage(tiny_model_dir: Path, tmp_path: Pat
 
 def test_model_directory_is_complete_and_self_describing(exported: Path, tiny_model_dir: Path) -> None:
     m = Manifest.load(exported, check_hashes=True)
-    assert m.family == "cosyvoice2" and m.format_version == 1
+    assert m.family == "cosyvoice2" and m.format_version == 2
     assert m.recipe["name"] == DEFAULT_RECIPE and m.recipe["stages"] == RECIPES[DEFAULT_RECIPE].stages()
     assert set(m.graphs) == GRAPHS
     assert m.graphs["lm"].precision == RECIPES[DEFAULT_RECIPE].lm
@@ -106,6 +106,9 @@ def test_manifest_catches_missing_altered_and_foreign_directories(exported: Path
     data = json.loads((d / MANIFEST_NAME).read_text())
     (d / MANIFEST_NAME).write_text(json.dumps({**data, "format_version": 99}))
     with pytest.raises(ModelDirError, match="format_version 99, newer"):
+        Manifest.load(d)
+    (d / MANIFEST_NAME).write_text(json.dumps({**data, "format_version": 1}))
+    with pytest.raises(ModelDirError, match=r"format_version 1, from an older.*export the model directory again"):
         Manifest.load(d)
     (d / MANIFEST_NAME).write_text("{not json")
     with pytest.raises(ModelDirError, match="not readable JSON"):

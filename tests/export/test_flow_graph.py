@@ -13,7 +13,7 @@ import torch
 
 from cosyvoice_cpu.errors import ModelDirError
 from cosyvoice_cpu.export.common import rel_err
-from cosyvoice_cpu.export.flow_graph import FILES, export_flow, verify_flow
+from cosyvoice_cpu.export.flow_graph import FILES, export_flow, official_chunk_ids, verify_flow
 from cosyvoice_cpu.flow import FlowStage
 from cosyvoice_cpu.reference.model_dir import load_reference
 from cosyvoice_cpu.sessions import SessionConfig, make_session
@@ -54,7 +54,7 @@ def _estimator_feeds(rng: np.random.Generator, lengths: list[int], size: int) ->
 
 def test_all_verification_gates_pass(flow, flow_dir: Path) -> None:
     results = verify_flow(flow, flow_dir, seed=3, threads=2)
-    assert len(results) == 15
+    assert len(results) == 17  # incl. the chunk estimator with uneven chunk ids (streaming layout)
     assert all(r.passed for r in results), "\n".join(str(r) for r in results)
 
 
@@ -72,12 +72,13 @@ def test_artifact_contracts(flow, tmp_path: Path) -> None:
     ]  # fmt: skip
     assert [(s.name, s.shape) for s in enc.outputs] == [("mu", [1, 80, "frames"]), ("spks", [1, 80])]
     assert enc.attrs["static_chunk_size"] == 25 and enc.attrs["pre_lookahead_len"] == 3
-    for key in ("flow_estimator", "flow_estimator_chunk"):
+    for key, extra in (("flow_estimator", []), ("flow_estimator_chunk", ["chunk_id"])):
         est = artifacts[key]
-        assert [s.name for s in est.inputs] == ["x", "mask", "mu", "t", "spks", "cond"]
+        assert [s.name for s in est.inputs] == ["x", "mask", "mu", "t", "spks", "cond", *extra]
         assert est.inputs[0].shape == ["batch", 80, "time"] and est.inputs[3].shape == ["batch"]
         assert [(s.name, s.shape) for s in est.outputs] == [("estimator_out", ["batch", 80, "time"])]
     assert artifacts["flow_estimator_chunk"].attrs["static_chunk_size"] == 50
+    assert artifacts["flow_estimator_chunk"].inputs[6].shape == ["batch", "time"]
     noise = np.load(tmp_path / "flow_noise.npy")
     assert noise.shape == (1, 80, 15000) and noise.dtype == np.float32
     from cosyvoice_cpu.reference.cfm import official_fixed_noise
@@ -92,12 +93,15 @@ def test_estimator_dynamic_batch_and_padding(flow, flow_dir: Path, key: str, str
     rng = np.random.default_rng(0)
     for lengths, size in (([57], 57), ([120, 120], 120), ([150, 99, 150, 40], 150)):
         feeds = _estimator_feeds(rng, lengths, size)
+        if streaming:  # the official chunk-causal mask
+            feeds["chunk_id"] = official_chunk_ids(len(lengths), size, est.static_chunk_size)
         ours = sess.run(None, feeds)[0]
         with torch.inference_mode():
-            ref = est(*(torch.from_numpy(v) for v in feeds.values()), streaming=streaming).numpy()
-        assert rel_err(ours, ref) < RTOL, (lengths, size)
+            ref = est(*(torch.from_numpy(v) for k, v in feeds.items() if k != "chunk_id"), streaming=streaming)
+        assert rel_err(ours, ref.numpy()) < RTOL, (lengths, size)
         for b, n in enumerate(lengths):  # each padded row equals the same row alone, unpadded
-            row = {k: v[b : b + 1, :, :n] if v.ndim == 3 else v[b : b + 1] for k, v in feeds.items()}
+            row = {k: v[b : b + 1, :, :n] if v.ndim == 3 else v[b : b + 1, :n] if k == "chunk_id" else v[b : b + 1]
+                   for k, v in feeds.items()}  # fmt: skip
             assert rel_err(ours[b : b + 1, :, :n], sess.run(None, row)[0]) < RTOL, (lengths, b)
             assert not ours[b, :, n:].any()  # padded frames are zeroed
 

@@ -43,7 +43,9 @@ def test_wrong_types_are_config_errors(field: str, value: object, message: str) 
 def test_defaults_are_valid_and_copies_validate() -> None:
     cfg = SynthesisConfig().validate()
     assert (cfg.flow_steps, cfg.cfg_rate, cfg.speed, cfg.stream) == (10, 0.7, 1.0, False)
-    assert cfg.with_(seed=3).rng().integers(1 << 30) == SynthesisConfig(seed=3).rng().integers(1 << 30)
+    lm, vocoder = cfg.with_(seed=3).rngs()
+    assert lm.integers(1 << 30) == SynthesisConfig(seed=3).rngs()[0].integers(1 << 30)
+    assert vocoder.integers(1 << 30) != SynthesisConfig(seed=3).rngs()[0].integers(1 << 30)  # independent streams
     with pytest.raises(ConfigError, match="flow_steps"):
         cfg.with_(flow_steps=1000)
     EngineConfig().validate()

@@ -10,10 +10,13 @@ Graphs (``export_flow``; the runtime side is :class:`cosyvoice_cpu.flow.FlowStag
     chunk_size () int64: encoder attention chunk in tokens; <= 0 full attention, ``static_chunk_size`` for
         the official streaming (chunk-causal) mode (the frame-level chunk after the x2 upsampling is doubled)
     -> mu (1, 80, 2T) float32, spks (1, 80) float32
-``flow_estimator.onnx`` / ``flow_estimator_chunk.onnx`` (the official estimator contract, batch and time dynamic)
+``flow_estimator.onnx`` (the official estimator contract, batch and time dynamic)
     x, mask, mu, t, spks, cond: (B, 80, T), (B, 1, T), (B, 80, T), (B,), (B, 80), (B, 80, T) float32
-    -> estimator_out (B, 80, T) float32; full attention over the frames where mask = 1, or chunk-causal
-    (``static_chunk_size`` frames, all left chunks) for the ``_chunk`` file.
+    -> estimator_out (B, 80, T) float32; full attention over the frames where mask = 1
+``flow_estimator_chunk.onnx`` (chunk-causal, for streaming): the same six inputs plus
+    chunk_id (B, T) int64: key frame j is visible from query frame i iff ``chunk_id[j] <= chunk_id[i]`` (and
+    mask[j] = 1). ``i // static_chunk_size`` gives the official chunk-causal mask; the runtime's streaming
+    (:mod:`cosyvoice_cpu.flow_stream`) numbers the prompt 0 and each streamed chunk after it.
 ``flow_noise.npy``: the official fixed noise ``randn(1, 80, 15000)`` after seed 0, float32.
 """
 
@@ -113,26 +116,26 @@ class EstimatorGraph(nn.Module):
         self.est = estimator
         self.streaming = streaming
 
-    def attention_bias(self, mask: torch.Tensor) -> torch.Tensor:
-        """(B, 1, T) float mask -> additive bias (B, 1, T) (full) or (B, T, T) (chunk), 0 or -1e10."""
+    def attention_bias(self, mask: torch.Tensor, chunk_id: torch.Tensor | None) -> torch.Tensor:
+        """(B, 1, T) float mask -> additive bias (B, 1, T) (full) or (B, T, T) (chunk_id given), 0 or -1e10."""
         visible = mask
-        if self.streaming:
-            size = mask.size(2)
-            chunk = torch.full((), self.est.static_chunk_size, dtype=torch.int64)
-            visible = mask * chunk_visibility(size, chunk).unsqueeze(0).to(mask.dtype)
+        if chunk_id is not None:
+            causal = chunk_id.unsqueeze(1) <= chunk_id.unsqueeze(2)  # (B, T_query, T_key)
+            visible = mask * causal.to(mask.dtype)
             empty = (visible.sum(dim=-1, keepdim=True) == 0).to(mask.dtype)  # re-opened, as the official mask
             visible = torch.maximum(visible, empty)
         return (1.0 - visible) * MASK_BIAS
 
     def forward(
         self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
-        cond: torch.Tensor,
+        cond: torch.Tensor, chunk_id: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """The official ONNX estimator contract; shapes as :meth:`FlowEstimator.forward`."""
+        """The official ONNX estimator contract (+ ``chunk_id`` when streaming); shapes as
+        :meth:`FlowEstimator.forward`."""
         est = self.est
         t_emb = est.time_mlp(timestep_embedding(t, est.in_channels))
         h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.size(2)), cond], dim=1)
-        bias = self.attention_bias(mask)
+        bias = self.attention_bias(mask, chunk_id if self.streaming else None)
         down, up = est.down_blocks[0], est.up_blocks[0]
         h = est._run(down, h, mask, t_emb, bias)
         skip = h
@@ -143,6 +146,11 @@ class EstimatorGraph(nn.Module):
         h = up[2](h * mask)
         h = est.final_block(h, mask)
         return est.final_proj(h * mask) * mask
+
+
+def official_chunk_ids(batch: int, size: int, chunk: int) -> np.ndarray:
+    """(batch, size) int64 ``chunk_id`` input giving the official chunk-causal mask (``i // chunk``)."""
+    return np.ascontiguousarray(np.broadcast_to(np.arange(size, dtype=np.int64) // chunk, (batch, size)))
 
 
 def _estimator_inputs(rng: np.random.Generator, lengths: list[int], size: int) -> dict[str, np.ndarray]:
@@ -208,9 +216,13 @@ def export_flow(flow: Flow, out_dir: Path) -> list[GraphArtifact]:
     names = ["x", "mask", "mu", "t", "spks", "cond"]
     axes: dict[str, dict[int, str]] = {n: {0: "batch", 2: "time"} for n in ("x", "mask", "mu", "cond")}
     axes.update(t={0: "batch"}, spks={0: "batch"}, estimator_out={0: "batch", 2: "time"})
-    for key, streaming in (("flow_estimator", False), ("flow_estimator_chunk", True)):
-        torch_export(EstimatorGraph(flow.decoder.estimator, streaming), est_args, out_dir / FILES[key],
-                     input_names=names, output_names=["estimator_out"], dynamic_axes=axes)  # fmt: skip
+    torch_export(EstimatorGraph(flow.decoder.estimator, False), est_args, out_dir / FILES["flow_estimator"],
+                 input_names=names, output_names=["estimator_out"], dynamic_axes=axes)  # fmt: skip
+    chunk_id = torch.from_numpy(official_chunk_ids(2, 71, cfg.estimator.static_chunk_size))
+    axes["chunk_id"] = {0: "batch", 1: "time"}
+    torch_export(EstimatorGraph(flow.decoder.estimator, True), (*est_args, chunk_id),
+                 out_dir / FILES["flow_estimator_chunk"], input_names=[*names, "chunk_id"],
+                 output_names=["estimator_out"], dynamic_axes=axes)  # fmt: skip
     np.save(out_dir / FILES["flow_noise"], official_fixed_noise().numpy().astype(np.float32))
     logger.info("exported the flow to %s in %.1f s", out_dir, time.perf_counter() - t0)
 
@@ -220,7 +232,7 @@ def export_flow(flow: Flow, out_dir: Path) -> list[GraphArtifact]:
     solver = {"n_timesteps": cfg.cfm.n_timesteps, "cfg_rate": cfg.cfm.inference_cfg_rate,
               "t_scheduler": cfg.cfm.t_scheduler, "noise_file": FILES["flow_noise"], "noise_frames": NOISE_FRAMES,
               "noise_seed": NOISE_SEED, **common}  # fmt: skip
-    chunk = {"attention": "chunk", "static_chunk_size": cfg.estimator.static_chunk_size, "chunk_unit": "frames",
+    chunk = {"attention": "chunk_id", "static_chunk_size": cfg.estimator.static_chunk_size, "chunk_unit": "frames",
              "num_left_chunks": -1, **solver}  # fmt: skip
     return [
         _artifact(out_dir, "flow_encoder", encoder),
@@ -298,11 +310,22 @@ def verify_flow(
         for size in (64, 131):
             lengths = [size, size - 17]
             feeds = _estimator_inputs(rng, lengths, size)
+            if streaming:  # the official chunk ids, then the streaming layout: prompt 0, uneven chunks after it
+                feeds["chunk_id"] = official_chunk_ids(2, size, cfg.estimator.static_chunk_size)
             ours = sess.run(None, feeds)[0]
-            ref = est(*(torch.from_numpy(v) for v in feeds.values()), streaming=streaming).numpy()
+            ref = est(*(torch.from_numpy(v) for k, v in feeds.items() if k != "chunk_id"),
+                      streaming=streaming).numpy()  # fmt: skip
             what = f"batch 2, T={size}, lengths {lengths}"
             results.append(_gate(key, "velocity rel err", ours, ref, tol["estimator"], what))
-            row = {k: v[1:2, :, : lengths[1]] if v.ndim == 3 else v[1:2] for k, v in feeds.items()}
+            if streaming:
+                ids = np.repeat(np.arange(4), [23, 7, size - 50, 20])[None].repeat(2, axis=0)
+                feeds["chunk_id"] = np.ascontiguousarray(ids, dtype=np.int64)
+                ours = sess.run(None, feeds)[0]
+                ref = est(*(torch.from_numpy(v) for k, v in feeds.items() if k != "chunk_id"), streaming=True,
+                          chunk_id=torch.from_numpy(feeds["chunk_id"])).numpy()  # fmt: skip
+                results.append(_gate(key, "velocity rel err", ours, ref, tol["estimator"], f"{what}, uneven chunks"))
+            row = {k: v[1:2, :, : lengths[1]] if v.ndim == 3 else v[1:2, : lengths[1]] if k == "chunk_id" else v[1:2]
+                   for k, v in feeds.items()}  # fmt: skip
             single = sess.run(None, row)[0]
             ours = ours[1:2, :, : lengths[1]]
             results.append(_gate(key, "padded row vs single row", ours, single, tol["estimator"], f"T={size}"))

@@ -196,11 +196,20 @@ class FlowEstimator(nn.Module):
         self.final_block = CausalBlock(channels, channels)
         self.final_proj = nn.Conv1d(channels, out_channels, 1)
 
-    def attention_bias(self, mask: torch.Tensor, streaming: bool) -> torch.Tensor:
-        """(B, 1, T) float 0/1 mask -> (B, T, T) additive bias: 0 where visible, -1e10 elsewhere."""
+    def attention_bias(
+        self, mask: torch.Tensor, streaming: bool, chunk_id: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(B, 1, T) float 0/1 mask -> (B, T, T) additive bias: 0 where visible, -1e10 elsewhere.
+
+        ``chunk_id`` (B, T) int (streaming only): key j visible from query i iff ``chunk_id[j] <= chunk_id[i]``;
+        the default ``i // static_chunk_size`` is the official chunk-causal mask.
+        """
         visible = mask.bool().expand(-1, mask.size(-1), -1)
-        if streaming:
+        if streaming and chunk_id is not None:
+            visible = visible & (chunk_id.unsqueeze(1) <= chunk_id.unsqueeze(2))
+        elif streaming:
             visible = visible & chunk_mask(mask.size(-1), self.static_chunk_size, -1, mask.device).unsqueeze(0)
+        if streaming:
             empty = visible.sum(dim=-1) == 0  # official add_optional_chunk_mask re-opens empty rows
             if bool(empty.any()):
                 visible = visible.clone()
@@ -226,6 +235,7 @@ class FlowEstimator(nn.Module):
         spks: torch.Tensor,
         cond: torch.Tensor,
         streaming: bool = False,
+        chunk_id: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Velocity estimate (the official ONNX estimator contract).
 
@@ -237,12 +247,13 @@ class FlowEstimator(nn.Module):
             spks: (B, 80) projected speaker embedding.
             cond: (B, 80, T) prompt mel (zeros after the prompt).
             streaming: chunk-causal attention (``static_chunk_size`` frames) instead of full attention.
+            chunk_id: (B, T) int chunk index per frame (streaming only; see :meth:`attention_bias`).
         Returns:
             (B, 80, T) velocity, zero on padded frames.
         """
         t_emb = self.time_mlp(timestep_embedding(t, self.in_channels))
         h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.size(-1)), cond], dim=1)
-        bias = self.attention_bias(mask, streaming)
+        bias = self.attention_bias(mask, streaming, chunk_id)
 
         down = self.down_blocks[0]
         h = self._run(down, h, mask, t_emb, bias)
