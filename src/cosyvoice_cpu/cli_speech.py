@@ -135,9 +135,10 @@ def cmd_say(args: argparse.Namespace) -> int:
 
         write_wav(args.out, np.concatenate(pieces), engine.sample_rate)
     rtf = total / timings.audio if timings.audio else float("nan")
-    print(f"{timings.audio:.1f} s of audio in {total:.1f} s (RTF {rtf:.2f}; LM {timings.lm:.1f} s for "
-          f"{timings.tokens} tokens, flow {timings.flow:.1f} s, vocoder {timings.vocoder:.1f} s)"
-          f"{'' if to_stdout else f' -> {args.out}'}", file=sys.stderr)  # fmt: skip
+    first = f", first audio after {timings.first_audio:.2f} s" if timings.first_audio is not None else ""
+    print(f"{timings.audio:.1f} s of audio in {chunks} chunks in {total:.1f} s (RTF {rtf:.2f}{first}; LM "
+          f"{timings.lm:.1f} s for {timings.tokens} tokens, flow {timings.flow:.1f} s, vocoder "
+          f"{timings.vocoder:.1f} s){'' if to_stdout else f' -> {args.out}'}", file=sys.stderr)  # fmt: skip
     return 1 if failed else 0
 
 

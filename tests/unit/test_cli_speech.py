@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -72,3 +73,23 @@ def test_say_runs_with_torch_blocked_and_streams_pcm(tiny_export_dir: Path, prom
     pcm = np.frombuffer(r.stdout, "<i2")
     assert len(pcm) > 0 and len(pcm) % 960 == 0  # whole tokens: 2 mel frames x 480 samples
     assert b"First line." in r.stderr and b"Second line." in r.stderr
+
+
+def test_say_stream_with_torch_blocked_gives_the_same_length_as_whole_sentences(
+    tiny_export_dir: Path, prompt: Path
+) -> None:
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from cosyvoice_cpu.cli import main\n"
+            "raise SystemExit(main(sys.argv[1:]))\n")  # fmt: skip
+    argv = ["say", "-m", str(tiny_export_dir), "--prompt-wav", str(prompt), "--prompt-text", "Good morning.",
+            "--seed", "5", "--flow-steps", "2", "-o", "-", "Streaming from the command line works."]  # fmt: skip
+    runs, chunks = {}, {}
+    for extra in ([], ["--stream", "--first-chunk-tokens", "8"]):
+        r = subprocess.run([sys.executable, "-c", code, *argv, *extra], capture_output=True, timeout=300)
+        assert r.returncode == 0, r.stderr.decode()
+        runs[bool(extra)] = np.frombuffer(r.stdout, "<i2")
+        found = re.search(rb"of audio in (\d+) chunks", r.stderr)
+        assert found, r.stderr.decode()
+        chunks[bool(extra)] = int(found.group(1))
+    assert len(runs[True]) == len(runs[False]) > 0  # the same speech tokens, streamed in chunks
+    assert chunks[True] >= chunks[False] + 2  # several chunks per sentence
