@@ -74,7 +74,7 @@ def probe(model_dir: Path, threads: int, size: str) -> dict:
 
     t = shapes["frames"]
     est_in = estimator_feeds(rng, t)
-    est = flow.estimators[False]
+    est = flow.estimator
     estimator_ms = _median_ms(lambda: est.run(["estimator_out"], est_in), 3)
 
     mel = (rng.standard_normal((1, 80, shapes["voc_frames"])) - 5).astype(np.float32)

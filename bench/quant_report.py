@@ -137,7 +137,7 @@ def flow_and_vocoder_quality(dirs: dict[str, Path], size: str, threads: int) -> 
             waves.append(voc(mel, noise=noise)[0])
         if est_in is None:
             est_in = estimator_feeds(rng, 650 if size == "full" else 200)
-        est = flow.estimators[False].run(["estimator_out"], est_in)[0]
+        est = flow.estimator.run(["estimator_out"], est_in)[0]
         if recipe == "fp32":
             base = {"mel": mels, "wave": waves, "est": [est]}
         l1 = [float(np.mean(np.abs(m - b))) for m, b in zip(mels, base["mel"])]

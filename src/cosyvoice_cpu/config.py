@@ -46,7 +46,9 @@ class EngineConfig:
         leave_cores: cores to leave to the OS and other processes when ``threads`` is 0.
         spinning: let idle ORT threads spin (lower latency for a single stream; keep off when requests overlap).
         verify_hashes: recompute every file's sha256 at load (seconds per GB).
-        streaming_estimator: also load the chunk-causal flow estimator (needed for ``stream=True``).
+        streaming_estimator: also load the streaming flow estimator (needed for ``stream=True``).
+        prompt_cache_mb: memory for per-voice streaming caches (the prompt's flow activations, ~170 MB per 3 s
+            voice at full size); 0 rebuilds them for every streamed request.
     """
 
     threads: int = 0
@@ -54,9 +56,11 @@ class EngineConfig:
     spinning: bool = False
     verify_hashes: bool = False
     streaming_estimator: bool = True
+    prompt_cache_mb: int = 1024
 
     def validate(self) -> EngineConfig:
-        _types(self, ("threads", "leave_cores"), ())
+        _types(self, ("threads", "leave_cores", "prompt_cache_mb"), ())
+        _need(0 <= self.prompt_cache_mb <= 1 << 20, "prompt_cache_mb", self.prompt_cache_mb, "0 to 1048576")
         _need(0 <= self.threads <= 512, "threads", self.threads, "0 (auto) to 512")
         _need(0 <= self.leave_cores <= 64, "leave_cores", self.leave_cores, "0 to 64")
         return self
@@ -75,8 +79,9 @@ class SynthesisConfig:
         first_chunk_tokens: speech tokens in the first streamed chunk (25 tokens = 1 s); later chunks double up
             to ``chunk_tokens``.
         chunk_tokens: the largest streamed chunk, in tokens (bigger chunks: less overhead, coarser latency).
-        context_tokens: history each streamed chunk's flow attends to, in tokens (bounded work per chunk;
-            0 = none, larger = closer to one-shot chunk-causal output; see docs/streaming.md).
+        context_tokens: generated history each streamed chunk's flow attends to besides the prompt, in tokens
+            (bounded memory and work per chunk; larger = closer to one-shot chunk-causal output;
+            docs/streaming.md).
         normalize: run text normalization (numbers, dates, symbols) before tokenizing.
         top_p, top_k, win_size, tau_r: RAS sampling overrides (None = the model's defaults).
     """
@@ -88,7 +93,7 @@ class SynthesisConfig:
     stream: bool = False
     first_chunk_tokens: int = 15
     chunk_tokens: int = 50
-    context_tokens: int = 50
+    context_tokens: int = 25
     normalize: bool = True
     top_p: float | None = None
     top_k: int | None = None

@@ -63,7 +63,8 @@ class _Request:
 class Engine:
     """CosyVoice2 on ONNX Runtime and NumPy. Build it with :meth:`load`."""
 
-    def __init__(self, model_dir: Path, manifest: Any, parts: dict[str, Any], threads: int) -> None:
+    def __init__(self, model_dir: Path, manifest: Any, parts: dict[str, Any], threads: int,
+                 prompt_cache_mb: int = 1024) -> None:  # fmt: skip
         self.model_dir = model_dir
         self.manifest = manifest
         self.tokenizer = parts["tokenizer"]
@@ -73,6 +74,11 @@ class Engine:
         self.frontend = parts["frontend"]
         self.threads = threads
         self.sample_rate = int(manifest.sample_rate)
+        self.prompt_caches = None
+        if self.flow.stream_estimator is not None:
+            from cosyvoice_cpu.voice_cache import PromptCaches
+
+            self.prompt_caches = PromptCaches(self.flow, prompt_cache_mb << 20)
 
     @classmethod
     def load(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
@@ -109,7 +115,7 @@ class Engine:
             logger.warning("%s", warning)
         logger.info("loaded %s (%s, recipe %s) in %.2f s, %d threads", model_dir, m.family, m.recipe["name"],
                     time.perf_counter() - t0, threads)  # fmt: skip
-        return cls(model_dir, m, parts, threads)
+        return cls(model_dir, m, parts, threads, config.prompt_cache_mb)
 
     # ------------------------------------------------------------------ voices
 
@@ -162,8 +168,8 @@ class Engine:
         text, a voice from another model or streaming on an engine loaded without the chunk estimator.
         """
         config = (config or SynthesisConfig()).validate()
-        if config.stream and True not in self.flow.estimators:
-            raise ConfigError("stream=True needs the chunk-causal flow estimator: load the engine with "
+        if config.stream and self.prompt_caches is None:
+            raise ConfigError("stream=True needs the streaming flow estimator: load the engine with "
                               "EngineConfig(streaming_estimator=True)")  # fmt: skip
         from cosyvoice_cpu.voice import Voice
 
@@ -238,8 +244,11 @@ class Engine:
         from cosyvoice_cpu.streaming import ChunkPlan, VocoderStream
 
         voice, config = req.voice, req.config
+        t0 = time.perf_counter()
+        prompt = self.prompt_caches.get(voice, config.flow_steps, config.cfg_rate)
         flow = FlowStream(self.flow, voice.speech_tokens, voice.mel, voice.embedding, config.flow_steps,
-                          config.cfg_rate, config.context_tokens)  # fmt: skip
+                          config.cfg_rate, config.context_tokens, prompt)  # fmt: skip
+        t.flow += time.perf_counter() - t0
         vocoder = VocoderStream(self.vocoder, req.vocoder_rng)
         plan = ChunkPlan(config.first_chunk_tokens, config.chunk_tokens, max(flow.lookahead, 1))
         tokens: list[int] = []

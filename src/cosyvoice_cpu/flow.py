@@ -2,9 +2,9 @@
 
     tokens --flow_encoder.onnx--> mu (1, 80, 2T), spks (1, 80)
     cond = prompt mel then zeros; x_0 = the official fixed noise (``flow_noise.npy``) or caller noise
-    Euler over a cosine time schedule, classifier-free guidance as one batch-2 call of ``flow_estimator.onnx``
-    (``flow_estimator_chunk.onnx``, chunk-causal by a ``chunk_id`` input, when streaming): rows
-    [conditioned; mu = spks = cond = 0]. Incremental streaming is :mod:`cosyvoice_cpu.flow_stream`.
+    Euler over a cosine time schedule, classifier-free guidance as one batch-2 call of ``flow_estimator.onnx``:
+    rows [conditioned; mu = spks = cond = 0]. Streaming (``flow_estimator_stream.onnx``, chunk by chunk on cached
+    activations) is :mod:`cosyvoice_cpu.flow_stream`.
 
 Numerically this is :meth:`cosyvoice_cpu.reference.flow.Flow.inference` (same time bookkeeping, same noise);
 graph contracts are documented in :mod:`cosyvoice_cpu.export.flow_graph`.
@@ -30,14 +30,16 @@ N_MELS = 80
 FILES = {
     "flow_encoder": "flow_encoder.onnx",
     "flow_estimator": "flow_estimator.onnx",
-    "flow_estimator_chunk": "flow_estimator_chunk.onnx",
+    "flow_estimator_stream": "flow_estimator_stream.onnx",
     "flow_noise": "flow_noise.npy",
 }
 ENCODER_IO = ({"token": ("int64", 2), "context": ("int64", 2), "embedding": ("float", 2), "chunk_size": ("int64", 0)},
               ("mu", "spks"))  # fmt: skip
 ESTIMATOR_IO = ({"x": ("float", 3), "mask": ("float", 3), "mu": ("float", 3), "t": ("float", 1),
                  "spks": ("float", 2), "cond": ("float", 3)}, ("estimator_out",))  # fmt: skip
-CHUNK_ESTIMATOR_IO = ({**ESTIMATOR_IO[0], "chunk_id": ("int64", 2)}, ESTIMATOR_IO[1])
+STREAM_IO = ({"x": ("float", 3), "mu": ("float", 3), "t": ("float", 1), "spks": ("float", 2), "cond": ("float", 3),
+              "prompt_h": ("float", 4), "context_h": ("float", 4), "conv_state": ("float", 3)},
+             ("velocity", "new_h", "new_conv_state"))  # fmt: skip
 
 
 @dataclass
@@ -47,7 +49,6 @@ class FlowSettings:
     token_mel_ratio: int = 2
     pre_lookahead_len: int = 3
     static_chunk_size: int = 25  # encoder chunk in tokens for the official streaming mode
-    estimator_chunk_frames: int = 50  # the official estimator chunk (frames) when no chunk_id is given
     n_timesteps: int = 10
     cfg_rate: float = 0.7
     t_scheduler: str = "cosine"
@@ -90,12 +91,34 @@ def _ids(tokens: Any, what: str) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+def guidance_rows(cfg_rate: float) -> int:
+    """Estimator rows per utterance: 2 (conditioned + unconditioned) with guidance, else 1."""
+    return 2 if cfg_rate > 0 else 1
+
+
+def guided_rows(mu: np.ndarray, spks: np.ndarray, cond: np.ndarray, rows: int) -> dict[str, np.ndarray]:
+    """Row block 0 conditioned, block 1 (``rows == 2``) unconditioned: mu, spks and cond zeroed (the reference
+    solver's layout)."""
+    return {
+        "mu": np.concatenate([mu, np.zeros_like(mu)][:rows]),
+        "spks": np.concatenate([spks, np.zeros_like(spks)][:rows]),
+        "cond": np.concatenate([cond, np.zeros_like(cond)][:rows]),
+    }
+
+
+def guide(v: np.ndarray, cfg_rate: float, b: int) -> np.ndarray:
+    """``(1+r) v_cond - r v_uncond`` from the estimator output of :func:`guided_rows` rows."""
+    if v.shape[0] == b:
+        return v
+    return np.float32(1.0 + cfg_rate) * v[:b] - np.float32(cfg_rate) * v[b:]
+
+
 class FlowStage:
     """Tokens -> mel with the exported flow graphs.
 
     Args:
         encoder, estimator: ``flow_encoder.onnx`` and ``flow_estimator.onnx`` paths.
-        estimator_chunk: ``flow_estimator_chunk.onnx`` (needed for ``streaming=True``), or None.
+        estimator_stream: ``flow_estimator_stream.onnx`` (needed for streaming), or None.
         noise: ``flow_noise.npy`` (the official fixed noise), or None: then every ``solve`` needs ``noise=``.
         settings: :class:`FlowSettings` or the artifacts' attrs dict.
         threads: ORT intra-op threads per session.
@@ -105,7 +128,7 @@ class FlowStage:
         self,
         encoder: str | Path,
         estimator: str | Path,
-        estimator_chunk: str | Path | None = None,
+        estimator_stream: str | Path | None = None,
         noise: str | Path | None = None,
         settings: FlowSettings | dict[str, Any] | None = None,
         threads: int | SessionConfig = 1,
@@ -114,9 +137,8 @@ class FlowStage:
         self.encoder = _open(Path(encoder), threads, ENCODER_IO)
         emb_shape = next(i.shape for i in self.encoder.get_inputs() if i.name == "embedding")
         self._emb_dim = int(emb_shape[1]) if isinstance(emb_shape[1], int) else 192
-        self.estimators: dict[bool, Any] = {False: _open(Path(estimator), threads, ESTIMATOR_IO)}
-        if estimator_chunk is not None:
-            self.estimators[True] = _open(Path(estimator_chunk), threads, CHUNK_ESTIMATOR_IO)
+        self.estimator = _open(Path(estimator), threads, ESTIMATOR_IO)
+        self.stream_estimator = None if estimator_stream is None else _open(Path(estimator_stream), threads, STREAM_IO)
         self.noise: np.ndarray | None = None
         if noise is not None:
             if not Path(noise).is_file():
@@ -131,9 +153,8 @@ class FlowStage:
                  threads: int | SessionConfig = 1, streaming: bool = True) -> FlowStage:  # fmt: skip
         """The stage from the standard file names in an exported directory."""
         d = Path(model_dir)
-        chunk = d / FILES["flow_estimator_chunk"]
-        chunk_or_none = chunk if streaming and chunk.is_file() else None  # skip it: ~100 MB less when not streaming
-        return cls(d / FILES["flow_encoder"], d / FILES["flow_estimator"], chunk_or_none,
+        stream = d / FILES["flow_estimator_stream"] if streaming else None  # ~100 MB less when not streaming
+        return cls(d / FILES["flow_encoder"], d / FILES["flow_estimator"], stream,
                    d / FILES["flow_noise"], settings, threads)  # fmt: skip
 
     def encode(
@@ -174,18 +195,14 @@ class FlowStage:
         n_timesteps: int | None = None,
         cfg_rate: float | None = None,
         noise: np.ndarray | None = None,
-        streaming: bool = False,
-        chunk_id: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Euler flow matching from noise (t=0) to mel (t=1) with classifier-free guidance.
+        """Euler flow matching from noise (t=0) to mel (t=1) with classifier-free guidance (full attention).
 
         Args:
             mu: (B, 80, T), spks: (B, 80), cond: (B, 80, T), mask: (B, 1, T) float (default all ones).
             n_timesteps: Euler steps (default settings, 10); cfg_rate: r in ``(1+r) v_cond - r v_uncond``
                 (default settings, 0.7; 0 skips the unconditioned rows).
             noise: (1|B, 80, >= T) float32 starting noise (first T frames); default the official fixed noise.
-            streaming: the chunk-causal estimator; chunk_id (T,) or (B, T) int chunk per frame (default the
-                official ``i // estimator_chunk_frames``).
         Returns:
             (B, 80, T) float32 mel.
         """
@@ -194,12 +211,19 @@ class FlowStage:
         if mu.ndim != 3 or mu.shape[1] != N_MELS:
             raise ConfigError(f"mu must be (B, 80, T), got {mu.shape}")
         b, size = mu.shape[0], mu.shape[2]
-        if streaming and chunk_id is None:
-            chunk_id = np.arange(size, dtype=np.int64) // self.settings.estimator_chunk_frames
-        feeds = self.guided_feeds(mu, spks, cond, mask, cfg_rate, streaming, chunk_id)
+        spks = np.asarray(spks, dtype=np.float32).reshape(b, N_MELS)
+        cond = np.asarray(cond, dtype=np.float32)
+        mask = np.ones((b, 1, size), np.float32) if mask is None else np.asarray(mask, dtype=np.float32)
+        if cond.shape != mu.shape or mask.shape != (b, 1, size):
+            raise ConfigError(f"cond must be {mu.shape} and mask {(b, 1, size)}, got {cond.shape} and {mask.shape}")
+        rows = guidance_rows(cfg_rate)
+        feeds = {"mask": np.concatenate([mask] * rows), **guided_rows(mu, spks, cond, rows)}
         x = self.initial_noise(noise, b, size)
         for t, dt in self.schedule(n_timesteps):
-            x = x + dt * self.velocity(feeds, x, t, cfg_rate, streaming)
+            feeds["x"] = np.concatenate([x] * rows) if rows > 1 else x
+            feeds["t"] = np.full(rows * b, t, dtype=np.float32)
+            v = self.estimator.run(None, feeds)[0]
+            x = x + dt * guide(v, cfg_rate, b)
         return x
 
     def solver_params(self, n_timesteps: int | None, cfg_rate: float | None) -> tuple[int, float]:
@@ -223,54 +247,6 @@ class FlowStage:
                 dt = np.float32(span[step + 1] - t)
         return steps
 
-    def guided_feeds(
-        self,
-        mu: np.ndarray,
-        spks: np.ndarray,
-        cond: np.ndarray,
-        mask: np.ndarray | None,
-        cfg_rate: float,
-        streaming: bool = False,
-        chunk_id: np.ndarray | None = None,
-    ) -> dict[str, np.ndarray]:
-        """Estimator feeds without x and t: row block 0 conditioned, block 1 (when ``cfg_rate > 0``)
-        unconditioned (mu, spks, cond zeroed), as the reference solver. Shapes as :meth:`solve`."""
-        if streaming not in self.estimators:
-            raise ModelDirError("streaming needs flow_estimator_chunk.onnx, which this stage was built without")
-        mu = np.asarray(mu, dtype=np.float32)
-        b, size = mu.shape[0], mu.shape[2]
-        spks = np.asarray(spks, dtype=np.float32).reshape(b, N_MELS)
-        cond = np.asarray(cond, dtype=np.float32)
-        mask = np.ones((b, 1, size), np.float32) if mask is None else np.asarray(mask, dtype=np.float32)
-        if cond.shape != mu.shape or mask.shape != (b, 1, size):
-            raise ConfigError(f"cond must be {mu.shape} and mask {(b, 1, size)}, got {cond.shape} and {mask.shape}")
-        rows = 2 if cfg_rate > 0 else 1
-        feeds = {
-            "mask": np.concatenate([mask] * rows),
-            "mu": np.concatenate([mu, np.zeros_like(mu)][:rows]),
-            "spks": np.concatenate([spks, np.zeros_like(spks)][:rows]),
-            "cond": np.concatenate([cond, np.zeros_like(cond)][:rows]),
-        }
-        if streaming:
-            ids = np.asarray(chunk_id, dtype=np.int64)
-            if ids.shape not in ((size,), (b, size)):
-                raise ConfigError(f"chunk_id must be ({size},) or ({b}, {size}), got {ids.shape}")
-            feeds["chunk_id"] = np.ascontiguousarray(np.broadcast_to(ids, (rows * b, size)))
-        return feeds
-
-    def velocity(
-        self, feeds: dict[str, np.ndarray], x: np.ndarray, t: np.float32, cfg_rate: float, streaming: bool = False
-    ) -> np.ndarray:
-        """The guided velocity ``(1+r) v_cond - r v_uncond`` (B, 80, T) at x (B, 80, T), time t, one call."""
-        rows = feeds["mu"].shape[0] // x.shape[0]
-        feeds["x"] = np.concatenate([x] * rows) if rows > 1 else np.ascontiguousarray(x, dtype=np.float32)
-        feeds["t"] = np.full(feeds["mu"].shape[0], t, dtype=np.float32)
-        v = self.estimators[streaming].run(None, feeds)[0]
-        if rows == 2:
-            b = x.shape[0]
-            v = np.float32(1.0 + cfg_rate) * v[:b] - np.float32(cfg_rate) * v[b:]
-        return v
-
     def initial_noise(self, noise: np.ndarray | None, b: int, size: int, offset: int = 0) -> np.ndarray:
         """x_0 (b, 80, size) float32: frames ``offset:offset+size`` of the caller noise or the official table."""
         if noise is None:
@@ -291,12 +267,13 @@ class FlowStage:
         prompt_feat: np.ndarray,
         embedding: np.ndarray,
         context: Any = None,
-        streaming: bool = False,
         n_timesteps: int | None = None,
         cfg_rate: float | None = None,
         noise: np.ndarray | None = None,
+        streaming: bool = False,
     ) -> np.ndarray:
-        """Tokens -> mel, as :meth:`Flow.inference` (``context`` given = ``finalize=False``).
+        """Tokens -> mel, as :meth:`Flow.inference` (``context`` given = ``finalize=False``) with full attention
+        in the estimator (``streaming`` only makes the encoder chunk-causal).
 
         Args:
             prompt_feat: (1, T_pm, 80) or (T_pm, 80) prompt mel (T_pm = token_mel_ratio * T_p normally).
@@ -314,5 +291,5 @@ class FlowStage:
             raise ConfigError(f"prompt_feat has {n_prompt} frames but the tokens give only {mu.shape[2]}")
         cond = np.zeros_like(mu)
         cond[:, :, :n_prompt] = feat.transpose(0, 2, 1)
-        mel = self.solve(mu, spks, cond, None, n_timesteps, cfg_rate, noise, streaming)
+        mel = self.solve(mu, spks, cond, None, n_timesteps, cfg_rate, noise)
         return mel[:, :, n_prompt:]

@@ -1,49 +1,94 @@
 """Incremental (streaming) flow: speech tokens arrive chunk by chunk, mel frames leave chunk by chunk.
 
-The official streaming re-runs the encoder and all Euler steps of the estimator over the *whole* prefix for
-every new chunk (O(n^2) in the utterance length). Here each chunk costs a bounded window instead:
+The official streaming re-runs the encoder and all Euler steps of the estimator over the prompt *and the whole
+prefix* for every new chunk (O(n^2) in the utterance length). Here the estimator runs on the new chunk's frames
+only (``flow_estimator_stream.onnx``), on cached activations of what came before:
 
-    estimator window = [prompt frames | context frames | new frames]      chunk_id = [0 .. | k_ctx .. | k ..]
+* attention is chunk-causal: the prompt is chunk 0 and sees only itself, each streamed chunk sees the prompt, the
+  earlier chunks and itself; the estimator's convolutions are causal. So the past's contribution to a new chunk
+  is fixed once computed: per Euler step and CFG row, every transformer block's ``norm1`` output for the past
+  frames (keys/values are linear in it) and every causal convolution's last two input frames;
+* the prompt's part depends only on the voice and the solver settings (steps, CFG rate): a
+  :class:`PromptCache`, computed once with the prompt alone and shared by every request with that voice;
+* the context is the latest ``context_tokens`` of generated frames (``None``: all of them, which reproduces the
+  one-shot chunk-causal solve exactly; a test checks it). Older frames leave the attention window; the
+  convolution states always continue from the frame just before the chunk, so nothing else is approximated;
+* a frame's starting noise is the official fixed noise at its absolute position, as in a one-shot call.
 
-* Attention is chunk-causal by chunk id (``flow_estimator_chunk.onnx``): the prompt is chunk 0 and sees only
-  itself; every streamed chunk is one id and sees the prompt, the earlier chunks and itself. The estimator's
-  convolutions are causal, so a frame never depends on later frames, and the trajectory x_0..x_{n-1} of a frame,
-  once computed, is final.
-* So the context frames are not recomputed from noise: their stored per-step inputs x_k (80 values per frame
-  and step) are fed back at every Euler step, only the new frames (and the prompt, which is chunk 0 and
-  therefore the same in every call) are integrated. The prompt's encoder output is fixed at the first chunk.
-* The window keeps the last ``context_tokens`` tokens of history (``None``: everything, which reproduces the
-  one-shot chunk-causal computation exactly; a test checks it). Frames older than the window are dropped from
-  attention and the causal convolutions' left edge: a bounded approximation whose mel error is measured in
-  ``docs/streaming.md``.
-* The noise of a frame is the official fixed noise at its absolute position, as in a one-shot call.
-
-Memory per stream: (steps x 80 x context frames) floats of trajectory, a few hundred KB.
+Memory: the prompt cache holds ``steps x rows x L x T_prompt x 256`` floats (CosyVoice2: L = 56, 172 MB for a
+3 s prompt at 10 steps with CFG); each stream holds the same for its context window (57 MB for 50 frames).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.flow import N_MELS, FlowStage, _ids
+from cosyvoice_cpu.flow import N_MELS, FlowStage, _ids, guidance_rows, guide, guided_rows
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptCache:
+    """Everything the prompt contributes to streamed chunks, for one voice and one (steps, cfg_rate).
+
+    Attributes:
+        mu: (1, 80, P) prompt encoder output; spks: (1, 80) projected speaker vector.
+        h: per Euler step, (L, rows, P, width) float32 cached ``norm1`` outputs of the prompt frames.
+        conv: per Euler step, (rows, S, 2) float32 causal-convolution states at the prompt's end.
+    """
+
+    mu: np.ndarray
+    spks: np.ndarray
+    h: list[np.ndarray]
+    conv: list[np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.h) + sum(a.nbytes for a in self.conv) + self.mu.nbytes
+
+    @classmethod
+    def build(cls, stage: FlowStage, prompt_tokens: Any, prompt_feat: np.ndarray, embedding: np.ndarray,
+              n_timesteps: int | None = None, cfg_rate: float | None = None) -> PromptCache:  # fmt: skip
+        """Integrate the prompt frames alone (chunk 0) and keep their activations at every step."""
+        sess = _stream_session(stage)
+        steps, cfg_rate = stage.solver_params(n_timesteps, cfg_rate)
+        tokens = _ids(prompt_tokens, "prompt_tokens")
+        feat = _prompt_feat(prompt_feat, tokens.shape[1] * stage.settings.token_mel_ratio)
+        mu, spks = _encode(stage, tokens, embedding)
+        layers, width, state = _layout(sess)
+        rows, n = guidance_rows(cfg_rate), feat.shape[2]
+        feeds = {**guided_rows(mu, spks, feat, rows), "context_h": np.zeros((layers, rows, 0, width), np.float32),
+                 "prompt_h": np.zeros((layers, rows, 0, width), np.float32),
+                 "conv_state": np.zeros((rows, state, 2), np.float32)}  # fmt: skip
+        x = stage.initial_noise(None, 1, n)
+        cache = cls(mu, spks, [], [])
+        for t, dt in stage.schedule(steps):
+            feeds["x"] = np.concatenate([x] * rows)
+            feeds["t"] = np.full(rows, t, np.float32)
+            v, new_h, conv = sess.run(None, feeds)
+            x = x + dt * guide(v, cfg_rate, 1)
+            cache.h.append(new_h)
+            cache.conv.append(conv)
+        logger.debug("prompt cache: %d frames, %d steps, %.1f MB", n, steps, cache.nbytes / 1e6)
+        return cache
 
 
 class FlowStream:
     """One utterance's incremental flow state (not thread-safe; one per request).
 
     Args:
-        stage: the loaded :class:`~cosyvoice_cpu.flow.FlowStage` (with its chunk estimator).
-        prompt_tokens: (T_p,) prompt speech tokens (may be empty: cross-lingual / instruct use the same).
-        prompt_feat: (T_p * ratio, 80) or (1, ., 80) prompt mel.
+        stage: the loaded :class:`~cosyvoice_cpu.flow.FlowStage` (with its stream estimator).
+        prompt_tokens: (T_p,) prompt speech tokens; prompt_feat: (T_p * ratio, 80) prompt mel.
         embedding: (192,) or (1, 192) x-vector.
         n_timesteps, cfg_rate: solver settings (None: the stage defaults).
         context_tokens: tokens of history each chunk attends to (None: all of it).
+        prompt_cache: a :class:`PromptCache` built for the same voice and settings (built here if None).
     """
 
     def __init__(
@@ -54,34 +99,34 @@ class FlowStream:
         embedding: np.ndarray,
         n_timesteps: int | None = None,
         cfg_rate: float | None = None,
-        context_tokens: int | None = 50,
+        context_tokens: int | None = 25,
+        prompt_cache: PromptCache | None = None,
     ) -> None:
-        if True not in stage.estimators:
-            raise ConfigError("streaming needs the chunk estimator: load the engine with streaming_estimator=True")
         if context_tokens is not None and context_tokens < 0:
             raise ConfigError(f"context_tokens must be >= 0 or None, got {context_tokens}")
+        self.sess = _stream_session(stage)
         self.stage = stage
         self.ratio = stage.settings.token_mel_ratio
         self.lookahead = stage.settings.pre_lookahead_len
         self.steps, self.cfg_rate = stage.solver_params(n_timesteps, cfg_rate)
+        self.rows = guidance_rows(self.cfg_rate)
         self.schedule = stage.schedule(self.steps)
         self.context_tokens = context_tokens
         self.prompt_tokens = _ids(prompt_tokens, "prompt_tokens")
-        feat = np.asarray(prompt_feat, dtype=np.float32)
-        feat = feat[0] if feat.ndim == 3 else feat
-        n_prompt = self.prompt_tokens.shape[1] * self.ratio
-        if feat.ndim != 2 or feat.shape != (n_prompt, N_MELS):
-            raise ConfigError(f"prompt_feat must be ({n_prompt}, 80) for {self.prompt_tokens.shape[1]} prompt "
-                              f"tokens, got {feat.shape}")  # fmt: skip
-        self.prompt_cond = np.ascontiguousarray(feat.T[None])  # (1, 80, P)
+        self.n_prompt = self.prompt_tokens.shape[1] * self.ratio
         self.embedding = np.asarray(embedding, dtype=np.float32)
+        if prompt_cache is None:
+            prompt_cache = PromptCache.build(stage, self.prompt_tokens, prompt_feat, self.embedding, self.steps,
+                                             self.cfg_rate)  # fmt: skip
+        if len(prompt_cache.h) != self.steps or prompt_cache.h[0].shape[1:3] != (self.rows, self.n_prompt):
+            raise ConfigError("the prompt cache was built for other solver settings or another voice")
+        self.prompt = prompt_cache
+        layers, width, _ = _layout(self.sess)
+        # per Euler step: the context's cached activations and the convolution states after the latest frame
+        self.ctx_h = [np.zeros((layers, self.rows, 0, width), np.float32) for _ in range(self.steps)]
+        self.conv = list(prompt_cache.conv)
         self.history = np.zeros((1, 0), np.int64)  # every token already turned into mel
-        self.prompt_mu: np.ndarray | None = None  # (1, 80, P), fixed by the first chunk
-        self.spks: np.ndarray | None = None
-        # the context window: encoder output, chunk ids and per-step inputs x_k of the latest generated frames
-        self.ctx_mu = np.zeros((1, N_MELS, 0), np.float32)
-        self.ctx_ids = np.zeros(0, np.int64)
-        self.ctx_traj = np.zeros((self.steps, 1, N_MELS, 0), np.float32)
+        self.ctx_mu = np.zeros((1, N_MELS, 0), np.float32)  # the context frames' encoder output (for checks)
         self.chunks = 0
         self.finished = False
 
@@ -107,50 +152,69 @@ class FlowStream:
         if lookahead is not None and _ids(lookahead, "lookahead").shape[1] == 0:
             lookahead = None
         self.finished = lookahead is None
-        keep = self.history.shape[1] if self.context_tokens is None else min(self.context_tokens,
-                                                                             self.history.shape[1])  # fmt: skip
-        window_tokens = np.concatenate([self.history[:, self.history.shape[1] - keep :], new], axis=1)
-        mu, spks = self.stage.encode(window_tokens, self.prompt_tokens, self.embedding, context=lookahead)
-        n_prompt, n_new = self.prompt_cond.shape[2], new.shape[1] * self.ratio
-        if self.prompt_mu is None:
-            self.prompt_mu, self.spks = mu[:, :, :n_prompt], spks
+        done = self.history.shape[1]
+        keep = done if self.context_tokens is None else min(self.context_tokens, done)
+        window = np.concatenate([self.history[:, done - keep :], new], axis=1)
+        mu, _ = self.stage.encode(window, self.prompt_tokens, self.embedding, context=lookahead)
+        n_new = new.shape[1] * self.ratio
         mu_new = mu[:, :, mu.shape[2] - n_new :]
+        mel = self._integrate(mu_new)
         self.chunks += 1
-        mel, traj = self._integrate(mu_new)
-        self._remember(new, mu_new, traj)
+        self.history = np.concatenate([self.history, new], axis=1)
+        self.ctx_mu = self._trim(np.concatenate([self.ctx_mu, mu_new], axis=2), axis=2)
+        logger.debug("flow chunk %d: %d tokens done, context %d frames", self.chunks, self.history.shape[1],
+                     self.ctx_h[0].shape[2])  # fmt: skip
         return mel
 
-    def _integrate(self, mu_new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Euler over the window; returns the new frames' mel (1, 80, C) and their inputs x_k (steps, 1, 80, C)."""
-        n_prompt, n_ctx, n_new = self.prompt_cond.shape[2], self.ctx_mu.shape[2], mu_new.shape[2]
-        mu = np.concatenate([self.prompt_mu, self.ctx_mu, mu_new], axis=2)
-        cond = np.zeros_like(mu)
-        cond[:, :, :n_prompt] = self.prompt_cond
-        ids = np.concatenate([np.zeros(n_prompt, np.int64), self.ctx_ids, np.full(n_new, self.chunks, np.int64)])
-        feeds = self.stage.guided_feeds(mu, self.spks, cond, None, self.cfg_rate, streaming=True, chunk_id=ids)
-        start = n_prompt + self.frames_done  # absolute position of the first new frame in the noise table
-        x_prompt = self.stage.initial_noise(None, 1, n_prompt)
-        x_new = self.stage.initial_noise(None, 1, n_new, offset=start)
-        traj = np.empty((self.steps, 1, N_MELS, n_new), np.float32)
+    def _integrate(self, mu_new: np.ndarray) -> np.ndarray:
+        """Euler over the new frames on the cached past; updates the context caches. Returns (1, 80, C)."""
+        n_new = mu_new.shape[2]
+        feeds = guided_rows(mu_new, self.prompt.spks, np.zeros_like(mu_new), self.rows)
+        x = self.stage.initial_noise(None, 1, n_new, offset=self.n_prompt + self.frames_done)
         for k, (t, dt) in enumerate(self.schedule):
-            traj[k] = x_new
-            x = np.concatenate([x_prompt, self.ctx_traj[k], x_new], axis=2)
-            v = self.stage.velocity(feeds, x, t, self.cfg_rate, streaming=True)
-            x_prompt = x_prompt + dt * v[:, :, :n_prompt]
-            x_new = x_new + dt * v[:, :, n_prompt + n_ctx :]
-        return x_new, traj
+            feeds.update(x=np.concatenate([x] * self.rows), t=np.full(self.rows, t, np.float32),
+                         prompt_h=self.prompt.h[k], context_h=self.ctx_h[k], conv_state=self.conv[k])  # fmt: skip
+            v, new_h, self.conv[k] = self.sess.run(None, feeds)
+            x = x + dt * guide(v, self.cfg_rate, 1)
+            self.ctx_h[k] = self._trim(np.concatenate([self.ctx_h[k], new_h], axis=2), axis=2)
+        return x
 
-    def _remember(self, new: np.ndarray, mu_new: np.ndarray, traj: np.ndarray) -> None:
-        """Append the chunk to the history and trim the context window to ``context_tokens``."""
-        self.history = np.concatenate([self.history, new], axis=1)
-        self.ctx_mu = np.concatenate([self.ctx_mu, mu_new], axis=2)
-        self.ctx_ids = np.concatenate([self.ctx_ids, np.full(mu_new.shape[2], self.chunks, np.int64)])
-        self.ctx_traj = np.concatenate([self.ctx_traj, traj], axis=3)
-        if self.context_tokens is not None:
-            keep = self.context_tokens * self.ratio
-            start = self.ctx_mu.shape[2] - min(keep, self.ctx_mu.shape[2])
-            self.ctx_mu = self.ctx_mu[:, :, start:]
-            self.ctx_ids = self.ctx_ids[start:]
-            self.ctx_traj = np.ascontiguousarray(self.ctx_traj[..., start:])
-        logger.debug("flow chunk %d: %d tokens done, window %d context frames", self.chunks,
-                     self.history.shape[1], self.ctx_mu.shape[2])  # fmt: skip
+    def _trim(self, a: np.ndarray, axis: int) -> np.ndarray:
+        """Keep the last ``context_tokens * ratio`` frames along ``axis``."""
+        if self.context_tokens is None:
+            return a
+        keep = self.context_tokens * self.ratio
+        size = a.shape[axis]
+        if size <= keep:
+            return a
+        return np.ascontiguousarray(np.take(a, np.arange(size - keep, size), axis=axis))
+
+
+def _stream_session(stage: FlowStage) -> Any:
+    if stage.stream_estimator is None:
+        raise ConfigError("streaming needs flow_estimator_stream.onnx: load the engine with "
+                          "EngineConfig(streaming_estimator=True)")  # fmt: skip
+    return stage.stream_estimator
+
+
+def _layout(sess: Any) -> tuple[int, int, int]:
+    """(L, width, S) of the stream estimator from its input shapes (prompt_h (L, B, T, width), conv (B, S, 2))."""
+    shapes = {i.name: i.shape for i in sess.get_inputs()}
+    return int(shapes["prompt_h"][0]), int(shapes["prompt_h"][3]), int(shapes["conv_state"][1])
+
+
+def _prompt_feat(prompt_feat: np.ndarray, frames: int) -> np.ndarray:
+    """(frames, 80) or (1, frames, 80) prompt mel -> (1, 80, frames) float32."""
+    feat = np.asarray(prompt_feat, dtype=np.float32)
+    feat = feat[0] if feat.ndim == 3 else feat
+    if feat.ndim != 2 or feat.shape != (frames, N_MELS):
+        raise ConfigError(f"prompt_feat must be ({frames}, 80) for the prompt tokens, got {feat.shape}")
+    return np.ascontiguousarray(feat.T[None])
+
+
+def _encode(stage: FlowStage, prompt_tokens: np.ndarray, embedding: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The prompt's own encoder output (no generated tokens after it: zero look-ahead) and spks."""
+    if prompt_tokens.shape[1] == 0:
+        _, spks = stage.encode(np.zeros((1, 1), np.int64), prompt_tokens, embedding)
+        return np.zeros((1, N_MELS, 0), np.float32), spks
+    return stage.encode(prompt_tokens, np.zeros((1, 0), np.int64), embedding)

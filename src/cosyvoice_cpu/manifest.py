@@ -20,7 +20,7 @@ from cosyvoice_cpu.errors import ModelDirError
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "cosyvoice_cpu.json"
-FORMAT_VERSION = 2  # 2: flow_estimator_chunk.onnx takes a chunk_id input (streaming)
+FORMAT_VERSION = 2  # 2: flow_estimator_stream.onnx (streamed chunks on cached activations) replaces _chunk
 FAMILIES = ("cosyvoice2",)
 STAGE_SECTIONS = ("text", "lm", "sampling", "flow", "hift")
 

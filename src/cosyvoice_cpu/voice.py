@@ -7,6 +7,7 @@ serves a half-written or corrupt voice.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -88,6 +89,14 @@ class Voice:
         if self.mel.shape[0] != 2 * self.speech_tokens.size:
             raise VoiceError(f"voice {self.name!r}: {self.mel.shape[0]} mel frames for {self.speech_tokens.size} "
                              "tokens (need 2 per token); make it again from the prompt audio")  # fmt: skip
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of what synthesis uses (tokens, mel, embedding): the key of per-voice caches."""
+        digest = hashlib.sha256()
+        for arr in (self.speech_tokens, self.mel, self.embedding):
+            digest.update(np.ascontiguousarray(arr).tobytes())
+        return digest.hexdigest()
 
     @property
     def duration(self) -> float:

@@ -24,7 +24,7 @@ def _ops(path: Path) -> set[str]:
     return {n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node}
 
 
-GRAPHS = {"lm", "flow_encoder", "flow_estimator", "flow_estimator_chunk", "hift_f0", "hift_decode"}
+GRAPHS = {"lm", "flow_encoder", "flow_estimator", "flow_estimator_stream", "hift_f0", "hift_decode"}
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_model_directory_is_complete_and_self_describing(exported: Path, tiny_mo
     expected_lm_op = {"int8": "DynamicQuantizeLinear", "int8w": "MatMulNBits", "int4": "MatMulNBits"}
     assert expected_lm_op[RECIPES[DEFAULT_RECIPE].lm] in _ops(exported / "lm.onnx")
     assert "DynamicQuantizeLinear" in _ops(exported / "flow_estimator.onnx")
-    assert "DynamicQuantizeLinear" in _ops(exported / "flow_estimator_chunk.onnx")
+    assert "DynamicQuantizeLinear" in _ops(exported / "flow_estimator_stream.onnx")
     assert {"lm_text_embedding", "lm_speech_embedding", "lm_special_embedding", "flow_noise"} <= set(m.arrays)
     assert (m.sample_rate, m.token_frame_rate, m.token_mel_ratio) == (24000, 25, 2)
     assert m.lm["stop_ids"] == [6561, 6562, 6563] and m.graphs["lm"].attrs["max_len"] == 256
@@ -60,7 +60,7 @@ def test_model_directory_is_complete_and_self_describing(exported: Path, tiny_mo
     # every gate ran and passed: fp32 graphs, then the recipe's quantized graphs with their own tolerances
     assert m.verification and all(v["passed"] for v in m.verification)
     fp32 = {v["graph"] for v in m.verification if v["phase"] == "fp32"}
-    assert fp32 == {"lm", "flow_encoder", "flow_estimator", "flow_estimator_chunk", "flow", "hift_f0", "hift_source",
+    assert fp32 == {"lm", "flow_encoder", "flow_estimator", "flow_estimator_stream", "flow", "hift_f0", "hift_source",
                     "hift_decode", "hift"}  # fmt: skip
     recipe = RECIPES[DEFAULT_RECIPE]
     quantized = {(v["graph"], v["check"]): v["tolerance"] for v in m.verification if v["phase"] != "fp32"}

@@ -13,7 +13,7 @@ import torch
 
 from cosyvoice_cpu.errors import ModelDirError
 from cosyvoice_cpu.export.common import rel_err
-from cosyvoice_cpu.export.flow_graph import FILES, export_flow, official_chunk_ids, verify_flow
+from cosyvoice_cpu.export.flow_graph import FILES, export_flow, verify_flow
 from cosyvoice_cpu.flow import FlowStage
 from cosyvoice_cpu.reference.model_dir import load_reference
 from cosyvoice_cpu.sessions import SessionConfig, make_session
@@ -30,7 +30,7 @@ def flow(tiny_model_dir: Path):
 def flow_dir(flow, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("flow_onnx")
     artifacts = export_flow(flow, out)
-    assert [a.key for a in artifacts] == ["flow_encoder", "flow_estimator", "flow_estimator_chunk"]
+    assert [a.key for a in artifacts] == ["flow_encoder", "flow_estimator", "flow_estimator_stream"]
     assert all((out / a.file).is_file() and all((out / d).is_file() for d in a.data) for a in artifacts)
     assert (out / FILES["flow_noise"]).is_file()
     return out
@@ -54,7 +54,7 @@ def _estimator_feeds(rng: np.random.Generator, lengths: list[int], size: int) ->
 
 def test_all_verification_gates_pass(flow, flow_dir: Path) -> None:
     results = verify_flow(flow, flow_dir, seed=3, threads=2)
-    assert len(results) == 17  # incl. the chunk estimator with uneven chunk ids (streaming layout)
+    assert len(results) == 14  # incl. the stream estimator (prompt pass + 2 cached chunks) and a streamed flow
     assert all(r.passed for r in results), "\n".join(str(r) for r in results)
 
 
@@ -72,13 +72,19 @@ def test_artifact_contracts(flow, tmp_path: Path) -> None:
     ]  # fmt: skip
     assert [(s.name, s.shape) for s in enc.outputs] == [("mu", [1, 80, "frames"]), ("spks", [1, 80])]
     assert enc.attrs["static_chunk_size"] == 25 and enc.attrs["pre_lookahead_len"] == 3
-    for key, extra in (("flow_estimator", []), ("flow_estimator_chunk", ["chunk_id"])):
-        est = artifacts[key]
-        assert [s.name for s in est.inputs] == ["x", "mask", "mu", "t", "spks", "cond", *extra]
-        assert est.inputs[0].shape == ["batch", 80, "time"] and est.inputs[3].shape == ["batch"]
-        assert [(s.name, s.shape) for s in est.outputs] == [("estimator_out", ["batch", 80, "time"])]
-    assert artifacts["flow_estimator_chunk"].attrs["static_chunk_size"] == 50
-    assert artifacts["flow_estimator_chunk"].inputs[6].shape == ["batch", "time"]
+    est = artifacts["flow_estimator"]
+    assert [s.name for s in est.inputs] == ["x", "mask", "mu", "t", "spks", "cond"]
+    assert est.inputs[0].shape == ["batch", 80, "time"] and est.inputs[3].shape == ["batch"]
+    assert [(s.name, s.shape) for s in est.outputs] == [("estimator_out", ["batch", 80, "time"])]
+    stream = artifacts["flow_estimator_stream"]
+    layers, width = stream.attrs["cache_layers"], stream.attrs["cache_width"]
+    channels = stream.attrs["conv_state_channels"]
+    assert {s.name: s.shape for s in stream.inputs} == {
+        "x": ["batch", 80, "time"], "mu": ["batch", 80, "time"], "t": ["batch"], "spks": ["batch", 80],
+        "cond": ["batch", 80, "time"], "prompt_h": [layers, "batch", "prompt_frames", width],
+        "context_h": [layers, "batch", "context_frames", width], "conv_state": ["batch", channels, 2],
+    }  # fmt: skip
+    assert [s.name for s in stream.outputs] == ["velocity", "new_h", "new_conv_state"]
     noise = np.load(tmp_path / "flow_noise.npy")
     assert noise.shape == (1, 80, 15000) and noise.dtype == np.float32
     from cosyvoice_cpu.reference.cfm import official_fixed_noise
@@ -86,22 +92,18 @@ def test_artifact_contracts(flow, tmp_path: Path) -> None:
     assert np.array_equal(noise, official_fixed_noise().numpy())
 
 
-@pytest.mark.parametrize("key,streaming", [("flow_estimator", False), ("flow_estimator_chunk", True)])
-def test_estimator_dynamic_batch_and_padding(flow, flow_dir: Path, key: str, streaming: bool) -> None:
-    sess = make_session(flow_dir / FILES[key], SessionConfig(threads=2))
+def test_estimator_dynamic_batch_and_padding(flow, flow_dir: Path) -> None:
+    sess = make_session(flow_dir / FILES["flow_estimator"], SessionConfig(threads=2))
     est = flow.decoder.estimator
     rng = np.random.default_rng(0)
     for lengths, size in (([57], 57), ([120, 120], 120), ([150, 99, 150, 40], 150)):
         feeds = _estimator_feeds(rng, lengths, size)
-        if streaming:  # the official chunk-causal mask
-            feeds["chunk_id"] = official_chunk_ids(len(lengths), size, est.static_chunk_size)
         ours = sess.run(None, feeds)[0]
         with torch.inference_mode():
-            ref = est(*(torch.from_numpy(v) for k, v in feeds.items() if k != "chunk_id"), streaming=streaming)
+            ref = est(*(torch.from_numpy(v) for v in feeds.values()))
         assert rel_err(ours, ref.numpy()) < RTOL, (lengths, size)
         for b, n in enumerate(lengths):  # each padded row equals the same row alone, unpadded
-            row = {k: v[b : b + 1, :, :n] if v.ndim == 3 else v[b : b + 1, :n] if k == "chunk_id" else v[b : b + 1]
-                   for k, v in feeds.items()}  # fmt: skip
+            row = {k: v[b : b + 1, :, :n] if v.ndim == 3 else v[b : b + 1] for k, v in feeds.items()}
             assert rel_err(ours[b : b + 1, :, :n], sess.run(None, row)[0]) < RTOL, (lengths, b)
             assert not ours[b, :, n:].any()  # padded frames are zeroed
 
@@ -131,17 +133,17 @@ def test_encoder_streaming_context_matches_reference(flow, stage: FlowStage, str
 
 
 @pytest.mark.parametrize("n_timesteps,cfg_rate", [(10, 0.7), (4, 0.0)])
-@pytest.mark.parametrize("streaming,finalize", [(False, True), (True, False)])
-def test_stage_inference_matches_reference(flow, stage: FlowStage, n_timesteps, cfg_rate, streaming, finalize) -> None:
+@pytest.mark.parametrize("finalize", [True, False])
+def test_stage_inference_matches_reference(flow, stage: FlowStage, n_timesteps, cfg_rate, finalize) -> None:
     gen = torch.Generator().manual_seed(n_timesteps)
     prompt = torch.randint(0, 6561, (1, 15), generator=gen)
     tokens = torch.randint(0, 6561, (1, 40), generator=gen)
     emb, feat = torch.randn(1, 192, generator=gen), torch.randn(1, 30, 80, generator=gen)
-    ref, _ = flow.inference(tokens, torch.tensor([40]), prompt, torch.tensor([15]), feat, None, emb, streaming,
+    ref, _ = flow.inference(tokens, torch.tensor([40]), prompt, torch.tensor([15]), feat, None, emb, False,
                             finalize=finalize, n_timesteps=n_timesteps, cfg_rate=cfg_rate)  # fmt: skip
     toks, ctx = (tokens, None) if finalize else (tokens[:, :-3], tokens[:, -3:].numpy())
     mel = stage.inference(toks.numpy(), prompt.numpy(), feat.numpy(), emb.numpy(), context=ctx,
-                          streaming=streaming, n_timesteps=n_timesteps, cfg_rate=cfg_rate)  # fmt: skip
+                          n_timesteps=n_timesteps, cfg_rate=cfg_rate)  # fmt: skip
     assert mel.shape == ref.shape
     assert rel_err(mel, ref.numpy()) < 3e-5
 
@@ -179,7 +181,7 @@ def test_estimators_survive_dynamic_int8_quantization(flow, flow_dir: Path, redu
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     files = {}
-    for key in ("flow_estimator", "flow_estimator_chunk"):
+    for key in ("flow_estimator", "flow_estimator_stream"):
         files[key] = f"{key}.int8{'.rr' if reduce_range else ''}.onnx"
         quantize_dynamic(flow_dir / FILES[key], flow_dir / files[key], op_types_to_quantize=["MatMul"],
                          per_channel=True, weight_type=QuantType.QInt8, reduce_range=reduce_range,

@@ -37,7 +37,7 @@ class TensorSpec:
 class GraphArtifact:
     """A graph written into the model directory.
 
-    ``key`` is the manifest key (``lm``, ``flow_encoder``, ``flow_estimator``, ``flow_estimator_chunk``,
+    ``key`` is the manifest key (``lm``, ``flow_encoder``, ``flow_estimator``, ``flow_estimator_stream``,
     ``hift_f0``, ``hift_decode``); ``file`` and ``data`` are relative to the model directory.
     """
 

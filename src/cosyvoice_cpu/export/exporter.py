@@ -297,7 +297,6 @@ def _manifest(
             "pre_lookahead_len": cfg.flow.pre_lookahead_len,
             "token_mel_ratio": cfg.flow.token_mel_ratio,
             "static_chunk_size": cfg.flow.encoder.static_chunk_size,  # encoder, tokens (streaming)
-            "estimator_chunk_frames": cfg.flow.estimator.static_chunk_size,  # baked into flow_estimator_chunk
             "spk_embed_dim": cfg.flow.spk_embed_dim,
             **stage_facts.get("flow", {}),
         },

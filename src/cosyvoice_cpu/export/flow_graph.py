@@ -1,4 +1,4 @@
-"""Export the CosyVoice2 flow to ONNX: token encoder, estimator (full and chunk-causal attention), fixed noise.
+"""Export the CosyVoice2 flow to ONNX: token encoder, estimator (whole and streamed chunks), fixed noise.
 
 Graphs (``export_flow``; the runtime side is :class:`cosyvoice_cpu.flow.FlowStage`):
 
@@ -13,10 +13,8 @@ Graphs (``export_flow``; the runtime side is :class:`cosyvoice_cpu.flow.FlowStag
 ``flow_estimator.onnx`` (the official estimator contract, batch and time dynamic)
     x, mask, mu, t, spks, cond: (B, 80, T), (B, 1, T), (B, 80, T), (B,), (B, 80), (B, 80, T) float32
     -> estimator_out (B, 80, T) float32; full attention over the frames where mask = 1
-``flow_estimator_chunk.onnx`` (chunk-causal, for streaming): the same six inputs plus
-    chunk_id (B, T) int64: key frame j is visible from query frame i iff ``chunk_id[j] <= chunk_id[i]`` (and
-    mask[j] = 1). ``i // static_chunk_size`` gives the official chunk-causal mask; the runtime's streaming
-    (:mod:`cosyvoice_cpu.flow_stream`) numbers the prompt 0 and each streamed chunk after it.
+``flow_estimator_stream.onnx``: one streamed chunk on cached activations of the prompt and the context
+    (contract in :mod:`cosyvoice_cpu.export.flow_stream_graph`; runtime :mod:`cosyvoice_cpu.flow_stream`).
 ``flow_noise.npy``: the official fixed noise ``randn(1, 80, 15000)`` after seed 0, float32.
 """
 
@@ -35,6 +33,7 @@ from torch import nn
 
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import GateResult, GraphArtifact, rel_err, torch_export
+from cosyvoice_cpu.export.flow_stream_graph import export_stream_estimator, stream_layout, verify_stream_estimator
 from cosyvoice_cpu.flow import FILES
 from cosyvoice_cpu.reference.cfm import NOISE_FRAMES, NOISE_SEED, official_fixed_noise
 from cosyvoice_cpu.reference.flow import Flow
@@ -109,33 +108,21 @@ class EncoderGraph(nn.Module):
 
 
 class EstimatorGraph(nn.Module):
-    """``flow_estimator[_chunk].onnx``: :meth:`FlowEstimator.forward` with a data-independent attention bias."""
+    """``flow_estimator.onnx``: :meth:`FlowEstimator.forward` (full attention) with a key-padding bias."""
 
-    def __init__(self, estimator: FlowEstimator, streaming: bool) -> None:
+    def __init__(self, estimator: FlowEstimator) -> None:
         super().__init__()
         self.est = estimator
-        self.streaming = streaming
-
-    def attention_bias(self, mask: torch.Tensor, chunk_id: torch.Tensor | None) -> torch.Tensor:
-        """(B, 1, T) float mask -> additive bias (B, 1, T) (full) or (B, T, T) (chunk_id given), 0 or -1e10."""
-        visible = mask
-        if chunk_id is not None:
-            causal = chunk_id.unsqueeze(1) <= chunk_id.unsqueeze(2)  # (B, T_query, T_key)
-            visible = mask * causal.to(mask.dtype)
-            empty = (visible.sum(dim=-1, keepdim=True) == 0).to(mask.dtype)  # re-opened, as the official mask
-            visible = torch.maximum(visible, empty)
-        return (1.0 - visible) * MASK_BIAS
 
     def forward(
         self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
-        cond: torch.Tensor, chunk_id: torch.Tensor | None = None,
+        cond: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
-        """The official ONNX estimator contract (+ ``chunk_id`` when streaming); shapes as
-        :meth:`FlowEstimator.forward`."""
+        """The official ONNX estimator contract; shapes as :meth:`FlowEstimator.forward`."""
         est = self.est
         t_emb = est.time_mlp(timestep_embedding(t, est.in_channels))
         h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.size(2)), cond], dim=1)
-        bias = self.attention_bias(mask, chunk_id if self.streaming else None)
+        bias = (1.0 - mask) * MASK_BIAS  # (B, 1, T): padded keys hidden
         down, up = est.down_blocks[0], est.up_blocks[0]
         h = est._run(down, h, mask, t_emb, bias)
         skip = h
@@ -146,11 +133,6 @@ class EstimatorGraph(nn.Module):
         h = up[2](h * mask)
         h = est.final_block(h, mask)
         return est.final_proj(h * mask) * mask
-
-
-def official_chunk_ids(batch: int, size: int, chunk: int) -> np.ndarray:
-    """(batch, size) int64 ``chunk_id`` input giving the official chunk-causal mask (``i // chunk``)."""
-    return np.ascontiguousarray(np.broadcast_to(np.arange(size, dtype=np.int64) // chunk, (batch, size)))
 
 
 def _estimator_inputs(rng: np.random.Generator, lengths: list[int], size: int) -> dict[str, np.ndarray]:
@@ -189,7 +171,7 @@ def _artifact(out_dir: Path, key: str, attrs: dict[str, Any]) -> GraphArtifact:
 
 @torch.inference_mode()
 def export_flow(flow: Flow, out_dir: Path) -> list[GraphArtifact]:
-    """Write ``flow_encoder.onnx``, ``flow_estimator.onnx``, ``flow_estimator_chunk.onnx`` (each with its
+    """Write ``flow_encoder.onnx``, ``flow_estimator.onnx``, ``flow_estimator_stream.onnx`` (each with its
     ``.data``) and ``flow_noise.npy`` into ``out_dir``.
 
     Returns:
@@ -216,13 +198,9 @@ def export_flow(flow: Flow, out_dir: Path) -> list[GraphArtifact]:
     names = ["x", "mask", "mu", "t", "spks", "cond"]
     axes: dict[str, dict[int, str]] = {n: {0: "batch", 2: "time"} for n in ("x", "mask", "mu", "cond")}
     axes.update(t={0: "batch"}, spks={0: "batch"}, estimator_out={0: "batch", 2: "time"})
-    torch_export(EstimatorGraph(flow.decoder.estimator, False), est_args, out_dir / FILES["flow_estimator"],
+    torch_export(EstimatorGraph(flow.decoder.estimator), est_args, out_dir / FILES["flow_estimator"],
                  input_names=names, output_names=["estimator_out"], dynamic_axes=axes)  # fmt: skip
-    chunk_id = torch.from_numpy(official_chunk_ids(2, 71, cfg.estimator.static_chunk_size))
-    axes["chunk_id"] = {0: "batch", 1: "time"}
-    torch_export(EstimatorGraph(flow.decoder.estimator, True), (*est_args, chunk_id),
-                 out_dir / FILES["flow_estimator_chunk"], input_names=[*names, "chunk_id"],
-                 output_names=["estimator_out"], dynamic_axes=axes)  # fmt: skip
+    export_stream_estimator(flow.decoder.estimator, out_dir / FILES["flow_estimator_stream"])
     np.save(out_dir / FILES["flow_noise"], official_fixed_noise().numpy().astype(np.float32))
     logger.info("exported the flow to %s in %.1f s", out_dir, time.perf_counter() - t0)
 
@@ -232,12 +210,13 @@ def export_flow(flow: Flow, out_dir: Path) -> list[GraphArtifact]:
     solver = {"n_timesteps": cfg.cfm.n_timesteps, "cfg_rate": cfg.cfm.inference_cfg_rate,
               "t_scheduler": cfg.cfm.t_scheduler, "noise_file": FILES["flow_noise"], "noise_frames": NOISE_FRAMES,
               "noise_seed": NOISE_SEED, **common}  # fmt: skip
-    chunk = {"attention": "chunk_id", "static_chunk_size": cfg.estimator.static_chunk_size, "chunk_unit": "frames",
-             "num_left_chunks": -1, **solver}  # fmt: skip
+    layers, width, conv_channels = stream_layout(flow.decoder.estimator)
+    stream = {"attention": "cached past + chunk", "cache_layers": layers, "cache_width": width,
+              "conv_state_channels": conv_channels, **solver}  # fmt: skip
     return [
         _artifact(out_dir, "flow_encoder", encoder),
         _artifact(out_dir, "flow_estimator", {"attention": "full", **solver}),
-        _artifact(out_dir, "flow_estimator_chunk", chunk),
+        _artifact(out_dir, "flow_estimator_stream", stream),
     ]
 
 
@@ -258,18 +237,19 @@ def verify_flow(
 ) -> list[GateResult]:
     """ONNX Runtime vs the PyTorch reference on random inputs (max relative errors).
 
-    Gates: encoder mu/spks (final and non-final with look-ahead context, full and chunk attention); both
-    estimators at batch 2 (a padded row, two lengths) plus padded rows vs single unpadded rows; the whole flow
+    Gates: encoder mu/spks (final and non-final with look-ahead context, full and chunk attention); the
+    estimator at batch 2 (a padded row, two lengths) plus padded rows vs single unpadded rows; the stream
+    estimator on a prompt pass and two cached chunks vs the reference over the whole window; the whole flow
     (ORT encoder + :class:`~cosyvoice_cpu.flow.FlowStage` Euler/CFG loop + estimator) vs ``Flow.inference``
-    with the official noise (final/full and non-final/streaming).
+    with the official noise, and streamed in chunks vs the reference solver with chunk-causal ids.
 
     Args:
         files: overrides of :data:`FILES` by key (names relative to ``out_dir``), e.g. a quantized estimator.
         tolerance: overrides of :data:`TOLERANCE` by check kind: ``encoder`` (mu, spks), ``estimator`` (both
-            estimator graphs), ``mel`` (whole flow).
+            estimator graphs), ``mel`` (whole flow, whole and streamed).
     Returns:
         the gates; ``GateResult.graph`` is the file key (``flow_encoder``, ``flow_estimator``,
-        ``flow_estimator_chunk``) or ``flow`` for the whole-flow mel.
+        ``flow_estimator_stream``) or ``flow`` for the whole-flow mel.
     """
     from cosyvoice_cpu.flow import FlowStage
 
@@ -284,7 +264,7 @@ def verify_flow(
     cfg = flow.config
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
-    stage = FlowStage(paths["flow_encoder"], paths["flow_estimator"], paths["flow_estimator_chunk"],
+    stage = FlowStage(paths["flow_encoder"], paths["flow_estimator"], paths["flow_estimator_stream"],
                       paths["flow_noise"], settings=_settings(flow), threads=threads)  # fmt: skip
     n_prompt, n_tok, n_ctx = 20, 37, cfg.pre_lookahead_len  # 57 tokens: > 2 encoder chunks of 25
     prompt = torch.randint(0, cfg.vocab_size, (1, n_prompt), generator=gen)
@@ -305,40 +285,56 @@ def verify_flow(
     results.append(_gate("flow_encoder", "spks rel err", spks, ref.spks.numpy(), tol["encoder"]))
 
     est = flow.decoder.estimator
-    for key, streaming in (("flow_estimator", False), ("flow_estimator_chunk", True)):
-        sess = make_session(paths[key], SessionConfig(threads=threads))
-        for size in (64, 131):
-            lengths = [size, size - 17]
-            feeds = _estimator_inputs(rng, lengths, size)
-            if streaming:  # the official chunk ids, then the streaming layout: prompt 0, uneven chunks after it
-                feeds["chunk_id"] = official_chunk_ids(2, size, cfg.estimator.static_chunk_size)
-            ours = sess.run(None, feeds)[0]
-            ref = est(*(torch.from_numpy(v) for k, v in feeds.items() if k != "chunk_id"),
-                      streaming=streaming).numpy()  # fmt: skip
-            what = f"batch 2, T={size}, lengths {lengths}"
-            results.append(_gate(key, "velocity rel err", ours, ref, tol["estimator"], what))
-            if streaming:
-                ids = np.repeat(np.arange(4), [23, 7, size - 50, 20])[None].repeat(2, axis=0)
-                feeds["chunk_id"] = np.ascontiguousarray(ids, dtype=np.int64)
-                ours = sess.run(None, feeds)[0]
-                ref = est(*(torch.from_numpy(v) for k, v in feeds.items() if k != "chunk_id"), streaming=True,
-                          chunk_id=torch.from_numpy(feeds["chunk_id"])).numpy()  # fmt: skip
-                results.append(_gate(key, "velocity rel err", ours, ref, tol["estimator"], f"{what}, uneven chunks"))
-            row = {k: v[1:2, :, : lengths[1]] if v.ndim == 3 else v[1:2, : lengths[1]] if k == "chunk_id" else v[1:2]
-                   for k, v in feeds.items()}  # fmt: skip
-            single = sess.run(None, row)[0]
-            ours = ours[1:2, :, : lengths[1]]
-            results.append(_gate(key, "padded row vs single row", ours, single, tol["estimator"], f"T={size}"))
+    sess = make_session(paths["flow_estimator"], SessionConfig(threads=threads))
+    for size in (64, 131):
+        lengths = [size, size - 17]
+        feeds = _estimator_inputs(rng, lengths, size)
+        ours = sess.run(None, feeds)[0]
+        ref = est(*(torch.from_numpy(v) for v in feeds.values())).numpy()
+        what = f"batch 2, T={size}, lengths {lengths}"
+        results.append(_gate("flow_estimator", "velocity rel err", ours, ref, tol["estimator"], what))
+        row = {k: v[1:2, :, : lengths[1]] if v.ndim == 3 else v[1:2] for k, v in feeds.items()}
+        single = sess.run(None, row)[0]
+        ours = ours[1:2, :, : lengths[1]]
+        results.append(_gate("flow_estimator", "padded row vs single row", ours, single, tol["estimator"], f"T={size}"))
+    stream_sess = make_session(paths["flow_estimator_stream"], SessionConfig(threads=threads))
+    for r in verify_stream_estimator(est, stream_sess, rng, tol["estimator"], "flow_estimator_stream"):
+        logger.info("%s", r)
+        results.append(r)
 
     for finalize, streaming in ((True, False), (False, True)):
         ref, _ = flow.inference(tokens, torch.tensor([tokens.size(1)]), prompt, torch.tensor([n_prompt]), feat, None,
                                 emb, streaming=streaming, finalize=finalize)  # fmt: skip
-        toks, ctx = (tokens, None) if finalize else (tokens[:, :n_tok], tokens[:, n_tok:].numpy())
-        mel = stage.inference(toks.numpy(), prompt.numpy(), feat.numpy(), emb.numpy(), context=ctx,
-                              streaming=streaming)  # fmt: skip
-        what = f"{'final' if finalize else 'non-final'}, {'streaming' if streaming else 'full'}, 10 steps, cfg 0.7"
-        results.append(_gate("flow", "mel rel err", mel, ref.numpy(), tol["mel"], what))
+        if streaming:  # the official non-final call: chunk-causal encoder and estimator, a grid from frame 0
+            continue  # (our runtime streams differently; its whole-flow gate follows)
+        mel = stage.inference(tokens.numpy(), prompt.numpy(), feat.numpy(), emb.numpy())
+        results.append(_gate("flow", "mel rel err", mel, ref.numpy(), tol["mel"], "whole sentence, 10 steps, cfg 0.7"))
+    results.append(_gate_stream(flow, stage, prompt.numpy()[0], tokens.numpy()[0], feat.numpy()[0], emb.numpy(),
+                                tol["mel"]))  # fmt: skip
     return results
+
+
+def _gate_stream(flow: Flow, stage: Any, prompt: np.ndarray, tokens: np.ndarray, feat: np.ndarray,
+                 emb: np.ndarray, tol: float) -> GateResult:  # fmt: skip
+    """:class:`~cosyvoice_cpu.flow_stream.FlowStream` (unbounded context, three chunks) vs the reference solver
+    over the same frames with chunk-causal ids [0 prompt, 1, 2, 3] in one call."""
+    from cosyvoice_cpu.flow_stream import FlowStream
+
+    fs = FlowStream(stage, prompt, feat, emb, context_tokens=None)
+    look = fs.lookahead
+    cuts = [(0, 10), (10, 25), (25, len(tokens))]
+    mel = np.concatenate([fs.push(tokens[a:b], None if b == len(tokens) else tokens[b : b + look])
+                          for a, b in cuts], axis=2)  # fmt: skip
+    mu = np.concatenate([fs.prompt.mu, fs.ctx_mu], axis=2)
+    n_prompt = fs.n_prompt
+    cond = np.zeros_like(mu)
+    cond[0, :, :n_prompt] = feat.T
+    ids = np.concatenate([np.zeros(n_prompt, np.int64), *[np.full(2 * (b - a), i + 1) for i, (a, b) in
+                                                          enumerate(cuts)]])[None]  # fmt: skip
+    size = mu.shape[2]
+    ref = flow.decoder(torch.from_numpy(mu), torch.ones(1, 1, size), torch.from_numpy(fs.prompt.spks),
+                       torch.from_numpy(cond), streaming=True, chunk_id=torch.from_numpy(ids)).numpy()  # fmt: skip
+    return _gate("flow", "mel rel err", mel, ref[:, :, n_prompt:], tol, "streamed in 3 chunks on cached activations")
 
 
 def _settings(flow: Flow) -> dict[str, Any]:

@@ -113,20 +113,37 @@ def quantize_int8_dynamic(
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    with tempfile.TemporaryDirectory(dir=Path(dst).parent) as tmp:
-        out = Path(tmp) / "q.onnx"
-        quantize_dynamic(
-            str(src),
-            str(out),
-            op_types_to_quantize=["MatMul"],
-            per_channel=per_channel,
-            reduce_range=reduce_range,
-            weight_type=QuantType.QInt8,
-            nodes_to_exclude=list(exclude),
-            use_external_data_format=True,
-            extra_options={"MatMulConstBOnly": True},
-        )
-        _save(onnx.load(str(out), load_external_data=True), Path(dst))
+    root = logging.getLogger()
+    hush = _DropMessage("Please consider to run pre-processing")  # ORT's advice, logged on the root logger
+    root.addFilter(hush)
+    try:
+        with tempfile.TemporaryDirectory(dir=Path(dst).parent) as tmp:
+            out = Path(tmp) / "q.onnx"
+            quantize_dynamic(
+                str(src),
+                str(out),
+                op_types_to_quantize=["MatMul"],
+                per_channel=per_channel,
+                reduce_range=reduce_range,
+                weight_type=QuantType.QInt8,
+                nodes_to_exclude=list(exclude),
+                use_external_data_format=True,
+                extra_options={"MatMulConstBOnly": True},
+            )
+            _save(onnx.load(str(out), load_external_data=True), Path(dst))
+    finally:
+        root.removeFilter(hush)
+
+
+class _DropMessage(logging.Filter):
+    """Drop log records whose message starts with a given text."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
 
 
 def quantize_nbits(

@@ -100,7 +100,7 @@ class _Plan:
 
 PLANS = (
     _Plan("LM", "lm", "lm_graph", "lm", ("lm",)),
-    _Plan("flow", "flow", "flow_graph", "flow_estimator", ("flow_estimator", "flow_estimator_chunk")),
+    _Plan("flow", "flow", "flow_graph", "flow_estimator", ("flow_estimator", "flow_estimator_stream")),
     _Plan("HiFT", "hift", "hift_graph", "hift", ("hift_decode",)),
 )
 CHECKPOINTS = {"lm": "llm.pt", "flow": "flow.pt", "hift": "hift.pt"}

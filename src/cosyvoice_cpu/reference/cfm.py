@@ -63,6 +63,7 @@ class ConditionalCFM(nn.Module):
         cfg_rate: float | None = None,
         streaming: bool = False,
         noise: torch.Tensor | None = None,
+        chunk_id: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Integrate dx/dt = v from noise (t=0) to mel (t=1) with Euler steps and CFG.
 
@@ -72,6 +73,7 @@ class ConditionalCFM(nn.Module):
             cfg_rate: guidance r in ``(1+r) v_cond - r v_uncond`` (default ``config.inference_cfg_rate``).
             streaming: chunk-causal estimator attention.
             noise: (B, 80, >=T) starting noise, first T columns used; default the official fixed noise.
+            chunk_id: (B, T) int chunk per frame for ``streaming`` (default the official ``i // chunk``).
         Returns:
             (B, 80, T) float32 mel.
         """
@@ -92,9 +94,11 @@ class ConditionalCFM(nn.Module):
         cond_in = torch.cat([cond, torch.zeros_like(cond)])
         # Official time bookkeeping: t accumulates dt, and each next dt is t_span[k+1] - t (not a diff of t_span).
         t, dt = t_span[0], t_span[1] - t_span[0]
+        ids = None if chunk_id is None else torch.cat([chunk_id, chunk_id])
         for step in range(1, n_timesteps + 1):
             t_in = t.reshape(1).expand(2 * b)
-            v = self.estimator(torch.cat([x, x]), mask_in, mu_in, t_in, spks_in, cond_in, streaming=streaming)
+            v = self.estimator(torch.cat([x, x]), mask_in, mu_in, t_in, spks_in, cond_in, streaming=streaming,
+                               chunk_id=ids)  # fmt: skip
             v_cond, v_uncond = v.split(b, dim=0)
             x = x + dt * ((1.0 + cfg_rate) * v_cond - cfg_rate * v_uncond)
             t = t + dt
