@@ -210,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     from cosyvoice_cpu.cli_speech import add_commands
 
     add_commands(sub, _positive, _non_negative)
+    from cosyvoice_cpu.cli_bench import add_parser as add_bench
+
+    add_bench(sub)
 
     h = sub.add_parser("doctor", help="check this machine (CPU features, cores, memory) and optionally a model")
     h.add_argument("-m", "--model", type=Path, help="also check an exported model directory")

@@ -84,6 +84,8 @@ class SynthesisConfig:
             docs/streaming.md).
         normalize: run text normalization (numbers, dates, symbols) before tokenizing.
         top_p, top_k, win_size, tau_r: RAS sampling overrides (None = the model's defaults).
+        min_tokens, max_tokens: speech tokens per sentence (None = the model's rule: 2x to 20x the text tokens);
+            equal values force an exact length (benchmarks).
     """
 
     seed: int | None = None
@@ -99,11 +101,14 @@ class SynthesisConfig:
     top_k: int | None = None
     win_size: int | None = None
     tau_r: float | None = None
+    min_tokens: int | None = None
+    max_tokens: int | None = None
 
     def validate(self) -> SynthesisConfig:
         _types(self, ("seed", "flow_steps", "first_chunk_tokens", "chunk_tokens", "context_tokens", "top_k",
-                      "win_size"),
-               ("cfg_rate", "speed", "top_p", "tau_r"), optional=("seed", "top_p", "top_k", "win_size", "tau_r"))
+                      "win_size", "min_tokens", "max_tokens"),
+               ("cfg_rate", "speed", "top_p", "tau_r"),
+               optional=("seed", "top_p", "top_k", "win_size", "tau_r", "min_tokens", "max_tokens"))
         _need(self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "0 to 2**63-1, or None")
         _need(1 <= self.flow_steps <= 100, "flow_steps", self.flow_steps, "1 to 100 (official 10)")
         _need(0.0 <= self.cfg_rate <= 10.0, "cfg_rate", self.cfg_rate, "0 to 10 (official 0.7)")
@@ -116,6 +121,11 @@ class SynthesisConfig:
         _need(self.top_k is None or 1 <= self.top_k <= 6561, "top_k", self.top_k, "1 to 6561")
         _need(self.win_size is None or 1 <= self.win_size <= 1000, "win_size", self.win_size, "1 to 1000")
         _need(self.tau_r is None or 0.0 <= self.tau_r <= 1.0, "tau_r", self.tau_r, "0 to 1")
+        _need(self.min_tokens is None or 0 <= self.min_tokens <= 5000, "min_tokens", self.min_tokens, "0 to 5000")
+        _need(self.max_tokens is None or 1 <= self.max_tokens <= 5000, "max_tokens", self.max_tokens, "1 to 5000")
+        if self.min_tokens is not None and self.max_tokens is not None:
+            _need(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+                  f"at most max_tokens ({self.max_tokens})")
         return self
 
     def with_(self, **changes: Any) -> SynthesisConfig:

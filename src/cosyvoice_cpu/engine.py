@@ -141,11 +141,11 @@ class Engine:
             return self.tokenizer.encode(prompt), voice.speech_tokens
         return [], np.zeros(0, np.int32)  # cross-lingual
 
-    def _segment_cap(self, prompt_ids: list[int], prompt_speech: np.ndarray) -> int:
+    def _segment_cap(self, prompt_ids: list[int], prompt_speech: np.ndarray, max_tokens: int | None = None) -> int:
         """Text tokens per segment so that prompt + text + the longest speech fits the KV cache."""
         facts = self.lm.facts
         free = self.lm.session.spec.max_len - (2 + len(prompt_ids) + len(prompt_speech))
-        cap = int(free // (1 + facts.max_token_text_ratio))
+        cap = int(free - max_tokens if max_tokens else free // (1 + facts.max_token_text_ratio))
         if cap < 8:
             raise ConfigError(
                 f"the voice prompt leaves room for only {max(cap, 0)} text tokens in the KV cache (max_len "
@@ -180,7 +180,7 @@ class Engine:
         from cosyvoice_cpu.text import prepare
 
         segments = prepare(text, self.tokenizer, normalize=config.normalize,
-                           max_tokens=self._segment_cap(prompt_ids, prompt_speech))  # fmt: skip
+                           max_tokens=self._segment_cap(prompt_ids, prompt_speech, config.max_tokens))  # fmt: skip
         return self._run(segments, _Request(voice, config, prompt_ids, prompt_speech), timings or Timings())
 
     def _run(self, segments: Iterator[Any], req: _Request, t: Timings) -> Iterator[AudioChunk]:
@@ -217,7 +217,9 @@ class Engine:
             seg = following
 
     def _tokens(self, text_ids: list[int], req: _Request) -> Iterator[int]:
-        return self.lm.generate(text_ids, req.prompt_ids, req.prompt_speech, draw=req.draw, sampling=req.sampling)
+        budget = (req.config.min_tokens, req.config.max_tokens)
+        return self.lm.generate(text_ids, req.prompt_ids, req.prompt_speech, draw=req.draw, sampling=req.sampling,
+                                budget=budget)  # fmt: skip
 
     def _speak(self, text_ids: list[int], req: _Request, t: Timings) -> Iterator[tuple[np.ndarray, bool]]:
         """One sentence in one piece: yields (samples, True) once, or nothing when the LM gives no tokens."""

@@ -117,6 +117,7 @@ class SpeechTokenGenerator:
         sampling: SamplingConfig | None = None,
         cache: KVCache | None = None,
         row: int = 0,
+        budget: tuple[int | None, int | None] = (None, None),
     ) -> TokenRequest:
         """Check the inputs and the KV capacity now; return the request, whose iteration does the work.
 
@@ -127,6 +128,8 @@ class SpeechTokenGenerator:
             draw: the random source (tests replay the reference's draws through it).
             sampling: overrides the generator's default sampling settings.
             cache, row: the KV-cache row to use (reset first); default a new one-row cache owned by the request.
+            budget: (min, max) speech tokens overriding the model's text-length rule where not None (``min ==
+                max`` forces an exact length: benchmarks on random weights).
         """
         text = _ids("text", text)
         if text.size == 0:
@@ -135,6 +138,10 @@ class SpeechTokenGenerator:
         sampling.validate()
         embeds = self.prompt_embeddings(text, prompt_text, prompt_speech)
         min_len, max_len = self.facts.token_budget(len(text))
+        min_len = min_len if budget[0] is None else int(budget[0])
+        max_len = max_len if budget[1] is None else int(budget[1])
+        if not 0 <= min_len <= max_len or max_len < 1:
+            raise ConfigError(f"speech token budget must satisfy 0 <= min <= max, max >= 1; got ({min_len}, {max_len})")
         # positions used: the prompt, then every yielded token but the last is fed back
         need, cap = len(embeds) + max(max_len - 1, 0), self.session.spec.max_len
         if need > cap:

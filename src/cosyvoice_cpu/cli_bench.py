@@ -1,0 +1,170 @@
+"""``cosyvoice-cpu bench``: our engine and its PyTorch peers on the same workload, in one run.
+
+    cosyvoice-cpu bench --recipe int8w                 # full-size random CosyVoice2, exported once and cached
+    cosyvoice-cpu bench -m MODEL_DIR [--peer-from OFFICIAL_DIR]
+    cosyvoice-cpu bench --recipe int8w --concurrency 1,4,8 --thread-sweep --peer official,reference --out DIR
+
+Every measurement runs in a child process (:mod:`cosyvoice_cpu.benchmark`, ``bench/peer.py``) so each peak RSS is
+its own. Writes ``bench.json``, ``bench.md`` and PNG plots into ``--out``; the report is
+:mod:`cosyvoice_cpu.bench_report`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from cosyvoice_cpu.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[2]  # a source checkout: bench/peer.py lives there
+RAPL = Path("/sys/class/powercap")
+
+
+def _child(cmd: list[str], what: str) -> dict[str, Any]:
+    """Run a benchmark child; its last stdout line is JSON."""
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode:
+        raise ConfigError(f"{what} failed (exit {p.returncode}): {p.stderr.strip().splitlines()[-1:] or p.stdout}")
+    result = json.loads(p.stdout.strip().splitlines()[-1])
+    print(f"  {what}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return result
+
+
+def _task(model_dir: Path, task: str, threads: int, args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "cosyvoice_cpu.benchmark", str(model_dir), "--task", task, "--threads", str(threads),
+           "--tokens", str(args.tokens), "--runs", str(args.runs)]  # fmt: skip
+    for k, v in extra.items():
+        cmd += [f"--{k.replace('_', '-')}", str(v)]
+    return _child(cmd, f"{task} {threads} threads {extra or ''}".strip())
+
+
+def energy_counters() -> dict[str, Path]:
+    """Readable RAPL/powercap package energy counters (µJ), by zone name; empty when not readable."""
+    found = {}
+    for zone in sorted(RAPL.glob("*:*")) if RAPL.is_dir() else []:
+        f = zone / "energy_uj"
+        try:
+            int(f.read_text())
+        except (OSError, ValueError):
+            continue
+        found[(zone / "name").read_text().strip() if (zone / "name").is_file() else zone.name] = f
+    return found
+
+
+def _energy(counters: dict[str, Path]) -> int:
+    return sum(int(f.read_text()) for f in counters.values())
+
+
+def resolve_model(args: argparse.Namespace) -> tuple[Path, Path | None, str]:
+    """(model dir, official dir for the peers or None, description)."""
+    if args.model is not None:
+        return args.model, args.peer_from, str(args.model)
+    from cosyvoice_cpu.cli import _need_export_extra, cache_dir
+
+    _need_export_extra()
+    from cosyvoice_cpu.export.exporter import ExportOptions, export_model
+    from cosyvoice_cpu.export.fixture import FixtureSpec, write_fixture
+    from cosyvoice_cpu.manifest import Manifest
+
+    src = cache_dir() / "fixtures" / "cosyvoice2-full-seed0"
+    if not (src / "cosyvoice2.yaml").is_file():
+        print("writing the full-size random CosyVoice2 fixture (once) ...", file=sys.stderr)
+        write_fixture(FixtureSpec("cosyvoice2", "full", 0), src, force=True)
+    dst = cache_dir() / "exports" / f"cosyvoice2-full-seed0-{args.recipe}"
+    try:
+        Manifest.load(dst)
+    except Exception:
+        print(f"exporting the fixture with recipe {args.recipe} (once; cached in {dst}) ...", file=sys.stderr)
+        export_model(src, dst, ExportOptions(recipe=args.recipe, force=True))
+    return dst, args.peer_from or src, f"full-size random CosyVoice2, recipe {args.recipe}"
+
+
+def run_peers(official_dir: Path | None, names: list[str], threads: int, tokens: int) -> dict[str, Any]:
+    """``bench/peer.py`` per implementation (PyTorch; needs a source checkout and the [export] extra)."""
+    script = ROOT / "bench" / "peer.py"
+    if not names:
+        return {}
+    if official_dir is None or not script.is_file():
+        why = "no official-layout model directory (--peer-from)" if official_dir is None else f"{script} is missing"
+        print(f"  peers skipped: {why}", file=sys.stderr)
+        return {n: {"skipped": why} for n in names}
+    return {n: _child([sys.executable, str(script), "--model-dir", str(official_dir), "--impl", n, "--threads",
+                       str(threads), "--tokens", str(tokens)], f"peer {n}") for n in names}  # fmt: skip
+
+
+def machine_facts(threads: int) -> dict[str, Any]:
+    import onnxruntime as ort
+
+    from cosyvoice_cpu.hardware import detect
+
+    hw = detect()
+    cpu = hw.cpu
+    memory = hw.memory_for_us
+    return {
+        "cpu": cpu.model if cpu else "unknown", "isa": cpu.isa if cpu else "unknown",
+        "logical_cpus": cpu.logical if cpu else None, "physical_cores": cpu.physical if cpu else None,
+        "usable_cores": hw.usable_cores, "memory_gb": round(memory / 2**30, 1) if memory else None,
+        "threads": threads, "onnxruntime": ort.__version__, "python": sys.version.split()[0],
+        "load_avg_before": os.getloadavg(),
+    }  # fmt: skip
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from cosyvoice_cpu.bench_report import write_report
+    from cosyvoice_cpu.hardware import detect
+
+    threads = args.threads or detect().threads()
+    model_dir, official_dir, what = resolve_model(args)
+    streams = [int(s) for s in args.concurrency.split(",") if s.strip()] if args.concurrency else []
+    print(f"benchmarking {what} with {threads} threads ...", file=sys.stderr, flush=True)
+    result: dict[str, Any] = {"model": what, "model_dir": str(model_dir), "tokens": args.tokens,
+                              "runs": args.runs, "machine": machine_facts(threads),
+                              "started": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
+    result["ours"] = _task(model_dir, "single", threads, args, short_tokens=args.short_tokens,
+                           fast_steps=args.fast_steps)  # fmt: skip
+    counters = energy_counters()
+    result["concurrency"] = []
+    for n in streams:
+        e0 = _energy(counters) if counters else None
+        row = _task(model_dir, "concurrent", threads, args, streams=n)
+        if e0 is not None:
+            row["joules_per_sentence"] = (_energy(counters) - e0) / 1e6 / row["sentences"]
+        result["concurrency"].append(row)
+    result["energy"] = sorted(counters) if counters else "not available (no readable RAPL/powercap counters)"
+    if args.thread_sweep:
+        top = detect().usable_cores
+        result["thread_sweep"] = [_task(model_dir, "threads", n, args) for n in range(1, top + 1)]
+    result["peers"] = run_peers(official_dir, [p for p in args.peer.split(",") if p], threads, args.tokens)
+    out = write_report(result, args.out)
+    print(f"wrote {out}", file=sys.stderr)
+    print((args.out / "bench.md").read_text())
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    b = sub.add_parser("bench", help="benchmark the engine (and its PyTorch peers) on one workload")
+    src = b.add_mutually_exclusive_group()
+    src.add_argument("-m", "--model", type=Path, help="an exported model directory")
+    src.add_argument("--recipe", default="int8w", help="else: the full-size random CosyVoice2 exported with this "
+                     "recipe (cached; needs the [export] extra)")  # fmt: skip
+    b.add_argument("--threads", type=int, default=0, help="ORT threads (default: usable physical cores)")
+    b.add_argument("--tokens", type=int, default=250, help="speech tokens per sentence (250 = 10 s)")
+    b.add_argument("--short-tokens", type=int, default=50, help="tokens for the 8-character sentence (2 s)")
+    b.add_argument("--runs", type=int, default=3, help="timed repetitions after a warm-up (medians)")
+    b.add_argument("--fast-steps", type=int, default=5, help="Euler steps of the fast preset")
+    b.add_argument("--concurrency", default="1,4,8", help="concurrent streams to measure ('' to skip)")
+    b.add_argument("--thread-sweep", action="store_true", help="also measure RTF for 1..all usable cores")
+    b.add_argument("--peer", default="official,reference", help="PyTorch peers to run ('' to skip)")
+    b.add_argument("--peer-from", type=Path, help="official-layout model directory for the peers (with -m)")
+    b.add_argument("--out", type=Path, default=Path("bench-results"), help="report directory")
+    b.set_defaults(func=cmd_bench)

@@ -1,0 +1,50 @@
+"""``cosyvoice-cpu bench`` on the tiny export: forced lengths, the child tasks, the report files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cosyvoice_cpu.cli import main
+from cosyvoice_cpu.config import SynthesisConfig
+from cosyvoice_cpu.errors import ConfigError
+
+
+def test_forced_token_count_gives_exact_lengths(tiny_export_dir: Path, tmp_path: Path) -> None:
+    from cosyvoice_cpu.benchmark import TEXT, load
+
+    engine, voice = load(tiny_export_dir, threads=1)
+    for n in (7, 37):
+        wave = engine.synthesize_wav(TEXT, voice, SynthesisConfig(seed=1, min_tokens=n, max_tokens=n, normalize=False))
+        assert len(wave) == n * 2 * 480
+    with pytest.raises(ConfigError, match="min_tokens"):
+        SynthesisConfig(min_tokens=9, max_tokens=8).validate()
+    with pytest.raises(ConfigError, match="token budget"):
+        engine.lm.request([1, 2, 3], budget=(5, 0))
+    streamed = [c.samples for c in engine.synthesize(TEXT, voice, SynthesisConfig(
+        seed=1, min_tokens=37, max_tokens=37, normalize=False, stream=True))]  # fmt: skip
+    assert len(streamed) > 1 and len(np.concatenate(streamed)) == 37 * 960
+
+
+def test_bench_command_writes_the_report(tiny_export_dir: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "report"
+    rc = main(["bench", "-m", str(tiny_export_dir), "--tokens", "30", "--short-tokens", "12", "--runs", "1",
+               "--concurrency", "1,2", "--thread-sweep", "--peer", "", "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    result = json.loads((out / "bench.json").read_text())
+    ours = result["ours"]
+    assert ours["default"]["audio_s"] == pytest.approx(30 / 25) and ours["default"]["rtf"] > 0
+    assert ours["lm_decode_tok_s"] > 0 and ours["first_audio_short"]["first_audio_s"] > 0
+    assert 0 < ours["fast"]["fast_mel_l1"] < ours["fast"]["mel_abs_mean"]
+    assert [r["streams"] for r in result["concurrency"]] == [1, 2]
+    assert all(r["sentences"] == r["streams"] for r in result["concurrency"])
+    assert [r["threads"] for r in result["thread_sweep"]] == list(range(1, len(result["thread_sweep"]) + 1))
+    md = (out / "bench.md").read_text()
+    assert "### Targets (issue 5)" in md and "| end-to-end RTF, default quality |" in md
+    assert "Energy counters:" in md
+    for png in ("stage_split.png", "memory_vs_streams.png", "rtf_vs_threads.png"):
+        assert (out / png).stat().st_size > 1000
+    assert "### Official PyTorch vs ours" in capsys.readouterr().out
