@@ -129,7 +129,8 @@ class SpeechTokenGenerator:
             sampling: overrides the generator's default sampling settings.
             cache, row: the KV-cache row to use (reset first); default a new one-row cache owned by the request.
             budget: (min, max) speech tokens overriding the model's text-length rule where not None (``min ==
-                max`` forces an exact length: benchmarks on random weights).
+                max`` forces an exact length: benchmarks on random weights). A given min also keeps every stop
+                id, not only EOS, out of the first min tokens.
         """
         text = _ids("text", text)
         if text.size == 0:
@@ -153,7 +154,9 @@ class SpeechTokenGenerator:
         if cache is None:
             cache, row = self.session.new_cache(1), 0
         cache.reset(row)
-        return TokenRequest(self, embeds, min_len, max_len, sampling, draw or RngDraw(seed), cache, row)
+        request = TokenRequest(self, embeds, min_len, max_len, sampling, draw or RngDraw(seed), cache, row)
+        request.mask_stops = budget[0] is not None
+        return request
 
     def generate(self, text: Sequence[int] | np.ndarray, *args: Any, **kw: Any) -> Iterator[int]:
         """Shorthand for ``iter(self.request(text, ...))``: speech tokens one at a time."""
@@ -186,6 +189,7 @@ class TokenRequest:
         self.tokens: list[int] = []
         self.stop_reason: str | None = None
         self.stop_token: int | None = None
+        self.mask_stops = False  # keep all stop ids (not only EOS) out while below min_len
         self._started = False
 
     def __iter__(self) -> Iterator[int]:
@@ -198,7 +202,11 @@ class TokenRequest:
         """Prefill, then sample/feed until a stop id or max_len; yields speech token ids."""
         session, facts, out = self.gen.session, self.gen.facts, self.tokens
         logp = session.prefill(self.cache, self.row, self.embeds)
+        stops = list(facts.stop_ids)
         for i in range(self.max_len):
+            if self.mask_stops and i < self.min_len:
+                logp = np.array(logp, dtype=np.float32)
+                logp[stops] = -np.inf
             token = sample_next(logp, out, self.sampling, self.draw, facts.eos_id, ignore_eos=i < self.min_len)
             if token in facts.stop_ids:
                 self.stop_reason, self.stop_token = "stop", token

@@ -24,6 +24,11 @@ def test_forced_token_count_gives_exact_lengths(tiny_export_dir: Path, tmp_path:
         SynthesisConfig(min_tokens=9, max_tokens=8).validate()
     with pytest.raises(ConfigError, match="token budget"):
         engine.lm.request([1, 2, 3], budget=(5, 0))
+    stops = set(engine.lm.facts.stop_ids)
+    for seed in range(8):  # a forced minimum keeps every stop id out, not only EOS
+        req = engine.lm.request([1, 2, 3], seed=seed, budget=(60, 60))
+        tokens = list(req)
+        assert len(tokens) == 60 and not stops & set(tokens) and req.stop_reason == "max_len"
     streamed = [c.samples for c in engine.synthesize(TEXT, voice, SynthesisConfig(
         seed=1, min_tokens=37, max_tokens=37, normalize=False, stream=True))]  # fmt: skip
     assert len(streamed) > 1 and len(np.concatenate(streamed)) == 37 * 960
