@@ -35,7 +35,11 @@ def _child(cmd: list[str], what: str) -> dict[str, Any]:
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode:
         raise ConfigError(f"{what} failed (exit {p.returncode}): {p.stderr.strip().splitlines()[-1:] or p.stdout}")
-    result = json.loads(p.stdout.strip().splitlines()[-1])
+    text = p.stdout.strip()
+    try:
+        result = json.loads(text)  # the whole output (a pretty-printed object) ...
+    except json.JSONDecodeError:
+        result = json.loads(text.splitlines()[-1])  # ... or a last line of JSON after other output
     print(f"  {what}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     return result
 
@@ -98,8 +102,15 @@ def run_peers(official_dir: Path | None, names: list[str], threads: int, tokens:
         why = "no official-layout model directory (--peer-from)" if official_dir is None else f"{script} is missing"
         print(f"  peers skipped: {why}", file=sys.stderr)
         return {n: {"skipped": why} for n in names}
-    return {n: _child([sys.executable, str(script), "--model-dir", str(official_dir), "--impl", n, "--threads",
-                       str(threads), "--tokens", str(tokens)], f"peer {n}") for n in names}  # fmt: skip
+    peers: dict[str, Any] = {}
+    for n in names:
+        try:
+            peers[n] = _child([sys.executable, str(script), "--model-dir", str(official_dir), "--impl", n,
+                               "--threads", str(threads), "--tokens", str(tokens)], f"peer {n}")  # fmt: skip
+        except (ConfigError, ValueError) as e:  # a peer that cannot run is reported, not fatal
+            print(f"  peer {n} failed: {e}", file=sys.stderr)
+            peers[n] = {"skipped": f"failed: {e}"}
+    return peers
 
 
 def machine_facts(threads: int) -> dict[str, Any]:
@@ -130,8 +141,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"model": what, "model_dir": str(model_dir), "tokens": args.tokens,
                               "runs": args.runs, "machine": machine_facts(threads),
                               "started": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
+    partial = args.out / "bench.partial.json"  # progress survives a failure later in the run
+    args.out.mkdir(parents=True, exist_ok=True)
     result["ours"] = _task(model_dir, "single", threads, args, short_tokens=args.short_tokens,
                            fast_steps=args.fast_steps)  # fmt: skip
+    partial.write_text(json.dumps(result, indent=1))
     counters = energy_counters()
     result["concurrency"] = []
     for n in streams:
@@ -140,12 +154,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if e0 is not None:
             row["joules_per_sentence"] = (_energy(counters) - e0) / 1e6 / row["sentences"]
         result["concurrency"].append(row)
+        partial.write_text(json.dumps(result, indent=1))
     result["energy"] = sorted(counters) if counters else "not available (no readable RAPL/powercap counters)"
     if args.thread_sweep:
         top = detect().usable_cores
         result["thread_sweep"] = [_task(model_dir, "threads", n, args) for n in range(1, top + 1)]
     result["peers"] = run_peers(official_dir, [p for p in args.peer.split(",") if p], threads, args.tokens)
+    partial.write_text(json.dumps(result, indent=1))
     out = write_report(result, args.out)
+    partial.unlink()
     print(f"wrote {out}", file=sys.stderr)
     print((args.out / "bench.md").read_text())
     return 0

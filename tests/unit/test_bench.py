@@ -53,3 +53,20 @@ def test_bench_command_writes_the_report(tiny_export_dir: Path, tmp_path: Path, 
     for png in ("stage_split.png", "memory_vs_streams.png", "rtf_vs_threads.png"):
         assert (out / png).stat().st_size > 1000
     assert "### Official PyTorch vs ours" in capsys.readouterr().out
+
+
+def test_bench_runs_the_pytorch_peer_in_the_same_report(tiny_export_dir: Path, tiny_model_dir: Path,
+                                                        tmp_path: Path) -> None:  # fmt: skip
+    pytest.importorskip("torch")
+    out = tmp_path / "report"
+    rc = main(["bench", "-m", str(tiny_export_dir), "--peer-from", str(tiny_model_dir), "--peer", "reference",
+               "--tokens", "20", "--short-tokens", "10", "--runs", "1", "--concurrency", "",
+               "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    result = json.loads((out / "bench.json").read_text())
+    peer = result["peers"]["reference"]
+    assert "skipped" not in peer and peer["tokens"] == 20 and peer["rtf"] > 0
+    assert not (out / "bench.partial.json").exists()
+    md = (out / "bench.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| end-to-end RTF (LM"))
+    assert row.count("–") == 2  # official skipped; reference and ours measured, no ratio without the official
