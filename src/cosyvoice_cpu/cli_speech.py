@@ -209,7 +209,7 @@ def add_commands(sub: argparse._SubParsersAction, positive: type, non_negative: 
     s.add_argument("--no-normalize", action="store_true", help="skip text normalization")
     s.add_argument("--stream", action="store_true", help="emit audio chunk by chunk as it is decoded (with -o -, "
                    "playback can start after the first chunk)")
-    s.add_argument("--first-chunk-tokens", type=positive, default=15, help="speech tokens in the first streamed "
+    s.add_argument("--first-chunk-tokens", type=positive, default=10, help="speech tokens in the first streamed "
                    "chunk (25 = 1 s of audio)")
     s.add_argument("--threads", type=non_negative, default=0, help="ORT threads (default: usable physical cores)")
     s.add_argument("--voices", type=Path, help="saved-voices directory")

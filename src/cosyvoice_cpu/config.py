@@ -93,7 +93,7 @@ class SynthesisConfig:
     cfg_rate: float = 0.7
     speed: float = 1.0
     stream: bool = False
-    first_chunk_tokens: int = 15
+    first_chunk_tokens: int = 10
     chunk_tokens: int = 50
     context_tokens: int = 25
     normalize: bool = True

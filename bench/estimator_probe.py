@@ -1,0 +1,59 @@
+"""Flow estimator speed/accuracy probe: fp32 vs dynamic int8 on the weight GEMMs only (the ``int8`` recipe) vs
+dynamic int8 on every MatMul (attention products too).
+
+    python bench/estimator_probe.py MODEL_DIR_FP32/flow_estimator.onnx [--frames 650] [--threads 2]
+
+Batch 2 (CFG), random inputs, median of 3 calls after a warm-up; relative error = max |int8 - fp32| / max |fp32|.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from onnxruntime.quantization import QuantType, quantize_dynamic
+
+from cosyvoice_cpu.export.common import rel_err
+from cosyvoice_cpu.sessions import SessionConfig, make_session
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("estimator", type=Path, help="an fp32 flow_estimator.onnx")
+    ap.add_argument("--frames", type=int, default=650)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    t = args.frames
+    feeds = {"x": rng.standard_normal((2, 80, t)), "mask": np.ones((2, 1, t)), "mu": rng.standard_normal((2, 80, t)),
+             "t": np.array([0.3, 0.3]), "spks": rng.standard_normal((2, 80)),
+             "cond": rng.standard_normal((2, 80, t))}  # fmt: skip
+    feeds = {k: v.astype(np.float32) for k, v in feeds.items()}
+
+    def bench(path: Path, name: str, ref: np.ndarray | None = None) -> np.ndarray:
+        sess = make_session(path, SessionConfig(threads=args.threads))
+        out = sess.run(None, feeds)[0]
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            sess.run(None, feeds)
+            times.append(time.perf_counter() - t0)
+        err = "" if ref is None else f"  rel err {rel_err(out, ref):.2e}"
+        print(f"{name:24s} {1000 * np.median(times):7.0f} ms/call{err}", flush=True)
+        return out
+
+    ref = bench(args.estimator, "fp32")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, const_b in (("int8 weight GEMMs", True), ("int8 every MatMul", False)):
+            dst = Path(tmp) / f"{name.replace(' ', '_')}.onnx"
+            quantize_dynamic(str(args.estimator), str(dst), op_types_to_quantize=["MatMul"], per_channel=True,
+                             weight_type=QuantType.QInt8, use_external_data_format=True,
+                             extra_options={"MatMulConstBOnly": const_b})  # fmt: skip
+            bench(dst, name, ref)
+
+
+if __name__ == "__main__":
+    main()
