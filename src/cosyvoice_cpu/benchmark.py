@@ -32,6 +32,26 @@ TEXT = ("Warning: the temperature on line three is above the safe limit, so the 
 SHORT_TEXT = "请注意三号线过热"  # the guide's 8-character sentence
 PROMPT_TEXT = "This is the voice of the plant's announcement system."
 TOKEN_RATE = 25  # CosyVoice2 speech tokens per second
+POWERCAP = Path("/sys/class/powercap")
+
+
+def energy_counters() -> dict[str, Path]:
+    """Readable RAPL/powercap energy counters (microjoules) by zone name; empty when none is readable."""
+    found = {}
+    for zone in sorted(POWERCAP.glob("*:*")) if POWERCAP.is_dir() else []:
+        f = zone / "energy_uj"
+        try:
+            int(f.read_text())
+        except (OSError, ValueError):
+            continue
+        name = zone / "name"
+        found[name.read_text().strip() if name.is_file() else zone.name] = f
+    return found
+
+
+def read_energy_j(counters: dict[str, Path]) -> float | None:
+    """The counters' sum in joules, or None without counters (wrap-around is ignored: runs are short)."""
+    return sum(int(f.read_text()) for f in counters.values()) / 1e6 if counters else None
 
 
 def peak_rss_mb() -> float:
@@ -163,18 +183,23 @@ def task_concurrent(model_dir: Path, threads: int, tokens: int, streams: int, ru
             errors.append(e)
 
     pool = [threading.Thread(target=worker) for _ in range(streams)]
+    counters = energy_counters()
+    e0 = read_energy_j(counters)
     t0 = time.perf_counter()
     for th in pool:
         th.start()
     for th in pool:
         th.join()
     wall = time.perf_counter() - t0
+    e1 = read_energy_j(counters)
     if errors:
         raise RuntimeError(f"{len(errors)} of {streams} streams failed: {errors[0]!r}")
     done = streams * runs
     audio = done * tokens / TOKEN_RATE
+    joules = None if e0 is None or e1 is None else (e1 - e0) / done
     return {"streams": streams, "sentences": done, "wall_s": wall, "sentences_per_s": done / wall,
-            "rtf_aggregate": wall / audio, "peak_rss_mb": peak_rss_mb()}  # fmt: skip
+            "rtf_aggregate": wall / audio, "peak_rss_mb": peak_rss_mb(), "joules_per_sentence": joules,
+            "energy_zones": sorted(counters)}  # fmt: skip
 
 
 def task_threads(model_dir: Path, threads: int, tokens: int, runs: int) -> dict:

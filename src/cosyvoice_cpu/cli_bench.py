@@ -26,7 +26,6 @@ from cosyvoice_cpu.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[2]  # a source checkout: bench/peer.py lives there
-RAPL = Path("/sys/class/powercap")
 
 
 def _child(cmd: list[str], what: str) -> dict[str, Any]:
@@ -50,23 +49,6 @@ def _task(model_dir: Path, task: str, threads: int, args: argparse.Namespace, **
     for k, v in extra.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
     return _child(cmd, f"{task} {threads} threads {extra or ''}".strip())
-
-
-def energy_counters() -> dict[str, Path]:
-    """Readable RAPL/powercap package energy counters (µJ), by zone name; empty when not readable."""
-    found = {}
-    for zone in sorted(RAPL.glob("*:*")) if RAPL.is_dir() else []:
-        f = zone / "energy_uj"
-        try:
-            int(f.read_text())
-        except (OSError, ValueError):
-            continue
-        found[(zone / "name").read_text().strip() if (zone / "name").is_file() else zone.name] = f
-    return found
-
-
-def _energy(counters: dict[str, Path]) -> int:
-    return sum(int(f.read_text()) for f in counters.values())
 
 
 def resolve_model(args: argparse.Namespace) -> tuple[Path, Path | None, str]:
@@ -132,11 +114,17 @@ def machine_facts(threads: int) -> dict[str, Any]:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from cosyvoice_cpu.bench_report import write_report
+    from cosyvoice_cpu.benchmark import energy_counters
     from cosyvoice_cpu.hardware import detect
 
     threads = args.threads or detect().threads()
     model_dir, official_dir, what = resolve_model(args)
-    streams = [int(s) for s in args.concurrency.split(",") if s.strip()] if args.concurrency else []
+    try:
+        streams = [int(s) for s in args.concurrency.split(",") if s.strip()] if args.concurrency else []
+    except ValueError:
+        raise ConfigError(f"--concurrency wants stream counts like 1,4,8, got {args.concurrency!r}") from None
+    if any(n < 1 for n in streams) or args.tokens < 1 or args.runs < 1:
+        raise ConfigError("--concurrency counts, --tokens and --runs must be >= 1")
     print(f"benchmarking {what} with {threads} threads ...", file=sys.stderr, flush=True)
     result: dict[str, Any] = {"model": what, "model_dir": str(model_dir), "tokens": args.tokens,
                               "runs": args.runs, "machine": machine_facts(threads),
@@ -146,16 +134,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result["ours"] = _task(model_dir, "single", threads, args, short_tokens=args.short_tokens,
                            fast_steps=args.fast_steps)  # fmt: skip
     partial.write_text(json.dumps(result, indent=1))
-    counters = energy_counters()
     result["concurrency"] = []
-    for n in streams:
-        e0 = _energy(counters) if counters else None
-        row = _task(model_dir, "concurrent", threads, args, streams=n)
-        if e0 is not None:
-            row["joules_per_sentence"] = (_energy(counters) - e0) / 1e6 / row["sentences"]
-        result["concurrency"].append(row)
+    for n in streams:  # energy, where RAPL/powercap is readable, is read by the child around its timed work
+        result["concurrency"].append(_task(model_dir, "concurrent", threads, args, streams=n))
         partial.write_text(json.dumps(result, indent=1))
-    result["energy"] = sorted(counters) if counters else "not available (no readable RAPL/powercap counters)"
+    zones = energy_counters()
+    result["energy"] = sorted(zones) if zones else "not available (no readable RAPL/powercap counters)"
     if args.thread_sweep:
         top = detect().usable_cores
         result["thread_sweep"] = [_task(model_dir, "threads", n, args) for n in range(1, top + 1)]

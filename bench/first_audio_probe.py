@@ -1,0 +1,58 @@
+"""Where the first streamed chunk's time goes, for several first-chunk sizes.
+
+    python bench/first_audio_probe.py MODEL_DIR [--threads 2] [--sizes 15,10,8] [--runs 3]
+
+Same workload as ``cosyvoice-cpu bench`` (registered 3 s voice, the 8-character sentence forced to 50 tokens,
+prompt cache warm), the stages called directly: LM prefill + first token, the decode up to the chunk and its
+3 look-ahead tokens, the stream flow on the chunk, the first vocoder push. Medians of ``runs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from cosyvoice_cpu.benchmark import SHORT_TEXT, load
+from cosyvoice_cpu.flow_stream import FlowStream
+from cosyvoice_cpu.streaming import VocoderStream
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model_dir", type=Path)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sizes", default="15,10,8")
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args()
+    engine, voice = load(args.model_dir, args.threads)
+    prompt_ids, prompt_speech = engine._lm_prompt(voice, None, False)
+    text_ids = engine.tokenizer.encode(SHORT_TEXT)
+    cache = engine.prompt_caches.get(voice, 10, 0.7)
+    print("| first chunk tokens | LM prefill s | LM decode s | flow s | vocoder s | first audio s |")
+    print("|---|---|---|---|---|---|")
+    for n in (int(s) for s in args.sizes.split(",")):
+        rows = []
+        for _ in range(args.runs):
+            t0 = time.perf_counter()
+            tokens = iter(engine.lm.request(text_ids, prompt_ids, prompt_speech, seed=0, budget=(50, 50)))
+            got = [next(tokens)]
+            t1 = time.perf_counter()
+            while len(got) < n + 3:
+                got.append(next(tokens))
+            t2 = time.perf_counter()
+            flow = FlowStream(engine.flow, voice.speech_tokens, voice.mel, voice.embedding, 10, 0.7, 25, cache)
+            mel = flow.push(got[:n], got[n : n + 3])
+            t3 = time.perf_counter()
+            VocoderStream(engine.vocoder, np.random.default_rng(0)).push(mel, final=False)
+            t4 = time.perf_counter()
+            rows.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0))
+        med = [statistics.median(r[k] for r in rows) for k in range(5)]
+        print(f"| {n} | " + " | ".join(f"{m:.3f}" for m in med) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
