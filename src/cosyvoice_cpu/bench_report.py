@@ -59,6 +59,7 @@ def targets(result: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
     conc = {r["streams"]: r for r in result.get("concurrency", [])}
     gain = conc[4]["sentences_per_s"] / conc[1]["sentences_per_s"] if 1 in conc and 4 in conc else None
     fast = ours["fast"]
+    batched = {r["streams"]: r["aggregate_tok_s"] for r in ours.get("lm_batched", [])}
     return [
         ("end-to-end RTF, default quality", "≤ 0.5, ≥ 9× official", f"{d['rtf']:.3f}{vs}", d["rtf"] <= 0.5),
         (f"end-to-end RTF, fast preset ({fast['flow_steps']} steps; mel L1 {fast['fast_mel_l1']:.3f} vs 10 steps)",
@@ -68,7 +69,9 @@ def targets(result: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
         (f"first audio, streaming, {result['tokens'] / TOKEN_RATE:.0f} s utterance", "–",
          f"{ours['first_audio_long']['first_audio_s']:.2f} s", None),
         ("LM decode, 1 stream", "≥ 60 tokens/s", f"{ours['lm_decode_tok_s']:.1f}", ours["lm_decode_tok_s"] >= 60),
-        ("LM decode, aggregate over 4 streams", "≥ 150 tokens/s", "needs batched decode (the scheduler)", None),
+        ("LM decode, aggregate over 4 streams (batch API: 4 KV rows, one call per step)", "≥ 150 tokens/s",
+         f"{batched[4]:.1f} (1 row: {batched[1]:.1f})" if batched else "not measured",
+         batched[4] >= 150 if batched else None),
         ("flow, default quality", "RTF ≤ 0.35", f"{d['flow_rtf']:.3f}", d["flow_rtf"] <= 0.35),
         ("peak RSS of the whole engine (1 stream)", "≤ 1100 MB (stretch 800)", f"{ours['peak_rss_mb']:.0f} MB",
          ours["peak_rss_mb"] <= 1100),

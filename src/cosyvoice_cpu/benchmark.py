@@ -110,6 +110,25 @@ def measure_lm(engine: Any, voice: Any, tokens: int, runs: int) -> dict[str, flo
             "lm_decode_ms": step * 1000, "lm_decode_tok_s": 1.0 / step}  # fmt: skip
 
 
+def measure_lm_batched(engine: Any, voice: Any, streams: int, steps: int = 100) -> dict[str, float]:
+    """The LM's batch API: ``streams`` rows of one KV cache decoded by one call per step (what a scheduler
+    does); aggregate tokens/s from the median step. Greedy tokens: sampling is not what is measured here."""
+    prompt_ids, prompt_speech = engine._lm_prompt(voice, None, False)
+    embeds = engine.lm.prompt_embeddings(engine.tokenizer.encode(TEXT), prompt_ids, prompt_speech)
+    session = engine.lm.session
+    cache = session.new_cache(streams)
+    rows = list(range(streams))
+    tokens = [int(np.argmax(session.prefill(cache, r, embeds)[:6561])) for r in rows]
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        logp = session.decode(cache, rows, tokens)
+        times.append(time.perf_counter() - t0)
+        tokens = [int(i) for i in np.argmax(logp[:, :6561], axis=1)]
+    step = statistics.median(times[5:])
+    return {"streams": streams, "step_ms": step * 1000, "aggregate_tok_s": streams / step}
+
+
 def measure_e2e(engine: Any, voice: Any, tokens: int, runs: int, **kw: Any) -> dict[str, float]:
     """Whole-sentence synthesis: per-stage seconds and RTF (medians)."""
     from cosyvoice_cpu.engine import Timings
@@ -159,6 +178,7 @@ def task_single(model_dir: Path, threads: int, tokens: int, short_tokens: int, r
     engine, voice = load(model_dir, threads)
     out: dict[str, Any] = {"load_s": time.perf_counter() - t0, "rss_after_load_mb": peak_rss_mb()}
     out.update(measure_lm(engine, voice, tokens, runs))
+    out["lm_batched"] = [measure_lm_batched(engine, voice, n) for n in (1, 4)]
     out["default"] = measure_e2e(engine, voice, tokens, runs)
     out["fast"] = {**measure_e2e(engine, voice, tokens, runs, flow_steps=fast_steps), "flow_steps": fast_steps,
                    **fast_preset_quality(engine, voice, tokens, fast_steps)}  # fmt: skip

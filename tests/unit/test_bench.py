@@ -44,11 +44,14 @@ def test_bench_command_writes_the_report(tiny_export_dir: Path, tmp_path: Path, 
     assert ours["default"]["audio_s"] == pytest.approx(30 / 25) and ours["default"]["rtf"] > 0
     assert ours["lm_decode_tok_s"] > 0 and ours["first_audio_short"]["first_audio_s"] > 0
     assert 0 < ours["fast"]["fast_mel_l1"] < ours["fast"]["mel_abs_mean"]
+    assert [r["streams"] for r in ours["lm_batched"]] == [1, 4] and all(r["aggregate_tok_s"] > 0
+                                                                        for r in ours["lm_batched"])  # fmt: skip
     assert [r["streams"] for r in result["concurrency"]] == [1, 2]
     assert all(r["sentences"] == r["streams"] for r in result["concurrency"])
     assert [r["threads"] for r in result["thread_sweep"]] == list(range(1, len(result["thread_sweep"]) + 1))
     md = (out / "bench.md").read_text()
     assert "### Targets (issue 5)" in md and "| end-to-end RTF, default quality |" in md
+    assert "| LM decode, aggregate over 4 streams (batch API" in md
     assert "Energy counters:" in md
     for png in ("stage_split.png", "memory_vs_streams.png", "rtf_vs_threads.png"):
         assert (out / png).stat().st_size > 1000
