@@ -115,17 +115,20 @@ def measure_lm_batched(engine: Any, voice: Any, streams: int, steps: int = 100) 
     does); aggregate tokens/s from the median step. Greedy tokens: sampling is not what is measured here."""
     prompt_ids, prompt_speech = engine._lm_prompt(voice, None, False)
     embeds = engine.lm.prompt_embeddings(engine.tokenizer.encode(TEXT), prompt_ids, prompt_speech)
-    session = engine.lm.session
+    session, vocab = engine.lm.session, engine.lm.facts.speech_token_size
+    steps = min(steps, session.spec.max_len - len(embeds) - 1)  # stay inside the KV cache
+    if steps < 10:
+        raise ValueError(f"the KV cache (max_len {session.spec.max_len}) leaves only {steps} decode steps")
     cache = session.new_cache(streams)
     rows = list(range(streams))
-    tokens = [int(np.argmax(session.prefill(cache, r, embeds)[:6561])) for r in rows]
+    tokens = [int(np.argmax(session.prefill(cache, r, embeds)[:vocab])) for r in rows]
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         logp = session.decode(cache, rows, tokens)
         times.append(time.perf_counter() - t0)
-        tokens = [int(i) for i in np.argmax(logp[:, :6561], axis=1)]
-    step = statistics.median(times[5:])
+        tokens = [int(i) for i in np.argmax(logp[:, :vocab], axis=1)]
+    step = statistics.median(times[5:])  # the first steps warm up
     return {"streams": streams, "step_ms": step * 1000, "aggregate_tok_s": streams / step}
 
 
