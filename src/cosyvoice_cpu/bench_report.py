@@ -11,9 +11,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from cosyvoice_cpu.benchmark import TOKEN_RATE
 
-TOKEN_RATE = 25
+logger = logging.getLogger(__name__)
 
 
 def _f(value: Any, fmt: str = ".2f") -> str:

@@ -161,7 +161,7 @@ class FlowStream:
         mel = self._integrate(mu_new)
         self.chunks += 1
         self.history = np.concatenate([self.history, new], axis=1)
-        self.ctx_mu = self._trim(np.concatenate([self.ctx_mu, mu_new], axis=2), axis=2)
+        self.ctx_mu = self._trim(np.concatenate([self.ctx_mu, mu_new], axis=2))
         logger.debug("flow chunk %d: %d tokens done, context %d frames", self.chunks, self.history.shape[1],
                      self.ctx_h[0].shape[2])  # fmt: skip
         return mel
@@ -176,18 +176,14 @@ class FlowStream:
                          prompt_h=self.prompt.h[k], context_h=self.ctx_h[k], conv_state=self.conv[k])  # fmt: skip
             v, new_h, self.conv[k] = self.sess.run(None, feeds)
             x = x + dt * guide(v, self.cfg_rate, 1)
-            self.ctx_h[k] = self._trim(np.concatenate([self.ctx_h[k], new_h], axis=2), axis=2)
+            self.ctx_h[k] = self._trim(np.concatenate([self.ctx_h[k], new_h], axis=2))
         return x
 
-    def _trim(self, a: np.ndarray, axis: int) -> np.ndarray:
-        """Keep the last ``context_tokens * ratio`` frames along ``axis``."""
-        if self.context_tokens is None:
+    def _trim(self, a: np.ndarray) -> np.ndarray:
+        """Keep the last ``context_tokens * ratio`` frames along axis 2 (the time axis of mu and the caches)."""
+        if self.context_tokens is None or a.shape[2] <= self.context_tokens * self.ratio:
             return a
-        keep = self.context_tokens * self.ratio
-        size = a.shape[axis]
-        if size <= keep:
-            return a
-        return np.ascontiguousarray(np.take(a, np.arange(size - keep, size), axis=axis))
+        return np.ascontiguousarray(a[:, :, a.shape[2] - self.context_tokens * self.ratio :])
 
 
 def _stream_session(stage: FlowStage) -> Any:
