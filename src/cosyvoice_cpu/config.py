@@ -49,6 +49,9 @@ class EngineConfig:
         streaming_estimator: also load the streaming flow estimator (needed for ``stream=True``).
         prompt_cache_mb: memory for per-voice streaming caches (the prompt's flow activations, ~170 MB per 3 s
             voice at full size); 0 rebuilds them for every streamed request.
+        lm_batch_rows: decode the LM of up to this many concurrent requests in one batched call per step
+            (:class:`~cosyvoice_cpu.scheduler.LMScheduler`, a background thread); 0 = each request decodes alone.
+            Servers and other multi-threaded callers should set it to the number of requests run at once.
     """
 
     threads: int = 0
@@ -57,9 +60,11 @@ class EngineConfig:
     verify_hashes: bool = False
     streaming_estimator: bool = True
     prompt_cache_mb: int = 1024
+    lm_batch_rows: int = 0
 
     def validate(self) -> EngineConfig:
-        _types(self, ("threads", "leave_cores", "prompt_cache_mb"), ())
+        _types(self, ("threads", "leave_cores", "prompt_cache_mb", "lm_batch_rows"), ())
+        _need(0 <= self.lm_batch_rows <= 256, "lm_batch_rows", self.lm_batch_rows, "0 (off) to 256")
         _need(0 <= self.prompt_cache_mb <= 1 << 20, "prompt_cache_mb", self.prompt_cache_mb, "0 to 1048576")
         _need(0 <= self.threads <= 512, "threads", self.threads, "0 (auto) to 512")
         _need(0 <= self.leave_cores <= 64, "leave_cores", self.leave_cores, "0 to 64")

@@ -6,7 +6,9 @@
         play(chunk.samples, chunk.sample_rate)
 
 The engine is immutable after ``load`` and may be shared by threads: per-request state (KV cache, random
-generator, decoded tokens) lives in each ``synthesize`` call. Text is spoken a sentence at a time, so memory does
+generator, decoded tokens) lives in each ``synthesize`` call. With ``EngineConfig(lm_batch_rows=N)`` the LM steps of
+up to N concurrent calls run as one batched call (:mod:`cosyvoice_cpu.scheduler`); call :meth:`Engine.close` at
+the end. Text is spoken a sentence at a time, so memory does
 not grow with the text's length. Modes follow the official CosyVoice2 frontend:
 
 - zero-shot: a voice with a transcript: the LM sees the transcript and the prompt's speech tokens;
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -58,13 +60,14 @@ class _Request:
     draw: Any = None
     sampling: Any = None
     vocoder_rng: np.random.Generator | None = None
+    check: Callable[[], None] | None = None  # called at every token; raises to stop the request
 
 
 class Engine:
     """CosyVoice2 on ONNX Runtime and NumPy. Build it with :meth:`load`."""
 
     def __init__(self, model_dir: Path, manifest: Any, parts: dict[str, Any], threads: int,
-                 prompt_cache_mb: int = 1024) -> None:  # fmt: skip
+                 prompt_cache_mb: int = 1024, lm_batch_rows: int = 0) -> None:  # fmt: skip
         self.model_dir = model_dir
         self.manifest = manifest
         self.tokenizer = parts["tokenizer"]
@@ -79,6 +82,11 @@ class Engine:
             from cosyvoice_cpu.voice_cache import PromptCaches
 
             self.prompt_caches = PromptCaches(self.flow, prompt_cache_mb << 20)
+        self.scheduler = None
+        if lm_batch_rows:
+            from cosyvoice_cpu.scheduler import LMScheduler
+
+            self.scheduler = LMScheduler(self.lm, lm_batch_rows)
 
     @classmethod
     def load(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
@@ -115,7 +123,12 @@ class Engine:
             logger.warning("%s", warning)
         logger.info("loaded %s (%s, recipe %s) in %.2f s, %d threads", model_dir, m.family, m.recipe["name"],
                     time.perf_counter() - t0, threads)  # fmt: skip
-        return cls(model_dir, m, parts, threads, config.prompt_cache_mb)
+        return cls(model_dir, m, parts, threads, config.prompt_cache_mb, config.lm_batch_rows)
+
+    def close(self) -> None:
+        """Stop the LM scheduler's thread, if any (requests still running end with an error)."""
+        if self.scheduler is not None:
+            self.scheduler.close()
 
     # ------------------------------------------------------------------ voices
 
@@ -160,12 +173,15 @@ class Engine:
         config: SynthesisConfig | None = None,
         instruct: str | None = None,
         timings: Timings | None = None,
+        check: Callable[[], None] | None = None,
     ) -> Iterator[AudioChunk]:
         """Speak ``text`` with ``voice``; yields :class:`AudioChunk` s (``final`` on the last).
 
         One chunk per sentence, or with ``config.stream`` several per sentence as speech tokens are decoded
         (first after ``first_chunk_tokens`` tokens). Raises ConfigError at once for bad parameters, empty
         text, a voice from another model or streaming on an engine loaded without the chunk estimator.
+        ``check`` is called after every speech token and may raise to abandon the request (a server's
+        cancellation and timeout); the exception comes out of the iteration.
         """
         config = (config or SynthesisConfig()).validate()
         if config.stream and self.prompt_caches is None:
@@ -181,7 +197,8 @@ class Engine:
 
         segments = prepare(text, self.tokenizer, normalize=config.normalize,
                            max_tokens=self._segment_cap(prompt_ids, prompt_speech, config.max_tokens))  # fmt: skip
-        return self._run(segments, _Request(voice, config, prompt_ids, prompt_speech), timings or Timings())
+        req = _Request(voice, config, prompt_ids, prompt_speech, check=check)
+        return self._run(segments, req, timings or Timings())
 
     def _run(self, segments: Iterator[Any], req: _Request, t: Timings) -> Iterator[AudioChunk]:
         from cosyvoice_cpu.sampling import RngDraw
@@ -217,9 +234,12 @@ class Engine:
             seg = following
 
     def _tokens(self, text_ids: list[int], req: _Request) -> Iterator[int]:
-        budget = (req.config.min_tokens, req.config.max_tokens)
-        return self.lm.generate(text_ids, req.prompt_ids, req.prompt_speech, draw=req.draw, sampling=req.sampling,
-                                budget=budget)  # fmt: skip
+        kw = {"draw": req.draw, "sampling": req.sampling, "budget": (req.config.min_tokens, req.config.max_tokens)}
+        if self.scheduler is not None:  # decoded in batched steps with every other running request
+            tokens = self.scheduler.submit(text_ids, req.prompt_ids, req.prompt_speech, **kw)
+        else:
+            tokens = self.lm.generate(text_ids, req.prompt_ids, req.prompt_speech, **kw)
+        return tokens if req.check is None else _checked(tokens, req.check)
 
     def _speak(self, text_ids: list[int], req: _Request, t: Timings) -> Iterator[tuple[np.ndarray, bool]]:
         """One sentence in one piece: yields (samples, True) once, or nothing when the LM gives no tokens."""
@@ -287,6 +307,19 @@ class Engine:
         """All of :meth:`synthesize` as one (N,) float32 array at :attr:`sample_rate`."""
         chunks = [c.samples for c in self.synthesize(text, voice, config, instruct)]
         return np.concatenate(chunks).astype(np.float32)
+
+
+def _checked(tokens: Iterator[int], check: Callable[[], None]) -> Iterator[int]:
+    """``tokens`` with ``check()`` after each; whatever way this ends, the source is closed (which frees a
+    scheduler row at once instead of decoding for a request nobody reads)."""
+    try:
+        for token in tokens:
+            check()
+            yield token
+    finally:
+        close = getattr(tokens, "close", None)
+        if close is not None:
+            close()
 
 
 def _change_speed(mel: np.ndarray, speed: float) -> np.ndarray:

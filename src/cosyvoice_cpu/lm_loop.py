@@ -127,7 +127,8 @@ class SpeechTokenGenerator:
             seed: seed of the default random source (:class:`RngDraw`); ignored if ``draw`` is given.
             draw: the random source (tests replay the reference's draws through it).
             sampling: overrides the generator's default sampling settings.
-            cache, row: the KV-cache row to use (reset first); default a new one-row cache owned by the request.
+            cache, row: the KV-cache row to use (reset at prefill); default a new one-row cache made when the
+                request starts. A scheduler passes neither and gives it a row with :meth:`TokenRequest.attach`.
             budget: (min, max) speech tokens overriding the model's text-length rule where not None (``min ==
                 max`` forces an exact length: benchmarks on random weights). A given min also keeps every stop
                 id, not only EOS, out of the first min tokens.
@@ -151,9 +152,8 @@ class SpeechTokenGenerator:
                 f"for {len(text)} text tokens) but the model directory was exported with max_len={cap}; shorten the "
                 "text (split it into sentences), use a shorter voice prompt, or re-export with a larger --max-len"
             )
-        if cache is None:
-            cache, row = self.session.new_cache(1), 0
-        cache.reset(row)
+        if cache is not None:
+            cache._check_row(row)
         request = TokenRequest(self, embeds, min_len, max_len, sampling, draw or RngDraw(seed), cache, row)
         request.mask_stops = budget[0] is not None
         return request
@@ -180,7 +180,7 @@ class TokenRequest:
         max_len: int,
         sampling: SamplingConfig,
         draw: Draw,
-        cache: KVCache,
+        cache: KVCache | None,
         row: int,
     ) -> None:
         self.gen, self.embeds, self.sampling, self.draw = gen, embeds, sampling, draw
@@ -192,6 +192,47 @@ class TokenRequest:
         self.mask_stops = False  # keep all stop ids (not only EOS) out while below min_len
         self._started = False
 
+    @property
+    def finished(self) -> bool:
+        return self.stop_reason is not None
+
+    def attach(self, cache: KVCache, row: int) -> None:
+        """Decode into ``cache`` row ``row`` (a scheduler's shared cache); before :meth:`prefill`."""
+        cache._check_row(row)
+        self.cache, self.row = cache, row
+
+    def prefill(self) -> np.ndarray:
+        """Reset the row and run the prompt through the LM; returns logp (V,) for the first token."""
+        if self.cache is None:
+            self.cache, self.row = self.gen.session.new_cache(1), 0
+        self.cache.reset(self.row)
+        return self.gen.session.prefill(self.cache, self.row, self.embeds)
+
+    def advance(self, logp: np.ndarray) -> int | None:
+        """Sample the next token from ``logp`` (V,); None once the request is over (``stop_reason`` set).
+
+        After a token, the caller feeds it back (one decode step) unless the request is then ``finished``
+        (it reached ``max_len``: the last token is never fed back).
+        """
+        facts, out = self.gen.facts, self.tokens
+        i = len(out)
+        if self.stop_reason is not None or i >= self.max_len:
+            self.stop_reason = self.stop_reason or "max_len"
+            return None
+        if self.mask_stops and i < self.min_len:
+            logp = np.array(logp, dtype=np.float32)
+            logp[list(facts.stop_ids)] = -np.inf
+        token = sample_next(logp, out, self.sampling, self.draw, facts.eos_id, ignore_eos=i < self.min_len)
+        if token in facts.stop_ids:
+            self.stop_reason, self.stop_token = "stop", token
+            logger.debug("request stopped by %d after %d tokens", token, len(out))
+            return None
+        out.append(token)
+        if len(out) >= self.max_len:
+            self.stop_reason = "max_len"
+            logger.debug("request reached max_len %d", self.max_len)
+        return token
+
     def __iter__(self) -> Iterator[int]:
         if self._started:
             raise ConfigError("a TokenRequest can be iterated only once; make a new request to generate again")
@@ -200,21 +241,9 @@ class TokenRequest:
 
     def _run(self) -> Iterator[int]:
         """Prefill, then sample/feed until a stop id or max_len; yields speech token ids."""
-        session, facts, out = self.gen.session, self.gen.facts, self.tokens
-        logp = session.prefill(self.cache, self.row, self.embeds)
-        stops = list(facts.stop_ids)
-        for i in range(self.max_len):
-            if self.mask_stops and i < self.min_len:
-                logp = np.array(logp, dtype=np.float32)
-                logp[stops] = -np.inf
-            token = sample_next(logp, out, self.sampling, self.draw, facts.eos_id, ignore_eos=i < self.min_len)
-            if token in facts.stop_ids:
-                self.stop_reason, self.stop_token = "stop", token
-                logger.debug("request stopped by %d after %d tokens", token, len(out))
-                return
-            out.append(token)
+        logp = self.prefill()
+        while (token := self.advance(logp)) is not None:
             yield token
-            if i + 1 < self.max_len:
-                logp = session.decode(self.cache, [self.row], [token])[0]
-        self.stop_reason = "max_len"
-        logger.debug("request reached max_len %d", self.max_len)
+            if self.finished:
+                return
+            logp = self.gen.session.decode(self.cache, [self.row], [token])[0]

@@ -1,0 +1,117 @@
+"""The LM scheduler: batched steps give every request the tokens it gets alone; cancel, failure and close."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from cosyvoice_cpu.cli_speech import DEMO_MODEL, _tone_wav
+from cosyvoice_cpu.config import EngineConfig, SynthesisConfig
+from cosyvoice_cpu.engine import Engine
+from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.sampling import RngDraw
+from cosyvoice_cpu.scheduler import LMScheduler
+
+TEXT = "Warning: the temperature on line three is too high."
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine.load(DEMO_MODEL, EngineConfig(threads=2))
+
+
+def _alone(engine: Engine, ids: list[int], seed: int, budget=(None, None)) -> list[int]:
+    return list(engine.lm.generate(ids, draw=RngDraw(np.random.default_rng(seed)), budget=budget))
+
+
+def test_concurrent_requests_get_the_tokens_they_get_alone(engine: Engine) -> None:
+    ids = [engine.tokenizer.encode(f"Pump {i} on line {i + 2} is {'hot' if i % 2 else 'cold'}.") for i in range(6)]
+    want = [_alone(engine, x, seed) for seed, x in enumerate(ids)]
+    scheduler = LMScheduler(engine.lm, max_rows=4)  # 6 requests, 4 rows: two wait for a free row
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(lambda a: list(scheduler.submit(a[1], draw=RngDraw(np.random.default_rng(a[0])))),
+                                enumerate(ids)))  # fmt: skip
+    finally:
+        scheduler.close()
+    assert got == want and all(len(t) > 5 for t in got)
+    stats = scheduler.stats
+    assert stats.requests == 6 and stats.tokens == sum(map(len, want))
+    assert max(stats.batch_sizes) >= 3  # rows really shared steps
+    fed = sum(n * c for n, c in stats.batch_sizes.items())  # one per token fed back: all but the last ones
+    assert stats.tokens - 6 <= fed <= stats.tokens
+
+
+def test_engine_with_batching_gives_the_same_audio(engine: Engine) -> None:
+    voice = engine.make_voice(_tone_wav(), "Good morning everyone.", name="demo")
+    batched = Engine.load(DEMO_MODEL, EngineConfig(threads=2, lm_batch_rows=4))
+    try:
+        for stream in (False, True):
+            config = SynthesisConfig(seed=11, stream=stream)
+            want = engine.synthesize_wav(TEXT, voice, config)
+            with ThreadPoolExecutor(3) as pool:
+                outs = list(pool.map(batched.synthesize_wav, [TEXT] * 3, [voice] * 3, [config] * 3))
+            for out in outs:
+                np.testing.assert_array_equal(out, want)
+    finally:
+        batched.close()
+    assert batched.scheduler.stats.requests == 6
+
+
+def test_closing_the_token_iterator_frees_the_row(engine: Engine) -> None:
+    scheduler = LMScheduler(engine.lm, max_rows=1)
+    try:
+        ids = engine.tokenizer.encode(TEXT)
+        tokens = scheduler.submit(ids, budget=(400, 400))
+        next(tokens)
+        tokens.close()  # a client that went away
+        t0 = time.perf_counter()
+        while scheduler.active and time.perf_counter() - t0 < 5:
+            time.sleep(0.01)
+        assert scheduler.active == 0
+        assert scheduler.stats.tokens < 400  # it stopped decoding for nobody
+        assert len(list(scheduler.submit(ids, budget=(20, 20)))) == 20  # the single row is free again
+    finally:
+        scheduler.close()
+
+
+def test_a_failing_request_fails_alone_and_close_ends_the_rest(engine: Engine, monkeypatch) -> None:
+    scheduler = LMScheduler(engine.lm, max_rows=2)
+    ids = engine.tokenizer.encode(TEXT)
+    with pytest.raises(ConfigError, match="text is empty"):  # bad input is refused at submit
+        scheduler.submit([])
+    with pytest.raises(ConfigError, match="cache="):
+        scheduler.submit(ids, cache=engine.lm.session.new_cache(1))
+
+    class Broken(RngDraw):
+        def __call__(self, probs: np.ndarray) -> int:
+            raise RuntimeError("sampler exploded")
+
+    bad = scheduler.submit(ids, draw=Broken(np.random.default_rng(0)))
+    good = scheduler.submit(ids, draw=RngDraw(np.random.default_rng(0)), budget=(30, 30))
+    with pytest.raises(RuntimeError, match="exploded"):
+        list(bad)
+    assert len(list(good)) == 30
+    started = threading.Event()
+    results: list[object] = []
+
+    def consume() -> None:
+        it = scheduler.submit(ids, budget=(300, 300))
+        try:
+            for _ in it:
+                started.set()
+        except ConfigError as e:
+            results.append(e)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    started.wait(10)
+    scheduler.close()
+    t.join(10)
+    assert results and "closed" in str(results[0])
+    with pytest.raises(ConfigError, match="closed"):
+        scheduler.submit(ids)
