@@ -1,0 +1,171 @@
+"""Load and soak runs against a real ``cosyvoice-cpu serve`` process on loopback.
+
+    python bench/server_load.py batching [-m MODEL_DIR] [--concurrency 1,4,8] [--requests 16] [--json OUT]
+    python bench/server_load.py soak [-m MODEL_DIR] [--requests 2000] [--concurrency 4] [--json OUT]
+
+``batching``: the same requests (streamed pcm, one sentence, distinct seeds) sent serially and with N in flight,
+to a server with the LM scheduler and, in the same run, to one without it (``--lm-batch-rows 0``: concurrent
+requests then decode their LM steps separately). Reports sentences/s and ratios against serial.
+
+``soak``: many requests at a fixed concurrency; the server's RSS (``/health``) is sampled every ``--every``
+requests. Growth is measured from the end of the warm-up (the first 10 %) to the end; the curve is written to
+the JSON. The default model is the packaged tiny demo model; pass ``-m`` for a full-size export.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from cosyvoice_cpu.cli_speech import DEMO_MODEL, _tone_wav
+
+TEXT = "Warning: line three is overheating. Check the pump."
+
+
+def launch(model: Path, voices: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    """Start a server on a free port and wait for /health; returns (process, base url)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "cosyvoice_cpu", "serve", "-m", str(model), "--voices", str(voices),
+           "--port", str(port), "--log-level", "warning", *extra]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"server on {model} did not start")
+
+
+def ensure_voice(url: str) -> None:
+    with httpx.Client(base_url=url, timeout=600) as c:
+        if "demo" not in [v["name"] for v in c.get("/v1/audio/voices").json()["voices"]]:
+            r = c.post("/v1/audio/voices", files={"file": ("p.wav", _tone_wav(), "audio/wav")},
+                       data={"name": "demo", "prompt_text": "Good morning everyone."})  # fmt: skip
+            r.raise_for_status()
+
+
+def one(url: str, seed: int, text: str = TEXT) -> dict[str, float]:
+    """One streamed request: wall time, time to first byte, audio seconds."""
+    body = {"model": "tts-1", "input": text, "voice": "demo", "response_format": "pcm", "seed": seed}
+    t0 = time.perf_counter()
+    first, n = None, 0
+    with httpx.Client(base_url=url, timeout=600) as c, c.stream("POST", "/v1/audio/speech", json=body) as r:
+        r.raise_for_status()
+        for part in r.iter_bytes():
+            first = first if first is not None else time.perf_counter() - t0
+            n += len(part)
+        rate = int(r.headers["x-sample-rate"])
+    return {"seconds": time.perf_counter() - t0, "first": first or 0.0, "audio": n / 2 / rate}
+
+
+def run_batch(url: str, concurrency: int, requests: int) -> dict[str, float]:
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda s: one(url, s), range(requests)))
+    wall = time.perf_counter() - t0
+    firsts = sorted(r["first"] for r in results)
+    return {"concurrency": concurrency, "requests": requests, "wall_s": round(wall, 3),
+            "sentences_per_s": round(requests / wall, 3), "audio_s": round(sum(r["audio"] for r in results), 2),
+            "median_first_audio_s": round(firsts[len(firsts) // 2], 3)}  # fmt: skip
+
+
+def batching(args: argparse.Namespace) -> dict:
+    out: dict = {"machine": platform.processor() or platform.machine(), "model": str(args.model), "runs": {}}
+    for label, extra in (("scheduler", []), ("no-scheduler", ["--lm-batch-rows", "0"])):
+        with tempfile.TemporaryDirectory() as voices:
+            proc, url = launch(args.model, Path(voices), "--threads", str(args.threads), "--max-active",
+                               str(max(args.concurrency)), *extra)  # fmt: skip
+            try:
+                ensure_voice(url)
+                one(url, 999)  # warm-up
+                rows = [run_batch(url, n, args.requests) for n in args.concurrency]
+            finally:
+                proc.terminate()
+                proc.wait(30)
+        base = rows[0]["sentences_per_s"]
+        for row in rows:
+            row["vs_serial"] = round(row["sentences_per_s"] / base, 2)
+        out["runs"][label] = rows
+        for row in rows:
+            print(f"{label:13s} {row['concurrency']:2d} in flight: {row['sentences_per_s']:6.2f} sentences/s "
+                  f"({row['vs_serial']:.2f}x serial), median first audio {row['median_first_audio_s']:.3f} s")
+    return out
+
+
+def soak(args: argparse.Namespace) -> dict:
+    curve: list[tuple[int, float]] = []
+    errors = 0
+    with tempfile.TemporaryDirectory() as voices:
+        proc, url = launch(args.model, Path(voices), "--threads", str(args.threads), "--max-active",
+                           str(args.concurrency))  # fmt: skip
+        try:
+            ensure_voice(url)
+            done = 0
+            with ThreadPoolExecutor(args.concurrency) as pool:
+                while done < args.requests:
+                    batch = min(args.every, args.requests - done)
+                    for r in pool.map(lambda s: _safe(url, s), range(done, done + batch)):
+                        errors += r is None
+                    done += batch
+                    rss = httpx.get(url + "/health", timeout=30).json()["rss_mb"]
+                    curve.append((done, rss))
+                    print(f"{done:6d} requests  RSS {rss:8.1f} MB", flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    warm = next(rss for n, rss in curve if n >= args.requests // 10)
+    growth = (curve[-1][1] - warm) / warm
+    print(f"RSS after warm-up {warm:.1f} MB, at the end {curve[-1][1]:.1f} MB: growth {growth * 100:+.2f} %; "
+          f"{errors} failed requests")  # fmt: skip
+    return {"model": str(args.model), "requests": args.requests, "concurrency": args.concurrency, "errors": errors,
+            "rss_after_warmup_mb": warm, "rss_end_mb": curve[-1][1], "growth": round(growth, 4), "curve": curve}
+
+
+def _safe(url: str, seed: int) -> dict | None:
+    try:
+        return one(url, seed, "Pump three is hot." if seed % 2 else TEXT)
+    except httpx.HTTPError as e:
+        print(f"request {seed} failed: {e}", file=sys.stderr)
+        return None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", choices=["batching", "soak"])
+    p.add_argument("-m", "--model", type=Path, default=DEMO_MODEL)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--concurrency", default=None, help="batching: list (default 1,4,8); soak: one number (4)")
+    p.add_argument("--requests", type=int, default=None, help="batching: per level (16); soak: total (2000)")
+    p.add_argument("--every", type=int, default=50, help="soak: RSS sample interval in requests")
+    p.add_argument("--json", type=Path, help="write the results here")
+    args = p.parse_args()
+    if args.mode == "batching":
+        args.concurrency = [int(x) for x in (args.concurrency or "1,4,8").split(",")]
+        args.requests = args.requests or 16
+        result = batching(args)
+    else:
+        args.concurrency = int(args.concurrency or 4)
+        args.requests = args.requests or 2000
+        result = soak(args)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

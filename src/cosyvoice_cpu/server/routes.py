@@ -1,0 +1,201 @@
+"""The ``/v1`` routes: speech (audio chunks or server-sent events), models, and the saved voices.
+
+Imported only by :func:`cosyvoice_cpu.server.app.create_app`, after it checked that the [server] extra is there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.server.encode import Encoder, UnsupportedFormatError, check_format
+from cosyvoice_cpu.server.speech import OPENAI_MODELS, Cancelled, Job, SpeechRequest, TimedOut
+from cosyvoice_cpu.voice import check_name
+
+logger = logging.getLogger(__name__)
+
+SPEECH = "/v1/audio/speech"
+VOICES = "/v1/audio/voices"
+
+
+def add_routes(app: Any, state: Any, api_error: type, exists: type, not_found: type) -> None:
+    """Register the ``/v1`` routes on ``app`` (``state``: the app's :class:`~cosyvoice_cpu.server.app.State`)."""
+    settings, m = state.settings, state.metrics
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        manifest = state.engine.manifest
+        return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": int(state.started),
+                "owned_by": "cosyvoice-cpu", "family": manifest.family, "recipe": manifest.recipe.get("name"),
+                "sample_rate": state.engine.sample_rate}]}  # fmt: skip
+
+    @app.post(SPEECH)
+    async def speech(body: SpeechRequest) -> Any:
+        if body.model not in (state.model_id, state.engine.manifest.family, *OPENAI_MODELS):
+            raise api_error(400, f"unknown model {body.model!r}; this server has {state.model_id!r} "
+                            f"(or use {', '.join(OPENAI_MODELS)})", code="model_not_found")  # fmt: skip
+        if not body.input.strip():
+            raise api_error(400, "input is empty: give the text to speak", code="empty_input")
+        if len(body.input) > settings.max_input_chars:
+            raise api_error(400, f"input has {len(body.input)} characters; this server takes at most "
+                            f"{settings.max_input_chars} per request (split the text)",
+                            code="input_too_long")  # fmt: skip
+        try:
+            fmt = check_format(body.response_format)
+        except UnsupportedFormatError as e:
+            raise api_error(400, str(e), code="unsupported_format") from e
+        try:
+            voice = state.voices.get(body.voice)
+        except not_found as e:
+            raise api_error(400, str(e), code="voice_not_found") from e
+        config = body.synthesis_config(settings.defaults)
+        instruct = body.instructions.strip() if body.instructions and body.instructions.strip() else None
+        queue_wait = await state.admission.enter()
+        try:
+            job = Job(lambda check: state.engine.synthesize(body.input, voice, config, instruct, check=check),
+                      settings.timeout)  # fmt: skip
+            chunks = job.chunks(state.executor)
+            try:  # the first chunk before the status line: early failures still get their 4xx/5xx
+                first = await chunks.__anext__()
+            except StopAsyncIteration:
+                first = np.zeros(0, np.float32)
+        except BaseException as e:
+            state.admission.leave()
+            raise _as_api_error(e, m, api_error) from e
+        encoder = Encoder(fmt, state.engine.sample_rate, streaming=True)
+        sse = body.stream_format == "sse"
+        media = "text/event-stream" if sse else encoder.media_type
+        return StreamingResponse(_body(first, chunks, job, encoder, sse, queue_wait, state), media_type=media,
+                                 headers={"Cache-Control": "no-store", "X-Sample-Rate": str(state.engine.sample_rate)})
+
+    @app.get(VOICES)
+    async def list_voices() -> dict[str, Any]:
+        out = []
+        for name in state.voices.names():
+            v = state.voices.get(name)
+            out.append({"id": name, "name": name, "prompt_text": v.prompt_text,
+                        "mode": "zero-shot" if v.prompt_text else "cross-lingual",
+                        "duration_s": round(v.duration, 2), "created": v.meta.get("created")})  # fmt: skip
+        return {"object": "list", "voices": out}
+
+    @app.post(VOICES, status_code=201)
+    async def add_voice(request: Request) -> dict[str, Any]:
+        limit = int(settings.max_upload_mb * 2**20)
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit + 64 * 1024:
+            raise api_error(413, f"upload of {int(declared)} bytes is over the limit of {settings.max_upload_mb:g} MB; "
+                            "send 3-10 s of speech", code="upload_too_large")  # fmt: skip
+        try:
+            form = await request.form(max_files=1, max_fields=8)
+        except Exception as e:  # malformed multipart
+            raise api_error(400, f"send multipart/form-data with fields name, file (audio) and prompt_text ({e})",
+                            code="bad_upload") from e  # fmt: skip
+        name, upload = form.get("name"), form.get("file")
+        text = form.get("prompt_text", form.get("transcript", ""))
+        if not isinstance(name, str) or not isinstance(text, str):
+            raise api_error(400, "fields 'name' and 'prompt_text' must be text", code="bad_upload")
+        check_name(name)  # VoiceError -> 400 before any work
+        if upload is None or isinstance(upload, str):
+            raise api_error(400, "field 'file' must be an uploaded audio file (wav, flac, ogg, mp3)",
+                            code="bad_upload")  # fmt: skip
+        data = await upload.read(limit + 1)
+        await upload.close()
+        if len(data) > limit:
+            raise api_error(413, f"the audio file is over the limit of {settings.max_upload_mb:g} MB",
+                            code="upload_too_large")  # fmt: skip
+        overwrite = str(form.get("overwrite", "false")).lower() in ("1", "true", "yes")
+        if name in state.voices.names() and not overwrite:
+            raise api_error(409, f"a voice named {name!r} exists; DELETE it first or send overwrite=true",
+                            code="voice_exists")  # fmt: skip
+        async with state.voice_lock:  # one voice at a time: the speech tokenizer is big
+            loop = asyncio.get_running_loop()
+            voice = await loop.run_in_executor(None, state.engine.make_voice, data, text.strip(), name)
+            try:
+                await loop.run_in_executor(None, state.voices.add, voice, overwrite)
+            except exists as e:
+                raise api_error(409, str(e), code="voice_exists") from e
+        m.count(VOICES, "ok")
+        return {"id": name, "name": name, "prompt_text": voice.prompt_text, "duration_s": round(voice.duration, 2)}
+
+    @app.delete(VOICES + "/{name}", status_code=204, response_model=None)
+    async def delete_voice(name: str) -> Any:
+        try:
+            state.voices.remove(name)
+        except not_found as e:
+            raise api_error(404, str(e), code="voice_not_found") from e
+        return Response(status_code=204)
+
+
+def _as_api_error(e: BaseException, m: Any, api_error: type) -> Exception:
+    """The ApiError for a synthesis that failed before its first audio."""
+    if isinstance(e, ConfigError):
+        m.count(SPEECH, "bad_request")
+        return api_error(400, str(e))
+    if isinstance(e, TimedOut):
+        m.count(SPEECH, "timeout")
+        return api_error(504, str(e), "timeout")
+    if isinstance(e, (Cancelled, asyncio.CancelledError)):
+        m.count(SPEECH, "cancelled")
+        return api_error(499, "the request was cancelled", "cancelled")
+    logger.error("synthesis failed: %s", e, exc_info=e)
+    m.count(SPEECH, "error")
+    return api_error(500, f"synthesis failed ({type(e).__name__}: {e}); the server keeps running", "server_error")
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(event)}\n\n".encode()
+
+
+async def _body(first: np.ndarray, chunks: AsyncIterator[np.ndarray], job: Job, encoder: Encoder, sse: bool,
+                queue_wait: float, state: Any) -> AsyncIterator[bytes]:  # fmt: skip
+    """The response body: encoded audio (or SSE events) per chunk; accounts the outcome at the end."""
+    outcome = "error"
+
+    def emit(data: bytes) -> bytes:
+        if not sse or not data:
+            return data
+        return _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+
+    try:
+        if out := emit(encoder.push(first)):
+            yield out
+        async for samples in chunks:
+            if out := emit(encoder.push(samples)):
+                yield out
+        if out := emit(encoder.finish()):
+            yield out
+        if sse:
+            seconds = round(job.audio / state.engine.sample_rate, 3)
+            yield _sse({"type": "speech.audio.done", "usage": {"output_audio_seconds": seconds}})
+        outcome = "ok"
+    except (Cancelled, asyncio.CancelledError, GeneratorExit):
+        outcome = "cancelled"
+        raise
+    except TimedOut as e:
+        outcome = "timeout"
+        logger.warning("stream stopped: %s", e)
+        if sse:
+            yield _sse({"type": "error", "error": {"message": str(e), "type": "timeout"}})
+    except Exception as e:  # the status is sent: end the stream (SSE clients get an error event)
+        logger.error("stream failed: %s", e, exc_info=e)
+        if sse:
+            message = f"synthesis failed ({type(e).__name__})"
+            yield _sse({"type": "error", "error": {"message": message, "type": "server_error"}})
+    finally:
+        await chunks.aclose()
+        state.admission.leave()
+        state.metrics.count(SPEECH, outcome)
+        if outcome == "ok":
+            audio = job.audio / state.engine.sample_rate
+            first = None if job.first_audio is None else queue_wait + job.first_audio  # from the request's arrival
+            state.metrics.speech_done(queue_wait, first, time.perf_counter() - job.started, audio)

@@ -1,0 +1,163 @@
+"""``POST /v1/audio/speech``: the OpenAI request body, admission (bounded queue), and running one synthesis.
+
+A synthesis runs in a worker thread (at most ``max_active`` at once; their LM steps are batched by the engine's
+scheduler). Audio chunks cross to the event loop through an asyncio queue as they are produced, so the first
+chunk is on the wire while later ones are synthesized. A client that goes away sets the job's cancel flag; the
+engine checks it at every speech token, so the work stops within one LM step (or one flow call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from cosyvoice_cpu.config import SynthesisConfig
+
+logger = logging.getLogger(__name__)
+
+OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # accepted as aliases of the loaded model
+
+
+class SpeechRequest(BaseModel):
+    """The OpenAI ``/v1/audio/speech`` body plus documented extensions (unknown fields are refused)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="the served model id (GET /v1/models) or an OpenAI alias: tts-1, tts-1-hd")
+    input: str = Field(description="text to speak")
+    voice: str = Field(description="a saved voice (GET /v1/audio/voices)")
+    instructions: str | None = Field(None, description="speaking instruction: instruct mode (e.g. 'Speak happily.')")
+    speed: float = Field(1.0, description="speaking rate, 0.5 to 2.0")
+    response_format: str = Field("mp3", description="wav, pcm (16-bit mono little-endian), mp3, opus or flac")
+    stream_format: Literal["audio", "sse"] = Field("audio", description="audio bytes, or server-sent events")
+    # extensions
+    stream: bool = Field(True, description="synthesize chunk by chunk within sentences (low first-audio latency); "
+                         "false: a sentence at a time (the flow sees the whole sentence)")  # fmt: skip
+    seed: int | None = Field(None, description="random seed: the same seed gives the same audio")
+    flow_steps: int | None = Field(None, description="Euler steps of the flow (default 10; fewer = faster)")
+    cfg_rate: float | None = None
+    first_chunk_tokens: int | None = Field(None, description="speech tokens (25 per second) in the first chunk")
+    chunk_tokens: int | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    win_size: int | None = None
+    tau_r: float | None = None
+    normalize: bool | None = Field(None, description="text normalization of numbers, dates, symbols (default on)")
+
+    def synthesis_config(self, base: SynthesisConfig) -> SynthesisConfig:
+        """The engine config: ``base`` with this request's fields (validated: ConfigError names a bad one)."""
+        changes: dict[str, Any] = {"speed": self.speed, "stream": self.stream}
+        for name in ("seed", "flow_steps", "cfg_rate", "first_chunk_tokens", "chunk_tokens", "top_p", "top_k",
+                     "win_size", "tau_r", "normalize"):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None:
+                changes[name] = value
+        if "first_chunk_tokens" in changes and "chunk_tokens" not in changes:
+            changes["chunk_tokens"] = max(base.chunk_tokens, changes["first_chunk_tokens"])
+        return base.with_(**changes)
+
+
+class Rejected(Exception):
+    """The server is full (429) or shutting down (503)."""
+
+    def __init__(self, status: int, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.status, self.retry_after = status, retry_after
+
+
+class Cancelled(Exception):
+    """The client went away."""
+
+
+class TimedOut(Exception):
+    """The request ran past the server's per-request timeout."""
+
+
+class Admission:
+    """Bounds the work: ``max_active`` syntheses run, up to ``max_queue`` more wait; beyond that, 429."""
+
+    def __init__(self, max_active: int, max_queue: int) -> None:
+        self.max_active, self.max_queue = max_active, max_queue
+        self.active = 0
+        self.waiting = 0
+        self.draining = False
+        self._slots = asyncio.Semaphore(max_active)
+
+    async def enter(self) -> float:
+        """Wait for a slot; returns the seconds waited. Raises Rejected when full or draining."""
+        if self.draining:
+            raise Rejected(503, "the server is shutting down; retry on another instance", 5)
+        if self.active + self.waiting >= self.max_active + self.max_queue:
+            raise Rejected(429, f"the server is busy ({self.active} running, {self.waiting} queued); retry later", 2)
+        t0 = time.perf_counter()
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        self.active += 1
+        return time.perf_counter() - t0
+
+    def leave(self) -> None:
+        self.active -= 1
+        self._slots.release()
+
+
+@dataclass
+class Job:
+    """One synthesis crossing from a worker thread to the event loop."""
+
+    run: Callable[[Callable[[], None]], Any]  # run(check) -> iterator of AudioChunk
+    timeout: float
+    cancel: threading.Event = field(default_factory=threading.Event)
+    started: float = field(default_factory=time.perf_counter)
+    first_audio: float | None = None
+    audio: float = 0.0
+
+    def check(self) -> None:
+        if self.cancel.is_set():
+            raise Cancelled("the client disconnected")
+        if time.perf_counter() - self.started > self.timeout:
+            raise TimedOut(f"synthesis took longer than the server's timeout of {self.timeout:g} s")
+
+    async def chunks(self, executor: Any) -> AsyncIterator[np.ndarray]:
+        """Run the synthesis on ``executor`` and yield its (N,) float32 sample arrays as they come.
+
+        Exceptions of the synthesis are raised here; closing this iterator cancels the synthesis.
+        """
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        def work() -> None:
+            try:
+                for chunk in self.run(self.check):
+                    self.check()
+                    loop.call_soon_threadsafe(q.put_nowait, chunk.samples)
+                loop.call_soon_threadsafe(q.put_nowait, done)
+            except BaseException as e:  # handed to the event loop and raised there
+                loop.call_soon_threadsafe(q.put_nowait, e)
+
+        future = loop.run_in_executor(executor, work)
+        try:
+            while True:
+                item = await q.get()
+                if item is done:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                if self.first_audio is None and len(item):
+                    self.first_audio = time.perf_counter() - self.started
+                self.audio += len(item)
+                yield item
+        finally:
+            self.cancel.set()  # a no-op when finished; stops the worker when the client went away
+            await asyncio.shield(future)
