@@ -133,8 +133,14 @@ class Engine:
     # ------------------------------------------------------------------ voices
 
     def make_voice(self, prompt: Any, prompt_text: str = "", name: str = "voice") -> Any:
-        """A :class:`~cosyvoice_cpu.voice.Voice` from prompt audio and its transcript (see ``Frontend``)."""
-        return self.frontend.make_voice(prompt, prompt_text, name)
+        """A :class:`~cosyvoice_cpu.voice.Voice` from prompt audio and its transcript (see ``Frontend``).
+
+        Raises ConfigError (besides the frontend's) when the prompt is too long to leave the LM's KV cache room
+        for text: such a voice could never speak, so it is refused now rather than at every request.
+        """
+        voice = self.frontend.make_voice(prompt, prompt_text, name)
+        self._segment_cap(*self._lm_prompt(voice, None))
+        return voice
 
     # ------------------------------------------------------------------ synthesis
 
