@@ -19,6 +19,7 @@ not grow with the text's length. Modes follow the official CosyVoice2 frontend:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -239,10 +240,12 @@ class Engine:
                     yield AudioChunk(np.zeros(0, np.float32), self.sample_rate, True, seg.text, (seg.start, seg.end))
             seg = following
 
-    def _tokens(self, text_ids: list[int], req: _Request) -> Iterator[int]:
+    def _tokens(self, text_ids: list[int], req: _Request, hold: tuple[int, threading.Event] | None = None,
+                ) -> Iterator[int]:  # fmt: skip
+        """The sentence's speech tokens, from the LM scheduler when there is one (``hold``: see its submit)."""
         kw = {"draw": req.draw, "sampling": req.sampling, "budget": (req.config.min_tokens, req.config.max_tokens)}
         if self.scheduler is not None:  # decoded in batched steps with every other running request
-            tokens = self.scheduler.submit(text_ids, req.prompt_ids, req.prompt_speech, **kw)
+            tokens = self.scheduler.submit(text_ids, req.prompt_ids, req.prompt_speech, hold=hold, **kw)
         else:
             tokens = self.lm.generate(text_ids, req.prompt_ids, req.prompt_speech, **kw)
         return tokens if req.check is None else _checked(tokens, req.check)
@@ -292,11 +295,14 @@ class Engine:
             return wave.astype(np.float32, copy=False)
 
         t0 = time.perf_counter()
-        for token in self._tokens(text_ids, req):
+        first_done = threading.Event()  # the LM waits at the first chunk until its audio is made
+        for token in self._tokens(text_ids, req, hold=(plan.first + plan.lookahead, first_done)):
             tokens.append(token)
             if plan.ready(len(tokens)):
                 t.lm += time.perf_counter() - t0
-                yield piece(*plan.cut(), final=False), False
+                wave = piece(*plan.cut(), final=False)
+                first_done.set()
+                yield wave, False
                 t0 = time.perf_counter()  # the consumer's time between chunks is not the LM's
         t.lm += time.perf_counter() - t0
         t.tokens += len(tokens)

@@ -35,6 +35,7 @@ from cosyvoice_cpu.lm_loop import SpeechTokenGenerator, TokenRequest
 logger = logging.getLogger(__name__)
 
 _END = object()  # end of a request's token stream
+HOLD_POLL_S = 0.002  # how often a scheduler whose rows are all held looks whether one was released
 
 
 @dataclass
@@ -58,12 +59,18 @@ class SchedulerStats:
 class _Job:
     """One request inside the scheduler: its TokenRequest, its row, and the queue its consumer reads."""
 
-    def __init__(self, request: TokenRequest) -> None:
+    def __init__(self, request: TokenRequest, hold: tuple[int, threading.Event] | None = None) -> None:
         self.request = request
         self.out: queue.SimpleQueue = queue.SimpleQueue()
         self.row: int | None = None
         self.pending: int | None = None  # the last token, to be fed back at the next step
         self.cancelled = threading.Event()
+        self.hold = hold
+
+    @property
+    def held(self) -> bool:
+        """Paused after ``hold[0]`` tokens until ``hold[1]`` is set (see :meth:`LMScheduler.submit`)."""
+        return self.hold is not None and len(self.request.tokens) >= self.hold[0] and not self.hold[1].is_set()
 
     def deliver(self, token: int | None) -> bool:
         """Hand a sampled token (or the end) to the consumer; True while the job goes on."""
@@ -121,12 +128,17 @@ class LMScheduler:
         return len(self._waiting)
 
     def submit(self, text: Sequence[int], prompt_text: Sequence[int] = (), prompt_speech: Sequence[int] = (),
-               **kw: Any) -> Iterator[int]:  # fmt: skip
+               hold: tuple[int, threading.Event] | None = None, **kw: Any) -> Iterator[int]:  # fmt: skip
         """Queue a request (arguments of :meth:`SpeechTokenGenerator.request`, checked now) and return its
-        speech tokens as they are decoded. Raises ConfigError at once for bad input or after :meth:`close`."""
+        speech tokens as they are decoded. Raises ConfigError at once for bad input or after :meth:`close`.
+
+        ``hold=(n, event)`` pauses the request after n tokens until ``event`` is set. A streaming caller holds
+        the LM at its first chunk while that chunk's flow runs: on a small machine, decoding ahead would only
+        take cores from the first audio.
+        """
         if kw.get("cache") is not None:
             raise ConfigError("the scheduler owns the KV cache; do not pass cache= to submit")
-        job = _Job(self.generator.request(text, prompt_text, prompt_speech, **kw))
+        job = _Job(self.generator.request(text, prompt_text, prompt_speech, **kw), hold)
         with self._wake:
             if self._closed:
                 raise ConfigError("the LM scheduler is closed (the engine is shutting down)")
@@ -158,9 +170,13 @@ class LMScheduler:
                 while self._waiting and len(self._active) + len(admit) < self.max_rows:
                     admit.append(self._waiting.popleft())
             try:
-                self._step(admit)
+                busy = self._step(admit)
             except Exception:  # never let the thread die: _step already failed the jobs involved
                 logger.exception("LM scheduler step failed")
+                busy = True
+            if not busy:  # every active row is held: look again shortly (holds are released by other threads)
+                with self._wake:
+                    self._wake.wait(HOLD_POLL_S)
         error = ConfigError("the LM scheduler was closed before this request finished")
         with self._wake:
             jobs = list(self._waiting) + list(self._active.values())
@@ -172,8 +188,9 @@ class LMScheduler:
     def _free_row(self) -> int:
         return min(set(range(self.max_rows)) - set(self._active))
 
-    def _step(self, admit: list[_Job]) -> None:
-        """Drop cancelled jobs, prefill the newcomers (one row each), then one decode over all active rows."""
+    def _step(self, admit: list[_Job]) -> bool:
+        """Drop cancelled jobs, prefill the newcomers (one row each), then one decode over all active rows that
+        are not held. Returns whether anything was run."""
         for row, job in list(self._active.items()):
             if job.cancelled.is_set():
                 logger.debug("row %d cancelled", row)
@@ -194,16 +211,17 @@ class LMScheduler:
             finally:
                 self.stats.prefill_seconds += time.perf_counter() - t0
             self._deliver(row, first)
-        rows = sorted(r for r, j in self._active.items() if j.pending is not None and not j.cancelled.is_set())
+        rows = sorted(r for r, j in self._active.items()
+                      if j.pending is not None and not j.cancelled.is_set() and not j.held)  # fmt: skip
         if not rows:
-            return
+            return bool(admit)
         tokens = [self._active[r].pending for r in rows]
         t0 = time.perf_counter()
         try:
             logps = self.generator.session.decode(self._cache, rows, tokens)
         except Exception as e:
             self._fail(rows, e)
-            return
+            return True
         finally:
             self.stats.decode_seconds += time.perf_counter() - t0
         self.stats.decode_steps += 1
@@ -217,6 +235,7 @@ class LMScheduler:
                 self._fail([row], e)
                 continue
             self._deliver(row, token)
+        return True
 
     def _deliver(self, row: int, token: int | None) -> None:
         if token is not None:

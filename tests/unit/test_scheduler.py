@@ -115,3 +115,20 @@ def test_a_failing_request_fails_alone_and_close_ends_the_rest(engine: Engine, m
     assert results and "closed" in str(results[0])
     with pytest.raises(ConfigError, match="closed"):
         scheduler.submit(ids)
+
+
+def test_a_held_request_waits_at_its_first_chunk_until_released(engine: Engine) -> None:
+    scheduler = LMScheduler(engine.lm, max_rows=2)
+    try:
+        ids = engine.tokenizer.encode(TEXT)
+        release = threading.Event()
+        held = scheduler.submit(ids, budget=(40, 40), hold=(13, release))
+        free = scheduler.submit(ids, budget=(40, 40))  # a neighbour is not held back
+        assert len([next(held) for _ in range(13)]) == 13
+        assert len(list(free)) == 40
+        time.sleep(0.1)
+        assert scheduler.stats.tokens == 53  # nothing was decoded for the held request meanwhile
+        release.set()
+        assert len(list(held)) == 27
+    finally:
+        scheduler.close()
