@@ -79,7 +79,7 @@ class Engine:
         self.threads = threads
         self.sample_rate = int(manifest.sample_rate)
         self.prompt_caches = None
-        if self.flow.stream_estimator is not None:
+        if self.flow.can_stream:
             from cosyvoice_cpu.voice_cache import PromptCaches
 
             self.prompt_caches = PromptCaches(self.flow, prompt_cache_mb << 20)
@@ -140,7 +140,7 @@ class Engine:
         for text: such a voice could never speak, so it is refused now rather than at every request.
         """
         voice = self.frontend.make_voice(prompt, prompt_text, name)
-        self._segment_cap(*self._lm_prompt(voice, None))
+        self._segment_cap(*self._lm_prompt(voice, None), minimum=1)
         return voice
 
     # ------------------------------------------------------------------ synthesis
@@ -161,12 +161,14 @@ class Engine:
             return self.tokenizer.encode(prompt), voice.speech_tokens
         return [], np.zeros(0, np.int32)  # cross-lingual
 
-    def _segment_cap(self, prompt_ids: list[int], prompt_speech: np.ndarray, max_tokens: int | None = None) -> int:
-        """Text tokens per segment so that prompt + text + the longest speech fits the KV cache."""
+    def _segment_cap(self, prompt_ids: list[int], prompt_speech: np.ndarray, max_tokens: int | None = None,
+                     minimum: int = 8) -> int:  # fmt: skip
+        """Text tokens per segment so that prompt + text + the longest speech fits the KV cache (at least
+        ``minimum``, else ConfigError)."""
         facts = self.lm.facts
         free = self.lm.session.spec.max_len - (2 + len(prompt_ids) + len(prompt_speech))
         cap = int(free - max_tokens if max_tokens else free // (1 + facts.max_token_text_ratio))
-        if cap < 8:
+        if cap < minimum:
             raise ConfigError(
                 f"the voice prompt leaves room for only {max(cap, 0)} text tokens in the KV cache (max_len "
                 f"{self.lm.session.spec.max_len}); use a shorter prompt or re-export with a larger --max-len"

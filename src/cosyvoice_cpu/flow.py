@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -137,8 +138,17 @@ class FlowStage:
         self.encoder = _open(Path(encoder), threads, ENCODER_IO)
         emb_shape = next(i.shape for i in self.encoder.get_inputs() if i.name == "embedding")
         self._emb_dim = int(emb_shape[1]) if isinstance(emb_shape[1], int) else 192
-        self.estimator = _open(Path(estimator), threads, ESTIMATOR_IO)
-        self.stream_estimator = None if estimator_stream is None else _open(Path(estimator_stream), threads, STREAM_IO)
+        # the two estimators are opened on first use: a whole-sentence-only or streaming-only process never pays
+        # for the other one's weights (~100 MB at int8, more in ORT's prepacked copies)
+        self._estimators: dict[str, tuple[Path, tuple]] = {"whole": (Path(estimator), ESTIMATOR_IO)}
+        if estimator_stream is not None:
+            self._estimators["stream"] = (Path(estimator_stream), STREAM_IO)
+        for path, _ in self._estimators.values():
+            if not path.is_file():
+                raise ModelDirError(f"{path} is missing; export the model directory again")
+        self._threads = threads
+        self._sessions: dict[str, Any] = {}
+        self._lock = threading.Lock()
         self.noise: np.ndarray | None = None
         if noise is not None:
             if not Path(noise).is_file():
@@ -156,6 +166,30 @@ class FlowStage:
         stream = d / FILES["flow_estimator_stream"] if streaming else None  # ~100 MB less when not streaming
         return cls(d / FILES["flow_encoder"], d / FILES["flow_estimator"], stream,
                    d / FILES["flow_noise"], settings, threads)  # fmt: skip
+
+    def _estimator(self, kind: str) -> Any:
+        with self._lock:
+            if kind not in self._sessions:
+                path, io = self._estimators[kind]
+                self._sessions[kind] = _open(path, self._threads, io)
+                logger.info("opened %s", path.name)
+            return self._sessions[kind]
+
+    @property
+    def estimator(self) -> Any:
+        """The full-attention estimator session (whole sentences), opened on first use."""
+        return self._estimator("whole")
+
+    @property
+    def can_stream(self) -> bool:
+        """Whether the chunk estimator is available (:attr:`stream_estimator` is not None)."""
+        return "stream" in self._estimators
+
+    @property
+    def stream_estimator(self) -> Any:
+        """The chunk-causal estimator session on cached activations (streaming), opened on first use; None if
+        the stage was made without it."""
+        return self._estimator("stream") if self.can_stream else None
 
     def encode(
         self, tokens: Any, prompt_tokens: Any, embedding: np.ndarray, context: Any = None, streaming: bool = False
@@ -219,10 +253,11 @@ class FlowStage:
         rows = guidance_rows(cfg_rate)
         feeds = {"mask": np.concatenate([mask] * rows), **guided_rows(mu, spks, cond, rows)}
         x = self.initial_noise(noise, b, size)
+        estimator = self.estimator
         for t, dt in self.schedule(n_timesteps):
             feeds["x"] = np.concatenate([x] * rows) if rows > 1 else x
             feeds["t"] = np.full(rows * b, t, dtype=np.float32)
-            v = self.estimator.run(None, feeds)[0]
+            v = estimator.run(None, feeds)[0]
             x = x + dt * guide(v, cfg_rate, b)
         return x
 

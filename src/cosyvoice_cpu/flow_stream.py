@@ -187,7 +187,7 @@ class FlowStream:
 
 
 def _stream_session(stage: FlowStage) -> Any:
-    if stage.stream_estimator is None:
+    if not stage.can_stream:
         raise ConfigError("streaming needs flow_estimator_stream.onnx: load the engine with "
                           "EngineConfig(streaming_estimator=True)")  # fmt: skip
     return stage.stream_estimator

@@ -126,11 +126,24 @@ def softmax(scores: np.ndarray) -> np.ndarray:
     return e / e.sum(dtype=np.float32)
 
 
+def top_k_order(probs: np.ndarray, k: int) -> np.ndarray:
+    """The first ``k`` indices of a stable descending sort of ``probs`` (N,) (ties keep ascending ids, as torch's
+    stable sort), in O(N): a partition finds the k-th largest value, then only the candidates at or above it
+    (every tie at the boundary included) are sorted. A full stable sort of the 6,564 speech logits cost ~0.8 ms
+    per token, more than a tiny model's whole decode step."""
+    n = len(probs)
+    if k >= n:
+        return np.argsort(-probs, kind="stable")
+    kth = np.partition(probs, n - k)[n - k]
+    candidates = np.flatnonzero(probs >= kth)  # ascending ids, so the stable sort below keeps id order on ties
+    return candidates[np.argsort(-probs[candidates], kind="stable")][:k]
+
+
 def nucleus_sample(scores: np.ndarray, top_p: float, top_k: int, draw: Draw) -> int:
     """Draw from the nucleus ∩ top-k of ``softmax(scores)``; scores (N,) -> token id."""
     probs = softmax(scores)
-    order = np.argsort(-probs, kind="stable")  # descending; ties keep ascending ids, as torch's stable sort
-    head = probs[order[:top_k]]
+    order = top_k_order(probs, top_k)  # descending; ties keep ascending ids
+    head = probs[order]
     # exclusive running mass, accumulated in float64 and rounded to float32 per element (torch.cumsum on CPU)
     before = np.empty_like(head)
     before[0] = 0.0

@@ -274,3 +274,13 @@ def test_runtime_modules_import_without_torch() -> None:
             "assert 'torch' not in {m for m in sys.modules if sys.modules[m] is not None}\n")  # fmt: skip
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_top_k_order_is_the_head_of_a_stable_descending_sort() -> None:
+    from cosyvoice_cpu.sampling import top_k_order
+
+    rng = np.random.default_rng(1)
+    for trial in range(2000):
+        n, k = int(rng.integers(1, 60)), int(rng.integers(1, 70))
+        probs = rng.random(n).astype(np.float32) if trial % 3 == 0 else rng.integers(0, 5, n).astype(np.float32) / 4
+        np.testing.assert_array_equal(top_k_order(probs, k), np.argsort(-probs, kind="stable")[:k])
