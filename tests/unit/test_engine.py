@@ -176,3 +176,13 @@ def test_broken_model_directories_fail_at_load_with_the_fix(tiny_export_dir: Pat
         Engine.load(d)
     with pytest.raises(ModelDirError, match="not a cosyvoice-cpu model directory"):
         Engine.load(tmp_path)
+
+
+def test_each_flow_estimator_is_opened_only_when_its_mode_is_used(tiny_export_dir: Path) -> None:
+    engine = Engine.load(tiny_export_dir)
+    voice = engine.make_voice(_prompt_wav(tiny_export_dir.parent / "bob.wav"), "Hi there.", name="bob")
+    assert engine.flow._sessions == {}  # nothing estimator-sized is in memory after load
+    engine.synthesize_wav("Hello.", voice, SynthesisConfig(seed=1))
+    assert set(engine.flow._sessions) == {"whole"}
+    engine.synthesize_wav("Hello.", voice, SynthesisConfig(seed=1, stream=True))
+    assert set(engine.flow._sessions) == {"whole", "stream"}
