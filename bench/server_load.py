@@ -165,6 +165,29 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))
+        if args.mode == "soak":
+            plot_soak(result, args.json.with_suffix(".png"))
+
+
+def plot_soak(result: dict, out: Path) -> None:
+    """The RSS curve of a soak run as a PNG (needs matplotlib, the [bench] extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n, rss = zip(*result["curve"])
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    ax.plot(n, rss, marker=".")
+    ax.axhline(result["rss_after_warmup_mb"] * 1.05, color="red", linestyle="--", label="+5 % of after warm-up")
+    ax.set_xlabel("requests served")
+    ax.set_ylabel("server RSS, MB")
+    ax.set_ylim(0, max(rss) * 1.2)
+    ax.set_title(f"soak: {result['requests']} requests, {result['concurrency']} in flight, "
+                 f"growth {result['growth'] * 100:+.2f} %")  # fmt: skip
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
 
 
 if __name__ == "__main__":
