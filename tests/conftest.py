@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny random-weight CosyVoice2 model directory in the official layout."""
+"""Shared fixtures: tiny random-weight CosyVoice2 and CosyVoice-300M model directories in the official layout."""
 
 from __future__ import annotations
 
@@ -13,6 +13,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from cosyvoice_cpu.export.fixture import FixtureSpec, write_fixture
 
     return write_fixture(FixtureSpec("cosyvoice2", "tiny", 0), tmp_path_factory.mktemp("fixtures") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_v1_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny CosyVoice-300M (v1) fixture (seed 0), written once per test session."""
+    from cosyvoice_cpu.export.fixture import FixtureSpec, write_fixture
+
+    return write_fixture(FixtureSpec("cosyvoice", "tiny", 0), tmp_path_factory.mktemp("fixtures") / "tiny-v1")
 
 
 @pytest.fixture(scope="session")

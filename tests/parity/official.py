@@ -88,13 +88,19 @@ def rel_err(ours, ref) -> float:
 
 def load_official_model_dir(model_dir) -> dict:
     """Build the official llm/flow/hift (and tokenizer factory) from a model directory's yaml with HyperPyYAML,
-    exactly as the official ``CosyVoice2`` class does, and load the checkpoints with ``strict=True``."""
+    exactly as the official ``CosyVoice2`` (``cosyvoice2.yaml``) or ``CosyVoice`` (v1, ``cosyvoice.yaml``) class
+    does, and load the checkpoints with ``strict=True`` (the llm too, which token2wav-cosyvoice 0.1.0's
+    ``CosyVoiceModel.load`` skips)."""
     official("cosyvoice.llm.llm")
     from hyperpyyaml import load_hyperpyyaml
 
     d = str(model_dir)
-    with open(f"{d}/cosyvoice2.yaml") as f:
-        configs = load_hyperpyyaml(f, overrides={"qwen_pretrain_path": f"{d}/CosyVoice-BlankEN"})
+    if os.path.exists(f"{d}/cosyvoice2.yaml"):
+        with open(f"{d}/cosyvoice2.yaml") as f:
+            configs = load_hyperpyyaml(f, overrides={"qwen_pretrain_path": f"{d}/CosyVoice-BlankEN"})
+    else:
+        with open(f"{d}/cosyvoice.yaml") as f:
+            configs = load_hyperpyyaml(f)
 
     def load(name: str) -> dict:
         return torch.load(f"{d}/{name}", map_location="cpu", weights_only=True, mmap=True)

@@ -37,15 +37,27 @@ def test_family_is_told_by_content_not_file_name(tiny_model_dir: Path, tmp_path:
     assert read_model_config(d).family == "cosyvoice2"
 
 
-def test_v1_and_v3_are_recognised_and_refused_clearly(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from cosyvoice_cpu.reference.model_dir import read_model_config
+def test_v3_is_recognised_and_refused_clearly(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from cosyvoice_cpu.reference.model_dir import detect_family, read_model_config
 
-    for cls, family in (("TransformerLM", "cosyvoice"), ("CosyVoice3LM", "cosyvoice3")):
-        d = _copy(tiny_model_dir, tmp_path / family)
-        text = (d / "cosyvoice2.yaml").read_text().replace("cosyvoice.llm.llm.Qwen2LM", f"cosyvoice.llm.llm.{cls}")
-        (d / "cosyvoice2.yaml").write_text(text)
-        with pytest.raises(ModelDirError, match=f"is a {family} model"):
-            read_model_config(d)
+    d = _copy(tiny_model_dir, tmp_path / "cosyvoice3")
+    text = (d / "cosyvoice2.yaml").read_text().replace("cosyvoice.llm.llm.Qwen2LM", "cosyvoice.llm.llm.CosyVoice3LM")
+    (d / "cosyvoice2.yaml").write_text(text)
+    assert detect_family(d) == "cosyvoice3"
+    with pytest.raises(ModelDirError, match="is a cosyvoice3 model"):
+        read_model_config(d)
+
+
+def test_a_v1_lm_entry_in_a_v2_yaml_is_a_precise_error(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """v1 is supported now: a TransformerLM tag over Qwen2LM arguments fails on the missing v1 fields."""
+    from cosyvoice_cpu.reference.model_dir import detect_family, read_model_config
+
+    d = _copy(tiny_model_dir, tmp_path / "mixed")
+    text = (d / "cosyvoice2.yaml").read_text().replace("cosyvoice.llm.llm.Qwen2LM", "cosyvoice.llm.llm.TransformerLM")
+    (d / "cosyvoice2.yaml").write_text(text)
+    assert detect_family(d) == "cosyvoice"
+    with pytest.raises(ModelDirError, match="TransformerLM needs a 'text_encoder' entry"):
+        read_model_config(d)
 
 
 @pytest.mark.parametrize(

@@ -46,6 +46,8 @@ REQUIRED = (
 # ONNX front-end models copied as they are, with the ranks of the inputs the runtime feeds them (by position, as
 # the official frontend does): campplus fbank (B, T, 80); speech tokenizer log-mel (1, 128, T) and its length (1,).
 COPIED_ONNX = {"campplus": ("campplus.onnx", (3,)), "speech_tokenizer": ("speech_tokenizer_v2.onnx", (3, 1))}
+# Families the ONNX export and the runtime implement (the PyTorch reference also reads CosyVoice-300M).
+EXPORTABLE = ("cosyvoice2",)
 # Python packages the export needs beyond torch (checked up front, not after minutes of work).
 EXPORT_MODULES = {"onnx": "onnx", "onnx_ir": "onnx-ir", "transformers": "transformers", "tokenizers": "tokenizers"}
 
@@ -94,10 +96,16 @@ def needed_bytes(src: Path) -> int:
 
 def check_source(src: Path) -> Any:
     """Validate an official directory: the yaml parses, the family is supported, every required file is there."""
-    from cosyvoice_cpu.reference.model_dir import read_model_config
+    from cosyvoice_cpu.reference.model_dir import detect_family, read_model_config
 
     if not src.is_dir():
         raise ExportError(f"--from {src}: no such directory; point at a released CosyVoice2-0.5B directory")
+    family = detect_family(src)
+    if family not in EXPORTABLE:
+        raise ExportError(
+            f"{src} is a {family} model; export supports {', '.join(EXPORTABLE)} so far (the CosyVoice-300M "
+            "reference exists, its ONNX export and runtime are tracked as their own issue)"
+        )
     missing = [n for n in REQUIRED if not (src / n).is_file()]
     if missing:
         raise ExportError(

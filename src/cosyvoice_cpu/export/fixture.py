@@ -8,6 +8,9 @@ Qwen2 file format) and stand-ins for ``campplus.onnx`` and ``speech_tokenizer_v2
 graph contracts. The official implementation loads a fixture unchanged and strictly (tests/parity).
 
 Sizes: ``tiny`` (a few MB, for tests) and ``full`` (the real CosyVoice2-0.5B dimensions, for speed/memory).
+
+Family ``cosyvoice`` (CosyVoice-300M, v1; ``tiny`` or ``full``) writes the v1 layout instead: ``cosyvoice.yaml``,
+``speech_tokenizer_v1.onnx``, ``spk2info.pt`` and no ``CosyVoice-BlankEN/`` (see :mod:`.fixture_v1`).
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ from cosyvoice_cpu.export.fixture_yaml import FlowHiftSizes, render_cosyvoice2_y
 
 logger = logging.getLogger(__name__)
 
-FAMILIES = ("cosyvoice2",)
+FAMILIES = ("cosyvoice2", "cosyvoice")
 SIZES = ("tiny", "full", "demo")
+FAMILY_SIZES = {"cosyvoice2": SIZES, "cosyvoice": ("tiny", "full")}
 
 # Modules the official HiFTGenerator wraps in weight_norm (saved as parametrizations in hift.pt).
 _HIFT_WEIGHT_NORMED = re.compile(
@@ -52,6 +56,10 @@ class FixtureSpec:
             raise ConfigError(f"fixture family {self.family!r} is not supported yet; choose from {FAMILIES}")
         if self.size not in SIZES:
             raise ConfigError(f"fixture size {self.size!r} is unknown; choose from {SIZES}")
+        if self.size not in FAMILY_SIZES[self.family]:
+            raise ConfigError(
+                f"fixture size {self.size!r} is not made for {self.family}; choose from {FAMILY_SIZES[self.family]}"
+            )
         if self.seed < 0:
             raise ConfigError(f"fixture seed must be >= 0, got {self.seed}")
 
@@ -128,9 +136,6 @@ def write_fixture(spec: FixtureSpec, out: str | Path, force: bool = False) -> Pa
     Raises:
         ConfigError: bad spec; FileExistsError: ``out`` exists and ``force`` is False.
     """
-    import torch
-    from safetensors.torch import save_file
-
     from cosyvoice_cpu.reference.model_dir import load_reference
 
     spec.validate()
@@ -141,34 +146,12 @@ def write_fixture(spec: FixtureSpec, out: str | Path, force: bool = False) -> Pa
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         rng = np.random.default_rng(spec.seed)
-        blank = tmp / "CosyVoice-BlankEN"
-        n_ids = write_qwen_tokenizer(blank, vocab_size=1000)
-        qwen, sizes = _qwen_and_sizes(spec.size, n_ids)
-        (blank / "config.json").write_text(json.dumps(qwen.to_json_dict(), indent=2), encoding="utf-8")
-        (blank / "generation_config.json").write_text(
-            json.dumps({"bos_token_id": 151643, "eos_token_id": 151643, "max_new_tokens": 2048}, indent=2),
-            encoding="utf-8",
-        )
-        (tmp / "cosyvoice2.yaml").write_text(render_cosyvoice2_yaml(sizes), encoding="utf-8")
+        if spec.family == "cosyvoice":
+            from cosyvoice_cpu.export.fixture_v1 import write_cosyvoice_files
 
-        # Build the reference modules from the files just written (this also validates them), then
-        # initialise, and save in the released layout.
-        for name in ("llm.pt", "flow.pt", "hift.pt"):
-            (tmp / name).write_bytes(b"")
-        torch.manual_seed(spec.seed)
-        gen = torch.Generator().manual_seed(spec.seed)
-        model = _build_random(tmp)
-        for m in (model.lm, model.flow, model.hift):
-            _perturb_norms(m, gen)
-        torch.save(model.lm.state_dict(), tmp / "llm.pt")
-        torch.save(model.flow.state_dict(), tmp / "flow.pt")
-        torch.save(released_hift_state(model.hift.state_dict()), tmp / "hift.pt")
-        backbone = {f"model.{k}": v.to(torch.bfloat16) for k, v in model.lm.backbone.state_dict().items()}
-        save_file(backbone, str(blank / "model.safetensors"), metadata={"format": "pt"})
-        del model, backbone
-
-        write_campplus_standin(tmp / "campplus.onnx", rng)
-        write_speech_tokenizer_standin(tmp / "speech_tokenizer_v2.onnx", rng)
+            write_cosyvoice_files(tmp, spec.size, spec.seed, rng)
+        else:
+            _write_cosyvoice2_files(tmp, spec, rng)
         # a released directory is checked after writing: every module must load strictly
         load_reference(tmp)
         tmp.chmod(0o755)
@@ -178,6 +161,41 @@ def write_fixture(spec: FixtureSpec, out: str | Path, force: bool = False) -> Pa
         raise
     logger.info("wrote %s %s fixture (seed %d) to %s", spec.size, spec.family, spec.seed, out)
     return out
+
+
+def _write_cosyvoice2_files(tmp: Path, spec: FixtureSpec, rng: np.random.Generator) -> None:
+    """Every file of a CosyVoice2 fixture, written into the temporary directory ``tmp``."""
+    import torch
+    from safetensors.torch import save_file
+
+    blank = tmp / "CosyVoice-BlankEN"
+    n_ids = write_qwen_tokenizer(blank, vocab_size=1000)
+    qwen, sizes = _qwen_and_sizes(spec.size, n_ids)
+    (blank / "config.json").write_text(json.dumps(qwen.to_json_dict(), indent=2), encoding="utf-8")
+    (blank / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 151643, "eos_token_id": 151643, "max_new_tokens": 2048}, indent=2),
+        encoding="utf-8",
+    )
+    (tmp / "cosyvoice2.yaml").write_text(render_cosyvoice2_yaml(sizes), encoding="utf-8")
+
+    # Build the reference modules from the files just written (this also validates them), then
+    # initialise, and save in the released layout.
+    for name in ("llm.pt", "flow.pt", "hift.pt"):
+        (tmp / name).write_bytes(b"")
+    torch.manual_seed(spec.seed)
+    gen = torch.Generator().manual_seed(spec.seed)
+    model = _build_random(tmp)
+    for m in (model.lm, model.flow, model.hift):
+        _perturb_norms(m, gen)
+    torch.save(model.lm.state_dict(), tmp / "llm.pt")
+    torch.save(model.flow.state_dict(), tmp / "flow.pt")
+    torch.save(released_hift_state(model.hift.state_dict()), tmp / "hift.pt")
+    backbone = {f"model.{k}": v.to(torch.bfloat16) for k, v in model.lm.backbone.state_dict().items()}
+    save_file(backbone, str(blank / "model.safetensors"), metadata={"format": "pt"})
+    del model, backbone
+
+    write_campplus_standin(tmp / "campplus.onnx", rng)
+    write_speech_tokenizer_standin(tmp / "speech_tokenizer_v2.onnx", rng)
 
 
 def _build_random(model_dir: Path):

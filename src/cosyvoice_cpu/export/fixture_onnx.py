@@ -8,6 +8,9 @@
   stride-4 convolution to 8 dimensions, each rounded to 3 levels: a finite scalar quantiser with 3^8 = 6561
   codes, the same code space as the real FSQ tokenizer.
 
+- ``speech_tokenizer_v1.onnx`` (CosyVoice-300M): same inputs -> ``indices`` int32 (1, T // 2) at 50 tokens/s in
+  [0, 4096). The stand-in is a stride-2 convolution to 12 dimensions, each reduced to its sign: 2^12 = 4096 codes.
+
 The official frontend feeds both by position, so only order, dtypes and ranks have to match; the names are
 those of the released files. Built with ``onnx.helper`` (no torch needed).
 """
@@ -84,6 +87,44 @@ def write_speech_tokenizer_standin(path: Path, rng: np.random.Generator) -> None
     graph = helper.make_graph(
         nodes,
         "speech_tokenizer_v2_standin",
+        [
+            helper.make_tensor_value_info("feats", TensorProto.FLOAT, [1, 128, "T"]),
+            helper.make_tensor_value_info("feats_length", TensorProto.INT32, [1]),
+        ],
+        [helper.make_tensor_value_info("indices", TensorProto.INT32, [1, "N"])],
+        initializer=[numpy_helper.from_array(v, k) for k, v in init.items()],
+    )
+    _save(graph, path)
+
+
+def write_speech_tokenizer_v1_standin(path: Path, rng: np.random.Generator) -> None:
+    """Write a stand-in ``speech_tokenizer_v1.onnx`` (see module docstring for the contract)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = (rng.standard_normal((12, 128, 2)) * 0.15).astype(np.float32)
+    init = {
+        "w": w,
+        "zero": np.array(0.0, dtype=np.float32),
+        "powers": (2 ** np.arange(12, dtype=np.float32)).reshape(1, 12, 1),
+        "sum_axes": np.array([1], dtype=np.int64),
+        "two": np.array([2], dtype=np.int32),
+        "start": np.array([0], dtype=np.int64),
+        "axis1": np.array([1], dtype=np.int64),
+    }
+    nodes = [
+        helper.make_node("Conv", ["feats", "w"], ["h"], kernel_shape=[2], strides=[2]),
+        helper.make_node("Greater", ["h", "zero"], ["positive"]),
+        helper.make_node("Cast", ["positive"], ["bit"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["bit", "powers"], ["weighted"]),
+        helper.make_node("ReduceSum", ["weighted", "sum_axes"], ["code_f"], keepdims=0),
+        helper.make_node("Cast", ["code_f"], ["code"], to=TensorProto.INT32),
+        helper.make_node("Div", ["feats_length", "two"], ["n_tok32"]),
+        helper.make_node("Cast", ["n_tok32"], ["n_tok"], to=TensorProto.INT64),
+        helper.make_node("Slice", ["code", "start", "n_tok", "axis1"], ["indices"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "speech_tokenizer_v1_standin",
         [
             helper.make_tensor_value_info("feats", TensorProto.FLOAT, [1, 128, "T"]),
             helper.make_tensor_value_info("feats_length", TensorProto.INT32, [1]),

@@ -9,11 +9,10 @@
 ``Flow.state_dict()`` has exactly the keys and shapes of the official module, so ``flow.pt`` loads with
 ``strict=True``.
 
-Seams for later issues: v1 ``MaskedDiffWithXvec`` (``InterpolateRegulator`` length regulator instead of
-the upsampling encoder, fresh ``randn`` noise per call, non-causal multi-resolution UNet estimator) and v3
-``CausalMaskedDiffWithDiT`` (DiT estimator) plug in as other ``FlowConfig.from_yaml`` class names, other
-estimators behind the same ``forward(x, mask, mu, t, spks, cond, streaming)`` contract, and a noise policy
-in :class:`ConditionalCFM`.
+v1 ``MaskedDiffWithXvec`` lives in :mod:`.flow_v1` (length regulator, fresh noise per call, the multi-resolution
+UNet of :mod:`.flow_estimator_v1`) and reuses this module's :class:`CFMConfig` and :class:`FlowConditions`. Seam
+for v3 ``CausalMaskedDiffWithDiT``: another estimator behind the same ``forward(x, mask, mu, t, spks, cond,
+streaming)`` contract.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from cosyvoice_cpu.reference.yamlconf import Tagged
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_FLOWS = ("CausalMaskedDiffWithXvec",)  # v1 MaskedDiffWithXvec / v3 CausalMaskedDiffWithDiT: later
+SUPPORTED_FLOWS = ("CausalMaskedDiffWithXvec",)  # v1 MaskedDiffWithXvec: flow_v1.py; v3 CausalMaskedDiffWithDiT: later
 
 
 def _need(ok: bool, field_name: str, msg: str) -> None:
@@ -160,8 +159,9 @@ class CFMConfig:
         _need(self.spk_emb_dim > 0, "cfm.spk_emb_dim", "must be > 0")
 
     @classmethod
-    def from_yaml(cls, node: Tagged) -> CFMConfig:
-        a = _args(node, "CausalConditionalCFM", "flow.decoder")
+    def from_yaml(cls, node: Tagged, expected: str = "CausalConditionalCFM") -> CFMConfig:
+        """Read ``flow.decoder`` (v2 ``CausalConditionalCFM``; v1 passes ``expected="ConditionalCFM"``)."""
+        a = _args(node, expected, "flow.decoder")
         params = a.get("cfm_params")
         p = _args(params, "DictConfig", "flow.decoder.cfm_params").get("content", {}) if params else {}
         return cls(

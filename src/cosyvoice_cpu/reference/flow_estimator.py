@@ -12,8 +12,9 @@ over the real frames, or chunk-causal (``streaming``: frame i sees every frame b
 ``static_chunk_size``-frame chunk). Attention masks are additive biases ``(1 - mask) * -1e10``, as in the
 official code (its ONNX export has the same contract). State-dict keys match ``decoder.estimator.*``.
 
-Seam: v1 (``ConditionalDecoder``: non-causal convs, GroupNorm, down/up-sampling between resolutions) and
-v3 (``DiT``) are separate estimators with the same ``forward`` contract; a later issue adds them.
+v1 (``ConditionalDecoder``: non-causal convs, GroupNorm, down/up-sampling between resolutions) is
+:mod:`.flow_estimator_v1`, which reuses this module's transformer block and time embedding; v3 (``DiT``) will be
+another estimator with the same ``forward`` contract.
 """
 
 from __future__ import annotations

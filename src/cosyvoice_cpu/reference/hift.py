@@ -272,7 +272,7 @@ class HiFT(nn.Module):
             raise ModelDirError(
                 f"hift checkpoint does not match HiFT({self.cfg.sampling_rate} Hz, "
                 f"base_channels={self.cfg.base_channels}): missing keys {missing[:8]}, unexpected keys "
-                f"{unexpected[:8]} ({len(missing)}/{len(unexpected)} in all); is it a CosyVoice2 hift.pt?"
+                f"{unexpected[:8]} ({len(missing)}/{len(unexpected)} in all); yaml and hift.pt of one model?"
             )
         for key, value in folded.items():
             if value.shape != own[key].shape:

@@ -8,7 +8,8 @@ older CosyVoice2-0.5B downloads ship ``cosyvoice.yaml``. The yaml is read as dat
 Families: ``cosyvoice`` (v1, CosyVoice-300M: TransformerLM, MaskedDiffWithXvec, 22.05 kHz HiFT),
 ``cosyvoice2`` (v2, CosyVoice2-0.5B: Qwen2LM, CausalMaskedDiffWithXvec, HiFT) and ``cosyvoice3`` (v3,
 Fun-CosyVoice3-0.5B: CosyVoice3LM, CausalMaskedDiffWithDiT, CausalHiFTGenerator). The reference implements
-v2; v1 and v3 are recognised and refused with a clear message until their modules land (:data:`SUPPORTED`).
+v1 and v2; v3 is recognised and refused with a clear message until its modules land (:data:`SUPPORTED`).
+v1 SFT/Instruct directories also ship ``spk2info.pt`` (built-in speakers' x-vectors): :func:`load_speakers`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ YAML_NAMES = ("cosyvoice3.yaml", "cosyvoice2.yaml", "cosyvoice.yaml")
 LM_CLASSES = {"TransformerLM": "cosyvoice", "Qwen2LM": "cosyvoice2", "CosyVoice3LM": "cosyvoice3"}
 SPEECH_TOKENIZER = {"cosyvoice": "speech_tokenizer_v1.onnx", "cosyvoice2": "speech_tokenizer_v2.onnx",
                     "cosyvoice3": "speech_tokenizer_v3.onnx"}  # fmt: skip
-SUPPORTED = ("cosyvoice2",)
+SUPPORTED = ("cosyvoice", "cosyvoice2")
+SPK2INFO = "spk2info.pt"  # built-in speakers (CosyVoice-300M-SFT/-Instruct)
 
 
 @dataclass
@@ -43,16 +45,18 @@ class MelConfig:
     fmax: float | None = 8000.0
 
     @classmethod
-    def from_yaml(cls, node: Any) -> MelConfig:
+    def from_yaml(cls, node: Any, v1: bool = False) -> MelConfig:
+        """Read ``feat_extractor``; missing keys take the family's released values (v1: 22.05 kHz, hop 256)."""
+        d = cls(n_fft=1024, sampling_rate=22050, hop_size=256, win_size=1024) if v1 else cls()
         if not isinstance(node, Tagged):
-            return cls()
+            return d
         fmax = node.get("fmax", 8000)
         return cls(
-            n_fft=int(node.get("n_fft", 1920)),
+            n_fft=int(node.get("n_fft", d.n_fft)),
             num_mels=int(node.get("num_mels", 80)),
-            sampling_rate=int(node.get("sampling_rate", 24000)),
-            hop_size=int(node.get("hop_size", 480)),
-            win_size=int(node.get("win_size", 1920)),
+            sampling_rate=int(node.get("sampling_rate", d.sampling_rate)),
+            hop_size=int(node.get("hop_size", d.hop_size)),
+            win_size=int(node.get("win_size", d.win_size)),
             fmin=float(node.get("fmin", 0)),
             fmax=None if fmax is None else float(fmax),
         )
@@ -67,10 +71,10 @@ class ModelConfig:
     family: str
     sample_rate: int
     token_frame_rate: int
-    token_mel_ratio: int
+    token_mel_ratio: int  # mel frames per token (v2/v3: 2); 0 for v1, whose length regulator interpolates
     mel: MelConfig
-    lm: Any = None  # LMConfig
-    flow: Any = None  # FlowConfig
+    lm: Any = None  # LMConfig (v2) | TransformerLMConfig (v1)
+    flow: Any = None  # FlowConfig (v2) | FlowV1Config (v1)
     hift: Any = None  # HiFTConfig
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -81,6 +85,10 @@ class ModelConfig:
     @property
     def speech_tokenizer_path(self) -> Path:
         return self.model_dir / SPEECH_TOKENIZER[self.family]
+
+    @property
+    def spk2info_path(self) -> Path:
+        return self.model_dir / SPK2INFO
 
 
 def family_of(data: dict[str, Any], where: Path) -> str:
@@ -110,35 +118,49 @@ def find_yaml(model_dir: Path) -> Path:
     )
 
 
+def detect_family(model_dir: str | Path) -> str:
+    """The family of a model directory, from its yaml's content only (no other file is read or checked)."""
+    yaml_path = find_yaml(Path(model_dir))
+    return family_of(load_yaml_data(yaml_path), yaml_path)
+
+
 def read_model_config(model_dir: str | Path) -> ModelConfig:
     """Parse a model directory's yaml (and, for v2/v3, ``CosyVoice-BlankEN/config.json``)."""
     from cosyvoice_cpu.reference.flow import FlowConfig
+    from cosyvoice_cpu.reference.flow_v1 import FlowV1Config
     from cosyvoice_cpu.reference.hift import HiFTConfig
     from cosyvoice_cpu.reference.lm import LMConfig
+    from cosyvoice_cpu.reference.lm_v1 import TransformerLMConfig
     from cosyvoice_cpu.reference.qwen2 import Qwen2Config
 
     model_dir = Path(model_dir)
     yaml_path = find_yaml(model_dir)
     data = load_yaml_data(yaml_path, overrides={"qwen_pretrain_path": str(model_dir / "CosyVoice-BlankEN")})
     family = family_of(data, yaml_path)
+    v1 = family == "cosyvoice"
     cfg = ModelConfig(
         model_dir=model_dir,
         yaml_path=yaml_path,
         family=family,
-        sample_rate=int(data.get("sample_rate", 22050 if family == "cosyvoice" else 24000)),
-        token_frame_rate=int(data.get("token_frame_rate", 50 if family == "cosyvoice" else 25)),
-        token_mel_ratio=int(data.get("token_mel_ratio", 2)),
-        mel=MelConfig.from_yaml(data.get("feat_extractor")),
+        sample_rate=int(data.get("sample_rate", 22050 if v1 else 24000)),
+        token_frame_rate=int(data.get("token_frame_rate", 50 if v1 else 25)),
+        token_mel_ratio=0 if v1 else int(data.get("token_mel_ratio", 2)),
+        mel=MelConfig.from_yaml(data.get("feat_extractor"), v1),
         raw=data,
     )
     if family not in SUPPORTED:
         raise ModelDirError(
             f"{model_dir} is a {family} model; the reference implements {', '.join(SUPPORTED)} so far "
-            "(CosyVoice-300M and Fun-CosyVoice3 support is tracked as its own issue)"
+            "(Fun-CosyVoice3 support is tracked as its own issue)"
         )
     try:
-        cfg.lm = LMConfig.from_yaml(data["llm"], Qwen2Config.from_json(cfg.blank_en_dir / "config.json"))
-        cfg.flow = FlowConfig.from_yaml(data["flow"])
+        if v1:
+            cfg.lm = TransformerLMConfig.from_yaml(data["llm"])
+            cfg.flow = FlowV1Config.from_yaml(data["flow"])
+            cfg.token_frame_rate = cfg.flow.input_frame_rate  # v1 yamls have no token_frame_rate entry
+        else:
+            cfg.lm = LMConfig.from_yaml(data["llm"], Qwen2Config.from_json(cfg.blank_en_dir / "config.json"))
+            cfg.flow = FlowConfig.from_yaml(data["flow"])
         cfg.hift = HiFTConfig.from_yaml(data["hift"])
     except (KeyError, ValueError) as e:
         raise ModelDirError(f"{yaml_path}: {e}") from e
@@ -190,21 +212,24 @@ def load_reference(model_dir: str | Path, stages: tuple[str, ...] = ("lm", "flow
     """Build the reference modules of a model directory and load its checkpoints strictly.
 
     Args:
-        model_dir: a released (or fixture) CosyVoice2 directory.
+        model_dir: a released (or fixture) CosyVoice-300M or CosyVoice2 directory.
         stages: which of ``lm``, ``flow``, ``hift`` to load (others stay None).
     """
     from cosyvoice_cpu.reference.flow import Flow
+    from cosyvoice_cpu.reference.flow_v1 import FlowV1
     from cosyvoice_cpu.reference.hift import HiFT
     from cosyvoice_cpu.reference.lm import Qwen2LM
+    from cosyvoice_cpu.reference.lm_v1 import TransformerLM
 
     cfg = read_model_config(model_dir)
+    v1 = cfg.family == "cosyvoice"
     out = ReferenceModel(cfg, None, None, None)
     if "lm" in stages:
-        out.lm = Qwen2LM(cfg.lm).eval()
+        out.lm = (TransformerLM(cfg.lm) if v1 else Qwen2LM(cfg.lm)).eval()
         path = cfg.model_dir / "llm.pt"
         load_strict(out.lm, load_checkpoint(path), path)
     if "flow" in stages:
-        out.flow = Flow(cfg.flow).eval()
+        out.flow = (FlowV1(cfg.flow) if v1 else Flow(cfg.flow)).eval()
         path = cfg.model_dir / "flow.pt"
         load_strict(out.flow, load_checkpoint(path), path)
     if "hift" in stages:
@@ -216,3 +241,35 @@ def load_reference(model_dir: str | Path, stages: tuple[str, ...] = ("lm", "flow
             raise ModelDirError(f"{path} does not match the HiFT in the yaml: {e}") from e
     logger.info("loaded %s reference from %s (%s)", cfg.family, cfg.model_dir, ", ".join(stages))
     return out
+
+
+def load_speakers(model_dir: str | Path) -> dict[str, Any]:
+    """The built-in speakers of a CosyVoice-300M-SFT/-Instruct directory: ``spk2info.pt`` as ``{name: (1, 192)}``.
+
+    The file maps a speaker id (e.g. ``中文女``) to a dict whose ``embedding`` (1, 192) x-vector the official
+    ``inference_sft``/``inference_instruct`` feed to the LM and the flow; other entries (zero-shot speakers saved
+    by ``save_spkinfo`` also hold prompt tokens and mel) are not returned. A directory without the file (base
+    models, every CosyVoice2/3) has no built-in speakers: ``{}``.
+
+    Raises:
+        ModelDirError: the file is unreadable or not a mapping of speakers with 192-d embeddings.
+    """
+    import torch
+
+    path = Path(model_dir) / SPK2INFO
+    if not path.is_file():
+        return {}
+    try:
+        info = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ModelDirError(f"{path} is not a readable PyTorch file ({e}); re-download it") from e
+    if not isinstance(info, dict):
+        raise ModelDirError(f"{path} holds a {type(info).__name__}, not a dict of speakers")
+    speakers: dict[str, Any] = {}
+    for name, entry in info.items():
+        emb = entry.get("embedding") if isinstance(entry, dict) else None
+        if not isinstance(emb, torch.Tensor) or emb.numel() != 192:
+            raise ModelDirError(f"{path}: speaker {name!r} has no 192-d 'embedding' tensor")
+        speakers[str(name)] = emb.detach().float().reshape(1, 192)
+    logger.debug("%s: %d built-in speakers", path, len(speakers))
+    return speakers

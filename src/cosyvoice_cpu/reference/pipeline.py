@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.reference.model_dir import ReferenceModel, load_reference
 from cosyvoice_cpu.reference.sampling import SamplingConfig, torch_draw
 from cosyvoice_cpu.reference.tokenizer import CosyVoice2Tokenizer
@@ -57,6 +57,16 @@ class ReferencePipeline:
 
     @classmethod
     def load(cls, model_dir: str | Path) -> ReferencePipeline:
+        """Load a CosyVoice2 directory (CosyVoice-300M modules load with :func:`load_reference`, but their
+        whisper text tokenizer and this text-to-wave pipeline are not implemented yet)."""
+        from cosyvoice_cpu.reference.model_dir import detect_family
+
+        family = detect_family(model_dir)
+        if family != "cosyvoice2":
+            raise ModelDirError(
+                f"{model_dir} is a {family} model; the reference text-to-speech pipeline supports cosyvoice2 only "
+                "(its LM, flow and HiFT load with cosyvoice_cpu.reference.model_dir.load_reference)"
+            )
         model = load_reference(model_dir)
         return cls(model, CosyVoice2Tokenizer(model.config.blank_en_dir))
 
