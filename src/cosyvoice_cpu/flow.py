@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
-from cosyvoice_cpu.sessions import SessionConfig, check_io, make_session, without_arena
+from cosyvoice_cpu.sessions import SessionConfig, as_config, check_io, make_session
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def time_span(n_timesteps: int, scheduler: str = "cosine") -> np.ndarray:
 
 def _open(path: Path, threads: int | SessionConfig, io: tuple[dict[str, tuple[str, int]], tuple[str, ...]]) -> Any:
     """A session on a flow graph whose inputs (dtype, rank) and output names are checked against ``io``."""
-    sess = make_session(path, without_arena(threads))
+    sess = make_session(path, as_config(threads))
     inputs, outputs = io
     want_in = {n: (f"tensor({dt})", rank) for n, (dt, rank) in inputs.items()}
     out_rank = {o.name: len(o.shape) for o in sess.get_outputs()}

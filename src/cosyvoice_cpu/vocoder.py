@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
-from cosyvoice_cpu.sessions import SessionConfig, check_io, make_session, without_arena
+from cosyvoice_cpu.sessions import SessionConfig, as_config, check_io, make_session
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ class Vocoder:
         for p in paths:
             if not p.is_file():
                 raise ModelDirError(f"hift graph {p} not found; export the model directory first")
-        config = without_arena(threads)
+        config = as_config(threads)
         self.f0_sess = make_session(paths[0], config)
         self.decode_sess = make_session(paths[1], config)
         f32 = "tensor(float)"

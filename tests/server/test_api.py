@@ -285,3 +285,19 @@ def test_saved_voices_survive_a_restart(server: Server, tmp_path: Path) -> None:
             assert speak(c, input="Back again.").status_code == 200
     finally:
         again.stop()
+
+
+def test_clients_that_hang_up_at_once_leave_no_work_behind(server: Server) -> None:
+    host, port = server.url.rsplit("//", 1)[1].split(":")
+    body = json.dumps({"model": "tts-1", "input": TEXT * 4, "voice": VOICE, "response_format": "wav"}).encode()
+    head = (f"POST /v1/audio/speech HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    for _ in range(6):  # gone before the status line: the response body is never read
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(head + body)
+    with server.client() as c:
+        t0 = time.perf_counter()
+        while (h := c.get("/health").json())["active"] + h["queued"] and time.perf_counter() - t0 < 30:
+            time.sleep(0.1)
+        assert h["active"] == 0 and h["queued"] == 0
+        assert speak(c, input="Still serving.").status_code == 200

@@ -89,6 +89,7 @@ class State:
         self.executor = ThreadPoolExecutor(settings.max_active, thread_name_prefix="synth")
         self.voice_lock: asyncio.Lock | None = None  # voices are made one at a time (made in the lifespan)
         self.started = time.time()
+        self.jobs: set[Any] = set()  # running syntheses (server.speech.Job), cancelled at shutdown
 
 
 def _rss_bytes() -> int:
@@ -134,6 +135,8 @@ def create_app(engine: Any, settings: ServerSettings) -> Any:
         logger.info("serving %s (%d voices) with %d workers", state.model_id, len(state.voices), settings.max_active)
         yield
         state.admission.draining = True
+        for job in list(state.jobs):  # running syntheses stop at their next token instead of holding the exit
+            job.cancel.set()
         state.executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="cosyvoice-cpu", version=_version(), lifespan=lifespan)

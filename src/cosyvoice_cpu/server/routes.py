@@ -61,9 +61,11 @@ def add_routes(app: Any, state: Any, api_error: type, exists: type, not_found: t
         config = body.synthesis_config(settings.defaults)
         instruct = body.instructions.strip() if body.instructions and body.instructions.strip() else None
         queue_wait = await state.admission.enter()
+        job = None
         try:
             job = Job(lambda check: state.engine.synthesize(body.input, voice, config, instruct, check=check),
                       settings.timeout)  # fmt: skip
+            state.jobs.add(job)
             chunks = job.chunks(state.executor)
             try:  # the first chunk before the status line: early failures still get their 4xx/5xx
                 first = await chunks.__anext__()
@@ -71,12 +73,14 @@ def add_routes(app: Any, state: Any, api_error: type, exists: type, not_found: t
                 first = np.zeros(0, np.float32)
         except BaseException as e:
             state.admission.leave()
+            if job is not None:
+                state.jobs.discard(job)
             raise _as_api_error(e, m, api_error) from e
         encoder = Encoder(fmt, state.engine.sample_rate, streaming=True)
-        sse = body.stream_format == "sse"
-        media = "text/event-stream" if sse else encoder.media_type
-        return StreamingResponse(_body(first, chunks, job, encoder, sse, queue_wait, state), media_type=media,
-                                 headers={"Cache-Control": "no-store", "X-Sample-Rate": str(state.engine.sample_rate)})
+        stream = _SpeechStream(first, chunks, job, encoder, body.stream_format == "sse", queue_wait, state)
+        media = "text/event-stream" if stream.sse else encoder.media_type
+        return _StreamResponse(stream, media_type=media,
+                               headers={"Cache-Control": "no-store", "X-Sample-Rate": str(state.engine.sample_rate)})
 
     @app.get(VOICES)
     async def list_voices() -> dict[str, Any]:
@@ -95,6 +99,13 @@ def add_routes(app: Any, state: Any, api_error: type, exists: type, not_found: t
         if declared is not None and declared.isdigit() and int(declared) > limit + 64 * 1024:
             raise api_error(413, f"upload of {int(declared)} bytes is over the limit of {settings.max_upload_mb:g} MB; "
                             "send 3-10 s of speech", code="upload_too_large")  # fmt: skip
+        received = bytearray()
+        async for part in request.stream():  # a hard cap, also for chunked uploads without Content-Length
+            received += part
+            if len(received) > limit + 64 * 1024:
+                raise api_error(413, f"upload is over the limit of {settings.max_upload_mb:g} MB; send 3-10 s of "
+                                "speech", code="upload_too_large")  # fmt: skip
+        request._body = bytes(received)  # Starlette's form parser reads the cached body
         try:
             form = await request.form(max_files=1, max_fields=8)
         except Exception as e:  # malformed multipart
@@ -156,46 +167,79 @@ def _sse(event: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(event)}\n\n".encode()
 
 
-async def _body(first: np.ndarray, chunks: AsyncIterator[np.ndarray], job: Job, encoder: Encoder, sse: bool,
-                queue_wait: float, state: Any) -> AsyncIterator[bytes]:  # fmt: skip
-    """The response body: encoded audio (or SSE events) per chunk; accounts the outcome at the end."""
-    outcome = "error"
+class _SpeechStream:
+    """The body of one speech response, and the cleanup that must run exactly once however the response ends
+    (finished, failed, client gone, or never started): free the slot, stop the worker, count the outcome."""
 
-    def emit(data: bytes) -> bytes:
-        if not sse or not data:
+    def __init__(self, first: np.ndarray, chunks: AsyncIterator[np.ndarray], job: Job, encoder: Encoder, sse: bool,
+                 queue_wait: float, state: Any) -> None:  # fmt: skip
+        self.first, self.chunks, self.job, self.encoder, self.sse = first, chunks, job, encoder, sse
+        self.queue_wait, self.state = queue_wait, state
+        self.closed = False
+
+    def _emit(self, data: bytes) -> bytes:
+        if not self.sse or not data:
             return data
         return _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
 
-    try:
-        if out := emit(encoder.push(first)):
-            yield out
-        async for samples in chunks:
-            if out := emit(encoder.push(samples)):
-                yield out
-        if out := emit(encoder.finish()):
-            yield out
-        if sse:
-            seconds = round(job.audio / state.engine.sample_rate, 3)
-            yield _sse({"type": "speech.audio.done", "usage": {"output_audio_seconds": seconds}})
-        outcome = "ok"
-    except (Cancelled, asyncio.CancelledError, GeneratorExit):
+    async def body(self) -> AsyncIterator[bytes]:
+        """Encoded audio (or SSE events) per chunk."""
         outcome = "cancelled"
-        raise
-    except TimedOut as e:
-        outcome = "timeout"
-        logger.warning("stream stopped: %s", e)
-        if sse:
-            yield _sse({"type": "error", "error": {"message": str(e), "type": "timeout"}})
-    except Exception as e:  # the status is sent: end the stream (SSE clients get an error event)
-        logger.error("stream failed: %s", e, exc_info=e)
-        if sse:
-            message = f"synthesis failed ({type(e).__name__})"
-            yield _sse({"type": "error", "error": {"message": message, "type": "server_error"}})
-    finally:
-        await chunks.aclose()
+        try:
+            if out := self._emit(self.encoder.push(self.first)):
+                yield out
+            async for samples in self.chunks:
+                if out := self._emit(self.encoder.push(samples)):
+                    yield out
+            if out := self._emit(self.encoder.finish()):
+                yield out
+            if self.sse:
+                seconds = round(self.job.audio / self.state.engine.sample_rate, 3)
+                yield _sse({"type": "speech.audio.done", "usage": {"output_audio_seconds": seconds}})
+            outcome = "ok"
+        except TimedOut as e:
+            outcome = "timeout"
+            logger.warning("stream stopped: %s", e)
+            if self.sse:
+                yield _sse({"type": "error", "error": {"message": str(e), "type": "timeout"}})
+        except Cancelled:
+            pass  # the client is gone (or the server is stopping): nobody to tell
+        except Exception as e:  # the status is sent: end the stream (SSE clients get an error event)
+            outcome = "error"
+            logger.error("stream failed: %s", e, exc_info=e)
+            if self.sse:
+                message = f"synthesis failed ({type(e).__name__})"
+                yield _sse({"type": "error", "error": {"message": message, "type": "server_error"}})
+        finally:
+            await self.close(outcome)
+
+    async def close(self, outcome: str = "cancelled") -> None:
+        """Once only. The bookkeeping comes before any await: under a cancelled task, every await may raise."""
+        if self.closed:
+            return
+        self.closed = True
+        job, state = self.job, self.state
+        job.cancel.set()  # a no-op when it finished; otherwise the worker stops at its next token
+        state.jobs.discard(job)
         state.admission.leave()
         state.metrics.count(SPEECH, outcome)
         if outcome == "ok":
+            first = None if job.first_audio is None else self.queue_wait + job.first_audio  # from arrival
             audio = job.audio / state.engine.sample_rate
-            first = None if job.first_audio is None else queue_wait + job.first_audio  # from the request's arrival
-            state.metrics.speech_done(queue_wait, first, time.perf_counter() - job.started, audio)
+            state.metrics.speech_done(self.queue_wait, first, time.perf_counter() - job.started, audio)
+        await self.chunks.aclose()
+
+
+class _StreamResponse(StreamingResponse):
+    """A StreamingResponse that closes its :class:`_SpeechStream` even when the body was never iterated (a client
+    that hung up before the status line went out)."""
+
+    def __init__(self, stream: _SpeechStream, **kw: Any) -> None:
+        super().__init__(stream.body(), **kw)
+        self.stream = stream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.stream.close()

@@ -111,7 +111,7 @@ class Admission:
         self._slots.release()
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity: the app keeps the running ones in a set
 class Job:
     """One synthesis crossing from a worker thread to the event loop."""
 
