@@ -41,13 +41,28 @@ def _need(ok: bool, field_name: str, msg: str) -> None:
         raise ConfigError(f"flow config: {field_name} {msg}")
 
 
-def _args(node: Tagged | None, expected: str, where: str) -> dict[str, Any]:
+def class_args(node: Tagged | None, expected: str, where: str) -> dict[str, Any]:
+    """The arguments of a yaml ``!new:`` node of class ``expected`` ({} for None); ConfigError otherwise."""
     if node is None:
         return {}
     if not isinstance(node, Tagged) or node.class_name != expected:
         name = node.class_name if isinstance(node, Tagged) else type(node).__name__
         raise ConfigError(f"flow config: {where} is {name}, expected {expected}")
     return dict(node.args) if isinstance(node.args, dict) else {}
+
+
+def unet_args(a: dict[str, Any]) -> dict[str, Any]:
+    """The arguments both official UNet decoders (v1 ``ConditionalDecoder``, v2 ``CausalConditionalDecoder``)
+    share, with the official constructors' defaults where the yaml leaves them out."""
+    return {
+        "channels": tuple(int(c) for c in a.get("channels", (256, 256))),
+        "dropout": float(a.get("dropout", 0.05)),
+        "attention_head_dim": int(a.get("attention_head_dim", 64)),
+        "n_blocks": int(a.get("n_blocks", 1)),
+        "num_mid_blocks": int(a.get("num_mid_blocks", 2)),
+        "num_heads": int(a.get("num_heads", 4)),
+        "act_fn": str(a.get("act_fn", "snake")),
+    }
 
 
 @dataclass
@@ -73,7 +88,7 @@ class FlowEncoderConfig:
 
     @classmethod
     def from_yaml(cls, node: Tagged) -> FlowEncoderConfig:
-        a = _args(node, "UpsampleConformerEncoder", "flow.encoder")
+        a = class_args(node, "UpsampleConformerEncoder", "flow.encoder")
         unsupported = {
             "input_layer": "linear",
             "pos_enc_layer_type": "rel_pos_espnet",
@@ -121,17 +136,11 @@ class FlowEstimatorConfig:
 
     @classmethod
     def from_yaml(cls, node: Tagged) -> FlowEstimatorConfig:
-        a = _args(node, "CausalConditionalDecoder", "flow.decoder.estimator")
+        a = class_args(node, "CausalConditionalDecoder", "flow.decoder.estimator")
         return cls(
             in_channels=int(a.get("in_channels", cls.in_channels)),
             out_channels=int(a.get("out_channels", cls.out_channels)),
-            channels=tuple(int(c) for c in a.get("channels", (256, 256))),
-            dropout=float(a.get("dropout", 0.05)),
-            attention_head_dim=int(a.get("attention_head_dim", 64)),
-            n_blocks=int(a.get("n_blocks", 1)),
-            num_mid_blocks=int(a.get("num_mid_blocks", 2)),
-            num_heads=int(a.get("num_heads", 4)),
-            act_fn=str(a.get("act_fn", "snake")),
+            **unet_args(a),
             static_chunk_size=int(a.get("static_chunk_size", 50)),
             num_decoding_left_chunks=int(a.get("num_decoding_left_chunks", 2)),
         )
@@ -161,9 +170,9 @@ class CFMConfig:
     @classmethod
     def from_yaml(cls, node: Tagged, expected: str = "CausalConditionalCFM") -> CFMConfig:
         """Read ``flow.decoder`` (v2 ``CausalConditionalCFM``; v1 passes ``expected="ConditionalCFM"``)."""
-        a = _args(node, expected, "flow.decoder")
+        a = class_args(node, expected, "flow.decoder")
         params = a.get("cfm_params")
-        p = _args(params, "DictConfig", "flow.decoder.cfm_params").get("content", {}) if params else {}
+        p = class_args(params, "DictConfig", "flow.decoder.cfm_params").get("content", {}) if params else {}
         return cls(
             in_channels=int(a.get("in_channels", cls.in_channels)),
             n_spks=int(a.get("n_spks", 1)),

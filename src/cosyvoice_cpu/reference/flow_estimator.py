@@ -79,13 +79,17 @@ class CausalBlock(nn.Module):
 
 
 class CausalResnetBlock(nn.Module):
-    """Two causal blocks with the time embedding added in between, plus a 1x1 residual projection."""
+    """Two causal blocks with the time embedding added in between, plus a 1x1 residual projection.
+
+    ``block`` is the conv block class (CosyVoice-300M's UNet uses the same layout with GroupNorm blocks)."""
+
+    block: type[nn.Module] = CausalBlock
 
     def __init__(self, dim: int, dim_out: int, time_emb_dim: int) -> None:
         super().__init__()
         self.mlp = nn.Sequential(nn.Mish(), nn.Linear(time_emb_dim, dim_out))
-        self.block1 = CausalBlock(dim, dim_out)
-        self.block2 = CausalBlock(dim_out, dim_out)
+        self.block1 = self.block(dim, dim_out)
+        self.block2 = self.block(dim_out, dim_out)
         self.res_conv = nn.Conv1d(dim, dim_out, 1)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, t_emb: torch.Tensor) -> torch.Tensor:

@@ -26,8 +26,15 @@ import torch
 from torch import nn
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.reference.flow_estimator import MASK_BIAS, TimestepMLP, TransformerBlock, timestep_embedding
-from cosyvoice_cpu.reference.yamlconf import Tagged
+from cosyvoice_cpu.reference.flow import class_args, unet_args
+from cosyvoice_cpu.reference.flow_estimator import (
+    MASK_BIAS,
+    CausalResnetBlock,
+    FlowEstimator,
+    TimestepMLP,
+    TransformerBlock,
+    timestep_embedding,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,21 +71,12 @@ class UNetEstimatorConfig:
     @classmethod
     def from_yaml(cls, node: Any) -> UNetEstimatorConfig:
         """Read ``flow.decoder.estimator: !new:cosyvoice.flow.decoder.ConditionalDecoder`` (official defaults)."""
-        if not isinstance(node, Tagged) or node.class_name != "ConditionalDecoder":
-            name = node.class_name if isinstance(node, Tagged) else type(node).__name__
-            raise ConfigError(f"flow config: flow.decoder.estimator is {name}, expected ConditionalDecoder")
-        a = node.args if isinstance(node.args, dict) else {}
-        cfg = cls(
-            in_channels=int(a["in_channels"]),
-            out_channels=int(a["out_channels"]),
-            channels=tuple(int(c) for c in a.get("channels", (256, 256))),
-            dropout=float(a.get("dropout", 0.05)),
-            attention_head_dim=int(a.get("attention_head_dim", 64)),
-            n_blocks=int(a.get("n_blocks", 1)),
-            num_mid_blocks=int(a.get("num_mid_blocks", 2)),
-            num_heads=int(a.get("num_heads", 4)),
-            act_fn=str(a.get("act_fn", "snake")),
-        )
+        if node is None:
+            raise ConfigError("flow config: flow.decoder.estimator is missing, expected ConditionalDecoder")
+        a = class_args(node, "ConditionalDecoder", "flow.decoder.estimator")
+        if "in_channels" not in a or "out_channels" not in a:
+            raise ConfigError("flow config: flow.decoder.estimator needs in_channels and out_channels")
+        cfg = cls(in_channels=int(a["in_channels"]), out_channels=int(a["out_channels"]), **unet_args(a))
         cfg.validate()
         return cfg
 
@@ -94,20 +92,10 @@ class Block1D(nn.Module):
         return self.block(x * mask) * mask
 
 
-class ResnetBlock1D(nn.Module):
+class ResnetBlock1D(CausalResnetBlock):
     """Two :class:`Block1D` with the projected time embedding added in between, plus a 1x1 residual conv."""
 
-    def __init__(self, dim: int, dim_out: int, time_emb_dim: int) -> None:
-        super().__init__()
-        self.mlp = nn.Sequential(nn.Mish(), nn.Linear(time_emb_dim, dim_out))
-        self.block1 = Block1D(dim, dim_out)
-        self.block2 = Block1D(dim_out, dim_out)
-        self.res_conv = nn.Conv1d(dim, dim_out, 1)
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, t_emb: torch.Tensor) -> torch.Tensor:
-        """x (B, C_in, T), mask (B, 1, T), t_emb (B, E) -> (B, C_out, T)."""
-        h = self.block1(x, mask) + self.mlp(t_emb).unsqueeze(-1)
-        return self.block2(h, mask) + self.res_conv(x * mask)
+    block = Block1D
 
 
 class Resample(nn.Module):
@@ -175,12 +163,8 @@ class UNetEstimator(nn.Module):
 
     @staticmethod
     def _run(stage: nn.ModuleList, x: torch.Tensor, mask: torch.Tensor, t_emb: torch.Tensor) -> torch.Tensor:
-        """Resnet block on (B, C, T), then the transformer blocks on (B, T, C); returns (B, C, T)."""
-        bias = full_attention_bias(mask)
-        x = stage[0](x, mask, t_emb).transpose(1, 2)
-        for block in stage[1]:
-            x = block(x, bias)
-        return x.transpose(1, 2)
+        """The v2 stage runner with full attention over this resolution's mask; returns (B, C, T)."""
+        return FlowEstimator._run(stage, x, mask, t_emb, full_attention_bias(mask))
 
     def forward(
         self,

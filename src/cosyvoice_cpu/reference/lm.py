@@ -21,7 +21,7 @@ from torch import nn
 
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.reference.qwen2 import Qwen2Config, Qwen2Model
-from cosyvoice_cpu.reference.sampling import Draw, SamplingConfig, sample_next, torch_draw
+from cosyvoice_cpu.reference.sampling import Draw, SamplingConfig, sample_next, sampling_from_yaml, torch_draw
 from cosyvoice_cpu.reference.yamlconf import Tagged
 
 logger = logging.getLogger(__name__)
@@ -70,15 +70,7 @@ class LMConfig:
         """Build from the yaml's ``llm: !new:cosyvoice.llm.llm.Qwen2LM`` node and the backbone config."""
         if node.class_name != "Qwen2LM":
             raise ConfigError(f"expected a Qwen2LM llm entry, got {node.target}")
-        s = node.get("sampling")
-        sampling = SamplingConfig()
-        if isinstance(s, Tagged):
-            sampling = SamplingConfig(
-                top_p=float(s.get("top_p", 0.8)),
-                top_k=int(s.get("top_k", 25)),
-                win_size=int(s.get("win_size", 10)),
-                tau_r=float(s.get("tau_r", 0.1)),
-            )
+        sampling = sampling_from_yaml(node.get("sampling"))
         cfg = cls(
             qwen=qwen,
             llm_input_size=int(node.get("llm_input_size", 896)),

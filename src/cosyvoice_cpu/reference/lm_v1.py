@@ -27,7 +27,7 @@ from torch import nn
 
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.reference.espnet import ConformerEncoder, EncoderConfig, TransformerStack
-from cosyvoice_cpu.reference.sampling import Draw, SamplingConfig, sample_next, torch_draw
+from cosyvoice_cpu.reference.sampling import Draw, SamplingConfig, sample_next, sampling_from_yaml, torch_draw
 from cosyvoice_cpu.reference.yamlconf import Tagged
 
 logger = logging.getLogger(__name__)
@@ -107,15 +107,7 @@ class TransformerLMConfig:
         for key in ("text_encoder", "llm"):
             if key not in node.args:
                 raise ConfigError(f"llm: TransformerLM needs a {key!r} entry")
-        s = node.get("sampling")
-        sampling = SamplingConfig()
-        if isinstance(s, Tagged):
-            sampling = SamplingConfig(
-                top_p=float(s.get("top_p", 0.8)),
-                top_k=int(s.get("top_k", 25)),
-                win_size=int(s.get("win_size", 10)),
-                tau_r=float(s.get("tau_r", 0.1)),
-            )
+        sampling = sampling_from_yaml(node.get("sampling"))
         cfg = cls(
             text_encoder_input_size=int(node["text_encoder_input_size"]),
             llm_input_size=int(node["llm_input_size"]),

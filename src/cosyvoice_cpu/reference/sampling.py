@@ -14,17 +14,28 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
+
+from cosyvoice_cpu.reference.yamlconf import Tagged
 
 # One settings class for the reference and the runtime (plain data, no torch); re-exported from here.
 from cosyvoice_cpu.sampling import SamplingConfig
 
 logger = logging.getLogger(__name__)
-__all__ = ["Draw", "SamplingConfig", "nucleus_sample", "ras_sample", "sample_next", "torch_draw"]
+__all__ = ["Draw", "SamplingConfig", "nucleus_sample", "ras_sample", "sample_next", "sampling_from_yaml", "torch_draw"]
 
 Draw = Callable[[torch.Tensor], int]
 """Draw one index from an unnormalised probability vector (N,)."""
+
+
+def sampling_from_yaml(node: Any) -> SamplingConfig:
+    """The LM's ``sampling: !name:cosyvoice.utils.common.ras_sampling`` arguments (defaults where absent)."""
+    if not isinstance(node, Tagged):
+        return SamplingConfig()
+    return SamplingConfig(top_p=float(node.get("top_p", 0.8)), top_k=int(node.get("top_k", 25)),
+                          win_size=int(node.get("win_size", 10)), tau_r=float(node.get("tau_r", 0.1)))  # fmt: skip
 
 
 def torch_draw(generator: torch.Generator | None = None) -> Draw:
