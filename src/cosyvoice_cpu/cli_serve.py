@@ -38,11 +38,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logger.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)", args.host)
     print(f"serving {engine.model_dir} on http://{args.host}:{args.port} ({settings.max_active} at once, "
           f"voices in {settings.voices_dir})", flush=True)  # fmt: skip
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=10)  # fmt: skip
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+        _draining_server(config, app).run()
     finally:
         engine.close()
     return 0
+
+
+def _draining_server(config: object, app: object) -> object:
+    """A uvicorn server that, at SIGTERM/SIGINT, makes the app answer new speech requests with 503 while the
+    running ones finish (the graceful window), instead of only after that window."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:
+            admission = app.state.cosyvoice.admission
+            if admission is not None:
+                admission.draining = True
+            super().handle_exit(sig, frame)
+
+    return DrainingServer(config)
 
 
 def add_parser(sub: argparse._SubParsersAction, positive: type, non_negative: type) -> None:

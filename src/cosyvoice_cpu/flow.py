@@ -168,6 +168,9 @@ class FlowStage:
                    d / FILES["flow_noise"], settings, threads)  # fmt: skip
 
     def _estimator(self, kind: str) -> Any:
+        session = self._sessions.get(kind)
+        if session is not None:  # opened: no lock (opening one must not stall callers of the other)
+            return session
         with self._lock:
             if kind not in self._sessions:
                 path, io = self._estimators[kind]

@@ -136,6 +136,8 @@ def top_k_order(probs: np.ndarray, k: int) -> np.ndarray:
         return np.argsort(-probs, kind="stable")
     kth = np.partition(probs, n - k)[n - k]
     candidates = np.flatnonzero(probs >= kth)  # ascending ids, so the stable sort below keeps id order on ties
+    if len(candidates) < k:  # NaN scores compare false: the full sort, as before (the draw then reports them)
+        return np.argsort(-probs, kind="stable")[:k]
     return candidates[np.argsort(-probs[candidates], kind="stable")][:k]
 
 

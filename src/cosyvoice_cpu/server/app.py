@@ -23,7 +23,7 @@ from typing import Any
 from cosyvoice_cpu.config import SynthesisConfig
 from cosyvoice_cpu.errors import ConfigError, CosyVoiceCpuError
 from cosyvoice_cpu.server.metrics import Metrics
-from cosyvoice_cpu.server.speech import Admission, Rejected
+from cosyvoice_cpu.server.speech import Admission, Rejected, StreamAborted
 from cosyvoice_cpu.server.voices import VoiceExistsError, VoiceNotFoundError, VoiceStore
 
 logger = logging.getLogger(__name__)
@@ -92,6 +92,42 @@ class State:
         self.jobs: set[Any] = set()  # running syntheses (server.speech.Job), cancelled at shutdown
 
 
+class ApiKeyMiddleware:
+    """Plain ASGI middleware: ``/v1/*`` and ``/metrics`` need ``Authorization: Bearer <key>``.
+
+    Not Starlette's ``BaseHTTPMiddleware``, which re-streams responses: it ended a speech stream that failed half
+    way cleanly (the client could not tell truncated audio from complete audio) and hid client disconnects. The
+    path checked is the routed one (``scope["path"]``), never one rebuilt from the Host header.
+    """
+
+    def __init__(self, app: Any, key: str, metrics: Metrics, reject: Any) -> None:
+        self.app, self.metrics, self.reject = app, metrics, reject
+        self.want = f"Bearer {key}".encode("utf-8", "replace")
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path.startswith("/v1/") or path == "/metrics"):
+            given = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+            if not secrets.compare_digest(given, self.want):
+                self.metrics.count(_label(path), "bad_request")
+                await self.reject()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+ENDPOINTS = ("/v1/audio/speech", "/v1/audio/voices", "/v1/models", "/health", "/metrics", "/")
+
+
+def endpoint_label(request: Any) -> str:
+    """A bounded metrics label for a request: the endpoint it is for, or ``other`` (never the raw path, which a
+    client could vary without end)."""
+    return _label(request.scope.get("path", ""))
+
+
+def _label(path: str) -> str:
+    return next((e for e in ENDPOINTS if path == e or (e != "/" and path.startswith(e + "/"))), "other")
+
+
 def _rss_bytes() -> int:
     try:
         with open("/proc/self/statm") as f:
@@ -137,7 +173,7 @@ def create_app(engine: Any, settings: ServerSettings) -> Any:
         state.admission.draining = True
         for job in list(state.jobs):  # running syntheses stop at their next token instead of holding the exit
             job.cancel.set()
-        state.executor.shutdown(wait=False, cancel_futures=True)
+        state.executor.shutdown(wait=False)
 
     app = FastAPI(title="cosyvoice-cpu", version=_version(), lifespan=lifespan)
     app.state.cosyvoice = state
@@ -153,17 +189,18 @@ def create_app(engine: Any, settings: ServerSettings) -> Any:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException) -> Any:  # unknown paths, wrong methods
         what = f"no endpoint {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
-        return error_response(e.status_code, f"{what} (see /docs for the API)", "invalid_request_error")
+        return error_response(e.status_code, f"{what} (see /docs for the API)", "invalid_request_error",
+                              headers=getattr(e, "headers", None))  # fmt: skip
 
     @app.exception_handler(Rejected)
     async def _rejected(request: Request, e: Rejected) -> Any:
-        m.count(request.url.path, "rejected")
+        m.count(endpoint_label(request), "rejected")
         return error_response(e.status, str(e), "server_busy" if e.status == 429 else "unavailable",
                               headers={"Retry-After": str(e.retry_after)})  # fmt: skip
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> Any:
-        m.count(request.url.path, "bad_request")
+        m.count(endpoint_label(request), "bad_request")
         problems = []
         for err in e.errors()[:5]:
             if err.get("type") == "json_invalid":
@@ -175,26 +212,21 @@ def create_app(engine: Any, settings: ServerSettings) -> Any:
 
     @app.exception_handler(CosyVoiceCpuError)
     async def _config(request: Request, e: CosyVoiceCpuError) -> Any:
-        m.count(request.url.path, "bad_request")
+        m.count(endpoint_label(request), "bad_request")
         return error_response(400, str(e), "invalid_request_error")
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, e: Exception) -> Any:
+        if isinstance(e, StreamAborted):  # a speech stream cut after its status line: counted, logged, answered
+            raise e
         logger.exception("%s %s failed", request.method, request.url.path)
-        m.count(request.url.path, "error")
+        m.count(endpoint_label(request), "error")
         return error_response(500, f"internal error ({type(e).__name__}); the server keeps running", "server_error")
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Any) -> Any:
-        path = request.url.path
-        if settings.api_key and (path.startswith("/v1/") or path == "/metrics"):
-            given = request.headers.get("authorization", "")
-            want = f"Bearer {settings.api_key}"
-            if not secrets.compare_digest(given.encode(), want.encode()):
-                m.count(path, "bad_request")
-                return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                      "authentication_error", "invalid_api_key")  # fmt: skip
-        return await call_next(request)
+    if settings.api_key:
+        message = "missing or wrong API key: send 'Authorization: Bearer <key>'"
+        reject = lambda: error_response(401, message, "authentication_error", "invalid_api_key")  # noqa: E731
+        app.add_middleware(ApiKeyMiddleware, key=settings.api_key, metrics=m, reject=reject)
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def page() -> Any:

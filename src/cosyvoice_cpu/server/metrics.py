@@ -18,6 +18,11 @@ RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0)
 OUTCOMES = ("ok", "bad_request", "rejected", "cancelled", "timeout", "error")
 
 
+def _escape(value: str) -> str:
+    """A label value in the exposition format (backslash, double quote and newline escaped)."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 class Histogram:
     """A cumulative-bucket histogram (Prometheus ``_bucket``/``_sum``/``_count``)."""
 
@@ -82,7 +87,7 @@ class Metrics:
             lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *body])
 
         with self._lock:
-            body = [f'cosyvoice_requests_total{{endpoint="{e}",outcome="{o}"}} {n}'
+            body = [f'cosyvoice_requests_total{{endpoint="{_escape(e)}",outcome="{o}"}} {n}'
                     for (e, o), n in sorted(self.requests.items())]  # fmt: skip
             block("cosyvoice_requests_total", "counter", "HTTP requests by endpoint and outcome.", body)
             for name, hist, help_ in (

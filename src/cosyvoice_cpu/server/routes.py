@@ -19,7 +19,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.server.encode import Encoder, UnsupportedFormatError, check_format
-from cosyvoice_cpu.server.speech import OPENAI_MODELS, Cancelled, Job, SpeechRequest, TimedOut
+from cosyvoice_cpu.server.speech import OPENAI_MODELS, Cancelled, Job, SpeechRequest, StreamAborted, TimedOut
 from cosyvoice_cpu.voice import check_name
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ def add_routes(app: Any, state: Any, api_error: type, exists: type, not_found: t
                 "sample_rate": state.engine.sample_rate}]}  # fmt: skip
 
     @app.post(SPEECH)
-    async def speech(body: SpeechRequest) -> Any:
+    async def speech(body: SpeechRequest, request: Request) -> Any:
         if body.model not in (state.model_id, state.engine.manifest.family, *OPENAI_MODELS):
             raise api_error(400, f"unknown model {body.model!r}; this server has {state.model_id!r} "
                             f"(or use {', '.join(OPENAI_MODELS)})", code="model_not_found")  # fmt: skip
@@ -60,24 +60,26 @@ def add_routes(app: Any, state: Any, api_error: type, exists: type, not_found: t
             raise api_error(400, str(e), code="voice_not_found") from e
         config = body.synthesis_config(settings.defaults)
         instruct = body.instructions.strip() if body.instructions and body.instructions.strip() else None
+        encoder = Encoder(fmt, state.engine.sample_rate, streaming=True)  # before taking a slot: it may fail
         queue_wait = await state.admission.enter()
-        job = None
+        job = Job(lambda check: state.engine.synthesize(body.input, voice, config, instruct, check=check),
+                  settings.timeout)  # fmt: skip
+        state.jobs.add(job)
+        watcher = asyncio.create_task(_watch_disconnect(request, job))
         try:
-            job = Job(lambda check: state.engine.synthesize(body.input, voice, config, instruct, check=check),
-                      settings.timeout)  # fmt: skip
-            state.jobs.add(job)
             chunks = job.chunks(state.executor)
             try:  # the first chunk before the status line: early failures still get their 4xx/5xx
                 first = await chunks.__anext__()
             except StopAsyncIteration:
                 first = np.zeros(0, np.float32)
         except BaseException as e:
-            state.admission.leave()
-            if job is not None:
-                state.jobs.discard(job)
+            watcher.cancel()
+            job.cancel.set()
+            job.when_done(lambda: _release(state, job))
+            if isinstance(e, asyncio.CancelledError):
+                raise
             raise _as_api_error(e, m, api_error) from e
-        encoder = Encoder(fmt, state.engine.sample_rate, streaming=True)
-        stream = _SpeechStream(first, chunks, job, encoder, body.stream_format == "sse", queue_wait, state)
+        stream = _SpeechStream(first, chunks, job, encoder, body.stream_format == "sse", queue_wait, state, watcher)
         media = "text/event-stream" if stream.sse else encoder.media_type
         return _StreamResponse(stream, media_type=media,
                                headers={"Cache-Control": "no-store", "X-Sample-Rate": str(state.engine.sample_rate)})
@@ -155,12 +157,28 @@ def _as_api_error(e: BaseException, m: Any, api_error: type) -> Exception:
     if isinstance(e, TimedOut):
         m.count(SPEECH, "timeout")
         return api_error(504, str(e), "timeout")
-    if isinstance(e, (Cancelled, asyncio.CancelledError)):
+    if isinstance(e, Cancelled):
         m.count(SPEECH, "cancelled")
         return api_error(499, "the request was cancelled", "cancelled")
     logger.error("synthesis failed: %s", e, exc_info=e)
     m.count(SPEECH, "error")
-    return api_error(500, f"synthesis failed ({type(e).__name__}: {e}); the server keeps running", "server_error")
+    return api_error(500, f"synthesis failed ({type(e).__name__}); the server keeps running", "server_error")
+
+
+def _release(state: Any, job: Job) -> None:
+    """Free a request's slot; called once its worker thread has stopped."""
+    state.jobs.discard(job)
+    state.admission.leave()
+
+
+async def _watch_disconnect(request: Request, job: Job) -> None:
+    """Cancel ``job`` when the client goes away (also while the first chunk is still being made)."""
+    while not job.cancel.is_set():
+        if await request.is_disconnected():
+            logger.info("client went away: cancelling its synthesis")
+            job.cancel.set()
+            return
+        await asyncio.sleep(0.1)
 
 
 def _sse(event: dict[str, Any]) -> bytes:
@@ -172,9 +190,9 @@ class _SpeechStream:
     (finished, failed, client gone, or never started): free the slot, stop the worker, count the outcome."""
 
     def __init__(self, first: np.ndarray, chunks: AsyncIterator[np.ndarray], job: Job, encoder: Encoder, sse: bool,
-                 queue_wait: float, state: Any) -> None:  # fmt: skip
+                 queue_wait: float, state: Any, watcher: asyncio.Task) -> None:  # fmt: skip
         self.first, self.chunks, self.job, self.encoder, self.sse = first, chunks, job, encoder, sse
-        self.queue_wait, self.state = queue_wait, state
+        self.queue_wait, self.state, self.watcher = queue_wait, state, watcher
         self.closed = False
 
     def _emit(self, data: bytes) -> bytes:
@@ -197,19 +215,15 @@ class _SpeechStream:
                 seconds = round(self.job.audio / self.state.engine.sample_rate, 3)
                 yield _sse({"type": "speech.audio.done", "usage": {"output_audio_seconds": seconds}})
             outcome = "ok"
-        except TimedOut as e:
-            outcome = "timeout"
-            logger.warning("stream stopped: %s", e)
-            if self.sse:
-                yield _sse({"type": "error", "error": {"message": str(e), "type": "timeout"}})
         except Cancelled:
             pass  # the client is gone (or the server is stopping): nobody to tell
-        except Exception as e:  # the status is sent: end the stream (SSE clients get an error event)
-            outcome = "error"
-            logger.error("stream failed: %s", e, exc_info=e)
-            if self.sse:
-                message = f"synthesis failed ({type(e).__name__})"
-                yield _sse({"type": "error", "error": {"message": message, "type": "server_error"}})
+        except Exception as e:  # the status line is sent: SSE clients get an error event, others a cut connection
+            outcome = "timeout" if isinstance(e, TimedOut) else "error"
+            logger.warning("stream stopped: %s", e, exc_info=outcome == "error")
+            if not self.sse:
+                raise StreamAborted(f"speech stream aborted: {e}") from e  # no final chunk: clients see truncation
+            kind, message = ("timeout", str(e)) if outcome == "timeout" else ("server_error", "synthesis failed")
+            yield _sse({"type": "error", "error": {"message": message, "type": kind}})
         finally:
             await self.close(outcome)
 
@@ -219,9 +233,9 @@ class _SpeechStream:
             return
         self.closed = True
         job, state = self.job, self.state
+        self.watcher.cancel()
         job.cancel.set()  # a no-op when it finished; otherwise the worker stops at its next token
-        state.jobs.discard(job)
-        state.admission.leave()
+        job.when_done(lambda: _release(state, job))
         state.metrics.count(SPEECH, outcome)
         if outcome == "ok":
             first = None if job.first_audio is None else self.queue_wait + job.first_audio  # from arrival

@@ -2,8 +2,10 @@
 
 A synthesis runs in a worker thread (at most ``max_active`` at once; their LM steps are batched by the engine's
 scheduler). Audio chunks cross to the event loop through an asyncio queue as they are produced, so the first
-chunk is on the wire while later ones are synthesized. A client that goes away sets the job's cancel flag; the
-engine checks it at every speech token, so the work stops within one LM step (or one flow call).
+chunk is on the wire while later ones are synthesized. A client that goes away (seen by a watcher of the ASGI
+receive channel, also before the first chunk) sets the job's cancel flag; the engine checks it at every speech
+token, so the work stops within one LM step or one flow call. The request's slot is freed when the worker thread
+has actually stopped.
 """
 
 from __future__ import annotations
@@ -77,6 +79,11 @@ class Cancelled(Exception):
     """The client went away."""
 
 
+class StreamAborted(Exception):
+    """Raised out of a non-SSE speech body (already counted) so the server cuts the connection instead of ending
+    the chunked body cleanly: the client can tell truncated audio from complete audio."""
+
+
 class TimedOut(Exception):
     """The request ran past the server's per-request timeout."""
 
@@ -121,6 +128,15 @@ class Job:
     started: float = field(default_factory=time.perf_counter)
     first_audio: float | None = None
     audio: float = 0.0
+    future: Any = None  # the worker's asyncio future, once started
+
+    def when_done(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (in the event loop) once the worker thread has stopped, or now if it never ran or
+        already stopped: the request's slot is freed then, not when the client went away."""
+        if self.future is None or self.future.done():
+            callback()
+        else:
+            self.future.add_done_callback(lambda _: callback())
 
     def check(self) -> None:
         if self.cancel.is_set():
@@ -146,7 +162,7 @@ class Job:
             except BaseException as e:  # handed to the event loop and raised there
                 loop.call_soon_threadsafe(q.put_nowait, e)
 
-        future = loop.run_in_executor(executor, work)
+        future = self.future = loop.run_in_executor(executor, work)
         try:
             while True:
                 item = await q.get()
@@ -160,4 +176,4 @@ class Job:
                 yield item
         finally:
             self.cancel.set()  # a no-op when finished; stops the worker when the client went away
-            await asyncio.shield(future)
+            await asyncio.shield(future)  # (under a cancelled task this may raise at once: see Job.when_done)
