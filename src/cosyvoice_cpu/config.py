@@ -17,7 +17,8 @@ from cosyvoice_cpu.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 
-def _need(ok: bool, name: str, value: Any, rule: str) -> None:
+def need(ok: bool, name: str, value: Any, rule: str) -> None:
+    """Raise ConfigError ``"<name> = <value> is out of range: <rule>"`` unless ``ok``."""
     if not ok:
         raise ConfigError(f"{name} = {value!r} is out of range: {rule}")
 
@@ -64,10 +65,10 @@ class EngineConfig:
 
     def validate(self) -> EngineConfig:
         _types(self, ("threads", "leave_cores", "prompt_cache_mb", "lm_batch_rows"), ())
-        _need(0 <= self.lm_batch_rows <= 256, "lm_batch_rows", self.lm_batch_rows, "0 (off) to 256")
-        _need(0 <= self.prompt_cache_mb <= 1 << 20, "prompt_cache_mb", self.prompt_cache_mb, "0 to 1048576")
-        _need(0 <= self.threads <= 512, "threads", self.threads, "0 (auto) to 512")
-        _need(0 <= self.leave_cores <= 64, "leave_cores", self.leave_cores, "0 to 64")
+        need(0 <= self.lm_batch_rows <= 256, "lm_batch_rows", self.lm_batch_rows, "0 (off) to 256")
+        need(0 <= self.prompt_cache_mb <= 1 << 20, "prompt_cache_mb", self.prompt_cache_mb, "0 to 1048576")
+        need(0 <= self.threads <= 512, "threads", self.threads, "0 (auto) to 512")
+        need(0 <= self.leave_cores <= 64, "leave_cores", self.leave_cores, "0 to 64")
         return self
 
 
@@ -114,22 +115,22 @@ class SynthesisConfig:
                       "win_size", "min_tokens", "max_tokens"),
                ("cfg_rate", "speed", "top_p", "tau_r"),
                optional=("seed", "top_p", "top_k", "win_size", "tau_r", "min_tokens", "max_tokens"))
-        _need(self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "0 to 2**63-1, or None")
-        _need(1 <= self.flow_steps <= 100, "flow_steps", self.flow_steps, "1 to 100 (official 10)")
-        _need(0.0 <= self.cfg_rate <= 10.0, "cfg_rate", self.cfg_rate, "0 to 10 (official 0.7)")
-        _need(0.5 <= self.speed <= 2.0, "speed", self.speed, "0.5 to 2.0")
-        _need(5 <= self.first_chunk_tokens <= 500, "first_chunk_tokens", self.first_chunk_tokens, "5 to 500")
-        _need(self.first_chunk_tokens <= self.chunk_tokens <= 1000, "chunk_tokens", self.chunk_tokens,
+        need(self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "0 to 2**63-1, or None")
+        need(1 <= self.flow_steps <= 100, "flow_steps", self.flow_steps, "1 to 100 (official 10)")
+        need(0.0 <= self.cfg_rate <= 10.0, "cfg_rate", self.cfg_rate, "0 to 10 (official 0.7)")
+        need(0.5 <= self.speed <= 2.0, "speed", self.speed, "0.5 to 2.0")
+        need(5 <= self.first_chunk_tokens <= 500, "first_chunk_tokens", self.first_chunk_tokens, "5 to 500")
+        need(self.first_chunk_tokens <= self.chunk_tokens <= 1000, "chunk_tokens", self.chunk_tokens,
               f"first_chunk_tokens ({self.first_chunk_tokens}) to 1000")
-        _need(0 <= self.context_tokens <= 1000, "context_tokens", self.context_tokens, "0 to 1000")
-        _need(self.top_p is None or 0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
-        _need(self.top_k is None or 1 <= self.top_k <= 6561, "top_k", self.top_k, "1 to 6561")
-        _need(self.win_size is None or 1 <= self.win_size <= 1000, "win_size", self.win_size, "1 to 1000")
-        _need(self.tau_r is None or 0.0 <= self.tau_r <= 1.0, "tau_r", self.tau_r, "0 to 1")
-        _need(self.min_tokens is None or 0 <= self.min_tokens <= 5000, "min_tokens", self.min_tokens, "0 to 5000")
-        _need(self.max_tokens is None or 1 <= self.max_tokens <= 5000, "max_tokens", self.max_tokens, "1 to 5000")
+        need(0 <= self.context_tokens <= 1000, "context_tokens", self.context_tokens, "0 to 1000")
+        need(self.top_p is None or 0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
+        need(self.top_k is None or 1 <= self.top_k <= 6561, "top_k", self.top_k, "1 to 6561")
+        need(self.win_size is None or 1 <= self.win_size <= 1000, "win_size", self.win_size, "1 to 1000")
+        need(self.tau_r is None or 0.0 <= self.tau_r <= 1.0, "tau_r", self.tau_r, "0 to 1")
+        need(self.min_tokens is None or 0 <= self.min_tokens <= 5000, "min_tokens", self.min_tokens, "0 to 5000")
+        need(self.max_tokens is None or 1 <= self.max_tokens <= 5000, "max_tokens", self.max_tokens, "1 to 5000")
         if self.min_tokens is not None and self.max_tokens is not None:
-            _need(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+            need(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
                   f"at most max_tokens ({self.max_tokens})")
         return self
 

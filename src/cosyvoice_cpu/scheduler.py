@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from cosyvoice_cpu.config import need
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.lm_loop import SpeechTokenGenerator, TokenRequest
 
@@ -105,8 +106,8 @@ class LMScheduler:
     """
 
     def __init__(self, generator: SpeechTokenGenerator, max_rows: int = 8) -> None:
-        if not isinstance(max_rows, int) or not 1 <= max_rows <= 256:
-            raise ConfigError(f"max_rows = {max_rows!r} is out of range: 1 to 256 requests decoded at once")
+        need(isinstance(max_rows, int) and 1 <= max_rows <= 256, "max_rows", max_rows,
+             "1 to 256 requests decoded at once")  # fmt: skip
         self.generator = generator
         self.max_rows = max_rows
         self.stats = SchedulerStats()

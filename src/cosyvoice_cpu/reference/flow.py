@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 SUPPORTED_FLOWS = ("CausalMaskedDiffWithXvec",)  # v1 MaskedDiffWithXvec: flow_v1.py; v3 CausalMaskedDiffWithDiT: later
 
 
-def _need(ok: bool, field_name: str, msg: str) -> None:
+def need(ok: bool, field_name: str, msg: str) -> None:
     if not ok:
         raise ConfigError(f"flow config: {field_name} {msg}")
 
@@ -80,11 +80,11 @@ class FlowEncoderConfig:
 
     def validate(self) -> None:
         for name in ("input_size", "output_size", "attention_heads", "linear_units", "num_blocks"):
-            _need(getattr(self, name) > 0, f"encoder.{name}", "must be > 0")
-        _need(self.output_size % self.attention_heads == 0, "encoder.attention_heads", "must divide output_size")
-        _need(self.num_up_blocks >= 0, "encoder.num_up_blocks", "must be >= 0")
-        _need(self.static_chunk_size >= 0, "encoder.static_chunk_size", "must be >= 0")
-        _need(self.upsample_stride >= 1, "encoder.upsample_stride", "must be >= 1")
+            need(getattr(self, name) > 0, f"encoder.{name}", "must be > 0")
+        need(self.output_size % self.attention_heads == 0, "encoder.attention_heads", "must divide output_size")
+        need(self.num_up_blocks >= 0, "encoder.num_up_blocks", "must be >= 0")
+        need(self.static_chunk_size >= 0, "encoder.static_chunk_size", "must be >= 0")
+        need(self.upsample_stride >= 1, "encoder.upsample_stride", "must be >= 1")
 
     @classmethod
     def from_yaml(cls, node: Tagged) -> FlowEncoderConfig:
@@ -98,7 +98,7 @@ class FlowEncoderConfig:
             "macaron_style": False,
         }
         for key, want in unsupported.items():
-            _need(a.get(key, want) == want, f"encoder.{key}", f"= {a.get(key)!r} is not supported (want {want!r})")
+            need(a.get(key, want) == want, f"encoder.{key}", f"= {a.get(key)!r} is not supported (want {want!r})")
         return cls(
             input_size=int(a.get("input_size", cls.input_size)),
             output_size=int(a.get("output_size", 256)),
@@ -126,13 +126,13 @@ class FlowEstimatorConfig:
     num_decoding_left_chunks: int = -1  # read from the yaml, but the official mask ignores it (all left)
 
     def validate(self) -> None:
-        _need(len(self.channels) == 1, "estimator.channels", "must have one entry (single-resolution UNet)")
+        need(len(self.channels) == 1, "estimator.channels", "must have one entry (single-resolution UNet)")
         for name in ("in_channels", "out_channels", "attention_head_dim", "n_blocks", "num_heads"):
-            _need(getattr(self, name) > 0, f"estimator.{name}", "must be > 0")
-        _need(self.channels[0] > 0, "estimator.channels", "must be > 0")
-        _need(self.num_mid_blocks >= 0, "estimator.num_mid_blocks", "must be >= 0")
-        _need(self.act_fn == "gelu", "estimator.act_fn", f"= {self.act_fn!r} is not supported (want 'gelu')")
-        _need(self.static_chunk_size > 0, "estimator.static_chunk_size", "must be > 0")
+            need(getattr(self, name) > 0, f"estimator.{name}", "must be > 0")
+        need(self.channels[0] > 0, "estimator.channels", "must be > 0")
+        need(self.num_mid_blocks >= 0, "estimator.num_mid_blocks", "must be >= 0")
+        need(self.act_fn == "gelu", "estimator.act_fn", f"= {self.act_fn!r} is not supported (want 'gelu')")
+        need(self.static_chunk_size > 0, "estimator.static_chunk_size", "must be > 0")
 
     @classmethod
     def from_yaml(cls, node: Tagged) -> FlowEstimatorConfig:
@@ -161,11 +161,11 @@ class CFMConfig:
     n_timesteps: int = 10  # hard-coded by the official flow inference
 
     def validate(self) -> None:
-        _need(self.solver == "euler", "cfm.solver", f"= {self.solver!r} is not supported (want 'euler')")
-        _need(self.t_scheduler in ("cosine", "linear"), "cfm.t_scheduler", "must be 'cosine' or 'linear'")
-        _need(self.inference_cfg_rate >= 0, "cfm.inference_cfg_rate", "must be >= 0")
-        _need(self.n_timesteps >= 1, "cfm.n_timesteps", "must be >= 1")
-        _need(self.spk_emb_dim > 0, "cfm.spk_emb_dim", "must be > 0")
+        need(self.solver == "euler", "cfm.solver", f"= {self.solver!r} is not supported (want 'euler')")
+        need(self.t_scheduler in ("cosine", "linear"), "cfm.t_scheduler", "must be 'cosine' or 'linear'")
+        need(self.inference_cfg_rate >= 0, "cfm.inference_cfg_rate", "must be >= 0")
+        need(self.n_timesteps >= 1, "cfm.n_timesteps", "must be >= 1")
+        need(self.spk_emb_dim > 0, "cfm.spk_emb_dim", "must be > 0")
 
     @classmethod
     def from_yaml(cls, node: Tagged, expected: str = "CausalConditionalCFM") -> CFMConfig:
@@ -202,18 +202,18 @@ class FlowConfig:
 
     def validate(self) -> None:
         for name in ("input_size", "output_size", "spk_embed_dim", "vocab_size", "token_mel_ratio"):
-            _need(getattr(self, name) > 0, name, "must be > 0")
-        _need(self.pre_lookahead_len >= 0, "pre_lookahead_len", "must be >= 0")
-        _need(self.output_size == 80, "output_size", "must be 80 (the CFM solver is 80-bin)")
-        _need(self.encoder.input_size == self.input_size, "encoder.input_size", "must equal input_size")
-        _need(
+            need(getattr(self, name) > 0, name, "must be > 0")
+        need(self.pre_lookahead_len >= 0, "pre_lookahead_len", "must be >= 0")
+        need(self.output_size == 80, "output_size", "must be 80 (the CFM solver is 80-bin)")
+        need(self.encoder.input_size == self.input_size, "encoder.input_size", "must equal input_size")
+        need(
             self.token_mel_ratio == self.encoder.upsample_stride,
             "token_mel_ratio",
             "must equal the encoder upsampling stride (2)",
         )
-        _need(self.cfm.spk_emb_dim == self.output_size, "cfm.spk_emb_dim", "must equal output_size")
-        _need(self.estimator.in_channels == 4 * self.output_size, "estimator.in_channels", "must be 4*output_size")
-        _need(self.estimator.out_channels == self.output_size, "estimator.out_channels", "must equal output_size")
+        need(self.cfm.spk_emb_dim == self.output_size, "cfm.spk_emb_dim", "must equal output_size")
+        need(self.estimator.in_channels == 4 * self.output_size, "estimator.in_channels", "must be 4*output_size")
+        need(self.estimator.out_channels == self.output_size, "estimator.out_channels", "must equal output_size")
         self.encoder.validate()
         self.estimator.validate()
         self.cfm.validate()

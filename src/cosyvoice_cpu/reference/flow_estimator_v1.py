@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.reference.flow import class_args, unet_args
+from cosyvoice_cpu.reference.flow import class_args, need, unet_args
 from cosyvoice_cpu.reference.flow_estimator import (
     MASK_BIAS,
     CausalResnetBlock,
@@ -56,17 +56,14 @@ class UNetEstimatorConfig:
     act_fn: str = "gelu"
 
     def validate(self) -> None:
-        def need(ok: bool, what: str) -> None:
-            if not ok:
-                raise ConfigError(f"flow config: estimator.{what}")
-
-        need(len(self.channels) >= 1 and all(c > 0 for c in self.channels), "channels must be positive, >= 1 entry")
-        need(all(c % GROUPS == 0 for c in self.channels), f"channels must be multiples of {GROUPS} (GroupNorm)")
-        need(len(set(self.channels)) == 1, "channels must all be equal (the official mid/up blocks assume it)")
+        ch = self.channels
+        need(len(ch) >= 1 and all(c > 0 for c in ch), "estimator.channels", "must be positive, >= 1 entry")
+        need(all(c % GROUPS == 0 for c in ch), "estimator.channels", f"must be multiples of {GROUPS} (GroupNorm)")
+        need(len(set(ch)) == 1, "estimator.channels", "must all be equal (the official mid/up blocks assume it)")
         for name in ("in_channels", "out_channels", "attention_head_dim", "n_blocks", "num_heads"):
-            need(getattr(self, name) > 0, f"{name} must be > 0")
-        need(self.num_mid_blocks >= 0, "num_mid_blocks must be >= 0")
-        need(self.act_fn == "gelu", f"act_fn = {self.act_fn!r} is not supported (want 'gelu')")
+            need(getattr(self, name) > 0, f"estimator.{name}", "must be > 0")
+        need(self.num_mid_blocks >= 0, "estimator.num_mid_blocks", "must be >= 0")
+        need(self.act_fn == "gelu", f"estimator.act_fn = {self.act_fn!r}", "is not supported (want 'gelu')")
 
     @classmethod
     def from_yaml(cls, node: Any) -> UNetEstimatorConfig:

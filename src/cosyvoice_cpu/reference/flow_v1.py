@@ -27,7 +27,7 @@ from torch import nn
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.reference.cfm import ConditionalCFM
 from cosyvoice_cpu.reference.espnet import ConformerEncoder, EncoderConfig
-from cosyvoice_cpu.reference.flow import CFMConfig, FlowConditions
+from cosyvoice_cpu.reference.flow import CFMConfig, FlowConditions, need
 from cosyvoice_cpu.reference.flow_encoder import valid_mask
 from cosyvoice_cpu.reference.flow_estimator_v1 import UNetEstimator, UNetEstimatorConfig
 from cosyvoice_cpu.reference.length_regulator import InterpolateRegulator, frames_for_tokens
@@ -81,21 +81,18 @@ class FlowV1Config:
     cfm: CFMConfig = field(default_factory=CFMConfig)
 
     def validate(self) -> None:
-        def need(ok: bool, what: str) -> None:
-            if not ok:
-                raise ConfigError(f"flow config: {what}")
-
         for name in ("input_size", "spk_embed_dim", "vocab_size", "input_frame_rate"):
-            need(getattr(self, name) > 0, f"{name} must be > 0")
-        need(self.output_size == 80, "output_size must be 80 (the CFM solver is 80-bin)")
-        need(self.encoder.input_size == self.input_size, "encoder.input_size must equal input_size")
+            need(getattr(self, name) > 0, name, "must be > 0")
+        need(self.output_size == 80, "output_size", "must be 80 (the CFM solver is 80-bin)")
+        need(self.encoder.input_size == self.input_size, "encoder.input_size", "must equal input_size")
         lr = self.length_regulator
-        need(lr.channels == self.output_size, "length_regulator.channels must equal output_size")
-        need((lr.out_channels or lr.channels) == self.output_size, "length_regulator.out_channels must be output_size")
-        need(lr.groups > 0 and lr.channels % lr.groups == 0, "length_regulator.groups must divide channels")
-        need(self.estimator.in_channels == 4 * self.output_size, "estimator.in_channels must be 4*output_size")
-        need(self.estimator.out_channels == self.output_size, "estimator.out_channels must equal output_size")
-        need(self.cfm.spk_emb_dim == self.output_size, "decoder.spk_emb_dim must equal output_size")
+        need(lr.channels == self.output_size, "length_regulator.channels", "must equal output_size")
+        need((lr.out_channels or lr.channels) == self.output_size, "length_regulator.out_channels",
+             "must be output_size")  # fmt: skip
+        need(lr.groups > 0 and lr.channels % lr.groups == 0, "length_regulator.groups", "must divide channels")
+        need(self.estimator.in_channels == 4 * self.output_size, "estimator.in_channels", "must be 4*output_size")
+        need(self.estimator.out_channels == self.output_size, "estimator.out_channels", "must equal output_size")
+        need(self.cfm.spk_emb_dim == self.output_size, "decoder.spk_emb_dim", "must equal output_size")
         self.encoder.validate("flow.encoder")
         self.estimator.validate()
         self.cfm.validate()

@@ -20,8 +20,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from cosyvoice_cpu.config import SynthesisConfig
-from cosyvoice_cpu.errors import ConfigError, CosyVoiceCpuError
+from cosyvoice_cpu.config import SynthesisConfig, need
+from cosyvoice_cpu.errors import CosyVoiceCpuError
 from cosyvoice_cpu.server.metrics import Metrics
 from cosyvoice_cpu.server.speech import Admission, Rejected, StreamAborted
 from cosyvoice_cpu.server.voices import VoiceExistsError, VoiceNotFoundError, VoiceStore
@@ -62,8 +62,7 @@ class ServerSettings:
             (0 < self.max_upload_mb <= 1024, "max_upload_mb", "above 0, at most 1024"),
         ]
         for ok, name, rule in checks:
-            if not ok:
-                raise ConfigError(f"server setting {name} = {getattr(self, name)!r} is out of range: {rule}")
+            need(ok, f"server setting {name}", getattr(self, name), rule)
         self.defaults.validate()
         return self
 
@@ -109,7 +108,7 @@ class ApiKeyMiddleware:
         if scope["type"] == "http" and (path.startswith("/v1/") or path == "/metrics"):
             given = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
             if not secrets.compare_digest(given, self.want):
-                self.metrics.count(_label(path), "bad_request")
+                self.metrics.count(endpoint_label(path), "bad_request")
                 await self.reject()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -118,13 +117,9 @@ class ApiKeyMiddleware:
 ENDPOINTS = ("/v1/audio/speech", "/v1/audio/voices", "/v1/models", "/health", "/metrics", "/")
 
 
-def endpoint_label(request: Any) -> str:
-    """A bounded metrics label for a request: the endpoint it is for, or ``other`` (never the raw path, which a
-    client could vary without end)."""
-    return _label(request.scope.get("path", ""))
-
-
-def _label(path: str) -> str:
+def endpoint_label(path: str) -> str:
+    """A bounded metrics label for a request path: the endpoint it is for, or ``other`` (never the raw path,
+    which a client could vary without end)."""
     return next((e for e in ENDPOINTS if path == e or (e != "/" and path.startswith(e + "/"))), "other")
 
 
@@ -194,13 +189,13 @@ def create_app(engine: Any, settings: ServerSettings) -> Any:
 
     @app.exception_handler(Rejected)
     async def _rejected(request: Request, e: Rejected) -> Any:
-        m.count(endpoint_label(request), "rejected")
+        m.count(endpoint_label(request.scope["path"]), "rejected")
         return error_response(e.status, str(e), "server_busy" if e.status == 429 else "unavailable",
                               headers={"Retry-After": str(e.retry_after)})  # fmt: skip
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> Any:
-        m.count(endpoint_label(request), "bad_request")
+        m.count(endpoint_label(request.scope["path"]), "bad_request")
         problems = []
         for err in e.errors()[:5]:
             if err.get("type") == "json_invalid":
@@ -212,7 +207,7 @@ def create_app(engine: Any, settings: ServerSettings) -> Any:
 
     @app.exception_handler(CosyVoiceCpuError)
     async def _config(request: Request, e: CosyVoiceCpuError) -> Any:
-        m.count(endpoint_label(request), "bad_request")
+        m.count(endpoint_label(request.scope["path"]), "bad_request")
         return error_response(400, str(e), "invalid_request_error")
 
     @app.exception_handler(Exception)
@@ -220,7 +215,7 @@ def create_app(engine: Any, settings: ServerSettings) -> Any:
         if isinstance(e, StreamAborted):  # a speech stream cut after its status line: counted, logged, answered
             raise e
         logger.exception("%s %s failed", request.method, request.url.path)
-        m.count(endpoint_label(request), "error")
+        m.count(endpoint_label(request.scope["path"]), "error")
         return error_response(500, f"internal error ({type(e).__name__}); the server keeps running", "server_error")
 
     if settings.api_key:

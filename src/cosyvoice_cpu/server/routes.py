@@ -97,16 +97,20 @@ def add_routes(app: Any, state: Any, api_error: type, exists: type, not_found: t
     @app.post(VOICES, status_code=201)
     async def add_voice(request: Request) -> dict[str, Any]:
         limit = int(settings.max_upload_mb * 2**20)
+        body_limit = limit + 64 * 1024  # the audio plus the multipart framing and the text fields
+
+        def too_large(what: str) -> Exception:
+            return api_error(413, f"{what} is over the limit of {settings.max_upload_mb:g} MB; send 3-10 s of speech",
+                             code="upload_too_large")  # fmt: skip
+
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit + 64 * 1024:
-            raise api_error(413, f"upload of {int(declared)} bytes is over the limit of {settings.max_upload_mb:g} MB; "
-                            "send 3-10 s of speech", code="upload_too_large")  # fmt: skip
+        if declared is not None and declared.isdigit() and int(declared) > body_limit:
+            raise too_large(f"upload of {int(declared)} bytes")
         received = bytearray()
         async for part in request.stream():  # a hard cap, also for chunked uploads without Content-Length
             received += part
-            if len(received) > limit + 64 * 1024:
-                raise api_error(413, f"upload is over the limit of {settings.max_upload_mb:g} MB; send 3-10 s of "
-                                "speech", code="upload_too_large")  # fmt: skip
+            if len(received) > body_limit:
+                raise too_large("upload")
         request._body = bytes(received)  # Starlette's form parser reads the cached body
         try:
             form = await request.form(max_files=1, max_fields=8)
@@ -124,8 +128,7 @@ def add_routes(app: Any, state: Any, api_error: type, exists: type, not_found: t
         data = await upload.read(limit + 1)
         await upload.close()
         if len(data) > limit:
-            raise api_error(413, f"the audio file is over the limit of {settings.max_upload_mb:g} MB",
-                            code="upload_too_large")  # fmt: skip
+            raise too_large("the audio file")
         overwrite = str(form.get("overwrite", "false")).lower() in ("1", "true", "yes")
         if name in state.voices.names() and not overwrite:
             raise api_error(409, f"a voice named {name!r} exists; DELETE it first or send overwrite=true",
@@ -149,19 +152,25 @@ def add_routes(app: Any, state: Any, api_error: type, exists: type, not_found: t
         return Response(status_code=204)
 
 
+def _outcome(e: BaseException) -> str:
+    """The metrics outcome of a synthesis that raised ``e``."""
+    for kind, outcome in ((ConfigError, "bad_request"), (TimedOut, "timeout"), (Cancelled, "cancelled")):
+        if isinstance(e, kind):
+            return outcome
+    return "error"
+
+
 def _as_api_error(e: BaseException, m: Any, api_error: type) -> Exception:
-    """The ApiError for a synthesis that failed before its first audio."""
-    if isinstance(e, ConfigError):
-        m.count(SPEECH, "bad_request")
+    """The ApiError for a synthesis that failed before its first audio (counted)."""
+    outcome = _outcome(e)
+    m.count(SPEECH, outcome)
+    if outcome == "bad_request":
         return api_error(400, str(e))
-    if isinstance(e, TimedOut):
-        m.count(SPEECH, "timeout")
+    if outcome == "timeout":
         return api_error(504, str(e), "timeout")
-    if isinstance(e, Cancelled):
-        m.count(SPEECH, "cancelled")
+    if outcome == "cancelled":
         return api_error(499, "the request was cancelled", "cancelled")
     logger.error("synthesis failed: %s", e, exc_info=e)
-    m.count(SPEECH, "error")
     return api_error(500, f"synthesis failed ({type(e).__name__}); the server keeps running", "server_error")
 
 
