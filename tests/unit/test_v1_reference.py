@@ -18,8 +18,8 @@ def test_fixture_loads_strictly_with_v1_config(tiny_v1_model_dir: Path) -> None:
     from cosyvoice_cpu.reference.model_dir import load_reference
 
     names = sorted(p.name for p in tiny_v1_model_dir.iterdir())
-    assert names == ["campplus.onnx", "cosyvoice.yaml", "flow.pt", "hift.pt", "llm.pt", "speech_tokenizer_v1.onnx",
-                     "spk2info.pt"]  # fmt: skip
+    assert names == ["campplus.onnx", "cosyvoice.yaml", "flow.pt", "hift.pt", "llm.pt", "multilingual.tiktoken",
+                     "speech_tokenizer_v1.onnx", "spk2info.pt"]  # fmt: skip
     m = load_reference(tiny_v1_model_dir)
     cfg = m.config
     assert (cfg.family, cfg.sample_rate, cfg.token_frame_rate, cfg.token_mel_ratio) == ("cosyvoice", 22050, 50, 0)
@@ -139,20 +139,30 @@ def test_fixture_cli_determinism_and_family_sizes(tiny_v1_model_dir: Path, tmp_p
         fx.FixtureSpec("cosyvoice", "demo").validate()
 
 
-def test_export_and_text_pipeline_refuse_v1_clearly(tiny_v1_model_dir: Path, tmp_path: Path) -> None:
-    from cosyvoice_cpu.export.exporter import ExportError, check_source
+def test_export_source_checks_and_text_pipeline_refusal(tiny_v1_model_dir: Path, tmp_path: Path) -> None:
+    from cosyvoice_cpu.export.exporter import ExportError, _export_tokenizer, check_source
+    from cosyvoice_cpu.reference.model_dir import read_model_config
     from cosyvoice_cpu.reference.pipeline import ReferencePipeline
 
-    with pytest.raises(ExportError, match="is a cosyvoice model; export supports cosyvoice2"):
-        check_source(tiny_v1_model_dir)
+    assert check_source(tiny_v1_model_dir).family == "cosyvoice"
     with pytest.raises(ModelDirError, match="pipeline supports cosyvoice2 only"):
         ReferencePipeline.load(tiny_v1_model_dir)
     d = shutil.copytree(tiny_v1_model_dir, tmp_path / "broken")
+    (d / "speech_tokenizer_v1.onnx").unlink()
+    with pytest.raises(ExportError, match=r"missing speech_tokenizer_v1\.onnx"):
+        check_source(d)
     (d / "flow.pt").unlink()
     with pytest.raises(ModelDirError, match=r"flow\.pt is missing"):
         from cosyvoice_cpu.reference.model_dir import load_reference
 
         load_reference(d)
+    # a vocabulary larger than the LM's text table (e.g. the 25 Hz asset for a 300M model) is refused
+    small = shutil.copytree(tiny_v1_model_dir, tmp_path / "small")
+    yaml = small / "cosyvoice.yaml"
+    yaml.write_text(yaml.read_text().replace("text_token_size: 51866", "text_token_size: 1000"))
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ExportError, match="wrong vocabulary for this model"):
+        _export_tokenizer(read_model_config(small), tmp_path / "out")
 
 
 def test_standin_speech_tokenizer_v1_contract(tiny_v1_model_dir: Path) -> None:

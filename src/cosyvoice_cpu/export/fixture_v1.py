@@ -6,6 +6,9 @@ modules' ``state_dict()`` (keys equal the official ``TransformerLM``/``MaskedDif
 checked by the parity tests, which load a fixture into the official classes strictly); ``hift.pt`` stores weight
 norm as ``parametrizations.weight.original0/1`` like the release. ``spk2info.pt`` holds two built-in speakers as the
 -SFT/-Instruct downloads do (``{name: {"embedding": (1, 192)}}``); the base CosyVoice-300M ships none.
+The fixture also carries a small ``multilingual.tiktoken`` (the text tokenizer asset the v1 yaml's
+``whisper.tokenizer.get_tokenizer`` reads): the official downloads do not contain it (it comes with openai-whisper),
+but a fixture that does lets our export find it (:func:`cosyvoice_cpu.export.tokenizer_whisper.find_tiktoken`).
 Called by :func:`cosyvoice_cpu.export.fixture.write_fixture`, which owns the temp-dir/rename protocol.
 """
 
@@ -17,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from cosyvoice_cpu.export import fixture_onnx
+from cosyvoice_cpu.export.fixture_tokenizer import write_fixture_tiktoken
 from cosyvoice_cpu.export.fixture_yaml_v1 import TINY_V1, V1Sizes, render_cosyvoice_yaml
 
 logger = logging.getLogger(__name__)
@@ -67,4 +71,5 @@ def write_cosyvoice_files(out: Path, size: str, seed: int, rng: np.random.Genera
     torch.save(speakers, out / SPK2INFO)
     fixture_onnx.write_campplus_standin(out / "campplus.onnx", rng)
     fixture_onnx.write_speech_tokenizer_v1_standin(out / "speech_tokenizer_v1.onnx", rng)
+    write_fixture_tiktoken(out / "multilingual.tiktoken", seed)
     logger.debug("wrote v1 fixture files (%s, seed %d) to %s", size, seed, out)
