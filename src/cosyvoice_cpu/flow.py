@@ -17,7 +17,7 @@ import math
 import threading
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -125,6 +125,9 @@ class FlowStage:
         threads: ORT intra-op threads per session.
     """
 
+    # the encoder graph's contract; a subclass with another encoder (v1: :mod:`cosyvoice_cpu.flow_v1`) swaps it
+    encoder_io: ClassVar[tuple[dict[str, tuple[str, int]], tuple[str, ...]]] = ENCODER_IO
+
     def __init__(
         self,
         encoder: str | Path,
@@ -135,7 +138,7 @@ class FlowStage:
         threads: int | SessionConfig = 1,
     ) -> None:
         self.settings = settings if isinstance(settings, FlowSettings) else FlowSettings.from_attrs(settings)
-        self.encoder = _open(Path(encoder), threads, ENCODER_IO)
+        self.encoder = _open(Path(encoder), threads, self.encoder_io)
         emb_shape = next(i.shape for i in self.encoder.get_inputs() if i.name == "embedding")
         self._emb_dim = int(emb_shape[1]) if isinstance(emb_shape[1], int) else 192
         # the two estimators are opened on first use: a whole-sentence-only or streaming-only process never pays
