@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
     engine, voice = load(args.model_dir, args.threads)
-    prompt_ids, prompt_speech = engine._lm_prompt(voice, None, False)
+    prompt_ids, prompt_speech, _ = engine._lm_prompt(voice, None, False)
     text_ids = engine.tokenizer.encode(SHORT_TEXT)
     cache = engine.prompt_caches.get(voice, 10, 0.7)
     print("| first chunk tokens | LM prefill s | LM decode s | flow s | vocoder s | first audio s |")

@@ -90,11 +90,11 @@ def _config(tokens: int, **kw: Any) -> Any:
 
 def measure_lm(engine: Any, voice: Any, tokens: int, runs: int) -> dict[str, float]:
     """Prefill (+ first token) seconds and decode tokens/s (median step) of the LM alone."""
-    prompt_ids, prompt_speech = engine._lm_prompt(voice, None, False)
+    prompt_ids, prompt_speech, speaker = engine._lm_prompt(voice, None, False)
     text_ids = engine.tokenizer.encode(TEXT)
     prefill, steps = [], []
     for _ in range(runs + 1):
-        req = engine.lm.request(text_ids, prompt_ids, prompt_speech, seed=0, budget=(tokens, tokens))
+        req = engine.lm.request(text_ids, prompt_ids, prompt_speech, seed=0, budget=(tokens, tokens), speaker=speaker)
         it = iter(req)
         t0 = time.perf_counter()
         next(it)
@@ -104,7 +104,7 @@ def measure_lm(engine: Any, voice: Any, tokens: int, runs: int) -> dict[str, flo
             t2 = time.perf_counter()
             steps.append(t2 - t1)
             t1 = t2
-    positions = len(engine.lm.prompt_embeddings(text_ids, prompt_ids, prompt_speech))
+    positions = len(engine.lm.prompt_embeddings(text_ids, prompt_ids, prompt_speech, speaker))
     step = statistics.median(steps[tokens - 1 :])  # the warm-up run's steps excluded
     return {"lm_prefill_s": statistics.median(prefill[1:]), "lm_prefill_positions": positions,
             "lm_decode_ms": step * 1000, "lm_decode_tok_s": 1.0 / step}  # fmt: skip
@@ -113,8 +113,7 @@ def measure_lm(engine: Any, voice: Any, tokens: int, runs: int) -> dict[str, flo
 def measure_lm_batched(engine: Any, voice: Any, streams: int, steps: int = 100) -> dict[str, float]:
     """The LM's batch API: ``streams`` rows of one KV cache decoded by one call per step (what a scheduler
     does); aggregate tokens/s from the median step. Greedy tokens: sampling is not what is measured here."""
-    prompt_ids, prompt_speech = engine._lm_prompt(voice, None, False)
-    embeds = engine.lm.prompt_embeddings(engine.tokenizer.encode(TEXT), prompt_ids, prompt_speech)
+    embeds = engine.lm.prompt_embeddings(engine.tokenizer.encode(TEXT), *engine._lm_prompt(voice, None, False))
     session, vocab = engine.lm.session, engine.lm.facts.speech_token_size
     steps = min(steps, session.spec.max_len - len(embeds) - 1)  # stay inside the KV cache
     if steps < 10:

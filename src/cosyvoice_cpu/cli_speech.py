@@ -95,14 +95,21 @@ def cmd_say(args: argparse.Namespace) -> int:
         raise ConfigError("give the text as an argument or on standard input")
     if args.voice and args.prompt_wav:
         raise ConfigError("give either --voice NAME or --prompt-wav FILE, not both")
+    voice = None
     if args.voice:
         path = _voice_path(voices_dir(args.voices), args.voice)
-        if not path.is_file():
-            raise ConfigError(f"no voice named {args.voice!r} in {path.parent}; add it with `cosyvoice-cpu voice add`")
-        voice = Voice.load(path)
+        voice = Voice.load(path) if path.is_file() else None
     elif not args.prompt_wav:
-        raise ConfigError("CosyVoice2 clones a voice: give --voice NAME or --prompt-wav FILE [--prompt-text T]")
+        raise ConfigError("give --voice NAME or --prompt-wav FILE [--prompt-text T]: a saved voice, a built-in "
+                          "speaker (CosyVoice-300M-SFT: 中文女 ...), or prompt audio to clone")  # fmt: skip
     engine = _engine(args)
+    if args.voice and voice is None:  # not saved: a built-in speaker of the model?
+        builtin = engine.builtin_voices()
+        if args.voice not in builtin:
+            extra = f"; built-in speakers of this model: {', '.join(builtin)}" if builtin else ""
+            raise ConfigError(f"no voice named {args.voice!r} in {path.parent}; add it with `cosyvoice-cpu voice add`"
+                              f"{extra}")  # fmt: skip
+        voice = builtin[args.voice]
     if args.prompt_wav:
         voice = engine.make_voice(args.prompt_wav, args.prompt_text or "", name="prompt")
     to_stdout = str(args.out) == "-"

@@ -34,7 +34,8 @@ from cosyvoice_cpu.hardware import detect
 
 logger = logging.getLogger(__name__)
 
-END_OF_PROMPT = "<|endofprompt|>"
+END_OF_PROMPT = {"cosyvoice2": "<|endofprompt|>", "cosyvoice": "<endofprompt>"}  # instruct marker per family
+VOICES_DIR = "voices"  # built-in speakers in a model directory (CosyVoice-300M-SFT/-Instruct)
 SEGMENT_TOKENS = 80  # text tokens per LM call at most: the official split_paragraph's token_max_n
 
 
@@ -58,6 +59,7 @@ class _Request:
     config: SynthesisConfig
     prompt_ids: list[int]
     prompt_speech: np.ndarray
+    speaker: np.ndarray | None = None  # the LM's x-vector (CosyVoice-300M outside instruct mode)
     draw: Any = None
     sampling: Any = None
     vocoder_rng: np.random.Generator | None = None
@@ -78,8 +80,9 @@ class Engine:
         self.frontend = parts["frontend"]
         self.threads = threads
         self.sample_rate = int(manifest.sample_rate)
+        self.family = manifest.family
         self.prompt_caches = None
-        if self.flow.can_stream:
+        if self.family == "cosyvoice2" and self.flow.can_stream:
             from cosyvoice_cpu.voice_cache import PromptCaches
 
             self.prompt_caches = PromptCaches(self.flow, prompt_cache_mb << 20)
@@ -110,16 +113,27 @@ class Engine:
         m = Manifest.load(model_dir, check_hashes=config.verify_hashes)
         sc = SessionConfig(threads=threads, spinning=config.spinning)
         session = LMSession.from_dir(model_dir, m.graphs["lm"].attrs, threads=sc)
+        if m.family == "cosyvoice":
+            from cosyvoice_cpu.flow_v1 import FlowStageV1
+            from cosyvoice_cpu.lm import TEXT_ENCODER_FILE
+            from cosyvoice_cpu.lm_prompt import TextEncoder
+
+            encoder = TextEncoder(model_dir / TEXT_ENCODER_FILE, (session.spec.text_dim, session.spec.hidden), sc)
+            lm = SpeechTokenGenerator.from_manifest(session, m, encoder)
+            flow = FlowStageV1.from_dir(model_dir, m.flow, sc)
+        else:
+            lm = SpeechTokenGenerator.from_manifest(session, m)
+            flow = FlowStage.from_dir(model_dir, m.flow, threads=sc, streaming=config.streaming_estimator)
         parts = {
             "tokenizer": TextTokenizer.from_dir(model_dir),
-            "lm": SpeechTokenGenerator.from_manifest(session, m),
-            "flow": FlowStage.from_dir(model_dir, m.flow, threads=sc, streaming=config.streaming_estimator),
+            "lm": lm,
+            "flow": flow,
             "vocoder": Vocoder.from_dir(model_dir, m.graphs["hift_decode"].attrs, threads=sc),
             "frontend": Frontend(model_dir, m, sc),
         }
         for note in hw.notes:
             logger.info("%s", note)
-        warning = hw.memory_warning(sum(f.size for f in m.all_files() if f.file != "speech_tokenizer_v2.onnx"))
+        warning = hw.memory_warning(sum(f.size for f in m.all_files() if not f.file.startswith("speech_tokenizer")))
         if warning:
             logger.warning("%s", warning)
         logger.info("loaded %s (%s, recipe %s) in %.2f s, %d threads", model_dir, m.family, m.recipe["name"],
@@ -140,33 +154,44 @@ class Engine:
         for text: such a voice could never speak, so it is refused now rather than at every request.
         """
         voice = self.frontend.make_voice(prompt, prompt_text, name)
-        self._segment_cap(*self._lm_prompt(voice, None), minimum=1)
+        self._segment_cap(self._lm_prompt(voice, None), minimum=1)
         return voice
+
+    def builtin_voices(self) -> dict[str, Any]:
+        """The model directory's built-in speakers (CosyVoice-300M-SFT/-Instruct: ``中文女``, ...), by name."""
+        from cosyvoice_cpu.voice import Voice
+
+        directory = self.model_dir / VOICES_DIR
+        return {p.stem: Voice.load(p) for p in sorted(directory.glob("*.npz"))} if directory.is_dir() else {}
 
     # ------------------------------------------------------------------ synthesis
 
-    def _lm_prompt(self, voice: Any, instruct: str | None, normalize: bool = True) -> tuple[list[int], np.ndarray]:
-        """(prompt text ids, prompt speech tokens) the LM sees, per mode (as the official frontend)."""
+    def _lm_prompt(self, voice: Any, instruct: str | None, normalize: bool = True,
+                   ) -> tuple[list[int], np.ndarray, np.ndarray | None]:  # fmt: skip
+        """(prompt text ids, prompt speech tokens, speaker x-vector or None) the LM sees, per mode, as the official
+        frontends. Only CosyVoice-300M's LM takes the x-vector, and not in instruct mode."""
+        speaker = voice.embedding if self.family == "cosyvoice" else None
         if instruct is not None:
             if not isinstance(instruct, str) or not instruct.strip():
                 raise ConfigError("instruct must be a non-empty instruction (e.g. 'Speak happily.') or omitted")
-            text = instruct.strip()
-            if not text.endswith(END_OF_PROMPT):  # newer official examples already carry the marker
-                text += END_OF_PROMPT
-            return self.tokenizer.encode(text), np.zeros(0, np.int32)
-        if voice.prompt_text:  # zero-shot: the transcript is normalized like the text (official split=False)
+            text, marker = instruct.strip(), END_OF_PROMPT[self.family]
+            if not text.endswith(marker):  # newer official examples already carry the marker
+                text += marker
+            return self.tokenizer.encode(text), np.zeros(0, np.int32), None
+        if voice.prompt_text and not voice.builtin:  # zero-shot: the transcript is normalized like the text
             from cosyvoice_cpu.text import normalize_text
 
             prompt = normalize_text(voice.prompt_text) if normalize else voice.prompt_text
-            return self.tokenizer.encode(prompt), voice.speech_tokens
-        return [], np.zeros(0, np.int32)  # cross-lingual
+            return self.tokenizer.encode(prompt), voice.speech_tokens, speaker
+        return [], np.zeros(0, np.int32), speaker  # cross-lingual, or a built-in (SFT) speaker
 
-    def _segment_cap(self, prompt_ids: list[int], prompt_speech: np.ndarray, max_tokens: int | None = None,
+    def _segment_cap(self, prompt: tuple[list[int], np.ndarray, np.ndarray | None], max_tokens: int | None = None,
                      minimum: int = 8) -> int:  # fmt: skip
-        """Text tokens per segment so that prompt + text + the longest speech fits the KV cache (at least
-        ``minimum``, else ConfigError)."""
+        """Text tokens per segment so that the LM prompt (:meth:`_lm_prompt`) + text + the longest speech fits the
+        KV cache (at least ``minimum``, else ConfigError)."""
         facts = self.lm.facts
-        free = self.lm.session.spec.max_len - (2 + len(prompt_ids) + len(prompt_speech))
+        ids, speech, speaker = prompt
+        free = self.lm.session.spec.max_len - (2 + len(ids) + len(speech) + (speaker is not None))
         cap = int(free - max_tokens if max_tokens else free // (1 + facts.max_token_text_ratio))
         if cap < minimum:
             raise ConfigError(
@@ -193,7 +218,7 @@ class Engine:
         cancellation and timeout); the exception comes out of the iteration.
         """
         config = (config or SynthesisConfig()).validate()
-        if config.stream and self.prompt_caches is None:
+        if config.stream and self.family == "cosyvoice2" and self.prompt_caches is None:
             raise ConfigError("stream=True needs the streaming flow estimator: load the engine with "
                               "EngineConfig(streaming_estimator=True)")  # fmt: skip
         from cosyvoice_cpu.voice import Voice
@@ -201,12 +226,12 @@ class Engine:
         if not isinstance(voice, Voice):
             raise ConfigError(f"voice must be a Voice (engine.make_voice or Voice.load), got {type(voice).__name__}")
         voice.check_model(self.manifest.family, self.sample_rate)
-        prompt_ids, prompt_speech = self._lm_prompt(voice, instruct, config.normalize)
+        prompt = self._lm_prompt(voice, instruct, config.normalize)
         from cosyvoice_cpu.text import prepare
 
         segments = prepare(text, self.tokenizer, normalize=config.normalize,
-                           max_tokens=self._segment_cap(prompt_ids, prompt_speech, config.max_tokens))  # fmt: skip
-        req = _Request(voice, config, prompt_ids, prompt_speech, check=check)
+                           max_tokens=self._segment_cap(prompt, config.max_tokens))  # fmt: skip
+        req = _Request(voice, config, *prompt, check=check)
         return self._run(segments, req, timings or Timings())
 
     def _run(self, segments: Iterator[Any], req: _Request, t: Timings) -> Iterator[AudioChunk]:
@@ -245,7 +270,8 @@ class Engine:
     def _tokens(self, text_ids: list[int], req: _Request, hold: tuple[int, threading.Event] | None = None,
                 ) -> Iterator[int]:  # fmt: skip
         """The sentence's speech tokens, from the LM scheduler when there is one (``hold``: see its submit)."""
-        kw = {"draw": req.draw, "sampling": req.sampling, "budget": (req.config.min_tokens, req.config.max_tokens)}
+        kw = {"draw": req.draw, "sampling": req.sampling, "budget": (req.config.min_tokens, req.config.max_tokens),
+              "speaker": req.speaker}
         if self.scheduler is not None:  # decoded in batched steps with every other running request
             tokens = self.scheduler.submit(text_ids, req.prompt_ids, req.prompt_speech, hold=hold, **kw)
         else:
@@ -262,8 +288,13 @@ class Engine:
         if not tokens:
             return
         voice, config = req.voice, req.config
-        mel = self.flow.inference(tokens, voice.speech_tokens, voice.mel, voice.embedding,
-                                  n_timesteps=config.flow_steps, cfg_rate=config.cfg_rate)  # fmt: skip
+        if self.family == "cosyvoice":  # fresh noise per call, from the request's generator (the official v1)
+            mel, _ = self.flow.inference(tokens, voice.speech_tokens, voice.mel, voice.embedding,
+                                         n_timesteps=config.flow_steps, cfg_rate=config.cfg_rate,
+                                         rng=req.vocoder_rng)  # fmt: skip
+        else:
+            mel = self.flow.inference(tokens, voice.speech_tokens, voice.mel, voice.embedding,
+                                      n_timesteps=config.flow_steps, cfg_rate=config.cfg_rate)  # fmt: skip
         mel = _change_speed(mel, config.speed)
         t2 = time.perf_counter()
         wave, _ = self.vocoder(mel, rng=req.vocoder_rng)
@@ -273,43 +304,10 @@ class Engine:
 
     def _speak_stream(self, text_ids: list[int], req: _Request, t: Timings) -> Iterator[tuple[np.ndarray, bool]]:
         """One sentence in chunks as its tokens are decoded: yields (samples, last piece of the sentence)."""
-        from cosyvoice_cpu.flow_stream import FlowStream
-        from cosyvoice_cpu.streaming import ChunkPlan, VocoderStream
+        from cosyvoice_cpu import engine_stream
 
-        voice, config = req.voice, req.config
-        t0 = time.perf_counter()
-        prompt = self.prompt_caches.get(voice, config.flow_steps, config.cfg_rate)
-        flow = FlowStream(self.flow, voice.speech_tokens, voice.mel, voice.embedding, config.flow_steps,
-                          config.cfg_rate, config.context_tokens, prompt)  # fmt: skip
-        t.flow += time.perf_counter() - t0
-        vocoder = VocoderStream(self.vocoder, req.vocoder_rng)
-        plan = ChunkPlan(config.first_chunk_tokens, config.chunk_tokens, max(flow.lookahead, 1))
-        tokens: list[int] = []
-
-        def piece(a: int, b: int, final: bool) -> np.ndarray:
-            t1 = time.perf_counter()
-            mel = flow.push(tokens[a:b], None if final else tokens[b : b + flow.lookahead])
-            mel = _change_speed(mel, config.speed)
-            t2 = time.perf_counter()
-            wave = vocoder.push(mel, final)
-            t.flow += t2 - t1
-            t.vocoder += time.perf_counter() - t2
-            return wave.astype(np.float32, copy=False)
-
-        t0 = time.perf_counter()
-        first_done = threading.Event()  # the LM waits at the first chunk until its audio is made
-        for token in self._tokens(text_ids, req, hold=(plan.first + plan.lookahead, first_done)):
-            tokens.append(token)
-            if plan.ready(len(tokens)):
-                t.lm += time.perf_counter() - t0
-                wave = piece(*plan.cut(), final=False)
-                first_done.set()
-                yield wave, False
-                t0 = time.perf_counter()  # the consumer's time between chunks is not the LM's
-        t.lm += time.perf_counter() - t0
-        t.tokens += len(tokens)
-        if len(tokens) > plan.offset:
-            yield piece(plan.offset, len(tokens), final=True), True
+        speak = engine_stream.speak_v1 if self.family == "cosyvoice" else engine_stream.speak_v2
+        return speak(self, text_ids, req, t)
 
     def _sampling(self, config: SynthesisConfig) -> Any:
         base = self.lm.sampling

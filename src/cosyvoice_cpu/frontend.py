@@ -1,10 +1,11 @@
 """Prompt audio + transcript -> :class:`~cosyvoice_cpu.voice.Voice`, with the copied front-end ONNX models.
 
-As the official CosyVoice2 frontend: the prompt is read at 16 kHz; the speaker x-vector comes from
-``campplus.onnx`` on mean-normalised Kaldi fbank; the prompt speech tokens from ``speech_tokenizer_v2.onnx`` on the
-Whisper log-mel; the prompt mel (flow condition) is the matcha log-mel of the 16 kHz prompt resampled to the model
-rate. Tokens and mel are trimmed to the same length (2 mel frames per token). The ~0.5 GB speech tokenizer is
-loaded only while a voice is made, then released.
+As the official frontends: the prompt is read at 16 kHz; the speaker x-vector comes from ``campplus.onnx`` on
+mean-normalised Kaldi fbank; the prompt speech tokens from ``speech_tokenizer_v2.onnx`` (CosyVoice-300M: ``_v1``) on
+the Whisper log-mel; the prompt mel (flow condition) is the matcha log-mel of the 16 kHz prompt resampled to the
+model rate (24 kHz, or 22.05 kHz for CosyVoice-300M). CosyVoice2 trims tokens and mel to the same length (2 mel
+frames per token); CosyVoice-300M keeps both whole (its length regulator maps any token count to the mel).
+The ~0.5 GB speech tokenizer is loaded only while a voice is made, then released.
 """
 
 from __future__ import annotations
@@ -80,12 +81,13 @@ class Frontend:
         mel = matcha_mel(wav_model, n_fft=mel_cfg["n_fft"], num_mels=mel_cfg["num_mels"],
                          sampling_rate=mel_cfg["sampling_rate"], hop_size=mel_cfg["hop_size"],
                          win_size=mel_cfg["win_size"], fmin=mel_cfg["fmin"], fmax=mel_cfg["fmax"])  # fmt: skip
-        ratio = m.token_mel_ratio
-        n_tokens = min(mel.shape[0] // ratio, tokens.shape[0])
+        ratio = m.token_mel_ratio  # 0 for CosyVoice-300M: its flow stretches the prompt tokens to any mel length
+        n_tokens = min(mel.shape[0] // ratio, tokens.shape[0]) if ratio else tokens.shape[0]
         if n_tokens < 1:
             raise ConfigError(f"the prompt gave no speech tokens ({duration:.1f} s); use a longer, clearer recording")
+        n_mel = ratio * n_tokens if ratio else mel.shape[0]
         meta = {"duration_s": round(duration, 3), "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        voice = Voice(name, prompt_text.strip(), tokens[:n_tokens], mel[: ratio * n_tokens], embedding,
+        voice = Voice(name, prompt_text.strip(), tokens[:n_tokens], mel[:n_mel], embedding,
                       family=m.family, sample_rate=m.sample_rate, meta=meta)  # fmt: skip
         logger.info("voice %r: %.1f s prompt, %d tokens, made in %.2f s", name, duration, n_tokens,
                     time.perf_counter() - t0)  # fmt: skip

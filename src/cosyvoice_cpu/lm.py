@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ EMBEDDING_FILES = {
     "special": "lm_special_embedding.npy",  # (2, D): llm_embedding rows below
 }
 SPECIALS = {"sos": 0, "task_id": 1}
+TEXT_ENCODER_FILE = "lm_text_encoder.onnx"  # v1 only: the Conformer text encoder (runtime: lm_prompt.TextEncoder)
 EXPORT_HINT = "re-export the model directory with `cosyvoice-cpu export`"
 
 
@@ -61,7 +62,12 @@ def present_names(i: int) -> tuple[str, str]:
 
 @dataclass(frozen=True)
 class LMSpec:
-    """The facts of an exported LM the runtime needs (the ``lm`` GraphArtifact's ``attrs``)."""
+    """The facts of an exported LM the runtime needs (the ``lm`` GraphArtifact's ``attrs``).
+
+    ``speech_rows`` (rows of the speech table; default ``speech_vocab``, the head size) and ``text_dim`` (width of
+    the text table; default ``hidden``) differ for CosyVoice-300M, whose text table feeds a text encoder and whose
+    speech table has no EOS row.
+    """
 
     max_len: int
     num_layers: int
@@ -70,13 +76,17 @@ class LMSpec:
     hidden: int
     speech_vocab: int
     text_vocab: int
+    speech_rows: int = 0
+    text_dim: int = 0
 
     @classmethod
     def from_attrs(cls, attrs: Mapping[str, Any]) -> LMSpec:
-        missing = [k for k in cls.__dataclass_fields__ if k not in attrs]
+        optional = ("speech_rows", "text_dim")
+        missing = [k for k in cls.__dataclass_fields__ if k not in attrs and k not in optional]
         if missing:
             raise ModelDirError(f"LM attributes lack {', '.join(missing)}; {EXPORT_HINT}")
-        return cls(**{k: int(attrs[k]) for k in cls.__dataclass_fields__})
+        spec = cls(**{k: int(attrs[k]) for k in cls.__dataclass_fields__ if k in attrs})
+        return replace(spec, speech_rows=spec.speech_rows or spec.speech_vocab, text_dim=spec.text_dim or spec.hidden)
 
 
 class KVCache:
@@ -152,7 +162,9 @@ class LMSession:
         return cls(model_dir / graph_file, {k: model_dir / v for k, v in names.items()}, attrs, threads)
 
     def _load_table(self, key: str, embeddings: Mapping[str, str | Path]) -> np.ndarray:
-        rows = {"text": self.spec.text_vocab, "speech": self.spec.speech_vocab, "special": len(SPECIALS)}[key]
+        s = self.spec
+        rows, width = {"text": (s.text_vocab, s.text_dim), "speech": (s.speech_rows, s.hidden),
+                       "special": (len(SPECIALS), s.hidden)}[key]  # fmt: skip
         if key not in embeddings:
             raise ConfigError(f"no path given for the {key} embedding table")
         path = Path(embeddings[key])
@@ -160,9 +172,9 @@ class LMSession:
             table = np.load(path, mmap_mode="r")
         except (OSError, ValueError) as e:
             raise ModelDirError(f"cannot read the {key} embedding table {path} ({e}); {EXPORT_HINT}") from e
-        if table.dtype not in (np.float32, np.float16) or table.shape != (rows, self.spec.hidden):
+        if table.dtype not in (np.float32, np.float16) or table.shape != (rows, width):
             raise ModelDirError(
-                f"{path} holds {table.dtype} {table.shape}, expected float32 or float16 {(rows, self.spec.hidden)}; "
+                f"{path} holds {table.dtype} {table.shape}, expected float32 or float16 {(rows, width)}; "
                 f"{EXPORT_HINT}"
             )
         return table
@@ -192,7 +204,7 @@ class LMSession:
         return np.ascontiguousarray(table[ids], dtype=np.float32)
 
     def embed_text(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Text token ids (T,) -> embeddings (T, D)."""
+        """Text token ids (T,) -> embeddings (T, text_dim) (v2: the LM input; v1: the text encoder's input)."""
         return self._gather("text", ids)
 
     def embed_speech(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -24,6 +24,7 @@ import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.lm import KVCache, LMSession
+from cosyvoice_cpu.lm_prompt import TextEncoder, assemble
 from cosyvoice_cpu.sampling import Draw, RngDraw, SamplingConfig, sample_next
 
 logger = logging.getLogger(__name__)
@@ -75,8 +76,10 @@ class SpeechTokenGenerator:
         sampling: the default sampling settings (a request may override them).
     """
 
-    def __init__(self, session: LMSession, facts: LMFacts, sampling: SamplingConfig | None = None) -> None:
+    def __init__(self, session: LMSession, facts: LMFacts, sampling: SamplingConfig | None = None,
+                 text_encoder: TextEncoder | None = None) -> None:  # fmt: skip
         self.session = session
+        self.text_encoder = text_encoder  # CosyVoice-300M only (see lm_prompt)
         self.facts = facts
         self.sampling = sampling or SamplingConfig()
         self.sampling.validate()
@@ -84,18 +87,21 @@ class SpeechTokenGenerator:
             raise ConfigError(f"stop ids {facts.stop_ids} exceed the LM head ({session.spec.speech_vocab}); re-export")
 
     @classmethod
-    def from_manifest(cls, session: LMSession, manifest: Any) -> SpeechTokenGenerator:
+    def from_manifest(cls, session: LMSession, manifest: Any, text_encoder: TextEncoder | None = None,
+                      ) -> SpeechTokenGenerator:  # fmt: skip
         """Build from a :class:`cosyvoice_cpu.manifest.Manifest` (its ``lm`` and ``sampling`` sections)."""
-        return cls(session, LMFacts.from_manifest(manifest.lm), SamplingConfig.from_manifest(manifest.sampling))
+        return cls(session, LMFacts.from_manifest(manifest.lm), SamplingConfig.from_manifest(manifest.sampling),
+                   text_encoder)  # fmt: skip
 
     def prompt_embeddings(
         self,
         text: Sequence[int] | np.ndarray,
         prompt_text: Sequence[int] | np.ndarray = (),
         prompt_speech: Sequence[int] | np.ndarray = (),
+        speaker: np.ndarray | None = None,
     ) -> np.ndarray:
-        """The prefill input ``[sos, text_emb(prompt_text ⊕ text), task_id, speech_emb(prompt_speech)]`` (T, D)."""
-        s = self.session
+        """The prefill input (T, D): ``[sos, text_emb(prompt_text ⊕ text), task_id, speech_emb(prompt_speech)]``
+        (CosyVoice-300M: the text encoded, and a speaker row after sos when ``speaker`` is given; see lm_prompt)."""
         text, prompt_text = _ids("text", text), _ids("prompt_text", prompt_text)
         prompt_speech = _ids("prompt_speech", prompt_speech)
         if prompt_speech.size and (prompt_speech.min() < 0 or prompt_speech.max() >= self.facts.speech_token_size):
@@ -103,8 +109,7 @@ class SpeechTokenGenerator:
                 f"prompt speech tokens must lie in [0, {self.facts.speech_token_size}), got "
                 f"{prompt_speech.min()}..{prompt_speech.max()}; pass the speech tokenizer's output unchanged"
             )
-        return np.concatenate([s.special("sos")[None], s.embed_text(np.concatenate([prompt_text, text])),
-                               s.special("task_id")[None], s.embed_speech(prompt_speech)])  # fmt: skip
+        return assemble(self.session, np.concatenate([prompt_text, text]), prompt_speech, self.text_encoder, speaker)
 
     def request(
         self,
@@ -118,6 +123,7 @@ class SpeechTokenGenerator:
         cache: KVCache | None = None,
         row: int = 0,
         budget: tuple[int | None, int | None] = (None, None),
+        speaker: np.ndarray | None = None,
     ) -> TokenRequest:
         """Check the inputs and the KV capacity now; return the request, whose iteration does the work.
 
@@ -132,13 +138,15 @@ class SpeechTokenGenerator:
             budget: (min, max) speech tokens overriding the model's text-length rule where not None (``min ==
                 max`` forces an exact length: benchmarks on random weights). A given min also keeps every stop
                 id, not only EOS, out of the first min tokens.
+            speaker: (192,) x-vector the LM is conditioned on (CosyVoice-300M; None for CosyVoice2 and for v1's
+                instruct mode).
         """
         text = _ids("text", text)
         if text.size == 0:
             raise ConfigError("text is empty: give at least one text token to speak")
         sampling = sampling or self.sampling
         sampling.validate()
-        embeds = self.prompt_embeddings(text, prompt_text, prompt_speech)
+        embeds = self.prompt_embeddings(text, prompt_text, prompt_speech, speaker)
         min_len, max_len = self.facts.token_budget(len(text))
         min_len = min_len if budget[0] is None else int(budget[0])
         max_len = max_len if budget[1] is None else int(budget[1])

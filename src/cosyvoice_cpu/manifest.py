@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "cosyvoice_cpu.json"
 FORMAT_VERSION = 2  # 2: flow_estimator_stream.onnx (streamed chunks on cached activations) replaces _chunk
-FAMILIES = ("cosyvoice2",)
+FAMILIES = ("cosyvoice2", "cosyvoice")  # CosyVoice2-0.5B, CosyVoice-300M (-SFT, -Instruct)
 STAGE_SECTIONS = ("text", "lm", "sampling", "flow", "hift")
 
 
@@ -84,9 +84,10 @@ class Manifest:
 
     Attributes:
         format_version: :data:`FORMAT_VERSION` of the writer; a newer version is refused.
-        family: ``cosyvoice2`` (v1/v3 later).
+        family: ``cosyvoice2`` or ``cosyvoice`` (CosyVoice-300M); v3 later.
         recipe: ``{"name": ..., "stages": {"lm": "int8", ...}}`` the quantization recipe used.
-        sample_rate, token_frame_rate, token_mel_ratio: audio/token rates (24000, 25, 2 for CosyVoice2).
+        sample_rate, token_frame_rate, token_mel_ratio: audio/token rates (24000, 25, 2 for CosyVoice2; 22050, 50,
+            0 for CosyVoice-300M, whose length regulator has no fixed ratio).
         mel: the prompt-mel parameters (n_fft, num_mels, hop_size, win_size, fmin, fmax, sampling_rate).
         text, lm, sampling, flow, hift: per-stage facts and defaults (documented in docs/model-format.md).
         graphs: graph key -> :class:`GraphEntry` (``lm``, ``flow_encoder``, ``flow_estimator``, ...).

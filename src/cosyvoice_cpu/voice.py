@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 VOICE_FORMAT = 1
 NAME_RE = re.compile(r"^[A-Za-z0-9\u00C0-\uFFFF][\w\u00C0-\uFFFF .-]{0,63}$")
 N_MELS = 80
-SPEECH_VOCAB = 6561  # CosyVoice2 speech tokens
+SPEECH_VOCAB = {"cosyvoice": 4096, "cosyvoice2": 6561}  # speech tokens per family
+MEL_PER_TOKEN = {"cosyvoice2": 2}  # v1 has no fixed ratio: its length regulator stretches the prompt tokens
 EMBEDDING_DIM = 192
 
 
@@ -53,10 +54,11 @@ class Voice:
     Attributes:
         name: the voice's name (see :func:`check_name`).
         prompt_text: the transcript of the prompt audio ("" for cross-lingual voices).
-        speech_tokens: (T_tok,) int32 speech tokens of the prompt (25 Hz for CosyVoice2).
-        mel: (T_mel, 80) float32 log-mel of the prompt at the model's sample rate (T_mel = 2 * T_tok).
+        speech_tokens: (T_tok,) int32 speech tokens of the prompt (25 Hz for CosyVoice2, 50 Hz for CosyVoice-300M).
+        mel: (T_mel, 80) float32 log-mel of the prompt at the model's sample rate (CosyVoice2: T_mel = 2 * T_tok).
         embedding: (192,) float32 speaker x-vector (campplus).
-        family: model family the features were made for (``cosyvoice2``).
+        family: model family the features were made for (``cosyvoice2`` or ``cosyvoice``).
+        A CosyVoice-300M built-in (SFT) speaker is a voice with no prompt: no tokens, no mel, no transcript.
         sample_rate: the model's sample rate the mel was computed at.
         meta: free-form facts (source file, duration, creation time).
     """
@@ -83,12 +85,26 @@ class Voice:
             )
         if not (np.isfinite(self.mel).all() and np.isfinite(self.embedding).all()):
             raise VoiceError(f"voice {self.name!r} holds NaN or infinite values; make it again from the prompt audio")
-        if self.speech_tokens.size == 0 or self.speech_tokens.min() < 0 or self.speech_tokens.max() >= SPEECH_VOCAB:
-            raise VoiceError(f"voice {self.name!r} has no valid speech tokens (ids in [0, {SPEECH_VOCAB})); make it "
-                             "again from the prompt audio")  # fmt: skip
-        if self.mel.shape[0] != 2 * self.speech_tokens.size:
-            raise VoiceError(f"voice {self.name!r}: {self.mel.shape[0]} mel frames for {self.speech_tokens.size} "
-                             "tokens (need 2 per token); make it again from the prompt audio")  # fmt: skip
+        vocab = SPEECH_VOCAB.get(self.family)
+        if vocab is None:
+            raise VoiceError(f"voice {self.name!r} is for an unknown model family {self.family!r}")
+        if self.builtin:
+            if self.family != "cosyvoice" or self.prompt_text:
+                raise VoiceError(f"voice {self.name!r} has no speech tokens; make it again from the prompt audio")
+            return
+        tokens = self.speech_tokens
+        if tokens.size == 0 or tokens.min() < 0 or tokens.max() >= vocab or self.mel.shape[0] == 0:
+            raise VoiceError(f"voice {self.name!r} has no valid speech tokens (ids in [0, {vocab})) or no mel; make "
+                             "it again from the prompt audio")  # fmt: skip
+        ratio = MEL_PER_TOKEN.get(self.family)
+        if ratio and self.mel.shape[0] != ratio * tokens.size:
+            raise VoiceError(f"voice {self.name!r}: {self.mel.shape[0]} mel frames for {tokens.size} tokens (need "
+                             f"{ratio} per token); make it again from the prompt audio")  # fmt: skip
+
+    @property
+    def builtin(self) -> bool:
+        """A speaker without prompt audio (CosyVoice-300M-SFT's ``spk2info.pt``): only the x-vector conditions."""
+        return self.speech_tokens.size == 0 and self.mel.shape[0] == 0
 
     @property
     def fingerprint(self) -> str:
@@ -100,8 +116,8 @@ class Voice:
 
     @property
     def duration(self) -> float:
-        """Seconds of prompt audio (from the mel: hop 480 at 24 kHz = 20 ms)."""
-        return self.mel.shape[0] * 0.02
+        """Seconds of prompt audio (from the mel: hop 480 at 24 kHz, 256 at 22.05 kHz)."""
+        return self.mel.shape[0] * (256 if self.sample_rate == 22050 else 480) / self.sample_rate
 
     # ------------------------------------------------------------------ files
 

@@ -49,10 +49,10 @@ def _no_leftovers(parent: Path) -> None:
         (
             lambda d: _replace(
                 d / "cosyvoice2.yaml",
-                (d.parent / "orig.yaml").read_text().replace("llm.llm.Qwen2LM", "llm.llm.TransformerLM").encode(),
+                (d.parent / "orig.yaml").read_text().replace("llm.llm.Qwen2LM", "llm.llm.CosyVoice3LM").encode(),
             ),
-            ModelDirError,
-            "is a cosyvoice model",
+            ExportError,
+            "is a cosyvoice3 model; export supports cosyvoice2, cosyvoice so far",
         ),
     ],
     ids=["missing-checkpoint", "missing-tokenizer-file", "corrupt-checkpoint", "corrupt-onnx", "wrong-onnx",

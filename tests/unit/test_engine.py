@@ -81,15 +81,17 @@ def test_modes_and_saved_voices(engine: Engine, voice: Voice, tmp_path: Path) ->
 def test_lm_prompt_per_mode(engine: Engine, voice: Voice) -> None:
     """What the LM sees: the official frontend's composition for each mode."""
     enc = engine.tokenizer.encode
-    ids, speech = engine._lm_prompt(voice, "Speak slowly.")
+    ids, speech, speaker = engine._lm_prompt(voice, "Speak slowly.")
     assert ids == enc("Speak slowly.<|endofprompt|>") and len(speech) == 0  # instruct: no prompt speech
+    assert speaker is None
     assert engine._lm_prompt(voice, "Speak slowly.<|endofprompt|>")[0] == ids  # the marker is not doubled
     numbered = Voice("n", "I paid 5 dollars.", voice.speech_tokens, voice.mel, voice.embedding)
-    ids, speech = engine._lm_prompt(numbered, None)
+    ids, speech, speaker = engine._lm_prompt(numbered, None)
+    assert speaker is None  # CosyVoice2's LM takes no x-vector
     assert ids == enc("I paid five dollars.") and np.array_equal(speech, voice.speech_tokens)  # normalized
     assert engine._lm_prompt(numbered, None, normalize=False)[0] == enc("I paid 5 dollars.")
     cross = Voice("c", "", voice.speech_tokens, voice.mel, voice.embedding)
-    ids, speech = engine._lm_prompt(cross, None)
+    ids, speech, _ = engine._lm_prompt(cross, None)
     assert ids == [] and len(speech) == 0
     assert engine._sampling(SynthesisConfig(tau_r=0.0, top_k=5)).tau_r == 0.0  # 0 is an override, not "unset"
 
@@ -125,7 +127,8 @@ def test_bad_input_is_refused_clearly(engine: Engine, voice: Voice, tmp_path: Pa
         engine.synthesize("Hi.", "alice")
     with pytest.raises(ConfigError, match="speed = 9"):
         engine.synthesize("Hi.", voice, SynthesisConfig(speed=9))
-    foreign = Voice("v1", "", voice.speech_tokens, voice.mel, voice.embedding, family="cosyvoice", sample_rate=22050)
+    foreign = Voice("v1", "", voice.speech_tokens % 4096, voice.mel, voice.embedding, family="cosyvoice",
+                    sample_rate=22050)
     with pytest.raises(VoiceError, match="made for cosyvoice at 22050 Hz"):
         engine.synthesize("Hi.", foreign)
     silent = tmp_path / "silent.wav"

@@ -31,23 +31,27 @@ logger = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
 
-# Files a released CosyVoice2-0.5B directory must hold (relative paths).
-REQUIRED = (
-    "llm.pt",
-    "flow.pt",
-    "hift.pt",
-    "campplus.onnx",
-    "speech_tokenizer_v2.onnx",
-    "CosyVoice-BlankEN/config.json",
-    "CosyVoice-BlankEN/vocab.json",
-    "CosyVoice-BlankEN/merges.txt",
-    "CosyVoice-BlankEN/tokenizer_config.json",
-)
+# Files a released directory must hold (relative paths), per family.
+REQUIRED = {
+    "cosyvoice2": ("llm.pt", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v2.onnx",
+                   "CosyVoice-BlankEN/config.json", "CosyVoice-BlankEN/vocab.json", "CosyVoice-BlankEN/merges.txt",
+                   "CosyVoice-BlankEN/tokenizer_config.json"),
+    "cosyvoice": ("llm.pt", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v1.onnx"),
+}  # fmt: skip
 # ONNX front-end models copied as they are, with the ranks of the inputs the runtime feeds them (by position, as
 # the official frontend does): campplus fbank (B, T, 80); speech tokenizer log-mel (1, 128, T) and its length (1,).
-COPIED_ONNX = {"campplus": ("campplus.onnx", (3,)), "speech_tokenizer": ("speech_tokenizer_v2.onnx", (3, 1))}
+SPEECH_TOKENIZERS = {"cosyvoice2": "speech_tokenizer_v2.onnx", "cosyvoice": "speech_tokenizer_v1.onnx"}
+ONNX_RANKS = {"campplus": (3,), "speech_tokenizer": (3, 1)}
 # Families the ONNX export and the runtime implement (the PyTorch reference also reads CosyVoice-300M).
-EXPORTABLE = ("cosyvoice2",)
+EXPORTABLE = tuple(REQUIRED)
+VOICES_DIR = "voices"  # built-in speakers (CosyVoice-300M-SFT/-Instruct spk2info.pt) as voice files
+
+
+def copied_onnx(family: str) -> dict[str, str]:
+    """Manifest key -> file name of the front-end ONNX models copied unchanged for ``family``."""
+    return {"campplus": "campplus.onnx", "speech_tokenizer": SPEECH_TOKENIZERS[family]}
+
+
 # Python packages the export needs beyond torch (checked up front, not after minutes of work).
 EXPORT_MODULES = {"onnx": "onnx", "onnx_ir": "onnx-ir", "transformers": "transformers", "tokenizers": "tokenizers"}
 
@@ -83,14 +87,14 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def needed_bytes(src: Path) -> int:
+def needed_bytes(src: Path, family: str = "cosyvoice2") -> int:
     """A safe estimate of the space an export needs: fp32 graphs + embeddings + quantization scratch + copies.
 
     Checkpoints may be stored in half precision while graphs are fp32, and quantizing keeps the fp32 graph of a
     stage until its quantized copy is written: 2.5x the checkpoints bounds both.
     """
     ckpt = sum((src / n).stat().st_size for n in ("llm.pt", "flow.pt", "hift.pt"))
-    copies = sum((src / f).stat().st_size for f, _ in COPIED_ONNX.values())
+    copies = sum((src / f).stat().st_size for f in copied_onnx(family).values())
     return int(2.5 * ckpt) + copies + (64 << 20)
 
 
@@ -99,22 +103,28 @@ def check_source(src: Path) -> Any:
     from cosyvoice_cpu.reference.model_dir import detect_family, read_model_config
 
     if not src.is_dir():
-        raise ExportError(f"--from {src}: no such directory; point at a released CosyVoice2-0.5B directory")
+        raise ExportError(f"--from {src}: no such directory; point at a released CosyVoice2-0.5B or CosyVoice-300M "
+                          "directory")  # fmt: skip
     family = detect_family(src)
     if family not in EXPORTABLE:
         raise ExportError(
-            f"{src} is a {family} model; export supports {', '.join(EXPORTABLE)} so far (the CosyVoice-300M "
-            "reference exists, its ONNX export and runtime are tracked as their own issue)"
+            f"{src} is a {family} model; export supports {', '.join(EXPORTABLE)} so far (Fun-CosyVoice3 is tracked as "
+            "its own issue)"
         )
-    missing = [n for n in REQUIRED if not (src / n).is_file()]
+    missing = [n for n in REQUIRED[family] if not (src / n).is_file()]
     if missing:
         raise ExportError(
             f"{src} is missing {', '.join(missing)}: the directory is incomplete; download the whole model "
-            "(e.g. modelscope download iic/CosyVoice2-0.5B) or make a fixture with `cosyvoice-cpu fixture`"
+            "(e.g. modelscope download iic/CosyVoice2-0.5B or iic/CosyVoice-300M-SFT) or make a fixture with "
+            "`cosyvoice-cpu fixture`"
         )
     cfg = read_model_config(src)  # raises ModelDirError for a wrong/unsupported family
-    for key, (name, ranks) in COPIED_ONNX.items():
-        _check_onnx(src / name, ranks, key)
+    for key, name in copied_onnx(family).items():
+        _check_onnx(src / name, ONNX_RANKS[key], key)
+    if family == "cosyvoice":
+        from cosyvoice_cpu.export.tokenizer_whisper import find_tiktoken
+
+        find_tiktoken(src)  # fail now, not after minutes of export
     return cfg
 
 
@@ -195,7 +205,7 @@ def export_model(
     check_extra()
     _check_target(src, dst, options.force)
     cfg = check_source(src)
-    need, free = needed_bytes(src), free_bytes(dst.parent if not dst.exists() else dst)
+    need, free = needed_bytes(src, cfg.family), free_bytes(dst.parent if not dst.exists() else dst)
     if free < need:
         raise ExportError(
             f"not enough disk space under {dst.parent}: the export needs about {need / 1e9:.1f} GB, "
@@ -211,11 +221,13 @@ def export_model(
         graphs, gates, stage_facts = export_stage_files(src, tmp, cfg, recipe, options, step)
         step("tokenizer, front-end models, manifest")
         text = _export_tokenizer(cfg, tmp)
-        for name, _ in COPIED_ONNX.values():
+        for name in copied_onnx(cfg.family).values():
             shutil.copy2(src / name, tmp / name)
-        for p in tmp.iterdir():  # copies keep the source's mode, np.save follows the umask: a shared model is 0644
-            p.chmod(0o644)
-        manifest = _manifest(src, tmp, cfg, recipe, graphs, gates, text, stage_facts)
+        voices = _export_speakers(cfg, tmp)
+        for p in [*tmp.iterdir(), *voices]:  # copies keep the source's mode, np.save follows the umask: 0644
+            if p.is_file():
+                p.chmod(0o644)
+        manifest = _manifest(src, tmp, cfg, recipe, graphs, gates, text, stage_facts, voices)
         manifest.save(tmp)
         (tmp / MANIFEST_NAME).chmod(0o644)
         tmp.chmod(0o755)
@@ -240,13 +252,59 @@ def export_model(
 
 
 def _export_tokenizer(cfg: Any, out: Path) -> dict[str, Any]:
-    """Write ``tokenizer.json`` (Hugging Face ``tokenizers`` format, CosyVoice specials included)."""
+    """Write ``tokenizer.json`` (Hugging Face ``tokenizers`` format, CosyVoice specials included); CosyVoice-300M's
+    Whisper tiktoken vocabulary is converted to the same format."""
     from cosyvoice_cpu.reference.tokenizer import COSYVOICE2_SPECIALS, CosyVoice2Tokenizer
+
+    if cfg.family == "cosyvoice":
+        from cosyvoice_cpu.export.tokenizer_whisper import find_tiktoken, write_whisper_tokenizer
+
+        path = find_tiktoken(cfg.model_dir)
+        text = write_whisper_tokenizer(path, out)
+        if text["vocab_size"] > cfg.lm.text_token_size:
+            raise ExportError(
+                f"{path} has {text['vocab_size']} tokens but the LM's text table has {cfg.lm.text_token_size} rows: "
+                "it is the wrong vocabulary for this model (CosyVoice-300M uses Whisper's multilingual.tiktoken)"
+            )
+        return text
 
     tok = CosyVoice2Tokenizer(cfg.blank_en_dir)
     tok._tok.backend_tokenizer.save(str(out / "tokenizer.json"))
     specials = {t: tok.token_id(t) for t in ("<|endoftext|>", *COSYVOICE2_SPECIALS)}
     return {"tokenizer": "tokenizer.json", "vocab_size": len(tok), "special_ids": specials}
+
+
+def _flow_facts(family: str, flow: Any) -> dict[str, Any]:
+    """The manifest's ``flow`` section: solver defaults, plus the streaming facts (v2) or the token rate (v1)."""
+    facts = {"n_timesteps": flow.cfm.n_timesteps, "cfg_rate": flow.cfm.inference_cfg_rate,
+             "t_scheduler": flow.cfm.t_scheduler, "spk_embed_dim": flow.spk_embed_dim}  # fmt: skip
+    if family == "cosyvoice":  # CosyVoice-300M: 50 Hz tokens stretched by the length regulator
+        return {**facts, "input_frame_rate": flow.input_frame_rate}
+    return {**facts, "pre_lookahead_len": flow.pre_lookahead_len, "token_mel_ratio": flow.token_mel_ratio,
+            "static_chunk_size": flow.encoder.static_chunk_size}  # encoder chunk in tokens (streaming)  # fmt: skip
+
+
+def _export_speakers(cfg: Any, out: Path) -> list[Path]:
+    """The built-in speakers of a CosyVoice-300M-SFT/-Instruct ``spk2info.pt`` as ``voices/<name>.npz`` files
+    (voices without prompt audio: the x-vector alone conditions the LM and the flow). Others have none."""
+    if cfg.family != "cosyvoice":
+        return []
+    import numpy as np
+
+    from cosyvoice_cpu.reference.model_dir import load_speakers
+    from cosyvoice_cpu.voice import Voice, VoiceError
+
+    written = []
+    for name, emb in load_speakers(cfg.model_dir).items():
+        try:
+            voice = Voice(name, "", np.zeros(0, np.int32), np.zeros((0, 80), np.float32), emb.numpy().reshape(-1),
+                          family=cfg.family, sample_rate=cfg.sample_rate, meta={"builtin": True})  # fmt: skip
+        except VoiceError as e:
+            raise ExportError(f"built-in speaker {name!r} of spk2info.pt cannot be a voice: {e}") from e
+        written.append(voice.save(out / VOICES_DIR / f"{name}.npz"))
+    if written:
+        (out / VOICES_DIR).chmod(0o755)
+    return written
 
 
 def _manifest(
@@ -258,6 +316,7 @@ def _manifest(
     gates: list[GateResult],
     text: dict[str, Any],
     stage_facts: dict[str, dict[str, Any]],
+    voices: list[Path] = (),
 ) -> Manifest:
     entries = {}
     for g in graphs:
@@ -271,7 +330,8 @@ def _manifest(
         )
     arrays = {p.stem: FileEntry.of(out, p.name) for p in sorted(out.glob("*.npy"))}
     files = {"tokenizer": FileEntry.of(out, "tokenizer.json")}
-    files.update({key: FileEntry.of(out, name) for key, (name, _) in COPIED_ONNX.items()})
+    files.update({key: FileEntry.of(out, name) for key, name in copied_onnx(cfg.family).items()})
+    files.update({f"voice:{p.stem}": FileEntry.of(out, f"{VOICES_DIR}/{p.name}") for p in voices})
     lm = cfg.lm
     source_files = {
         n: {"size": (src / n).stat().st_size, "sha256": sha256_file(src / n)}
@@ -298,16 +358,7 @@ def _manifest(
             **stage_facts.get("lm", {}),
         },
         sampling=asdict(lm.sampling),
-        flow={
-            "n_timesteps": cfg.flow.cfm.n_timesteps,
-            "cfg_rate": cfg.flow.cfm.inference_cfg_rate,
-            "t_scheduler": cfg.flow.cfm.t_scheduler,
-            "pre_lookahead_len": cfg.flow.pre_lookahead_len,
-            "token_mel_ratio": cfg.flow.token_mel_ratio,
-            "static_chunk_size": cfg.flow.encoder.static_chunk_size,  # encoder, tokens (streaming)
-            "spk_embed_dim": cfg.flow.spk_embed_dim,
-            **stage_facts.get("flow", {}),
-        },
+        flow={**_flow_facts(cfg.family, cfg.flow), **stage_facts.get("flow", {})},
         hift={**cfg.hift.to_dict(), **stage_facts.get("hift", {})},
         graphs=entries,
         arrays=arrays,

@@ -243,6 +243,9 @@ LOOSE_TOLERANCES = {
     "decode_kl": 0.1,
 }
 LOGP_GATES = ("prefill_logp", "decode_logp", "batch_vs_single")
+# CosyVoice-300M prompt embeddings pass through the text-encoder graph, so they are computed, not copied: fp32
+# 1.1e-7 on the tiny fixture; a quantized text encoder (the LM recipe's precision) is bounded like the logp.
+V1_EMBEDDINGS = {"fp32": 1e-5, "quantized": 0.05}
 DECODE_STEPS = 8
 
 
@@ -262,27 +265,44 @@ def _tolerances(tolerance: float | Mapping[str, float] | None) -> dict[str, floa
     return tol
 
 
-def _open(lm: Any, out_dir: Path, graph_file: str) -> Any:
-    from cosyvoice_cpu.lm import LMSession
+def _is_v1(lm: Any) -> bool:
+    """Whether ``lm`` is the CosyVoice-300M reference (``TransformerLM``, with a text encoder)."""
+    return hasattr(lm, "text_encoder")
+
+
+def _open(lm: Any, out_dir: Path, graph_file: str) -> tuple[Any, Any]:
+    """The runtime session on a written graph and its prompt builder ``(text ids, speech ids, speaker) -> (T, D)``."""
+    from functools import partial
+
+    from cosyvoice_cpu.lm import TEXT_ENCODER_FILE, LMSession
+    from cosyvoice_cpu.lm_prompt import TextEncoder, assemble
 
     inputs, _ = io_specs(Path(out_dir) / graph_file)
     max_len = next(int(s.shape[2]) for s in inputs if s.name == past_names(0)[0])
-    return LMSession.from_dir(out_dir, lm_attrs(lm, max_len), graph_file=graph_file, threads=2)
+    if _is_v1(lm):
+        from cosyvoice_cpu.export.lm_graph_v1 import lm_attrs_v1
+
+        sess = LMSession.from_dir(out_dir, lm_attrs_v1(lm, max_len), graph_file=graph_file, threads=2)
+        encoder = TextEncoder(Path(out_dir) / TEXT_ENCODER_FILE, (sess.spec.text_dim, sess.spec.hidden), 2)
+        return sess, partial(assemble, sess, encoder=encoder)
+    sess = LMSession.from_dir(out_dir, lm_attrs(lm, max_len), graph_file=graph_file, threads=2)
+    return sess, partial(assemble, sess)
 
 
-def _prompt(lm: Any, sess: Any, rng: np.random.Generator) -> tuple[Any, np.ndarray]:
-    """A random 20-40 position prompt: the reference's embeddings (1, T, D) and the runtime's (T, D)."""
+def _prompt(lm: Any, build: Any, rng: np.random.Generator) -> tuple[Any, np.ndarray]:
+    """A random 20-40 position prompt: the reference's embeddings (1, T, D) and the runtime's (T, D) (v1: with a
+    random speaker row)."""
     import torch
 
-    total = int(rng.integers(20, 41))
+    v1 = _is_v1(lm)
+    total = int(rng.integers(20, 41)) - v1
     n_text = int(rng.integers(4, total - 6))
-    text = rng.integers(0, lm.cfg.qwen.vocab_size, n_text)
+    text = rng.integers(0, lm.cfg.text_token_size if v1 else lm.cfg.qwen.vocab_size, n_text)
     speech = rng.integers(0, lm.cfg.speech_token_size, total - 2 - n_text)
-    ref = lm.prompt_embeddings(torch.from_numpy(text)[None], torch.zeros(1, 0, dtype=torch.long),
-                               torch.from_numpy(speech)[None])  # fmt: skip
-    ours = np.concatenate([sess.special("sos")[None], sess.embed_text(text), sess.special("task_id")[None],
-                           sess.embed_speech(speech)])  # fmt: skip
-    return ref.detach(), ours
+    args = [torch.from_numpy(text)[None], torch.zeros(1, 0, dtype=torch.long), torch.from_numpy(speech)[None]]
+    speaker = rng.standard_normal(192).astype(np.float32) if v1 else None
+    ref = lm.prompt_embeddings(*args, *([torch.from_numpy(speaker)[None]] if v1 else []))
+    return ref.detach(), build(text, speech, speaker=speaker)
 
 
 def _kl(ref: np.ndarray, ours: np.ndarray) -> np.ndarray:
@@ -314,9 +334,11 @@ def verify_lm(
     import torch
 
     tol = _tolerances(tolerance)
+    if _is_v1(lm):
+        tol["embeddings"] = max(tol["embeddings"], V1_EMBEDDINGS["fp32" if tolerance is None else "quantized"])
     rng = np.random.default_rng(seed)
-    sess = _open(lm, out_dir, graph_file)
-    ref_emb, emb = _prompt(lm, sess, rng)
+    sess, build = _open(lm, out_dir, graph_file)
+    ref_emb, emb = _prompt(lm, build, rng)
     total = emb.shape[0]
     ref = [lm.prefill(ref_emb, total + DECODE_STEPS + 1).numpy()]
     tokens = []
@@ -324,7 +346,7 @@ def verify_lm(
         tokens.append(int(ref[-1].argmax()))
         ref.append(lm.decode_step(tokens[-1], total + k).numpy())
     # the same prompt and tokens alone (row 0 of a 1-row cache), then with a shorter second prompt in a batch
-    emb2 = _prompt(lm, sess, rng)[1][: max(2, total - 7)]
+    emb2 = _prompt(lm, build, rng)[1][: max(2, total - 7)]
     tokens2 = [int(t) for t in rng.integers(0, lm.cfg.speech_token_size, DECODE_STEPS)]
     single: list[list[np.ndarray]] = []
     for e, toks in ((emb, tokens), (emb2, tokens2)):
@@ -360,8 +382,8 @@ def compare_lm(lm: Any, out_dir: Path, graph_file: str = GRAPH_FILE, steps: int 
     if steps <= 0:
         raise ConfigError(f"steps must be positive, got {steps}")
     rng = np.random.default_rng(seed)
-    sess = _open(lm, out_dir, graph_file)
-    ref_emb, emb = _prompt(lm, sess, rng)
+    sess, build = _open(lm, out_dir, graph_file)
+    ref_emb, emb = _prompt(lm, build, rng)
     tokens = [int(t) for t in rng.integers(0, lm.cfg.speech_token_size, steps - 1)]
     cache = sess.new_cache(1)
     ours = [sess.prefill(cache, 0, emb)] + [sess.decode(cache, [0], [t])[0] for t in tokens]

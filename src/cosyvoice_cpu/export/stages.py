@@ -68,7 +68,7 @@ def _quantize(art: GraphArtifact, precision: str, work: Path, out: Path) -> Grap
         return art
     _move(art, out, work)
     src, dst = work / art.file, out / art.file
-    lm, estimator, hift = art.key == "lm", art.key.startswith("flow_estimator"), art.key == "hift_decode"
+    lm, estimator, hift = art.key.startswith("lm"), art.key.startswith("flow_estimator"), art.key == "hift_decode"
     if lm and precision == "int8":
         quantize_int8_dynamic(src, dst, reduce_range=False)
     elif lm and precision in ("int4", "int8w"):
@@ -98,11 +98,18 @@ class _Plan:
     quantized: tuple[str, ...]  # graph keys the precision applies to
 
 
-PLANS = (
-    _Plan("LM", "lm", "lm_graph", "lm", ("lm",)),
-    _Plan("flow", "flow", "flow_graph", "flow_estimator", ("flow_estimator", "flow_estimator_stream")),
-    _Plan("HiFT", "hift", "hift_graph", "hift", ("hift_decode",)),
-)
+PLANS = {
+    "cosyvoice2": (
+        _Plan("LM", "lm", "lm_graph", "lm", ("lm",)),
+        _Plan("flow", "flow", "flow_graph", "flow_estimator", ("flow_estimator", "flow_estimator_stream")),
+        _Plan("HiFT", "hift", "hift_graph", "hift", ("hift_decode",)),
+    ),
+    "cosyvoice": (  # CosyVoice-300M: the text encoder takes the LM's precision (78 M parameters at full size)
+        _Plan("LM", "lm", "lm_graph_v1", "lm", ("lm", "lm_text_encoder")),
+        _Plan("flow", "flow", "flow_graph_v1", "flow_estimator", ("flow_estimator",)),
+        _Plan("HiFT", "hift", "hift_graph", "hift", ("hift_decode",)),
+    ),
+}
 CHECKPOINTS = {"lm": "llm.pt", "flow": "flow.pt", "hift": "hift.pt"}
 
 
@@ -121,7 +128,7 @@ def export_stage_files(
     graphs: list[GraphArtifact] = []
     gates: list[GateResult] = []
     try:
-        for plan in PLANS:
+        for plan in PLANS[cfg.family]:
             module = importlib.import_module(f"cosyvoice_cpu.export.{plan.module}")
             export, verify = getattr(module, f"export_{plan.ref}"), getattr(module, f"verify_{plan.ref}")
             step(f"{plan.name}: loading {CHECKPOINTS[plan.ref]}")

@@ -82,7 +82,8 @@ class State:
     def __init__(self, engine: Any, settings: ServerSettings) -> None:
         self.engine, self.settings = engine, settings
         self.model_id = settings.model_id or Path(engine.model_dir).name
-        self.voices = VoiceStore(settings.voices_dir, engine.manifest.family, engine.sample_rate)
+        builtin = engine.builtin_voices() if hasattr(engine, "builtin_voices") else {}  # CosyVoice-300M-SFT speakers
+        self.voices = VoiceStore(settings.voices_dir, engine.manifest.family, engine.sample_rate, builtin)
         self.metrics = Metrics()
         self.admission: Admission | None = None  # made inside the event loop (lifespan)
         self.executor = ThreadPoolExecutor(settings.max_active, thread_name_prefix="synth")

@@ -90,7 +90,7 @@ def add_routes(app: Any, state: Any, api_error: type, exists: type, not_found: t
         for name in state.voices.names():
             v = state.voices.get(name)
             out.append({"id": name, "name": name, "prompt_text": v.prompt_text,
-                        "mode": "zero-shot" if v.prompt_text else "cross-lingual",
+                        "mode": "built-in" if v.builtin else "zero-shot" if v.prompt_text else "cross-lingual",
                         "duration_s": round(v.duration, 2), "created": v.meta.get("created")})  # fmt: skip
         return {"object": "list", "voices": out}
 
@@ -149,6 +149,8 @@ def add_routes(app: Any, state: Any, api_error: type, exists: type, not_found: t
             state.voices.remove(name)
         except not_found as e:
             raise api_error(404, str(e), code="voice_not_found") from e
+        except exists as e:  # a built-in speaker of the model
+            raise api_error(409, str(e), code="voice_builtin") from e
         return Response(status_code=204)
 
 

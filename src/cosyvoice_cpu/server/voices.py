@@ -33,11 +33,14 @@ class VoiceStore:
     Args:
         directory: where the ``.npz`` files live (created if missing).
         family, sample_rate: the loaded model's; voices made for another model are skipped with a warning.
+        builtin: the model's built-in speakers (CosyVoice-300M-SFT), served read-only beside the saved voices.
     """
 
-    def __init__(self, directory: str | Path, family: str, sample_rate: int) -> None:
+    def __init__(self, directory: str | Path, family: str, sample_rate: int,
+                 builtin: dict[str, Voice] | None = None) -> None:  # fmt: skip
         self.directory = Path(directory)
         self.family, self.sample_rate = family, sample_rate
+        self.builtin = dict(builtin or {})
         self._lock = threading.Lock()
         self._voices: dict[str, Voice] = {}
         self.skipped: dict[str, str] = {}  # file name -> why it is not served
@@ -67,23 +70,30 @@ class VoiceStore:
 
     def names(self) -> list[str]:
         with self._lock:
-            return sorted(self._voices)
+            return sorted({*self._voices, *self.builtin})
 
     def get(self, name: str) -> Voice:
         """The voice called ``name``; VoiceNotFoundError (naming the voices there are) if none."""
         with self._lock:
-            voice = self._voices.get(name)
+            voice = self._voices.get(name) or self.builtin.get(name)
             if voice is None:
-                known = ", ".join(sorted(self._voices)) or "none yet; add one with POST /v1/audio/voices"
+                known = ", ".join(sorted({*self._voices, *self.builtin}))
+                known = known or "none yet; add one with POST /v1/audio/voices"
                 raise VoiceNotFoundError(f"no voice named {name!r}; saved voices: {known}")
             return voice
 
     def __len__(self) -> int:
-        return len(self._voices)
+        return len({*self._voices, *self.builtin})
+
+    def _check_writable(self, name: str) -> None:
+        if name in self.builtin:
+            raise VoiceExistsError(f"{name!r} is a built-in speaker of the model; it cannot be replaced or deleted "
+                                   "(choose another name)")  # fmt: skip
 
     def add(self, voice: Voice, overwrite: bool = False) -> Path:
         """Save ``voice`` under its name (atomically) and serve it from now on."""
         voice.check_model(self.family, self.sample_rate)
+        self._check_writable(voice.name)
         path = self.path(voice.name)
         with self._lock:
             if voice.name in self._voices and not overwrite:
@@ -96,6 +106,7 @@ class VoiceStore:
     def remove(self, name: str) -> None:
         """Delete voice ``name`` (file and memory); VoiceNotFoundError if there is none."""
         path = self.path(name)
+        self._check_writable(name)
         with self._lock:
             if name not in self._voices:
                 raise VoiceNotFoundError(f"no voice named {name!r}")

@@ -1,0 +1,115 @@
+"""One sentence streamed in chunks as its speech tokens are decoded, per family (used by ``Engine.synthesize``).
+
+Each function yields ``(samples, last piece of the sentence)`` and records stage times in the request's
+:class:`~cosyvoice_cpu.engine.Timings`. The LM is held at the first chunk until that chunk's audio exists (on a
+small machine decoding ahead would only take cores from the first audio).
+
+- CosyVoice2 (:func:`speak_v2`): chunk-causal flow on cached activations (:mod:`cosyvoice_cpu.flow_stream`),
+  chunks of ``first_chunk_tokens`` doubling up to ``chunk_tokens``.
+- CosyVoice-300M (:func:`speak_v1`): the official v1 scheme (:mod:`cosyvoice_cpu.flow_stream_v1`): overlapping
+  token windows, each run through the whole flow with the noise/mu cache and a 34-frame mel fade. Its tokens come
+  at 50 Hz, so the windows' hops are twice the configured token counts (the same seconds of audio): the first
+  hop ``max(21, 2 * first_chunk_tokens)``, doubling up to ``2 * chunk_tokens`` (the official ``stream_scale_factor``
+  2; the official default is a fixed 100-token hop, 2.4 s of audio before the first chunk).
+
+Both join vocoded chunks with :class:`~cosyvoice_cpu.streaming.VocoderStream` (v2: 8 mel frames of overlap, the
+official ``mel_cache_len``; v1: 20).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+V1_VOCODER_OVERLAP = 20  # the official CosyVoice-300M mel_cache_len
+
+
+def speak_v2(engine: Any, text_ids: list[int], req: Any, t: Any) -> Iterator[tuple[np.ndarray, bool]]:
+    """CosyVoice2: chunks on the streaming estimator with the voice's cached prompt activations."""
+    from cosyvoice_cpu.engine import _change_speed
+    from cosyvoice_cpu.flow_stream import FlowStream
+    from cosyvoice_cpu.streaming import ChunkPlan, VocoderStream
+
+    voice, config = req.voice, req.config
+    t0 = time.perf_counter()
+    prompt = engine.prompt_caches.get(voice, config.flow_steps, config.cfg_rate)
+    flow = FlowStream(engine.flow, voice.speech_tokens, voice.mel, voice.embedding, config.flow_steps,
+                      config.cfg_rate, config.context_tokens, prompt)  # fmt: skip
+    t.flow += time.perf_counter() - t0
+    vocoder = VocoderStream(engine.vocoder, req.vocoder_rng)
+    plan = ChunkPlan(config.first_chunk_tokens, config.chunk_tokens, max(flow.lookahead, 1))
+    tokens: list[int] = []
+
+    def piece(a: int, b: int, final: bool) -> np.ndarray:
+        t1 = time.perf_counter()
+        mel = flow.push(tokens[a:b], None if final else tokens[b : b + flow.lookahead])
+        mel = _change_speed(mel, config.speed)
+        t2 = time.perf_counter()
+        wave = vocoder.push(mel, final)
+        t.flow += t2 - t1
+        t.vocoder += time.perf_counter() - t2
+        return wave.astype(np.float32, copy=False)
+
+    t0 = time.perf_counter()
+    first_done = threading.Event()
+    for token in engine._tokens(text_ids, req, hold=(plan.first + plan.lookahead, first_done)):
+        tokens.append(token)
+        if plan.ready(len(tokens)):
+            t.lm += time.perf_counter() - t0
+            wave = piece(*plan.cut(), final=False)
+            first_done.set()
+            yield wave, False
+            t0 = time.perf_counter()  # the consumer's time between chunks is not the LM's
+    t.lm += time.perf_counter() - t0
+    t.tokens += len(tokens)
+    if len(tokens) > plan.offset:
+        yield piece(plan.offset, len(tokens), final=True), True
+
+
+def speak_v1(engine: Any, text_ids: list[int], req: Any, t: Any) -> Iterator[tuple[np.ndarray, bool]]:
+    """CosyVoice-300M: the official overlapping-window stream (fresh noise per window from the request's RNG)."""
+    from cosyvoice_cpu.engine import _change_speed
+    from cosyvoice_cpu.flow_stream_v1 import FlowStreamV1
+    from cosyvoice_cpu.streaming import VocoderStream
+
+    voice, config = req.voice, req.config
+    overlap = engine.flow.settings.overlap_tokens
+    first = max(overlap + 1, 2 * config.first_chunk_tokens)
+    flow = FlowStreamV1(engine.flow, voice.speech_tokens, voice.mel, voice.embedding, config.flow_steps,
+                        config.cfg_rate, rng=req.vocoder_rng, hop=first,
+                        max_hop=max(first, 2 * config.chunk_tokens))  # fmt: skip
+    vocoder = VocoderStream(engine.vocoder, req.vocoder_rng, overlap_frames=V1_VOCODER_OVERLAP)
+    tokens: list[int] = []
+
+    def piece(a: int, b: int, final: bool) -> np.ndarray:
+        t1 = time.perf_counter()
+        mel = _change_speed(flow.push(tokens[a:b], final), config.speed)
+        t2 = time.perf_counter()
+        wave = vocoder.push(mel, final)
+        t.flow += t2 - t1
+        t.vocoder += time.perf_counter() - t2
+        return wave.astype(np.float32, copy=False)
+
+    t0 = time.perf_counter()
+    first_done = threading.Event()
+    for token in engine._tokens(text_ids, req, hold=(flow.window_tokens, first_done)):
+        tokens.append(token)
+        window = flow.next_window(len(tokens), llm_done=False)
+        if window is not None:
+            t.lm += time.perf_counter() - t0
+            wave = piece(*window)
+            first_done.set()
+            yield wave, False
+            t0 = time.perf_counter()
+    t.lm += time.perf_counter() - t0
+    t.tokens += len(tokens)
+    window = flow.next_window(len(tokens), llm_done=True)
+    if window is not None and window[1] > window[0]:
+        yield piece(*window), True
