@@ -13,6 +13,10 @@ Implementations (one per process, so ``ru_maxrss`` is the implementation's own):
 Workload (``/work/shared/reference/baseline.md``): ``torch.set_num_threads(--threads)``, fp32, eval,
 ``torch.inference_mode()``; all inputs are random from ``--seed``.
 
+CosyVoice2 and CosyVoice-300M directories are both measured (the family is read from the yaml); for v1 the prompt
+is 150 speech tokens (3 s at 50 Hz) with 258 prompt mel frames (22050 / 256 Hz), the LM gets the x-vector and the
+official v1 flow draws fresh noise (``MaskedDiffWithXvec.inference``, no streaming arguments).
+
 * LM: 40 text tokens, a zero-shot prompt of 20 prompt-text and 75 prompt-speech tokens (3 s), RAS sampling with
   the model's defaults, exactly ``--tokens`` speech tokens: min/max token-text ratio ``(tokens + 0.5) / 40`` makes
   ``min_len == max_len == tokens`` in both codes, and the stop ids (>= ``speech_token_size``) are masked out of
@@ -26,7 +30,7 @@ Workload (``/work/shared/reference/baseline.md``): ``torch.set_num_threads(--thr
 
 Peak RSS (``getrusage(RUSAGE_SELF).ru_maxrss``) is read after the build and after each stage (``rss_after``;
 ``rss_current_after`` is VmRSS at the same points). ``loadavg_*`` flag a machine shared with other work. End-to-end is
-LM total + flow + HiFT (no frontend, no prompt feature extraction); RTF = e2e / (tokens / 25 Hz).
+LM total + flow + HiFT (no frontend, no prompt feature extraction); RTF = e2e / (tokens / 25 Hz, or 50 Hz for v1).
 Callers (``cosyvoice-cpu bench``) run this script in a subprocess, e.g. through :func:`run_peer`.
 """
 
@@ -53,8 +57,8 @@ logger = logging.getLogger("bench.peer")
 
 REPO = Path(__file__).resolve().parents[1]
 IMPLS = ("official", "reference")
-TEXT_TOKENS, PROMPT_TEXT_TOKENS, PROMPT_SPEECH_TOKENS = 40, 20, 75
-TOKEN_HZ, TOKEN_MEL_RATIO, MEL_BINS, XVEC_DIM = 25, 2, 80, 192
+TEXT_TOKENS, PROMPT_TEXT_TOKENS, PROMPT_SECONDS = 40, 20, 3
+MEL_BINS, XVEC_DIM = 80, 192
 LM_WARMUP_TOKENS, FLOW_WARMUP_TOKENS = 30, 25
 MAX_TEXT_ID = 151643  # Qwen2's ordinary text ids lie below <|endoftext|>
 
@@ -65,8 +69,8 @@ class Inputs:
 
     text: Any  # (1, 40) long
     prompt_text: Any  # (1, 20) long
-    prompt_speech: Any  # (1, 75) long
-    prompt_mel: Any  # (1, 150, 80) float
+    prompt_speech: Any  # (1, 75) long (v1: 150)
+    prompt_mel: Any  # (1, 150, 80) float (v1: 258 frames)
     xvec: Any  # (1, 192) float
 
 
@@ -75,11 +79,20 @@ class Peer:
     """One implementation's three stages behind common calls."""
 
     lm: Callable[[Inputs, int], Iterator[int]]  # exactly n speech tokens
-    flow: Callable[[Any, Inputs], Any]  # tokens (1, n) -> mel (1, 80, 2n)
-    hift: Callable[[Any], Any]  # mel (1, 80, T) -> wave (1, 480 T)
+    flow: Callable[[Any, Inputs], Any]  # tokens (1, n) -> mel (1, 80, frames(n))
+    hift: Callable[[Any], Any]  # mel (1, 80, T) -> wave (1, upsample T)
     estimator: Any  # the flow's estimator module (timed by hooks)
     text_vocab: int
-    speech_tokens: int  # speech_token_size (6561); ids >= it are stop ids
+    speech_tokens: int  # speech_token_size (6561; v1 4096); ids >= it are stop ids
+    v1: bool = False  # CosyVoice-300M: 50 Hz tokens, 22050 / 256 Hz mel
+
+    @property
+    def token_hz(self) -> int:
+        return 50 if self.v1 else 25
+
+    def frames(self, tokens: int) -> int:
+        """Mel frames of ``tokens`` speech tokens (v1: the official ``int(n / 50 * 22050 / 256)``)."""
+        return int(tokens / 50 * 22050 / 256) if self.v1 else 2 * tokens
 
 
 def exact_ratio(tokens: int, n_text: int = TEXT_TOKENS) -> float:
@@ -88,7 +101,12 @@ def exact_ratio(tokens: int, n_text: int = TEXT_TOKENS) -> float:
 
 
 def rss_mb() -> float:
-    """Peak resident set size of this process so far, in MB (``ru_maxrss`` is KB on Linux)."""
+    """Peak resident set size of this process image so far, in MB: ``VmHWM`` (``ru_maxrss`` survives fork + exec,
+    so it would include the peak of a parent that exported a model just before), else ``ru_maxrss``."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -120,6 +138,7 @@ def build_official(model_dir: Path) -> Peer:
 
     c = load_official_model_dir(model_dir)
     llm, flow, hift = c["llm"], c["flow"], c["hift"]
+    v1 = _is_v1(model_dir)
     stop, sampling_ids = llm.speech_token_size, llm.sampling_ids
 
     def masked_sampling_ids(scores: Any, decoded: list, sampling: int, ignore_eos: bool = True) -> Any:
@@ -132,11 +151,15 @@ def build_official(model_dir: Path) -> Peer:
         r = exact_ratio(n, x.text.shape[1])
         lens = [torch.tensor([t.shape[1]]) for t in (x.text, x.prompt_text, x.prompt_speech)]  # fresh: mutated
         gen = llm.inference(x.text, lens[0], x.prompt_text, lens[1], x.prompt_speech, lens[2],
-                            torch.zeros(0, XVEC_DIM), max_token_text_ratio=r, min_token_text_ratio=r)  # fmt: skip
+                            x.xvec if v1 else torch.zeros(0, XVEC_DIM), max_token_text_ratio=r,
+                            min_token_text_ratio=r)  # fmt: skip
         return (int(t) for t in gen)
 
-    return Peer(lm, _flow_call(flow), lambda mel: hift.inference(speech_feat=mel, cache_source=torch.zeros(1, 1, 0))[0],
-                flow.decoder.estimator, llm.llm.model.model.embed_tokens.num_embeddings, stop)  # fmt: skip
+    vocab = llm.text_embedding.num_embeddings if v1 else llm.llm.model.model.embed_tokens.num_embeddings
+    def vocode(mel: Any) -> Any:
+        return hift.inference(speech_feat=mel, cache_source=torch.zeros(1, 1, 0))[0]
+
+    return Peer(lm, _flow_call(flow, v1), vocode, flow.decoder.estimator, vocab, stop, v1)
 
 
 def build_reference(model_dir: Path) -> Peer:
@@ -145,6 +168,7 @@ def build_reference(model_dir: Path) -> Peer:
 
     m = load_reference(model_dir)
     lm_mod, stop, head = m.lm, m.lm.cfg.speech_token_size, m.lm.head
+    v1 = _is_v1(model_dir)
 
     def masked_head(hidden: Any) -> Any:
         logp = head(hidden)
@@ -155,20 +179,31 @@ def build_reference(model_dir: Path) -> Peer:
 
     def lm(x: Inputs, n: int) -> Iterator[int]:
         lm_mod.cfg.min_token_text_ratio = lm_mod.cfg.max_token_text_ratio = exact_ratio(n, x.text.shape[1])
-        return lm_mod.inference(x.text, x.prompt_text, x.prompt_speech)
+        return lm_mod.inference(x.text, x.prompt_text, x.prompt_speech, *([x.xvec] if v1 else []))
 
-    return Peer(lm, _flow_call(m.flow), lambda mel: m.hift.inference(mel)[0], m.flow.decoder.estimator,
-                lm_mod.backbone.embed_tokens.num_embeddings, stop)  # fmt: skip
+    vocab = lm_mod.cfg.text_token_size if v1 else lm_mod.backbone.embed_tokens.num_embeddings
+    return Peer(lm, _flow_call(m.flow, v1), lambda mel: m.hift.inference(mel)[0], m.flow.decoder.estimator,
+                vocab, stop, v1)  # fmt: skip
 
 
-def _flow_call(flow: Any) -> Callable[[Any, Inputs], Any]:
-    """Both flows share the official ``inference`` signature; non-streaming, final chunk."""
+def _is_v1(model_dir: Path) -> bool:
+    from cosyvoice_cpu.reference.model_dir import detect_family
+
+    return detect_family(model_dir) == "cosyvoice"
+
+
+def _flow_call(flow: Any, v1: bool = False) -> Callable[[Any, Inputs], Any]:
+    """Both flows share the official ``inference`` signature; non-streaming, final chunk (v1 has no streaming
+    arguments and draws fresh noise)."""
     import torch
 
     def call(tokens: Any, x: Inputs) -> Any:
         lens = [torch.tensor([t.shape[1]]) for t in (tokens, x.prompt_speech, x.prompt_mel)]
-        mel, _ = flow.inference(tokens, lens[0], x.prompt_speech, lens[1], x.prompt_mel, lens[2], x.xvec,
-                                streaming=False, finalize=True)  # fmt: skip
+        args = (tokens, lens[0], x.prompt_speech, lens[1], x.prompt_mel, lens[2], x.xvec)
+        if v1:  # the official v1 signature ends with flow_cache (none: a whole utterance)
+            mel, _ = flow.inference(*args, torch.zeros(1, MEL_BINS, 0, 2))
+        else:
+            mel, _ = flow.inference(*args, streaming=False, finalize=True)
         return mel
 
     return call
@@ -180,11 +215,12 @@ def make_inputs(peer: Peer, seed: int) -> Inputs:
 
     g = torch.Generator().manual_seed(seed)
     text_hi = min(peer.text_vocab, MAX_TEXT_ID)
+    prompt_tokens = PROMPT_SECONDS * peer.token_hz
     return Inputs(
         text=torch.randint(0, text_hi, (1, TEXT_TOKENS), generator=g),
         prompt_text=torch.randint(0, text_hi, (1, PROMPT_TEXT_TOKENS), generator=g),
-        prompt_speech=torch.randint(0, peer.speech_tokens, (1, PROMPT_SPEECH_TOKENS), generator=g),
-        prompt_mel=torch.randn(1, TOKEN_MEL_RATIO * PROMPT_SPEECH_TOKENS, MEL_BINS, generator=g),
+        prompt_speech=torch.randint(0, peer.speech_tokens, (1, prompt_tokens), generator=g),
+        prompt_mel=torch.randn(1, peer.frames(prompt_tokens), MEL_BINS, generator=g),
         xvec=torch.randn(1, XVEC_DIM, generator=g),
     )
 
@@ -220,7 +256,7 @@ def run(model_dir: Path, impl: str, threads: int, tokens: int, seed: int) -> dic
     torch.set_num_threads(threads)
     with contextlib.suppress(RuntimeError):  # only settable before the first parallel work
         torch.set_num_interop_threads(threads)
-    res: dict[str, Any] = {"impl": impl, "threads": threads, "tokens": tokens, "audio_s": tokens / TOKEN_HZ,
+    res: dict[str, Any] = {"impl": impl, "threads": threads, "tokens": tokens,
                            "seed": seed, "model_dir": str(model_dir), "torch_version": torch.__version__,
                            "python": platform.python_version(), "machine": machine_name(), "cpus": os.cpu_count(),
                            "loadavg_start": os.getloadavg()[0]}  # fmt: skip
@@ -233,6 +269,7 @@ def run(model_dir: Path, impl: str, threads: int, tokens: int, seed: int) -> dic
     t0 = time.perf_counter()
     peer = (build_official if impl == "official" else build_reference)(model_dir)
     res["build_s"] = time.perf_counter() - t0
+    res["audio_s"] = tokens / peer.token_hz
     mark("build")
     logger.info("%s built in %.1f s", impl, res["build_s"])
     x = make_inputs(peer, seed)
@@ -264,7 +301,7 @@ def run(model_dir: Path, impl: str, threads: int, tokens: int, seed: int) -> dic
         res["flow_estimator_call_ms"] = [round(c * 1e3, 1) for c in calls]
         logger.info("flow: %.2f s, %d estimator calls", res["flow_s"], len(calls))
 
-        hmel = torch.randn(1, MEL_BINS, TOKEN_MEL_RATIO * tokens, generator=g) * 2 - 5
+        hmel = torch.randn(1, MEL_BINS, peer.frames(tokens), generator=g) * 2 - 5
         peer.hift(hmel)
         t0 = time.perf_counter()
         wave = peer.hift(hmel)

@@ -39,3 +39,13 @@ def tiny_export_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
     out = tmp_path_factory.mktemp("export") / "tiny-default"
     export_model(tiny_model_dir, out, ExportOptions(max_len=256))
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_v1_export_dir(tiny_v1_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny CosyVoice-300M fixture exported with the default recipe (int8w)."""
+    from cosyvoice_cpu.export.exporter import ExportOptions, export_model
+
+    out = tmp_path_factory.mktemp("export") / "tiny-v1-default"
+    export_model(tiny_v1_model_dir, out, ExportOptions(max_len=1024))
+    return out

@@ -55,7 +55,17 @@ def read_energy_j(counters: dict[str, Path]) -> float | None:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far (MB)."""
+    """Peak resident set size of this process image so far (MB): ``VmHWM``, else ``ru_maxrss``.
+
+    ``ru_maxrss`` survives ``fork`` + ``exec``: a task child started by a parent that had just written and exported
+    the full-size fixture (GBs of torch) reported the parent's peak as its own. ``VmHWM`` belongs to the new image.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -169,9 +179,15 @@ def first_audio(engine: Any, voice: Any, text: str, tokens: int, runs: int) -> d
 
 def fast_preset_quality(engine: Any, voice: Any, tokens: int, steps: int) -> dict[str, float]:
     """Mel L1 of ``steps`` Euler steps against the default 10, on the same tokens (flow only)."""
-    toks = np.random.default_rng(0).integers(0, 6561, tokens)
-    ref = engine.flow.inference(toks, voice.speech_tokens, voice.mel, voice.embedding, n_timesteps=10)
-    fast = engine.flow.inference(toks, voice.speech_tokens, voice.mel, voice.embedding, n_timesteps=steps)
+    toks = np.random.default_rng(0).integers(0, engine.lm.facts.speech_token_size, tokens)
+
+    def mel(n: int) -> np.ndarray:
+        if engine.family == "cosyvoice":  # fresh noise per call: the same seed for both runs
+            return engine.flow.inference(toks, voice.speech_tokens, voice.mel, voice.embedding, n_timesteps=n,
+                                         rng=np.random.default_rng(0))[0]  # fmt: skip
+        return engine.flow.inference(toks, voice.speech_tokens, voice.mel, voice.embedding, n_timesteps=n)
+
+    ref, fast = mel(10), mel(steps)
     return {"fast_mel_l1": float(np.abs(fast - ref).mean()), "mel_abs_mean": float(np.abs(ref).mean())}
 
 

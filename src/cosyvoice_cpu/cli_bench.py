@@ -62,17 +62,19 @@ def resolve_model(args: argparse.Namespace) -> tuple[Path, Path | None, str]:
     from cosyvoice_cpu.export.fixture import FixtureSpec, write_fixture
     from cosyvoice_cpu.manifest import Manifest
 
-    src = cache_dir() / "fixtures" / "cosyvoice2-full-seed0"
-    if not (src / "cosyvoice2.yaml").is_file():
-        print("writing the full-size random CosyVoice2 fixture (once) ...", file=sys.stderr)
-        write_fixture(FixtureSpec("cosyvoice2", "full", 0), src, force=True)
-    dst = cache_dir() / "exports" / f"cosyvoice2-full-seed0-{args.recipe}"
+    family = args.family
+    src = cache_dir() / "fixtures" / f"{family}-full-seed0"
+    if not (src / f"{family}.yaml").is_file():
+        print(f"writing the full-size random {family} fixture (once) ...", file=sys.stderr)
+        write_fixture(FixtureSpec(family, "full", 0), src, force=True)
+    dst = cache_dir() / "exports" / f"{family}-full-seed0-{args.recipe}"
     try:
         Manifest.load(dst)
     except Exception:
         print(f"exporting the fixture with recipe {args.recipe} (once; cached in {dst}) ...", file=sys.stderr)
         export_model(src, dst, ExportOptions(recipe=args.recipe, force=True))
-    return dst, args.peer_from or src, f"full-size random CosyVoice2, recipe {args.recipe}"
+    name = {"cosyvoice2": "CosyVoice2", "cosyvoice": "CosyVoice-300M"}[family]
+    return dst, args.peer_from or src, f"full-size random {name}, recipe {args.recipe}"
 
 
 def run_peers(official_dir: Path | None, names: list[str], threads: int, tokens: int) -> dict[str, Any]:
@@ -116,9 +118,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from cosyvoice_cpu.bench_report import write_report
     from cosyvoice_cpu.benchmark import energy_counters
     from cosyvoice_cpu.hardware import detect
+    from cosyvoice_cpu.manifest import Manifest
 
     threads = args.threads or detect().threads()
     model_dir, official_dir, what = resolve_model(args)
+    rate = Manifest.load(model_dir).token_frame_rate  # 25 Hz (CosyVoice2) or 50 Hz (CosyVoice-300M) tokens
+    args.tokens, args.short_tokens = args.tokens or 10 * rate, args.short_tokens or 2 * rate
     try:
         streams = [int(s) for s in args.concurrency.split(",") if s.strip()] if args.concurrency else []
     except ValueError:
@@ -156,11 +161,13 @@ def add_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="benchmark the engine (and its PyTorch peers) on one workload")
     src = b.add_mutually_exclusive_group()
     src.add_argument("-m", "--model", type=Path, help="an exported model directory")
-    src.add_argument("--recipe", default="int8w", help="else: the full-size random CosyVoice2 exported with this "
-                     "recipe (cached; needs the [export] extra)")  # fmt: skip
+    src.add_argument("--recipe", default="int8w", help="else: the full-size random --family model exported with "
+                     "this recipe (cached; needs the [export] extra)")  # fmt: skip
+    b.add_argument("--family", choices=("cosyvoice2", "cosyvoice"), default="cosyvoice2",
+                   help="the random fixture's family (without -m): CosyVoice2-0.5B or CosyVoice-300M")  # fmt: skip
     b.add_argument("--threads", type=int, default=0, help="ORT threads (default: usable physical cores)")
-    b.add_argument("--tokens", type=int, default=250, help="speech tokens per sentence (250 = 10 s)")
-    b.add_argument("--short-tokens", type=int, default=50, help="tokens for the 8-character sentence (2 s)")
+    b.add_argument("--tokens", type=int, default=0, help="speech tokens per sentence (default 10 s: 250 at 25 Hz)")
+    b.add_argument("--short-tokens", type=int, default=0, help="tokens for the 8-character sentence (default 2 s)")
     b.add_argument("--runs", type=int, default=3, help="timed repetitions after a warm-up (medians)")
     b.add_argument("--fast-steps", type=int, default=5, help="Euler steps of the fast preset")
     b.add_argument("--concurrency", default="1,4,8", help="concurrent streams to measure ('' to skip)")

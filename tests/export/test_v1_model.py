@@ -39,10 +39,8 @@ def _prompt_wav(path: Path, seconds: float = 3.0) -> Path:
 
 
 @pytest.fixture(scope="module")
-def v1_int8w(tiny_v1_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("v1") / "int8w"
-    export_model(tiny_v1_model_dir, out, ExportOptions(recipe="int8w", max_len=1024))
-    return out
+def v1_int8w(tiny_v1_export_dir: Path) -> Path:
+    return tiny_v1_export_dir  # the default recipe is int8w
 
 
 @pytest.fixture(scope="module")

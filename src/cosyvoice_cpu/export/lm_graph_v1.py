@@ -14,10 +14,11 @@
     position S-1, ``llm_decoder`` and ``LogSoftmax``.
 
 The position term: score(i, j) adds ``(q_i + pos_bias_v) · P[i - j] / sqrt(Dh)`` where ``P[r] = linear_pos(pe(r))``
-depends only on the relative position r >= 0 (the LM is causal), so ``P`` is a per-layer table (H, Dh, max_len)
-in the graph. One ``MatMul`` scores every query against the rows ``0 .. total-1`` and a ``GatherElements`` with
-the indices ``i - j`` (clamped at 0; those keys are masked by the causal attention anyway) picks the term of each
-key. Query positions come from ``seqlens_k``: row b's S new positions are ``seqlens_k[b] + 1 - S ...``.
+depends only on the relative position r >= 0 (the LM is causal), so ``P`` is a per-layer table (max_len, H, Dh)
+in the graph. Its rows ``0 .. total-1`` are sliced (only those pages are read), one ``MatMul`` scores every query
+against them and a ``GatherElements`` with the indices ``i - j`` (clamped at 0; those keys are masked by the causal
+attention anyway) picks the term of each key. Query positions come from ``seqlens_k``: row b's S new positions
+are ``seqlens_k[b] + 1 - S ... seqlens_k[b]``.
 
 Embedding tables stay outside as ``.npy``: text (51866, Dt), speech (4096, D), special (2, D: sos, task_id).
 """
@@ -46,7 +47,8 @@ def _np(p: Any) -> np.ndarray:
 
 
 def position_tables(lm: Any, max_len: int) -> list[np.ndarray]:
-    """Per layer ``linear_pos(pe(r))`` for r = 0 .. max_len-1, laid out (H, Dh, max_len) for the score MatMul."""
+    """Per layer ``linear_pos(pe(r))`` for r = 0 .. max_len-1 as (max_len, H, Dh): row r is one contiguous block,
+    so a call reads (and keeps resident) only the rows 0 .. total-1 it uses, not the whole memory-mapped table."""
     import torch
 
     from cosyvoice_cpu.reference.espnet import sinusoid_rows
@@ -57,7 +59,7 @@ def position_tables(lm: Any, max_len: int) -> list[np.ndarray]:
     with torch.inference_mode():
         for layer in lm.llm.encoders:
             p = layer.self_attn.linear_pos(rows)  # (max_len, D)
-            out.append(_np(p.view(max_len, heads, d // heads).permute(1, 2, 0)))
+            out.append(_np(p.view(max_len, heads, d // heads)))
     return out
 
 
@@ -91,12 +93,12 @@ def build_decoder_model(weights: dict[str, np.ndarray], pos: list[np.ndarray], h
     from onnx import TensorProto, helper, numpy_helper
 
     n_layers, (d, vocab) = len(pos), weights["head.weight"].shape
-    dh, max_len = d // heads, pos[0].shape[2]
+    dh, max_len = d // heads, pos[0].shape[0]
     nodes: list[Any] = []
     consts = {
         "c.scale": np.array(math.sqrt(d), np.float32), "c.inv_sqrt_dh": np.array(1 / math.sqrt(dh), np.float32),
         "c.zero": np.array(0, np.int64), "c.one": np.array(1, np.int64), "c.zero_1d": np.array([0], np.int64),
-        "c.axis1": np.array([1], np.int64), "c.axis2": np.array([2], np.int64), "c.axes12": np.array([1, 2], np.int64),
+        "c.axis1": np.array([1], np.int64), "c.axis2": np.array([2], np.int64),
         "c.last_index": np.array(-1, np.int64), "c.heads_shape": np.array([1, heads, 1, 1], np.int64),
         "c.split_sizes": np.array([d, d, d], np.int64), "c.heads_view": np.array([0, 0, heads, dh], np.int64),
     }  # fmt: skip
@@ -149,8 +151,9 @@ def build_decoder_model(weights: dict[str, np.ndarray], pos: list[np.ndarray], h
         node("Add", [f"{p}.q", f"{p}.pos_bias_v"], f"{p}.q_v")
         node("Reshape", [f"{p}.q_v", "c.heads_view"], f"{p}.q_v.heads")  # (B, S, H, Dh)
         node("Transpose", [f"{p}.q_v.heads"], f"{p}.q_v.bhsd", perm=[0, 2, 1, 3])
-        node("Slice", [f"{p}.pos_table", "c.zero_1d", "total_1d", "c.axis2"], f"{p}.pos_rows")  # (H, Dh, T)
-        node("MatMul", [f"{p}.q_v.bhsd", f"{p}.pos_rows"], f"{p}.by_rel")  # (B, H, S, T): row r = rel pos r
+        node("Slice", [f"{p}.pos_table", "c.zero_1d", "total_1d", "c.zero_1d"], f"{p}.pos_rows")  # (T, H, Dh)
+        node("Transpose", [f"{p}.pos_rows"], f"{p}.pos_rows.hdt", perm=[1, 2, 0])  # (H, Dh, T)
+        node("MatMul", [f"{p}.q_v.bhsd", f"{p}.pos_rows.hdt"], f"{p}.by_rel")  # (B, H, S, T): column r = rel pos r
         node("GatherElements", [f"{p}.by_rel", "rel_index"], f"{p}.position", axis=3)
         bias = node("Mul", [f"{p}.position", "c.inv_sqrt_dh"], f"{p}.attn_bias")
         pk, pv = past_names(i)
