@@ -190,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     f = sub.add_parser("fixture", help="write a random-weight model directory in the official layout")
-    f.add_argument("--family", default="cosyvoice2", choices=["cosyvoice2", "cosyvoice"], help="cosyvoice = v1")
+    f.add_argument("--family", default="cosyvoice2", choices=["cosyvoice2", "cosyvoice", "cosyvoice3"],
+                   help="cosyvoice = CosyVoice-300M (v1), cosyvoice3 = Fun-CosyVoice3-0.5B")
     f.add_argument("--size", default="tiny", choices=["tiny", "full"])
     f.add_argument("--seed", type=_non_negative, default=0)
     f.add_argument("--out", required=True, type=Path, help="directory to create")

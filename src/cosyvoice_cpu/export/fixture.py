@@ -11,6 +11,8 @@ Sizes: ``tiny`` (a few MB, for tests) and ``full`` (the real CosyVoice2-0.5B dim
 
 Family ``cosyvoice`` (CosyVoice-300M, v1; ``tiny`` or ``full``) writes the v1 layout instead: ``cosyvoice.yaml``,
 ``speech_tokenizer_v1.onnx``, ``spk2info.pt`` and no ``CosyVoice-BlankEN/`` (see :mod:`.fixture_v1`).
+Family ``cosyvoice3`` (Fun-CosyVoice3-0.5B, v3; ``tiny`` or ``full``) writes ``cosyvoice3.yaml``, the DiT flow and
+causal HiFT checkpoints, ``speech_tokenizer_v3.onnx`` and a BlankEN with the real special ids (see :mod:`.fixture_v3`).
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ from cosyvoice_cpu.export.fixture_yaml import FlowHiftSizes, render_cosyvoice2_y
 
 logger = logging.getLogger(__name__)
 
-FAMILIES = ("cosyvoice2", "cosyvoice")
+FAMILIES = ("cosyvoice2", "cosyvoice", "cosyvoice3")
 SIZES = ("tiny", "full", "demo")
-FAMILY_SIZES = {"cosyvoice2": SIZES, "cosyvoice": ("tiny", "full")}
+FAMILY_SIZES = {"cosyvoice2": SIZES, "cosyvoice": ("tiny", "full"), "cosyvoice3": ("tiny", "full")}
 
 # Modules the official HiFTGenerator wraps in weight_norm (saved as parametrizations in hift.pt).
 _HIFT_WEIGHT_NORMED = re.compile(
@@ -150,6 +152,10 @@ def write_fixture(spec: FixtureSpec, out: str | Path, force: bool = False) -> Pa
             from cosyvoice_cpu.export.fixture_v1 import write_cosyvoice_files
 
             write_cosyvoice_files(tmp, spec.size, spec.seed, rng)
+        elif spec.family == "cosyvoice3":
+            from cosyvoice_cpu.export.fixture_v3 import write_cosyvoice3_files
+
+            write_cosyvoice3_files(tmp, spec.size, spec.seed, rng)
         else:
             _write_cosyvoice2_files(tmp, spec, rng)
         # a released directory is checked after writing: every module must load strictly

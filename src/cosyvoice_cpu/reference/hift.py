@@ -9,8 +9,9 @@ loads into :class:`HiFT`; weight norm is folded into plain ``weight`` tensors at
 
 Variants: v2 (24 kHz, ``SineGen2``) is the default and parity-tested. v1 (CosyVoice-300M, 22.05 kHz,
 upsample ``[8, 8]``) differs only in the sine generator, chosen like upstream by ``sampling_rate == 22050``
-(:mod:`.hift_source`). v3 (CosyVoice3 ``CausalHiFTGenerator``, causal convs + causal F0 predictor) is not
-implemented: :meth:`HiFTConfig.from_yaml` rejects it; add it as a subclass overriding the conv layers.
+(:mod:`.hift_source`). v3 (CosyVoice3 ``CausalHiFTGenerator``, causal convs + causal F0 predictor) is the
+subclass :class:`~cosyvoice_cpu.reference.hift_v3.CausalHiFT`, which reuses the checkpoint folding and the
+STFT/iSTFT ends (:meth:`HiFT.source_spectrum`, :meth:`HiFT.spectrum_to_wave`).
 """
 
 from __future__ import annotations
@@ -110,39 +111,47 @@ class HiFTConfig:
         HyperPyYAML would, not this dataclass's CosyVoice2 defaults.
         """
         if node.class_name != "HiFTGenerator":
-            raise ConfigError(f"hift: {node.target} is not supported (only HiFTGenerator; CausalHiFT is v3 work)")
-        istft = node.get("istft_params", {"n_fft": 16, "hop_len": 4})
-        f0 = node.get("f0_predictor")
-        f0_args = f0.args if f0 is not None and isinstance(f0.args, dict) else {}
-        cfg = cls(
-            in_channels=node.get("in_channels", 80),
-            base_channels=node.get("base_channels", 512),
-            nb_harmonics=node.get("nb_harmonics", 8),
-            sampling_rate=node.get("sampling_rate", 22050),
-            nsf_alpha=node.get("nsf_alpha", 0.1),
-            nsf_sigma=node.get("nsf_sigma", 0.003),
-            nsf_voiced_threshold=node.get("nsf_voiced_threshold", 10),
-            upsample_rates=list(node.get("upsample_rates", [8, 8])),
-            upsample_kernel_sizes=list(node.get("upsample_kernel_sizes", [16, 16])),
-            istft_n_fft=istft.get("n_fft", 16),
-            istft_hop_len=istft.get("hop_len", 4),
-            resblock_kernel_sizes=list(node.get("resblock_kernel_sizes", [3, 7, 11])),
-            resblock_dilation_sizes=[list(d) for d in node.get("resblock_dilation_sizes", _dilations())],
-            source_resblock_kernel_sizes=list(node.get("source_resblock_kernel_sizes", [7, 11])),
-            source_resblock_dilation_sizes=[
-                list(d) for d in node.get("source_resblock_dilation_sizes", [[1, 3, 5], [1, 3, 5]])
-            ],
-            lrelu_slope=node.get("lrelu_slope", 0.1),
-            audio_limit=node.get("audio_limit", 0.99),
-            f0_in_channels=f0_args.get("in_channels", 80),
-            f0_cond_channels=f0_args.get("cond_channels", 512),
-            f0_num_class=f0_args.get("num_class", 1),
-        )
+            raise ConfigError(
+                f"hift: {node.target} is not HiFTGenerator (CausalHiFTGenerator is v3: use hift_v3.CausalHiFTConfig)"
+            )
+        cfg = cls(**generator_kwargs(node))
         cfg.validate()
         return cfg
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def generator_kwargs(node: Any) -> dict[str, Any]:
+    """:class:`HiFTConfig` fields from a ``HiFTGenerator``/``CausalHiFTGenerator`` :class:`Tagged` node; keys absent
+    from the yaml take the official constructors' defaults (both classes share them: the 22.05 kHz v1 values)."""
+    istft = node.get("istft_params", {"n_fft": 16, "hop_len": 4})
+    f0 = node.get("f0_predictor")
+    f0_args = f0.args if f0 is not None and isinstance(f0.args, dict) else {}
+    return dict(
+        in_channels=node.get("in_channels", 80),
+        base_channels=node.get("base_channels", 512),
+        nb_harmonics=node.get("nb_harmonics", 8),
+        sampling_rate=node.get("sampling_rate", 22050),
+        nsf_alpha=node.get("nsf_alpha", 0.1),
+        nsf_sigma=node.get("nsf_sigma", 0.003),
+        nsf_voiced_threshold=node.get("nsf_voiced_threshold", 10),
+        upsample_rates=list(node.get("upsample_rates", [8, 8])),
+        upsample_kernel_sizes=list(node.get("upsample_kernel_sizes", [16, 16])),
+        istft_n_fft=istft.get("n_fft", 16),
+        istft_hop_len=istft.get("hop_len", 4),
+        resblock_kernel_sizes=list(node.get("resblock_kernel_sizes", [3, 7, 11])),
+        resblock_dilation_sizes=[list(d) for d in node.get("resblock_dilation_sizes", _dilations())],
+        source_resblock_kernel_sizes=list(node.get("source_resblock_kernel_sizes", [7, 11])),
+        source_resblock_dilation_sizes=[
+            list(d) for d in node.get("source_resblock_dilation_sizes", [[1, 3, 5], [1, 3, 5]])
+        ],
+        lrelu_slope=node.get("lrelu_slope", 0.1),
+        audio_limit=node.get("audio_limit", 0.99),
+        f0_in_channels=f0_args.get("in_channels", 80),
+        f0_cond_channels=f0_args.get("cond_channels", 512),
+        f0_num_class=f0_args.get("num_class", 1),
+    )
 
 
 class Snake(nn.Module):
@@ -259,13 +268,16 @@ class HiFT(nn.Module):
                 continue
             idx = (_WN_NEW + _WN_OLD).index(suffix) % 2
             pairs.setdefault(key[: -len(suffix)], {})[idx] = value
+        own = self.state_dict()
         for module, gv in pairs.items():
             if len(gv) != 2:
                 raise ModelDirError(f"hift checkpoint: weight norm of {module} has only {'gv'[next(iter(gv))]}")
             if f"{module}.weight" in folded:
                 raise ModelDirError(f"hift checkpoint: {module} has both a plain and a weight-normed weight")
-            folded[f"{module}.weight"] = fold_weight_norm(gv[0], gv[1])
-        own = self.state_dict()
+            # fold in the parameter's own dtype (float64 for v3's F0 predictor, as upstream runs it)
+            target = own.get(f"{module}.weight")
+            dtype = target.dtype if target is not None else gv[1].dtype
+            folded[f"{module}.weight"] = fold_weight_norm(gv[0].to(dtype), gv[1].to(dtype))
         missing = sorted(set(own) - set(folded))
         unexpected = sorted(set(folded) - set(own))
         if missing or unexpected:
@@ -319,12 +331,14 @@ class HiFT(nn.Module):
         self._check_mel(mel)
         if source.dim() != 3 or source.shape[1] != 1:
             raise ConfigError(f"hift decode expects source (B, 1, L), got {tuple(source.shape)}")
-        cfg = self.cfg
-        n_fft, hop = cfg.istft_n_fft, cfg.istft_hop_len
-        spec = torch.stft(source[:, 0], n_fft, hop, n_fft, window=self.stft_window, return_complex=True)
-        s = torch.cat([spec.real, spec.imag], dim=1)  # (B, n_fft + 2, L / hop + 1)
+        s = self.source_spectrum(source)
+        x = self.conv_post_input(self.conv_pre(mel), s)
+        return self.spectrum_to_wave(self.conv_post(x)).clamp(-self.cfg.audio_limit, self.cfg.audio_limit)
 
-        x = self.conv_pre(mel)
+    def conv_post_input(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """The upsampling stack: ``conv_pre`` output ``(B, C, T)`` and the source spectrum ``(B, n_fft + 2, F)``
+        -> ``(B, C >> n_up, F)``, already through the final LeakyReLU (slope 0.01, as upstream)."""
+        cfg = self.cfg
         n_res = len(cfg.resblock_kernel_sizes)
         for i, up in enumerate(self.ups):
             x = up(F.leaky_relu(x, cfg.lrelu_slope))
@@ -335,13 +349,23 @@ class HiFT(nn.Module):
             for j in range(1, n_res):
                 xs = xs + self.resblocks[i * n_res + j](x)
             x = xs / n_res
-        x = self.conv_post(F.leaky_relu(x))  # NB: default slope 0.01 here, as upstream
+        return F.leaky_relu(x)  # NB: default slope 0.01 here, as upstream
+
+    def source_spectrum(self, source: torch.Tensor) -> torch.Tensor:
+        """STFT of the source: ``(B, 1, L)`` -> ``(B, n_fft + 2, L / hop + 1)`` (real parts, then imaginary)."""
+        n_fft, hop = self.cfg.istft_n_fft, self.cfg.istft_hop_len
+        spec = torch.stft(source[:, 0], n_fft, hop, n_fft, window=self.stft_window, return_complex=True)
+        return torch.cat([spec.real, spec.imag], dim=1)
+
+    def spectrum_to_wave(self, x: torch.Tensor) -> torch.Tensor:
+        """``conv_post`` output ``(B, n_fft + 2, F)`` -> wave ``(B, (F - 1) * hop)`` (unclamped):
+        ``exp`` log-magnitudes clipped at 1e2, ``sin`` of the phase channels, inverse STFT."""
+        n_fft, hop = self.cfg.istft_n_fft, self.cfg.istft_hop_len
         half = n_fft // 2 + 1
         magnitude = torch.exp(x[:, :half]).clamp(max=1e2)
         phase = torch.sin(x[:, half:])  # upstream's sin() on the predicted phase
         spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
-        wave = torch.istft(spec, n_fft, hop, n_fft, window=self.stft_window)
-        return wave.clamp(-cfg.audio_limit, cfg.audio_limit)
+        return torch.istft(spec, n_fft, hop, n_fft, window=self.stft_window)
 
     @torch.inference_mode()
     def inference(

@@ -7,6 +7,9 @@ plus Gaussian noise, merged into one channel by a ``Linear`` + ``tanh``. Two sin
 * ``"v2"`` (CosyVoice2, any rate other than 22050 Hz): the per-sample phase increment is linearly
   *down*-sampled to the frame rate, integrated there and linearly up-sampled back, so the phase is smooth.
 * ``"v1"`` (CosyVoice-300M, 22050 Hz): the phase is the running sum of the per-sample increment, wrapped.
+* ``"v3"`` (Fun-CosyVoice3 ``SineGen2(causal=True)``): as ``"v2"`` but the frame-rate phase is repeated
+  (nearest, not linear) back to the sample rate, and upstream takes the noise from fixed *uniform* [0, 1)
+  tables instead of fresh Gaussian draws (see :meth:`SourceNoise.draw`).
 
 All randomness is in :class:`SourceNoise`; :meth:`SourceNoise.draw` consumes torch's RNG exactly as the
 official code does (same order, same shapes), so seeding both gives the same source.
@@ -26,7 +29,7 @@ from cosyvoice_cpu.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-SINE_TYPES = ("v1", "v2")
+SINE_TYPES = ("v1", "v2", "v3")
 
 
 @dataclass
@@ -38,7 +41,8 @@ class SourceNoise:
             as a fraction of a turn (v2: cycles; v1: mapped to ``[-pi, pi)``); column 0 (the fundamental) is
             ignored and its phase set to 0, as upstream.
         sine_noise: ``(B, L, H)`` standard normal at the sample rate (``L = T * upsample``), scaled inside by
-            ``nsf_sigma`` (voiced samples) or ``nsf_alpha / 3`` (unvoiced samples).
+            ``nsf_sigma`` (voiced samples) or ``nsf_alpha / 3`` (unvoiced samples). v3: uniform [0, 1), the first
+            L rows of upstream's fixed ``sine_waves`` table (the batch shares it).
     """
 
     initial_phase: torch.Tensor
@@ -56,10 +60,14 @@ class SourceNoise:
         """Draw the noise in the official order: initial phases, sine noise, then the unused noise branch.
 
         The official source module also draws a ``(B, L, 1)`` "noise branch" tensor that it returns but nobody
-        uses; we draw and drop it so the RNG state after the call matches too.
+        uses; we draw and drop it so the RNG state after the call matches too. ``"v3"`` draws fresh uniform
+        numbers of the right distribution (upstream slices tables drawn once at construction instead).
         """
         if sine_type not in SINE_TYPES:
             raise ConfigError(f"sine_type must be one of {SINE_TYPES}, got {sine_type!r}")
+        if sine_type == "v3":
+            phase = torch.rand(batch, harmonics, generator=generator)
+            return cls(initial_phase=phase, sine_noise=torch.rand(batch, length, harmonics, generator=generator))
         if sine_type == "v2":
             phase = torch.rand(batch, harmonics, generator=generator)
             # randn_like of a (B, L, H) *view* of a (B, H, L) tensor: randn_like keeps those strides, and normal_
@@ -116,7 +124,8 @@ class HarmonicSource(nn.Module):
         self.l_linear = nn.Linear(self.harmonics, 1)
 
     def _phase_v2(self, f0: torch.Tensor, initial_phase: torch.Tensor) -> torch.Tensor:
-        """``f0 (B, L, 1)`` -> phase in radians ``(B, H, L)``, integrated at the frame rate."""
+        """``f0 (B, L, 1)`` -> phase in radians ``(B, H, L)``, integrated at the frame rate (v3: held constant
+        over each frame's samples)."""
         k = torch.arange(1, self.harmonics + 1, dtype=f0.dtype)
         step = (f0 * k / self.sampling_rate) % 1  # (B, L, H) cycles per sample
         initial_phase = initial_phase.clone()
@@ -125,7 +134,8 @@ class HarmonicSource(nn.Module):
         step = step.transpose(1, 2)
         frames = F.interpolate(step, scale_factor=1 / self.upsample, mode="linear")  # (B, H, T)
         phase = torch.cumsum(frames, dim=-1) * 2 * math.pi
-        return F.interpolate(phase * self.upsample, scale_factor=float(self.upsample), mode="linear")
+        mode = "nearest" if self.sine_type == "v3" else "linear"
+        return F.interpolate(phase * self.upsample, scale_factor=float(self.upsample), mode=mode)
 
     def _phase_v1(self, f0: torch.Tensor, initial_phase: torch.Tensor) -> torch.Tensor:
         """``f0 (B, L, 1)`` -> phase in radians ``(B, H, L)``, a wrapped running sum at the sample rate."""
@@ -138,7 +148,7 @@ class HarmonicSource(nn.Module):
     def forward(self, f0: torch.Tensor, noise: SourceNoise) -> torch.Tensor:
         """``f0 (B, L)`` in Hz at the sample rate -> merged excitation ``(B, L, 1)`` in ``[-1, 1]``."""
         f0 = f0[..., None]  # (B, L, 1)
-        if self.sine_type == "v2":
+        if self.sine_type in ("v2", "v3"):
             sines = torch.sin(self._phase_v2(f0, noise.initial_phase)) * self.sine_amp
         else:
             sines = self.sine_amp * torch.sin(self._phase_v1(f0, noise.initial_phase))

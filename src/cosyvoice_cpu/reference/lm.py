@@ -49,6 +49,12 @@ class LMConfig:
     def stop_ids(self) -> tuple[int, ...]:
         return tuple(self.speech_token_size + i for i in range(3))
 
+    @property
+    def min_len_masked_id(self) -> int:
+        """The id masked while fewer than ``min_len`` tokens are decoded: the official ``sampling_ids`` masks
+        index ``speech_token_size`` (v2: EOS; v3: its sos row, see :mod:`.lm_v3`)."""
+        return self.speech_token_size
+
     def validate(self) -> None:
         self.qwen.validate()
         self.sampling.validate()
@@ -153,6 +159,9 @@ class Qwen2LM(nn.Module):
         x = self.speech_embedding.weight[token].view(1, 1, -1)
         return self.head(self.backbone(x, torch.tensor([pos]))[0, -1])
 
+    def check_text(self, tokens: torch.Tensor) -> None:
+        """Validate ``prompt_text ⊕ text`` (1, T) before decoding; v2 accepts any ids (v3 overrides)."""
+
     @torch.inference_mode()
     def inference(
         self,
@@ -179,6 +188,7 @@ class Qwen2LM(nn.Module):
         n_text = text.shape[1]
         if n_text == 0:
             raise ConfigError("text is empty: give at least one text token to speak")
+        self.check_text(torch.cat([prompt_text, text], dim=1))
         min_len = int(n_text * cfg.min_token_text_ratio)
         max_len = int(n_text * cfg.max_token_text_ratio)
         embeds = self.prompt_embeddings(text, prompt_text, prompt_speech_token)
@@ -186,7 +196,7 @@ class Qwen2LM(nn.Module):
         logp = self.prefill(embeds, pos + max_len)
         out: list[int] = []
         for i in range(max_len):
-            token = sample_next(logp, out, sampling, draw, cfg.eos_id, ignore_eos=i < min_len)
+            token = sample_next(logp, out, sampling, draw, cfg.min_len_masked_id, ignore_eos=i < min_len)
             if token in cfg.stop_ids:
                 break
             yield token

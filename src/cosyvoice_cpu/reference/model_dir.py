@@ -7,8 +7,9 @@ older CosyVoice2-0.5B downloads ship ``cosyvoice.yaml``. The yaml is read as dat
 
 Families: ``cosyvoice`` (v1, CosyVoice-300M: TransformerLM, MaskedDiffWithXvec, 22.05 kHz HiFT),
 ``cosyvoice2`` (v2, CosyVoice2-0.5B: Qwen2LM, CausalMaskedDiffWithXvec, HiFT) and ``cosyvoice3`` (v3,
-Fun-CosyVoice3-0.5B: CosyVoice3LM, CausalMaskedDiffWithDiT, CausalHiFTGenerator). The reference implements
-v1 and v2; v3 is recognised and refused with a clear message until its modules land (:data:`SUPPORTED`).
+Fun-CosyVoice3-0.5B: CosyVoice3LM, CausalMaskedDiffWithDiT, CausalHiFTGenerator; mel fmax null,
+``speech_tokenizer_v3.onnx``). v3's flow and vocoder live in ``flow_v3.py``/``hift_v3.py``, imported lazily
+(:func:`v3_stage_classes`): without them a v3 directory still loads its LM (``stages=("lm",)``).
 v1 SFT/Instruct directories also ship ``spk2info.pt`` (built-in speakers' x-vectors): :func:`load_speakers`.
 """
 
@@ -28,7 +29,8 @@ YAML_NAMES = ("cosyvoice3.yaml", "cosyvoice2.yaml", "cosyvoice.yaml")
 LM_CLASSES = {"TransformerLM": "cosyvoice", "Qwen2LM": "cosyvoice2", "CosyVoice3LM": "cosyvoice3"}
 SPEECH_TOKENIZER = {"cosyvoice": "speech_tokenizer_v1.onnx", "cosyvoice2": "speech_tokenizer_v2.onnx",
                     "cosyvoice3": "speech_tokenizer_v3.onnx"}  # fmt: skip
-SUPPORTED = ("cosyvoice", "cosyvoice2")
+SUPPORTED = ("cosyvoice", "cosyvoice2", "cosyvoice3")
+V3_CLASSES = {"flow": "CausalMaskedDiffWithDiT", "hift": "CausalHiFTGenerator"}  # what a cosyvoice3 yaml must name
 SPK2INFO = "spk2info.pt"  # built-in speakers (CosyVoice-300M-SFT/-Instruct)
 
 
@@ -45,12 +47,13 @@ class MelConfig:
     fmax: float | None = 8000.0
 
     @classmethod
-    def from_yaml(cls, node: Any, v1: bool = False) -> MelConfig:
-        """Read ``feat_extractor``; missing keys take the family's released values (v1: 22.05 kHz, hop 256)."""
-        d = cls(n_fft=1024, sampling_rate=22050, hop_size=256, win_size=1024) if v1 else cls()
+    def from_yaml(cls, node: Any, v1: bool = False, fmax_default: float | None = 8000.0) -> MelConfig:
+        """Read ``feat_extractor``; missing keys take the family's released values (v1: 22.05 kHz, hop 256;
+        v3: ``fmax_default=None``, i.e. Nyquist)."""
+        d = cls(n_fft=1024, sampling_rate=22050, hop_size=256, win_size=1024) if v1 else cls(fmax=fmax_default)
         if not isinstance(node, Tagged):
             return d
-        fmax = node.get("fmax", 8000)
+        fmax = node.get("fmax", fmax_default)
         return cls(
             n_fft=int(node.get("n_fft", d.n_fft)),
             num_mels=int(node.get("num_mels", 80)),
@@ -73,9 +76,9 @@ class ModelConfig:
     token_frame_rate: int
     token_mel_ratio: int  # mel frames per token (v2/v3: 2); 0 for v1, whose length regulator interpolates
     mel: MelConfig
-    lm: Any = None  # LMConfig (v2) | TransformerLMConfig (v1)
-    flow: Any = None  # FlowConfig (v2) | FlowV1Config (v1)
-    hift: Any = None  # HiFTConfig
+    lm: Any = None  # LMConfig (v2) | TransformerLMConfig (v1) | CosyVoice3LMConfig (v3)
+    flow: Any = None  # FlowConfig (v2) | FlowV1Config (v1) | FlowV3Config (v3; None while flow_v3.py is absent)
+    hift: Any = None  # HiFTConfig | CausalHiFTConfig (v3; None while hift_v3.py is absent)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -145,7 +148,7 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
         sample_rate=int(data.get("sample_rate", 22050 if v1 else 24000)),
         token_frame_rate=int(data.get("token_frame_rate", 50 if v1 else 25)),
         token_mel_ratio=0 if v1 else int(data.get("token_mel_ratio", 2)),
-        mel=MelConfig.from_yaml(data.get("feat_extractor"), v1),
+        mel=MelConfig.from_yaml(data.get("feat_extractor"), v1, None if family == "cosyvoice3" else 8000.0),
         raw=data,
     )
     if family not in SUPPORTED:
@@ -153,6 +156,9 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
             f"{model_dir} is a {family} model; the reference implements {', '.join(SUPPORTED)} so far "
             "(Fun-CosyVoice3 support is tracked as its own issue)"
         )
+    if family == "cosyvoice3":
+        _read_v3(cfg, data, yaml_path)
+        return cfg
     try:
         if v1:
             cfg.lm = TransformerLMConfig.from_yaml(data["llm"])
@@ -165,6 +171,46 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
     except (KeyError, ValueError) as e:
         raise ModelDirError(f"{yaml_path}: {e}") from e
     return cfg
+
+
+def v3_stage_classes() -> tuple[Any, Any]:
+    """(FlowV3, CausalHiFT): the v3 flow and vocoder modules, imported lazily."""
+    try:
+        from cosyvoice_cpu.reference.flow_v3 import FlowV3
+        from cosyvoice_cpu.reference.hift_v3 import CausalHiFT
+    except ImportError as e:
+        raise ModelDirError(
+            f"the CosyVoice3 flow/vocoder reference is not available ({e}): reference/flow_v3.py and "
+            "reference/hift_v3.py are needed; load the LM alone with load_reference(dir, stages=('lm',))"
+        ) from e
+    return FlowV3, CausalHiFT
+
+
+def _read_v3(cfg: ModelConfig, data: dict[str, Any], yaml_path: Path) -> None:
+    """Fill a cosyvoice3 ``cfg`` (LM always; flow/HiFT configs when their modules are installed)."""
+    from cosyvoice_cpu.reference.lm_v3 import CosyVoice3LMConfig
+    from cosyvoice_cpu.reference.qwen2 import Qwen2Config
+
+    for key, expected in V3_CLASSES.items():
+        node = data.get(key)
+        if not isinstance(node, Tagged) or node.class_name != expected:
+            found = node.target if isinstance(node, Tagged) else node
+            raise ModelDirError(
+                f"{yaml_path} is a cosyvoice3 model (CosyVoice3LM) but its '{key}' entry is {found}, not "
+                f"{expected}: the yaml mixes model families; use the cosyvoice3.yaml of the same download"
+            )
+    try:
+        cfg.lm = CosyVoice3LMConfig.from_yaml(data["llm"], Qwen2Config.from_json(cfg.blank_en_dir / "config.json"))
+        try:
+            from cosyvoice_cpu.reference.flow_v3 import FlowV3Config
+            from cosyvoice_cpu.reference.hift_v3 import CausalHiFTConfig
+        except ImportError as e:
+            logger.warning("%s: v3 flow/HiFT reference modules missing (%s); only the LM can be loaded", yaml_path, e)
+            return
+        cfg.flow = FlowV3Config.from_yaml(data["flow"])
+        cfg.hift = CausalHiFTConfig.from_yaml(data["hift"])
+    except (KeyError, ValueError) as e:
+        raise ModelDirError(f"{yaml_path}: {e}") from e
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
@@ -212,7 +258,7 @@ def load_reference(model_dir: str | Path, stages: tuple[str, ...] = ("lm", "flow
     """Build the reference modules of a model directory and load its checkpoints strictly.
 
     Args:
-        model_dir: a released (or fixture) CosyVoice-300M or CosyVoice2 directory.
+        model_dir: a released (or fixture) CosyVoice-300M, CosyVoice2 or Fun-CosyVoice3 directory.
         stages: which of ``lm``, ``flow``, ``hift`` to load (others stay None).
     """
     from cosyvoice_cpu.reference.flow import Flow
@@ -222,18 +268,26 @@ def load_reference(model_dir: str | Path, stages: tuple[str, ...] = ("lm", "flow
     from cosyvoice_cpu.reference.lm_v1 import TransformerLM
 
     cfg = read_model_config(model_dir)
-    v1 = cfg.family == "cosyvoice"
+    v1, v3 = cfg.family == "cosyvoice", cfg.family == "cosyvoice3"
+    flow_cls, hift_cls = (FlowV1 if v1 else Flow), HiFT
+    if v3 and ("flow" in stages or "hift" in stages):
+        flow_cls, hift_cls = v3_stage_classes()
     out = ReferenceModel(cfg, None, None, None)
     if "lm" in stages:
-        out.lm = (TransformerLM(cfg.lm) if v1 else Qwen2LM(cfg.lm)).eval()
+        if v3:
+            from cosyvoice_cpu.reference.lm_v3 import CosyVoice3LM
+
+            out.lm = CosyVoice3LM(cfg.lm).eval()
+        else:
+            out.lm = (TransformerLM(cfg.lm) if v1 else Qwen2LM(cfg.lm)).eval()
         path = cfg.model_dir / "llm.pt"
         load_strict(out.lm, load_checkpoint(path), path)
     if "flow" in stages:
-        out.flow = (FlowV1(cfg.flow) if v1 else Flow(cfg.flow)).eval()
+        out.flow = flow_cls(cfg.flow).eval()
         path = cfg.model_dir / "flow.pt"
         load_strict(out.flow, load_checkpoint(path), path)
     if "hift" in stages:
-        out.hift = HiFT(cfg.hift).eval()
+        out.hift = hift_cls(cfg.hift).eval()
         path = cfg.model_dir / "hift.pt"
         try:
             out.hift.load_checkpoint_state(load_checkpoint(path))
