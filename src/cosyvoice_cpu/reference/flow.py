@@ -252,6 +252,16 @@ class FlowConditions(NamedTuple):
     mel_len1: int  # prompt frames
     mel_len2: int  # generated frames
 
+    @classmethod
+    def of(cls, mu: torch.Tensor, spks: torch.Tensor, prompt_feat: torch.Tensor) -> FlowConditions:
+        """The conditions for ``mu`` (1, 80, T_mel) whose first frames belong to ``prompt_feat`` (1, mel_len1, 80):
+        cond = the prompt mel then zeros, an all-ones mask."""
+        mel_len1 = prompt_feat.size(1)
+        cond = torch.zeros_like(mu)
+        cond[:, :, :mel_len1] = prompt_feat.transpose(1, 2).to(mu.dtype)
+        mask = torch.ones(1, 1, mu.size(2), dtype=mu.dtype, device=mu.device)
+        return cls(mu, spks, cond, mask, mel_len1, mu.size(2) - mel_len1)
+
 
 class Flow(nn.Module):
     """CosyVoice2 flow; ``state_dict`` keys/shapes equal the official ``CausalMaskedDiffWithXvec``."""
@@ -327,13 +337,7 @@ class Flow(nn.Module):
                 raise ValueError(f"a non-final chunk needs more than {n} tokens, got {xs.size(1)}")
             xs, context = xs[:, :-n], xs[:, -n:]
         h, _ = self.encoder(xs, token_len, context=context, streaming=streaming)
-        mel_len1 = prompt_feat.size(1)
-        mel_len2 = h.size(1) - mel_len1
-        mu = self.encoder_proj(h).transpose(1, 2).contiguous()
-        cond = torch.zeros_like(mu)
-        cond[:, :, :mel_len1] = prompt_feat.transpose(1, 2).to(mu.dtype)
-        mask = torch.ones(1, 1, mu.size(2), dtype=mu.dtype, device=mu.device)
-        return FlowConditions(mu, spks, cond, mask, mel_len1, mel_len2)
+        return FlowConditions.of(self.encoder_proj(h).transpose(1, 2).contiguous(), spks, prompt_feat)
 
     @torch.inference_mode()
     def inference(

@@ -178,11 +178,7 @@ class FlowV1(nn.Module):
             raise ValueError(f"{n_new} tokens give no mel frames; give at least one more token")
         h, _ = self.length_regulator.inference(h[:, :n_prompt], h[:, n_prompt:], mel_len1, mel_len2,
                                                self.config.input_frame_rate)  # fmt: skip
-        mu = h.transpose(1, 2).contiguous()
-        cond = torch.zeros_like(mu)
-        cond[:, :, :mel_len1] = prompt_feat.transpose(1, 2).to(mu.dtype)
-        mask = torch.ones(1, 1, mu.size(2), dtype=mu.dtype, device=mu.device)
-        return FlowConditions(mu, spks, cond, mask, mel_len1, mel_len2)
+        return FlowConditions.of(h.transpose(1, 2).contiguous(), spks, prompt_feat)
 
     @staticmethod
     def start_noise(

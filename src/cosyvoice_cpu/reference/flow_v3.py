@@ -168,12 +168,7 @@ class FlowV3(nn.Module):
                 raise ValueError(f"a non-final chunk needs more than {n} tokens (prompt included), got {xs.size(1)}")
             h = self.pre_lookahead_layer(xs[:, :-n], context=xs[:, -n:])
         mu = h.repeat_interleave(self.token_mel_ratio, dim=1).transpose(1, 2).contiguous()
-        mel_len1 = prompt_feat.size(1)
-        mel_len2 = mu.size(2) - mel_len1
-        cond = torch.zeros_like(mu)
-        cond[:, :, :mel_len1] = prompt_feat.transpose(1, 2).to(mu.dtype)
-        mask = torch.ones(1, 1, mu.size(2), dtype=mu.dtype, device=mu.device)
-        return FlowConditions(mu, spks, cond, mask, mel_len1, mel_len2)
+        return FlowConditions.of(mu, spks, prompt_feat)
 
     @torch.inference_mode()
     def inference(

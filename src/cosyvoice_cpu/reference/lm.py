@@ -101,15 +101,19 @@ class Qwen2LM(nn.Module):
         self.cfg = cfg
         d, s = cfg.llm_input_size, cfg.speech_token_size
         self.llm_embedding = nn.Embedding(2, d)
+        self._add_backbone(cfg)
+        self.llm_decoder = nn.Linear(cfg.llm_output_size, s + 3)
+        self.speech_embedding = nn.Embedding(s + 3, d)
+
+    def _add_backbone(self, cfg: LMConfig) -> None:
+        """Register ``llm.model.model`` (Qwen2) and ``llm.model.lm_head``, the keys of the released ``llm.pt``.
+        The checkpoint carries Qwen's tied text head; it is loaded, never computed."""
         self.llm = _Scope()
         self.llm.model = _Scope()
         self.llm.model.model = Qwen2Model(cfg.qwen)
-        # The released llm.pt carries Qwen's tied text head; it is loaded, never computed.
-        self.llm.model.lm_head = nn.Linear(d, cfg.qwen.vocab_size, bias=False)
+        self.llm.model.lm_head = nn.Linear(cfg.llm_input_size, cfg.qwen.vocab_size, bias=False)
         if cfg.qwen.tie_word_embeddings:
             self.llm.model.lm_head.weight = self.backbone.embed_tokens.weight
-        self.llm_decoder = nn.Linear(cfg.llm_output_size, s + 3)
-        self.speech_embedding = nn.Embedding(s + 3, d)
 
     @property
     def backbone(self) -> Qwen2Model:

@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.reference.lm import LMConfig, Qwen2LM, _Scope
-from cosyvoice_cpu.reference.qwen2 import Qwen2Config, Qwen2Model
+from cosyvoice_cpu.reference.lm import LMConfig, Qwen2LM
+from cosyvoice_cpu.reference.qwen2 import Qwen2Config
 from cosyvoice_cpu.reference.sampling import Draw, SamplingConfig, sampling_from_yaml
 from cosyvoice_cpu.reference.yamlconf import Tagged
 
@@ -139,13 +139,7 @@ class CosyVoice3LM(Qwen2LM):
         cfg.validate()
         self.cfg = cfg
         d = cfg.llm_input_size
-        self.llm = _Scope()
-        self.llm.model = _Scope()
-        self.llm.model.model = Qwen2Model(cfg.qwen)
-        # the released llm.pt carries Qwen's tied text head; it is loaded, never computed
-        self.llm.model.lm_head = nn.Linear(d, cfg.qwen.vocab_size, bias=False)
-        if cfg.qwen.tie_word_embeddings:
-            self.llm.model.lm_head.weight = self.backbone.embed_tokens.weight
+        self._add_backbone(cfg)
         self.llm_decoder = nn.Linear(cfg.llm_output_size, cfg.n_outputs, bias=False)
         self.speech_embedding = nn.Embedding(cfg.n_outputs, d)
 
