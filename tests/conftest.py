@@ -49,3 +49,21 @@ def tiny_v1_export_dir(tiny_v1_model_dir: Path, tmp_path_factory: pytest.TempPat
     out = tmp_path_factory.mktemp("export") / "tiny-v1-default"
     export_model(tiny_v1_model_dir, out, ExportOptions(max_len=1024))
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_v3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Fun-CosyVoice3 fixture (seed 0), written once per test session."""
+    from cosyvoice_cpu.export.fixture import FixtureSpec, write_fixture
+
+    return write_fixture(FixtureSpec("cosyvoice3", "tiny", 0), tmp_path_factory.mktemp("fixtures") / "tiny-v3")
+
+
+@pytest.fixture(scope="session")
+def tiny_v3_export_dir(tiny_v3_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Fun-CosyVoice3 fixture exported with the default recipe (int8w)."""
+    from cosyvoice_cpu.export.exporter import ExportOptions, export_model
+
+    out = tmp_path_factory.mktemp("export") / "tiny-v3-default"
+    export_model(tiny_v3_model_dir, out, ExportOptions(max_len=1024))
+    return out

@@ -34,7 +34,9 @@ from cosyvoice_cpu.hardware import detect
 
 logger = logging.getLogger(__name__)
 
-END_OF_PROMPT = {"cosyvoice2": "<|endofprompt|>", "cosyvoice": "<endofprompt>"}  # instruct marker per family
+END_OF_PROMPT = {"cosyvoice2": "<|endofprompt|>", "cosyvoice": "<endofprompt>", "cosyvoice3": "<|endofprompt|>"}
+# Fun-CosyVoice3's LM requires <|endofprompt|> in its text; the official examples put this system prompt before it
+SYSTEM_PROMPT_V3 = "You are a helpful assistant."
 VOICES_DIR = "voices"  # built-in speakers in a model directory (CosyVoice-300M-SFT/-Instruct)
 SEGMENT_TOKENS = 80  # text tokens per LM call at most: the official split_paragraph's token_max_n
 
@@ -82,10 +84,13 @@ class Engine:
         self.sample_rate = int(manifest.sample_rate)
         self.family = manifest.family
         self.prompt_caches = None
-        if self.family == "cosyvoice2" and self.flow.can_stream:
+        if self.family != "cosyvoice" and self.flow.can_stream:  # v1 streams whole windows: nothing to cache
+            from cosyvoice_cpu.flow_stream import PromptCache
+            from cosyvoice_cpu.flow_stream_v3 import PromptCacheV3
             from cosyvoice_cpu.voice_cache import PromptCaches
 
-            self.prompt_caches = PromptCaches(self.flow, prompt_cache_mb << 20)
+            kind = PromptCacheV3 if self.family == "cosyvoice3" else PromptCache
+            self.prompt_caches = PromptCaches(self.flow, prompt_cache_mb << 20, kind)
         self.scheduler = None
         if lm_batch_rows:
             from cosyvoice_cpu.scheduler import LMScheduler
@@ -122,8 +127,11 @@ class Engine:
             lm = SpeechTokenGenerator.from_manifest(session, m, encoder)
             flow = FlowStageV1.from_dir(model_dir, m.flow, sc)
         else:
+            from cosyvoice_cpu.flow_v3 import FlowStageV3  # the DiT behind the CosyVoice2 contracts
+
             lm = SpeechTokenGenerator.from_manifest(session, m)
-            flow = FlowStage.from_dir(model_dir, m.flow, threads=sc, streaming=config.streaming_estimator)
+            stage = FlowStageV3 if m.family == "cosyvoice3" else FlowStage
+            flow = stage.from_dir(model_dir, m.flow, threads=sc, streaming=config.streaming_estimator)
         parts = {
             "tokenizer": TextTokenizer.from_dir(model_dir),
             "lm": lm,
@@ -171,19 +179,23 @@ class Engine:
         """(prompt text ids, prompt speech tokens, speaker x-vector or None) the LM sees, per mode, as the official
         frontends. Only CosyVoice-300M's LM takes the x-vector, and not in instruct mode."""
         speaker = voice.embedding if self.family == "cosyvoice" else None
+        marker, v3 = END_OF_PROMPT[self.family], self.family == "cosyvoice3"
         if instruct is not None:
             if not isinstance(instruct, str) or not instruct.strip():
                 raise ConfigError("instruct must be a non-empty instruction (e.g. 'Speak happily.') or omitted")
-            text, marker = instruct.strip(), END_OF_PROMPT[self.family]
+            text = instruct.strip()
             if not text.endswith(marker):  # newer official examples already carry the marker
-                text += marker
+                text = (f"{SYSTEM_PROMPT_V3} {text}" if v3 and marker not in text else text) + marker
             return self.tokenizer.encode(text), np.zeros(0, np.int32), None
         if voice.prompt_text and not voice.builtin:  # zero-shot: the transcript is normalized like the text
             from cosyvoice_cpu.text import normalize_text
 
             prompt = normalize_text(voice.prompt_text) if normalize else voice.prompt_text
+            if v3 and marker not in prompt:  # as the official examples: system prompt, marker, transcript
+                prompt = SYSTEM_PROMPT_V3 + marker + prompt
             return self.tokenizer.encode(prompt), voice.speech_tokens, speaker
-        return [], np.zeros(0, np.int32), speaker  # cross-lingual, or a built-in (SFT) speaker
+        ids = self.tokenizer.encode(SYSTEM_PROMPT_V3 + marker) if v3 else []
+        return ids, np.zeros(0, np.int32), speaker  # cross-lingual, or a built-in (SFT) speaker
 
     def _segment_cap(self, prompt: tuple[list[int], np.ndarray, np.ndarray | None], max_tokens: int | None = None,
                      minimum: int = 8) -> int:  # fmt: skip
@@ -218,7 +230,7 @@ class Engine:
         cancellation and timeout); the exception comes out of the iteration.
         """
         config = (config or SynthesisConfig()).validate()
-        if config.stream and self.family == "cosyvoice2" and self.prompt_caches is None:
+        if config.stream and self.family != "cosyvoice" and self.prompt_caches is None:
             raise ConfigError("stream=True needs the streaming flow estimator: load the engine with "
                               "EngineConfig(streaming_estimator=True)")  # fmt: skip
         from cosyvoice_cpu.voice import Voice
@@ -285,6 +297,10 @@ class Engine:
         t1 = time.perf_counter()
         t.lm += t1 - t0
         t.tokens += len(tokens)
+        if self.family == "cosyvoice3":  # the official llm_job keeps at most 5 silent tokens in a row for the flow
+            from cosyvoice_cpu.silence import drop_long_silences
+
+            tokens = drop_long_silences(tokens)
         if not tokens:
             return
         voice, config = req.voice, req.config
@@ -306,7 +322,8 @@ class Engine:
         """One sentence in chunks as its tokens are decoded: yields (samples, last piece of the sentence)."""
         from cosyvoice_cpu import engine_stream
 
-        speak = engine_stream.speak_v1 if self.family == "cosyvoice" else engine_stream.speak_v2
+        speak = {"cosyvoice": engine_stream.speak_v1, "cosyvoice3": engine_stream.speak_v3}.get(self.family,
+                                                                                               engine_stream.speak_v2)
         return speak(self, text_ids, req, t)
 
     def _sampling(self, config: SynthesisConfig) -> Any:

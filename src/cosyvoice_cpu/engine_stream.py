@@ -6,14 +6,17 @@ small machine decoding ahead would only take cores from the first audio).
 
 - CosyVoice2 (:func:`speak_v2`): chunk-causal flow on cached activations (:mod:`cosyvoice_cpu.flow_stream`),
   chunks of ``first_chunk_tokens`` doubling up to ``chunk_tokens``.
+- Fun-CosyVoice3 (:func:`speak_v3`): the same chunks on the DiT's cached keys/values
+  (:mod:`cosyvoice_cpu.flow_stream_v3`), the causal HiFT continued chunk by chunk
+  (:mod:`cosyvoice_cpu.vocoder_stream_v3`), long silent-token runs dropped as the official ``llm_job``.
 - CosyVoice-300M (:func:`speak_v1`): the official v1 scheme (:mod:`cosyvoice_cpu.flow_stream_v1`): overlapping
   token windows, each run through the whole flow with the noise/mu cache and a 34-frame mel fade. Its tokens come
   at 50 Hz, so the windows' hops are twice the configured token counts (the same seconds of audio): the first
   hop ``max(21, 2 * first_chunk_tokens)``, doubling up to ``2 * chunk_tokens`` (the official ``stream_scale_factor``
   2; the official default is a fixed 100-token hop, 2.4 s of audio before the first chunk).
 
-Both join vocoded chunks with :class:`~cosyvoice_cpu.streaming.VocoderStream` (v2: 8 mel frames of overlap, the
-official ``mel_cache_len``; v1: 20).
+v1 and v2 join vocoded chunks with :class:`~cosyvoice_cpu.streaming.VocoderStream` (v2: 8 mel frames of overlap,
+the official ``mel_cache_len``; v1: 20); v3's causal HiFT needs no join.
 """
 
 from __future__ import annotations
@@ -32,18 +35,36 @@ V1_VOCODER_OVERLAP = 20  # the official CosyVoice-300M mel_cache_len
 
 
 def speak_v2(engine: Any, text_ids: list[int], req: Any, t: Any) -> Iterator[tuple[np.ndarray, bool]]:
-    """CosyVoice2: chunks on the streaming estimator with the voice's cached prompt activations."""
-    from cosyvoice_cpu.engine import _change_speed
+    """CosyVoice2: chunks on the streaming estimator with the voice's cached prompt activations, seamless joins."""
     from cosyvoice_cpu.flow_stream import FlowStream
-    from cosyvoice_cpu.streaming import ChunkPlan, VocoderStream
+    from cosyvoice_cpu.streaming import VocoderStream
+
+    return _speak_chunks(engine, text_ids, req, t, FlowStream, VocoderStream(engine.vocoder, req.vocoder_rng))
+
+
+def speak_v3(engine: Any, text_ids: list[int], req: Any, t: Any) -> Iterator[tuple[np.ndarray, bool]]:
+    """Fun-CosyVoice3: chunks on the DiT's cached keys/values; the causal HiFT continues each chunk exactly."""
+    from cosyvoice_cpu.flow_stream_v3 import FlowStreamV3
+    from cosyvoice_cpu.silence import SilentRunFilter
+    from cosyvoice_cpu.vocoder_stream_v3 import CausalVocoderStream
+
+    vocoder = CausalVocoderStream(engine.vocoder, rng=req.vocoder_rng)
+    return _speak_chunks(engine, text_ids, req, t, FlowStreamV3, vocoder, SilentRunFilter())
+
+
+def _speak_chunks(engine: Any, text_ids: list[int], req: Any, t: Any, flow_cls: type, vocoder: Any,
+                  silence: Any = None) -> Iterator[tuple[np.ndarray, bool]]:  # fmt: skip
+    """Chunks of ``first_chunk_tokens`` doubling up to ``chunk_tokens``, each cut once its look-ahead tokens exist;
+    ``silence`` (v3) drops long silent runs from what the flow sees."""
+    from cosyvoice_cpu.engine import _change_speed
+    from cosyvoice_cpu.streaming import ChunkPlan
 
     voice, config = req.voice, req.config
     t0 = time.perf_counter()
     prompt = engine.prompt_caches.get(voice, config.flow_steps, config.cfg_rate)
-    flow = FlowStream(engine.flow, voice.speech_tokens, voice.mel, voice.embedding, config.flow_steps,
-                      config.cfg_rate, config.context_tokens, prompt)  # fmt: skip
+    flow = flow_cls(engine.flow, voice.speech_tokens, voice.mel, voice.embedding, config.flow_steps,
+                    config.cfg_rate, config.context_tokens, prompt)  # fmt: skip
     t.flow += time.perf_counter() - t0
-    vocoder = VocoderStream(engine.vocoder, req.vocoder_rng)
     plan = ChunkPlan(config.first_chunk_tokens, config.chunk_tokens, max(flow.lookahead, 1))
     tokens: list[int] = []
 
@@ -59,7 +80,11 @@ def speak_v2(engine: Any, text_ids: list[int], req: Any, t: Any) -> Iterator[tup
 
     t0 = time.perf_counter()
     first_done = threading.Event()
+    decoded = 0
     for token in engine._tokens(text_ids, req, hold=(plan.first + plan.lookahead, first_done)):
+        decoded += 1
+        if silence is not None and not silence.push(token):
+            continue
         tokens.append(token)
         if plan.ready(len(tokens)):
             t.lm += time.perf_counter() - t0
@@ -68,7 +93,7 @@ def speak_v2(engine: Any, text_ids: list[int], req: Any, t: Any) -> Iterator[tup
             yield wave, False
             t0 = time.perf_counter()  # the consumer's time between chunks is not the LM's
     t.lm += time.perf_counter() - t0
-    t.tokens += len(tokens)
+    t.tokens += decoded
     if len(tokens) > plan.offset:
         yield piece(plan.offset, len(tokens), final=True), True
 

@@ -127,6 +127,8 @@ class FlowStage:
 
     # the encoder graph's contract; a subclass with another encoder (v1: :mod:`cosyvoice_cpu.flow_v1`) swaps it
     encoder_io: ClassVar[tuple[dict[str, tuple[str, int]], tuple[str, ...]]] = ENCODER_IO
+    # the stream estimator's contract (v3's key/value-cache graph: :mod:`cosyvoice_cpu.flow_v3`)
+    stream_io: ClassVar[tuple[dict[str, tuple[str, int]], tuple[str, ...]]] = STREAM_IO
 
     def __init__(
         self,
@@ -145,7 +147,7 @@ class FlowStage:
         # for the other one's weights (~100 MB at int8, more in ORT's prepacked copies)
         self._estimators: dict[str, tuple[Path, tuple]] = {"whole": (Path(estimator), ESTIMATOR_IO)}
         if estimator_stream is not None:
-            self._estimators["stream"] = (Path(estimator_stream), STREAM_IO)
+            self._estimators["stream"] = (Path(estimator_stream), self.stream_io)
         for path, _ in self._estimators.values():
             if not path.is_file():
                 raise ModelDirError(f"{path} is missing; export the model directory again")

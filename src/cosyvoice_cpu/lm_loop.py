@@ -4,9 +4,11 @@ The torch-free twin of ``Qwen2LM.inference`` (:mod:`cosyvoice_cpu.reference.lm`)
 
 1. prefill embeddings ``[sos, text_emb(prompt_text ⊕ text), task_id, speech_emb(prompt_speech)]`` (T, D) into a
    KV-cache row (``T = 1 + Tp + Tt + 1 + Ts``);
-2. sample with :func:`cosyvoice_cpu.sampling.sample_next` (EOS kept out while fewer than
-   ``min_len = int(Tt * min_token_text_ratio)`` tokens are out), stop at the first stop id (not yielded) or after
-   ``max_len = int(Tt * max_token_text_ratio)`` tokens, feeding each yielded token back (except the last one).
+2. sample with :func:`cosyvoice_cpu.sampling.sample_next` (``LMFacts.min_len_masked_id`` kept out while fewer
+   than ``min_len = int(Tt * min_token_text_ratio)`` tokens are out: EOS for v1/v2; for v3 the official code masks
+   id 6561, its sos row, so eos 6562 and the other specials can still end a v3 request early), stop at the first
+   stop id (not yielded) or after ``max_len = int(Tt * max_token_text_ratio)`` tokens, feeding each yielded token
+   back (except the last one). v3 also needs ``<|endofprompt|>`` (``LMFacts.endofprompt_id``) in prompt_text ⊕ text.
 
 :class:`SpeechTokenGenerator` holds only read-only things (the shared :class:`~cosyvoice_cpu.lm.LMSession`, the
 LM facts, the default sampling); every mutable thing (KV cache, random source, decoded tokens) lives in the
@@ -32,22 +34,34 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LMFacts:
-    """The manifest's ``lm`` section as the loop needs it."""
+    """The manifest's ``lm`` section as the loop needs it.
+
+    ``min_len_masked_id``: the id kept out while fewer than min_len tokens are decoded (None: ``eos_id``; v3:
+    6561). ``endofprompt_id``: a text id that must occur in prompt_text ⊕ text (None: no rule; v3: 151646).
+    """
 
     speech_token_size: int
     eos_id: int
     stop_ids: tuple[int, ...]
     min_token_text_ratio: float
     max_token_text_ratio: float
+    min_len_masked_id: int | None = None
+    endofprompt_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.min_len_masked_id is None:
+            object.__setattr__(self, "min_len_masked_id", self.eos_id)
 
     @classmethod
     def from_manifest(cls, d: Mapping[str, Any]) -> LMFacts:
         """Read from the manifest's ``lm`` dict; raise ConfigError if a fact is missing or inconsistent."""
-        missing = [k for k in cls.__dataclass_fields__ if k not in d]
+        optional = ("min_len_masked_id", "endofprompt_id")
+        missing = [k for k in cls.__dataclass_fields__ if k not in d and k not in optional]
         if missing:
             raise ConfigError(f"the manifest's lm section lacks {', '.join(missing)}; re-export the model directory")
+        opt = {k: int(d[k]) for k in optional if d.get(k) is not None}
         facts = cls(int(d["speech_token_size"]), int(d["eos_id"]), tuple(int(i) for i in d["stop_ids"]),
-                    float(d["min_token_text_ratio"]), float(d["max_token_text_ratio"]))  # fmt: skip
+                    float(d["min_token_text_ratio"]), float(d["max_token_text_ratio"]), **opt)  # fmt: skip
         if facts.eos_id not in facts.stop_ids or not 0 <= facts.min_token_text_ratio <= facts.max_token_text_ratio:
             raise ConfigError(f"inconsistent lm facts {facts}; re-export the model directory")
         return facts
@@ -83,8 +97,12 @@ class SpeechTokenGenerator:
         self.facts = facts
         self.sampling = sampling or SamplingConfig()
         self.sampling.validate()
-        if not facts.stop_ids or max(facts.stop_ids) >= session.spec.speech_vocab:
-            raise ConfigError(f"stop ids {facts.stop_ids} exceed the LM head ({session.spec.speech_vocab}); re-export")
+        vocab = session.spec.speech_vocab
+        if not facts.stop_ids or max(facts.stop_ids) >= vocab or not 0 <= facts.min_len_masked_id < vocab:
+            raise ConfigError(
+                f"stop ids {facts.stop_ids[:4]}... or the min-length masked id {facts.min_len_masked_id} exceed the "
+                f"LM head ({vocab} outputs); re-export the model directory"
+            )
 
     @classmethod
     def from_manifest(cls, session: LMSession, manifest: Any, text_encoder: TextEncoder | None = None,
@@ -104,6 +122,13 @@ class SpeechTokenGenerator:
         (CosyVoice-300M: the text encoded, and a speaker row after sos when ``speaker`` is given; see lm_prompt)."""
         text, prompt_text = _ids("text", text), _ids("prompt_text", prompt_text)
         prompt_speech = _ids("prompt_speech", prompt_speech)
+        need = self.facts.endofprompt_id
+        if need is not None and not (np.any(text == need) or np.any(prompt_text == need)):
+            raise ConfigError(
+                f"this model needs <|endofprompt|> (id {need}) in the prompt text or the text, as the official "
+                "CosyVoice3 asserts: end the prompt with it, e.g. 'You are a helpful assistant.<|endofprompt|>' + "
+                "the prompt transcript (zero-shot) or the instruction + '<|endofprompt|>' (instruct)"
+            )
         if prompt_speech.size and (prompt_speech.min() < 0 or prompt_speech.max() >= self.facts.speech_token_size):
             raise ConfigError(
                 f"prompt speech tokens must lie in [0, {self.facts.speech_token_size}), got "
@@ -230,7 +255,7 @@ class TokenRequest:
         if self.mask_stops and i < self.min_len:
             logp = np.array(logp, dtype=np.float32)
             logp[list(facts.stop_ids)] = -np.inf
-        token = sample_next(logp, out, self.sampling, self.draw, facts.eos_id, ignore_eos=i < self.min_len)
+        token = sample_next(logp, out, self.sampling, self.draw, facts.min_len_masked_id, ignore_eos=i < self.min_len)
         if token in facts.stop_ids:
             self.stop_reason, self.stop_token = "stop", token
             logger.debug("request stopped by %d after %d tokens", token, len(out))

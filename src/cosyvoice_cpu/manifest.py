@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "cosyvoice_cpu.json"
 FORMAT_VERSION = 2  # 2: flow_estimator_stream.onnx (streamed chunks on cached activations) replaces _chunk
-FAMILIES = ("cosyvoice2", "cosyvoice")  # CosyVoice2-0.5B, CosyVoice-300M (-SFT, -Instruct)
+FAMILIES = ("cosyvoice2", "cosyvoice", "cosyvoice3")  # CosyVoice2-0.5B, CosyVoice-300M (+SFT, Instruct), CosyVoice3
 STAGE_SECTIONS = ("text", "lm", "sampling", "flow", "hift")
 
 

@@ -12,6 +12,12 @@ mirrored one by one, including the fused multiply-adds torch's AVX2/AVX-512 ``up
 compiles to. Against torch 2.13 on x86-64 the source is then bitwise equal for v2 and equal to float32
 rounding (``sin``, the ``H -> 1`` merge) otherwise; on a torch build without FMA expect ulp-level phase
 differences, which the sine turns into up to ~1e-2 absolute differences after seconds of audio.
+
+The v3 (Fun-CosyVoice3 causal HiFT) graphs come from :mod:`cosyvoice_cpu.export.hift_graph_v3` with the same
+contracts and attrs that say ``causal``: sine type ``"v3"`` (:func:`source_v3`: the frame-rate phase is held
+over each frame, the noise is uniform; relative error vs the reference 1.9e-7, the phase bitwise) and
+``finalize=False`` calls, which cut the finalize graphs' output to upstream's non-final lengths. Streaming
+with bounded work: :class:`cosyvoice_cpu.vocoder_stream_v3.CausalVocoderStream`.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from cosyvoice_cpu.sessions import SessionConfig, as_config, check_io, make_sess
 logger = logging.getLogger(__name__)
 
 _F32 = np.float32
-SINE_TYPES = ("v1", "v2")
+SINE_TYPES = ("v1", "v2", "v3")
 # attrs of the hift_decode artifact the runtime reads (see export.hift_graph.export_hift)
 REQUIRED_ATTRS = ("in_channels", "sampling_rate", "upsample", "nb_harmonics", "nsf_alpha", "nsf_sigma",
                   "voiced_threshold", "sine_type", "istft_n_fft", "istft_hop", "audio_limit",
@@ -43,16 +49,22 @@ class SourceNoise:
 
     Attributes:
         initial_phase: ``(B, H)`` float32 uniform in ``[0, 1)``, ``H = nb_harmonics + 1``; column 0 is ignored.
-        sine_noise: ``(B, L, H)`` float32 standard normal, ``L = T * upsample``.
+        sine_noise: ``(B, L, H)`` float32 standard normal, ``L = T * upsample``; ``"v3"``: uniform in ``[0, 1)``, and
+            ``(1 or B, >= L, H)`` (upstream's fixed table: rows ``[0, L)`` are used, batch 1 is shared).
     """
 
     initial_phase: np.ndarray
     sine_noise: np.ndarray
 
     @classmethod
-    def draw(cls, rng: np.random.Generator, batch: int, length: int, harmonics: int) -> SourceNoise:
-        """Draw from a NumPy generator (not the same numbers as torch's RNG, the same distributions)."""
+    def draw(
+        cls, rng: np.random.Generator, batch: int, length: int, harmonics: int, sine_type: str = "v2"
+    ) -> SourceNoise:
+        """Draw from a NumPy generator (not the same numbers as torch's RNG, the same distributions:
+        Gaussian sine noise, uniform for ``"v3"``)."""
         phase = rng.random((batch, harmonics), dtype=_F32)
+        if sine_type == "v3":
+            return cls(phase, rng.random((batch, length, harmonics), dtype=_F32))
         noise = rng.standard_normal((batch, length, harmonics), dtype=_F32)
         return cls(phase, noise)
 
@@ -86,22 +98,27 @@ class SourceConfig:
                    float(attrs["l_linear_bias"]))  # fmt: skip
 
 
+def nearest_index(start: int, stop: int, upsample: int) -> np.ndarray:
+    """Input index of output samples ``[start, stop)`` under torch ``F.interpolate(mode="nearest",
+    scale_factor=upsample)`` (float32 ``floor(n * (1 / upsample))``; equals ``n // 480`` below ~1e7 samples)."""
+    return _frame_of(np.arange(start, stop), upsample)
+
+
 def upsample_nearest(f0: np.ndarray, upsample: int) -> np.ndarray:
     """``(B, T)`` -> ``(B, T * upsample)``, torch ``F.interpolate(mode="nearest", scale_factor=upsample)``."""
-    length = int(f0.shape[-1] * float(upsample))
-    scale = _F32(1.0 / float(upsample))
-    idx = np.floor(np.arange(length).astype(_F32) * scale).astype(np.int64)
+    idx = nearest_index(0, int(f0.shape[-1] * float(upsample)), upsample)
     return f0[..., np.minimum(idx, f0.shape[-1] - 1)]
 
 
-def _linear_taps(in_size: int, scale_factor: float) -> tuple[np.ndarray, ...]:
-    """Indices and weights of torch ``upsample_linear1d`` (``align_corners=False``, scale factor given).
+def _linear_taps(in_size: int, scale_factor: float, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, ...]:
+    """Indices and weights of torch ``upsample_linear1d`` (``align_corners=False``, scale factor given) for the
+    output positions ``[start, stop)`` (default: all ``int(in_size * scale_factor)``).
 
     The source index ``scale * (dst + 0.5) - 0.5`` is one rounding (an FMA in torch's vectorised build).
     """
-    out_size = int(in_size * scale_factor)
+    out_size = int(in_size * scale_factor) if stop is None else stop
     scale = _F32(1.0 / scale_factor)
-    dst = np.arange(out_size).astype(_F32) + _F32(0.5)
+    dst = np.arange(start, out_size).astype(_F32) + _F32(0.5)
     src = np.maximum((np.float64(scale) * dst - 0.5).astype(_F32), _F32(0))
     i0 = np.minimum(np.floor(src).astype(np.int64), in_size - 1)
     w1 = np.clip(src - i0.astype(_F32), _F32(0), _F32(1))
@@ -151,11 +168,23 @@ def sine_phase_v1(f0_up: np.ndarray, initial_phase: np.ndarray, sampling_rate: i
     return _F32(2 * math.pi) * cycles + start[..., None]
 
 
+def _merge(f0_up: np.ndarray, sines: np.ndarray, sine_noise: np.ndarray, cfg: SourceConfig) -> np.ndarray:
+    """Voiced/unvoiced gating, noise and the ``Linear(H, 1) + tanh`` merge: ``f0_up (B, L)``, ``sines (B, L, H)``
+    (already times ``sine_amp``), ``sine_noise (B or 1, L, H)`` -> ``(B, 1, L)``."""
+    uv = (f0_up > _F32(cfg.voiced_threshold)).astype(_F32)[..., None]
+    noise_amp = uv * _F32(cfg.noise_std) + (_F32(1) - uv) * _F32(cfg.sine_amp) / _F32(3)
+    excitation = sines * uv + noise_amp * sine_noise
+    merged = np.tanh(excitation @ cfg.weight + _F32(cfg.bias))  # (B, L)
+    return merged[:, None, :]
+
+
 def harmonic_source(f0: np.ndarray, cfg: SourceConfig, noise: SourceNoise) -> np.ndarray:
     """Merged excitation: ``f0 (B, T)`` Hz at the frame rate -> ``(B, 1, T * upsample)`` in ``[-1, 1]``."""
     f0 = np.asarray(f0, dtype=_F32)
     if f0.ndim != 2:
         raise ConfigError(f"hift source expects f0 (B, T), got shape {f0.shape}")
+    if cfg.sine_type == "v3":
+        return source_v3(f0, cfg, noise)[0]
     f0_up = upsample_nearest(f0, cfg.upsample)
     batch, length = f0_up.shape
     phase0 = np.asarray(noise.initial_phase, dtype=_F32)
@@ -170,11 +199,55 @@ def harmonic_source(f0: np.ndarray, cfg: SourceConfig, noise: SourceNoise) -> np
     else:
         phase = sine_phase_v1(f0_up, phase0, cfg.sampling_rate)
     sines = (np.sin(phase) * _F32(cfg.sine_amp)).transpose(0, 2, 1)  # (B, L, H)
-    uv = (f0_up > _F32(cfg.voiced_threshold)).astype(_F32)[..., None]
-    noise_amp = uv * _F32(cfg.noise_std) + (_F32(1) - uv) * _F32(cfg.sine_amp) / _F32(3)
-    excitation = sines * uv + noise_amp * sine_noise
-    merged = np.tanh(excitation @ cfg.weight + _F32(cfg.bias))  # (B, L)
-    return merged[:, None, :]
+    return _merge(f0_up, sines, sine_noise, cfg)
+
+
+def source_v3(
+    f0: np.ndarray, cfg: SourceConfig, noise: SourceNoise, start: int = 0, carry: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Causal ``SineGen2`` (v3) source of the frames ``[start, start + T)`` of an utterance.
+
+    ``f0 (B, T)`` Hz -> ``(source (B, 1, T * upsample), carry (B, H) float64)``. As the torch reference: the
+    per-sample increment ``(f0 * k / sr) % 1`` is linearly down-sampled to the frame rate (two samples inside each
+    frame are read), summed in float64 (``cumsum``) and cast, ``* 2 pi * upsample``, then *held* (nearest) over
+    the frame's samples. ``carry`` is the running float64 sum before ``start`` (None at 0); passing the returned
+    one to the next call continues the sum exactly, so consecutive calls equal one call over all frames (indices
+    are absolute). ``noise.sine_noise`` rows are the samples of these frames (``(1 or B, >= T*upsample, H)``,
+    uniform; longer tables are cut); ``initial_phase`` only touches sample 0, which is never read (upsample > 1).
+    """
+    f0 = np.asarray(f0, dtype=_F32)
+    batch, frames = f0.shape
+    up, harmonics = cfg.upsample, cfg.harmonics
+    length = frames * up
+    table = np.asarray(noise.sine_noise, dtype=_F32)
+    if table.ndim != 3 or table.shape[0] not in (1, batch) or table.shape[1] < length or table.shape[2] != harmonics:
+        raise ConfigError(f"v3 SourceNoise.sine_noise {table.shape} must be (1 or {batch}, >= {length}, {harmonics})")
+    k = np.arange(1, harmonics + 1, dtype=_F32)
+    i0, i1, w0, w1 = _linear_taps((start + frames) * up, 1 / up, start, start + frames)  # absolute sample indices
+
+    def step(idx: np.ndarray) -> np.ndarray:  # (B, H, T) cycles per sample at the given absolute samples
+        fr = np.clip(_frame_of(idx, up) - start, 0, frames - 1)
+        s = np.remainder(f0[:, fr, None] * k / _F32(cfg.sampling_rate), _F32(1)).transpose(0, 2, 1)
+        if start == 0 and idx.size and idx[0] == 0:  # the initial phase: sample 0 only (never read when up > 1)
+            first = np.asarray(noise.initial_phase, dtype=_F32).copy()
+            first[:, 0] = 0
+            s[:, :, 0] += first
+        return s
+
+    steps = (step(i0).astype(np.float64) * w0 + step(i1) * w1).astype(_F32).astype(np.float64)
+    if carry is not None:
+        steps[:, :, 0] += carry
+    total = np.cumsum(steps, axis=-1)  # sequential float64, as torch's CPU cumsum of float32
+    phase = total.astype(_F32) * _F32(2) * _F32(math.pi)
+    sines = np.sin(phase * _F32(up)) * _F32(cfg.sine_amp)  # (B, H, T): constant over each frame's samples
+    fr = np.minimum(nearest_index(start * up, start * up + length, up) - start, frames - 1)
+    source = _merge(f0[:, fr], sines[:, :, fr].transpose(0, 2, 1), table[:, :length], cfg)
+    return source, total[:, :, -1]
+
+
+def _frame_of(samples: np.ndarray, upsample: int) -> np.ndarray:
+    """Frame index (torch nearest) of the given absolute sample indices."""
+    return np.floor(samples.astype(_F32) * _F32(1.0 / float(upsample))).astype(np.int64)
 
 
 F0_FILE = "hift_f0.onnx"  # file names in an exported model directory
@@ -199,6 +272,11 @@ class Vocoder:
         self.source_cfg = SourceConfig.from_attrs(attrs)
         self.in_channels = int(attrs["in_channels"])
         self.audio_limit = float(attrs["audio_limit"])
+        self.attrs = dict(attrs)
+        # causal (v3) HiFT: mel frames the F0 predictor / conv_pre read to the right of a frame (0 = not causal)
+        self.causal = bool(attrs.get("causal", False))
+        self.f0_look_right = int(attrs.get("f0_look_right", 0))
+        self.conv_pre_look_right = int(attrs.get("conv_pre_look_right", 0))
         paths = (Path(f0_path), Path(decode_path))
         for p in paths:
             if not p.is_file():
@@ -236,19 +314,32 @@ class Vocoder:
         rng: np.random.Generator | None = None,
         noise: SourceNoise | None = None,
         cache_source: np.ndarray | None = None,
+        finalize: bool = True,
     ) -> tuple[np.ndarray, np.ndarray]:
         """``mel (B, 80, T)`` -> ``(wave (B, T*480), source (B, 1, T*480))``, like ``HiFT.inference``.
 
         ``noise`` (any object with ``initial_phase``/``sine_noise`` arrays) wins over ``rng``; without both a
         fresh ``default_rng()`` draws it. ``cache_source (B or 1, 1, n)`` overwrites the first ``n`` source
         samples (streaming overlap); the returned source holds it.
+
+        ``finalize=False`` (causal v3 only, ``CausalHiFT.inference(finalize=False)``): the last mel frames are
+        look-ahead only; F0 and source cover ``T - 3`` frames and the wave ``T - 8`` frames. The graphs are the
+        finalize ones (zero right padding); the frames whose look-ahead would read those zeros are cut here.
         """
         mel = self._mel(mel)
         f0 = self.f0(mel)
         cfg = self.source_cfg
+        frames = mel.shape[2]
+        if not finalize:
+            if not self.causal:
+                raise ConfigError("finalize=False needs a causal (v3) HiFT; v1/v2 vocode every chunk whole")
+            cut = self.f0_look_right + self.conv_pre_look_right + 1
+            if frames <= cut:
+                raise ConfigError(f"a non-final HiFT call needs more than {cut} mel frames, got {frames}")
+            f0, mel = f0[:, : frames - self.f0_look_right], mel[:, :, : frames - self.f0_look_right]
         if noise is None:
             rng = rng if rng is not None else np.random.default_rng()
-            noise = SourceNoise.draw(rng, mel.shape[0], mel.shape[2] * cfg.upsample, cfg.harmonics)
+            noise = SourceNoise.draw(rng, mel.shape[0], mel.shape[2] * cfg.upsample, cfg.harmonics, cfg.sine_type)
         source = harmonic_source(f0, cfg, noise)
         if cache_source is not None and np.shape(cache_source)[-1] != 0:
             cache = np.asarray(cache_source, dtype=_F32)
@@ -260,7 +351,10 @@ class Vocoder:
             ):
                 raise ConfigError(f"cache_source {cache.shape} must be (B or 1, 1, n) with n <= {source.shape[-1]}")
             source[:, :, : cache.shape[-1]] = cache
-        return self.decode(mel, source), source
+        wave = self.decode(mel, source)
+        if not finalize:
+            wave = wave[:, : (frames - self.f0_look_right - self.conv_pre_look_right - 1) * cfg.upsample]
+        return wave, source
 
     def _mel(self, mel: np.ndarray) -> np.ndarray:
         mel = np.ascontiguousarray(mel, dtype=_F32)

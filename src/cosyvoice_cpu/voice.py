@@ -28,8 +28,8 @@ logger = logging.getLogger(__name__)
 VOICE_FORMAT = 1
 NAME_RE = re.compile(r"^[A-Za-z0-9\u00C0-\uFFFF][\w\u00C0-\uFFFF .-]{0,63}$")
 N_MELS = 80
-SPEECH_VOCAB = {"cosyvoice": 4096, "cosyvoice2": 6561}  # speech tokens per family
-MEL_PER_TOKEN = {"cosyvoice2": 2}  # v1 has no fixed ratio: its length regulator stretches the prompt tokens
+SPEECH_VOCAB = {"cosyvoice": 4096, "cosyvoice2": 6561, "cosyvoice3": 6561}  # speech tokens per family
+MEL_PER_TOKEN = {"cosyvoice2": 2, "cosyvoice3": 2}  # v1: none, its length regulator stretches the prompt tokens
 EMBEDDING_DIM = 192
 
 

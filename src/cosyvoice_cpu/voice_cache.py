@@ -21,11 +21,16 @@ logger = logging.getLogger(__name__)
 
 
 class PromptCaches:
-    """LRU of :class:`PromptCache` keyed by (voice fingerprint, steps, cfg rate), at most ``budget`` bytes."""
+    """LRU of :class:`PromptCache` keyed by (voice fingerprint, steps, cfg rate), at most ``budget`` bytes.
 
-    def __init__(self, stage: FlowStage, budget: int) -> None:
+    ``kind`` is the cache class with a ``build(stage, prompt_tokens, prompt_mel, embedding, steps, cfg_rate)``
+    classmethod and ``nbytes`` (CosyVoice2's :class:`PromptCache`, Fun-CosyVoice3's ``PromptCacheV3``).
+    """
+
+    def __init__(self, stage: FlowStage, budget: int, kind: type = PromptCache) -> None:
         self.stage = stage
         self.budget = budget
+        self.kind = kind
         self._items: OrderedDict[tuple[str, int, float], PromptCache] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = self.misses = 0
@@ -45,7 +50,7 @@ class PromptCaches:
                 self.hits += 1
                 return cache
             self.misses += 1
-        cache = PromptCache.build(self.stage, voice.speech_tokens, voice.mel, voice.embedding, steps, cfg_rate)
+        cache = self.kind.build(self.stage, voice.speech_tokens, voice.mel, voice.embedding, steps, cfg_rate)
         if cache.nbytes > self.budget:
             return cache  # too big to keep: this request uses it, the next one builds it again
         with self._lock:

@@ -37,10 +37,14 @@ REQUIRED = {
                    "CosyVoice-BlankEN/config.json", "CosyVoice-BlankEN/vocab.json", "CosyVoice-BlankEN/merges.txt",
                    "CosyVoice-BlankEN/tokenizer_config.json"),
     "cosyvoice": ("llm.pt", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v1.onnx"),
+    "cosyvoice3": ("llm.pt", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v3.onnx",
+                   "CosyVoice-BlankEN/config.json", "CosyVoice-BlankEN/vocab.json", "CosyVoice-BlankEN/merges.txt",
+                   "CosyVoice-BlankEN/tokenizer_config.json"),
 }  # fmt: skip
 # ONNX front-end models copied as they are, with the ranks of the inputs the runtime feeds them (by position, as
 # the official frontend does): campplus fbank (B, T, 80); speech tokenizer log-mel (1, 128, T) and its length (1,).
-SPEECH_TOKENIZERS = {"cosyvoice2": "speech_tokenizer_v2.onnx", "cosyvoice": "speech_tokenizer_v1.onnx"}
+SPEECH_TOKENIZERS = {"cosyvoice2": "speech_tokenizer_v2.onnx", "cosyvoice": "speech_tokenizer_v1.onnx",
+                     "cosyvoice3": "speech_tokenizer_v3.onnx"}  # fmt: skip
 ONNX_RANKS = {"campplus": (3,), "speech_tokenizer": (3, 1)}
 # Families the ONNX export and the runtime implement (the PyTorch reference also reads CosyVoice-300M).
 EXPORTABLE = tuple(REQUIRED)
@@ -103,19 +107,19 @@ def check_source(src: Path) -> Any:
     from cosyvoice_cpu.reference.model_dir import detect_family, read_model_config
 
     if not src.is_dir():
-        raise ExportError(f"--from {src}: no such directory; point at a released CosyVoice2-0.5B or CosyVoice-300M "
-                          "directory")  # fmt: skip
+        raise ExportError(f"--from {src}: no such directory; point at a released CosyVoice2-0.5B, CosyVoice-300M or "
+                          "Fun-CosyVoice3-0.5B directory")  # fmt: skip
     family = detect_family(src)
     if family not in EXPORTABLE:
         raise ExportError(
-            f"{src} is a {family} model; export supports {', '.join(EXPORTABLE)} so far (Fun-CosyVoice3 is tracked as "
-            "its own issue)"
+            f"{src} is a {family} model; export supports {', '.join(EXPORTABLE)}"
         )
     missing = [n for n in REQUIRED[family] if not (src / n).is_file()]
     if missing:
         raise ExportError(
             f"{src} is missing {', '.join(missing)}: the directory is incomplete; download the whole model "
-            "(e.g. modelscope download iic/CosyVoice2-0.5B or iic/CosyVoice-300M-SFT) or make a fixture with "
+            "(e.g. modelscope download iic/CosyVoice2-0.5B, iic/CosyVoice-300M-SFT or "
+            "FunAudioLLM/Fun-CosyVoice3-0.5B-2512) or make a fixture with "
             "`cosyvoice-cpu fixture`"
         )
     cfg = read_model_config(src)  # raises ModelDirError for a wrong/unsupported family
@@ -267,6 +271,10 @@ def _export_tokenizer(cfg: Any, out: Path) -> dict[str, Any]:
                 "it is the wrong vocabulary for this model (CosyVoice-300M uses Whisper's multilingual.tiktoken)"
             )
         return text
+    if cfg.family == "cosyvoice3":
+        from cosyvoice_cpu.export.tokenizer_v3 import export_tokenizer_v3
+
+        return export_tokenizer_v3(cfg.blank_en_dir, out)
 
     tok = CosyVoice2Tokenizer(cfg.blank_en_dir)
     tok._tok.backend_tokenizer.save(str(out / "tokenizer.json"))
@@ -280,6 +288,10 @@ def _flow_facts(family: str, flow: Any) -> dict[str, Any]:
              "t_scheduler": flow.cfm.t_scheduler, "spk_embed_dim": flow.spk_embed_dim}  # fmt: skip
     if family == "cosyvoice":  # CosyVoice-300M: 50 Hz tokens stretched by the length regulator
         return {**facts, "input_frame_rate": flow.input_frame_rate}
+    if family == "cosyvoice3":  # the DiT's chunk mask: 50 frames (25 tokens); no encoder chunk
+        chunk = flow.estimator.static_chunk_size
+        return {**facts, "pre_lookahead_len": flow.pre_lookahead_len, "token_mel_ratio": flow.token_mel_ratio,
+                "static_chunk_size": chunk // flow.token_mel_ratio, "chunk_frames": chunk}  # fmt: skip
     return {**facts, "pre_lookahead_len": flow.pre_lookahead_len, "token_mel_ratio": flow.token_mel_ratio,
             "static_chunk_size": flow.encoder.static_chunk_size}  # encoder chunk in tokens (streaming)  # fmt: skip
 
@@ -355,6 +367,8 @@ def _manifest(
             "task_id_row": SPECIALS["task_id"],
             "min_token_text_ratio": lm.min_token_text_ratio,
             "max_token_text_ratio": lm.max_token_text_ratio,
+            **({"min_len_masked_id": lm.min_len_masked_id, "endofprompt_id": lm.endofprompt_id}
+               if cfg.family == "cosyvoice3" else {}),  # v3: the official min-length mask is its sos id
             **stage_facts.get("lm", {}),
         },
         sampling=asdict(lm.sampling),

@@ -8,7 +8,7 @@ The graph is written node by node with ``onnx.helper`` from the reference weight
   (max_len, Dh/2), past and present buffers of the full capacity (B, Hkv, max_len, Dh) so the runtime binds them
   to one buffer), ``o_proj`` ``MatMul``, and a SiLU MLP with one fused gate|up ``MatMul`` (D, 2F) and ``down``;
 - after the last layer: the hidden state at position S-1 of each row, the final RMSNorm, the speech head
-  ``MatMul`` (D, V) + bias and ``LogSoftmax``.
+  ``MatMul`` (D, V) + bias (v3's head has none: no ``Add``, see :mod:`.lm_graph_v3`) and ``LogSoftmax``.
 
 Every projection is a ``MatMul`` against an initializer of shape (K, N), so ``onnxruntime.quantization``
 (``quantize_dynamic`` on MatMul, ``MatMulNBitsQuantizer``) quantizes it without changes; node names are
@@ -67,7 +67,8 @@ def lm_weights(lm: Any) -> dict[str, np.ndarray]:
         w[f"layers.{i}.down.weight"] = t(m.down_proj.weight).T
     w["norm"] = t(lm.backbone.norm.weight)
     w["head.weight"] = t(lm.llm_decoder.weight).T
-    w["head.bias"] = t(lm.llm_decoder.bias)
+    if lm.llm_decoder.bias is not None:  # v3's head has no bias: no "head.bias", no Add in the graph
+        w["head.bias"] = t(lm.llm_decoder.bias)
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in w.items()}
 
 
@@ -88,7 +89,7 @@ def build_lm_model(weights: dict[str, np.ndarray], cos: np.ndarray, sin: np.ndar
 
     n_layers, d, eps = cfg.num_hidden_layers, cfg.hidden_size, float(cfg.rms_norm_eps)
     h, hkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    max_len, vocab = cos.shape[0], weights["head.bias"].shape[0]
+    max_len, vocab = cos.shape[0], weights["head.weight"].shape[1]
     nodes: list[Any] = []
     inits = [numpy_helper.from_array(v, k) for k, v in weights.items()]
     inits += [numpy_helper.from_array(cos, "rope.cos"), numpy_helper.from_array(sin, "rope.sin"),
@@ -137,8 +138,10 @@ def build_lm_model(weights: dict[str, np.ndarray], cos: np.ndarray, sin: np.ndar
     node("SimplifiedLayerNormalization", ["hidden_last", "norm"], ["hidden_normed"], "norm",
          axis=-1, epsilon=eps, stash_type=1)  # fmt: skip
     logits = matmul("hidden_normed", "head.weight", "head")
-    node("Add", [logits, "head.bias"], ["logits"], "head.bias_add")
-    node("LogSoftmax", ["logits"], ["logp"], "log_softmax", axis=-1)
+    if "head.bias" in weights:
+        node("Add", [logits, "head.bias"], ["logits"], "head.bias_add")
+        logits = "logits"
+    node("LogSoftmax", [logits], ["logp"], "log_softmax", axis=-1)
 
     kv = ["batch", hkv, max_len, dh]
     f32, i32 = TensorProto.FLOAT, TensorProto.INT32
@@ -196,17 +199,12 @@ def export_lm(lm: Any, out_dir: Path, max_len: int = 2048) -> list[GraphArtifact
     """
     if max_len <= 0:
         raise ConfigError(f"max_len must be positive, got {max_len}")
-    if max_len > lm.cfg.qwen.max_position_embeddings:
-        raise ConfigError(
-            f"max_len {max_len} exceeds the model's max_position_embeddings {lm.cfg.qwen.max_position_embeddings}"
-        )
+    if max_len > (limit := lm.cfg.qwen.max_position_embeddings):
+        raise ConfigError(f"max_len {max_len} exceeds the model's max_position_embeddings {limit}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tables = {
-        "text": lm.backbone.embed_tokens.weight,
-        "speech": lm.speech_embedding.weight,
-        "special": lm.llm_embedding.weight,
-    }
+    tables = {"text": lm.backbone.embed_tokens.weight, "speech": lm.speech_embedding.weight,
+              "special": lm.llm_embedding.weight}  # fmt: skip
     for key, weight in tables.items():
         np.save(out_dir / EMBEDDING_FILES[key], weight.detach().float().cpu().numpy())
     cos, sin = rope_tables(lm, max_len)
@@ -285,7 +283,10 @@ def _open(lm: Any, out_dir: Path, graph_file: str) -> tuple[Any, Any]:
         sess = LMSession.from_dir(out_dir, lm_attrs_v1(lm, max_len), graph_file=graph_file, threads=2)
         encoder = TextEncoder(Path(out_dir) / TEXT_ENCODER_FILE, (sess.spec.text_dim, sess.spec.hidden), 2)
         return sess, partial(assemble, sess, encoder=encoder)
-    sess = LMSession.from_dir(out_dir, lm_attrs(lm, max_len), graph_file=graph_file, threads=2)
+    from cosyvoice_cpu.export.lm_graph_v3 import lm_attrs_v3
+
+    v3 = hasattr(lm.cfg, "n_specials")  # Fun-CosyVoice3 (CosyVoice3LM): its own head size and stop facts
+    sess = LMSession.from_dir(out_dir, (lm_attrs_v3 if v3 else lm_attrs)(lm, max_len), graph_file=graph_file, threads=2)
     return sess, partial(assemble, sess)
 
 
@@ -331,8 +332,6 @@ def verify_lm(
     different lengths vs the rows run alone. For a quantized graph pass ``tolerance``: a number or
     ``{"logp": x}`` for the logp gates, or gate names; the rest then come from :data:`LOOSE_TOLERANCES`.
     """
-    import torch
-
     tol = _tolerances(tolerance)
     if _is_v1(lm):
         tol["embeddings"] = max(tol["embeddings"], V1_EMBEDDINGS["fp32" if tolerance is None else "quantized"])
@@ -342,8 +341,8 @@ def verify_lm(
     total = emb.shape[0]
     ref = [lm.prefill(ref_emb, total + DECODE_STEPS + 1).numpy()]
     tokens = []
-    for k in range(DECODE_STEPS):
-        tokens.append(int(ref[-1].argmax()))
+    for k in range(DECODE_STEPS):  # greedy over the rows that can be fed back (v3/v1: not the stop ids)
+        tokens.append(int(ref[-1][: sess.spec.speech_rows].argmax()))
         ref.append(lm.decode_step(tokens[-1], total + k).numpy())
     # the same prompt and tokens alone (row 0 of a 1-row cache), then with a shorter second prompt in a batch
     emb2 = _prompt(lm, build, rng)[1][: max(2, total - 7)]
@@ -365,7 +364,6 @@ def verify_lm(
         "greedy_mismatch": (float(np.mean(ours.argmax(-1) != ref.argmax(-1))), f"{len(ref)} steps"),
         "decode_kl": (float(np.mean(_kl(ref, ours))), "mean nats"),
     }
-    del torch
     return [GateResult(name, check, v, tol[check], detail) for check, (v, detail) in values.items()]
 
 

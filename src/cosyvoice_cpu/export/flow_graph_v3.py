@@ -1,0 +1,278 @@
+"""Export the Fun-CosyVoice3 (v3) flow to ONNX: token encoder, DiT estimator (whole and streamed), fixed noise.
+
+Graphs (``export_flow``; runtime :class:`cosyvoice_cpu.flow_v3.FlowStageV3`, whole sentences also run on the v2
+:class:`~cosyvoice_cpu.flow.FlowStage` unchanged):
+
+``flow_encoder.onnx`` (batch 1; exactly the CosyVoice2 contract)
+    token (1, T) int64: prompt tokens + tokens to synthesise (negative ids count as 0)
+    context (1, C) int64: C = 0 for a final chunk, else the 1 <= C <= 3 look-ahead tokens after ``token``
+    embedding (1, 192) float32: raw x-vector (L2-normalised in the graph)
+    chunk_size () int64: accepted for the v2 contract and ignored (v3 has no conformer; the DiT's streaming
+        mask lives in the estimators)
+    -> mu (1, 80, 2T) = repeat x2 of PreLookaheadLayer(Embedding(token)), spks (1, 80)
+``flow_estimator.onnx`` (the official estimator contract, batch and time dynamic)
+    x, mask, mu, t, spks, cond: (B, 80, T), (B, 1, T), (B, 80, T), (B,), (B, 80), (B, 80, T) float32
+    -> estimator_out (B, 80, T): the DiT, full attention over the frames where mask = 1, zero on padded frames
+    (the official output there is unused garbage; every other frame equals the row alone: all convs are causal)
+``flow_estimator_stream.onnx``: a window of frames on cached keys/values (v3 contract:
+    :mod:`cosyvoice_cpu.export.flow_stream_graph_v3`; runtime :mod:`cosyvoice_cpu.flow_stream_v3`).
+``flow_noise.npy``: the official fixed noise ``randn(1, 80, 15000)`` after seed 0 (the same table as v2).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.export.common import GateResult, GraphArtifact, rel_err, torch_export
+from cosyvoice_cpu.export.flow_graph import _estimator_inputs, _pin_output_shape
+from cosyvoice_cpu.export.flow_stream_graph_v3 import (
+    DiTRun,
+    export_stream_estimator,
+    stream_layout,
+    verify_stream_estimator,
+)
+from cosyvoice_cpu.flow_v3 import FILES_V3 as FILES
+from cosyvoice_cpu.reference.cfm import NOISE_FRAMES, NOISE_SEED, official_fixed_noise
+from cosyvoice_cpu.reference.dit import DiT, apply_rope
+from cosyvoice_cpu.reference.flow_estimator import MASK_BIAS
+from cosyvoice_cpu.reference.flow_v3 import FlowV3
+from cosyvoice_cpu.sessions import SessionConfig, make_session
+
+logger = logging.getLogger(__name__)
+
+# fp32 gates (max |ort - torch| / max |torch|): see tests/export/test_flow_graph_v3.py for the measured values.
+# Dynamic int8 (reduce_range) estimators need looser bounds: pass ``tolerance`` (export/stages.QUANT_TOLERANCE).
+TOLERANCE = {"encoder": 1e-5, "estimator": 2e-5, "mel": 3e-5}  # by check kind (both estimators share one)
+
+
+class EncoderGraphV3(nn.Module):
+    """``flow_encoder.onnx``: :meth:`FlowV3.encode` up to mu (the look-ahead context as a second input)."""
+
+    def __init__(self, flow: FlowV3) -> None:
+        super().__init__()
+        self.flow = flow
+        self.lookahead = flow.config.pre_lookahead_len
+        self.ratio = flow.config.token_mel_ratio
+
+    def forward(
+        self, token: torch.Tensor, context: torch.Tensor, embedding: torch.Tensor, chunk_size: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """token (1, T), context (1, C), embedding (1, 192), chunk_size () unused -> mu (1, 80, 2T), spks."""
+        flow = self.flow
+        spks = flow.spk_embed_affine_layer(F.normalize(embedding, dim=1))
+        size = token.size(1)
+        xs = flow.input_embedding(torch.cat([token, context], dim=1).clamp(min=0))  # (1, T+C, 80)
+        pad = torch.zeros(1, self.lookahead, xs.size(2), dtype=xs.dtype)
+        ahead = torch.cat([xs, pad], dim=1)[:, : size + self.lookahead].transpose(1, 2)  # context, then zeros
+        la = flow.pre_lookahead_layer
+        h = la.conv2(F.pad(F.leaky_relu(la.conv1(ahead)), (la.conv2.kernel_size[0] - 1, 0)))
+        h = h + xs[:, :size].transpose(1, 2)  # (1, 80, T)
+        mu = h.unsqueeze(3).expand(-1, -1, -1, self.ratio).reshape(1, h.size(1), size * self.ratio)
+        # keep chunk_size a graph input (the v2 contract) without changing anything
+        return mu + 0.0 * chunk_size.to(mu.dtype), spks
+
+
+class EstimatorGraphV3(nn.Module):
+    """``flow_estimator.onnx``: :meth:`DiT.forward` (``streaming=False``) with a key-padding bias."""
+
+    def __init__(self, est: DiT) -> None:
+        super().__init__()
+        self.est = est
+        self.run = DiTRun(est)
+
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
+        cond: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """The official ONNX estimator contract; shapes as :meth:`DiT.forward`."""
+        run = self.run
+        t_emb = run.time(t)
+        h, _ = run.embed(x, cond, mu, spks, None)
+        residual = h
+        freqs = run.freqs(torch.zeros((), dtype=torch.int64), x.size(2))
+        bias = ((1.0 - mask) * MASK_BIAS).unsqueeze(1)  # (B, 1, 1, T): padded keys hidden
+        keep = mask.transpose(1, 2)  # (B, T, 1): attention output zeroed on padded frames (as upstream)
+        for block in self.est.transformer_blocks:
+
+            def attention(n: torch.Tensor, a: nn.Module = block.attn) -> torch.Tensor:
+                q, k = apply_rope(a.to_q(n), freqs), apply_rope(a.to_k(n), freqs)
+                return a.to_out[0](run.attend(q, k, a.to_v(n), bias)) * keep
+
+            h = run.block(block, h, t_emb, attention)
+        return run.head(h, residual, t_emb) * mask
+
+
+def settings_of(flow: FlowV3) -> dict[str, Any]:
+    """The :class:`~cosyvoice_cpu.flow_v3.FlowSettingsV3` fields of a reference flow (as the artifacts' attrs)."""
+    cfg = flow.config
+    return {
+        "token_mel_ratio": cfg.token_mel_ratio,
+        "pre_lookahead_len": cfg.pre_lookahead_len,
+        "static_chunk_size": cfg.estimator.static_chunk_size // cfg.token_mel_ratio,
+        "chunk_frames": cfg.estimator.static_chunk_size,
+        "n_timesteps": cfg.cfm.n_timesteps,
+        "cfg_rate": cfg.cfm.inference_cfg_rate,
+        "t_scheduler": cfg.cfm.t_scheduler,
+    }
+
+
+def _artifact(out_dir: Path, key: str, attrs: dict[str, Any]) -> GraphArtifact:
+    return GraphArtifact.of(out_dir, key, FILES[key], attrs)
+
+
+@torch.inference_mode()
+def export_flow(flow: FlowV3, out_dir: Path) -> list[GraphArtifact]:
+    """Write ``flow_encoder.onnx``, ``flow_estimator.onnx``, ``flow_estimator_stream.onnx`` (each with its
+    ``.data``) and ``flow_noise.npy`` into ``out_dir``; return the three graph artifacts."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    flow = flow.eval()
+    cfg = flow.config
+    t0 = time.perf_counter()
+    enc_args = (
+        torch.randint(0, cfg.vocab_size, (1, 37)),
+        torch.randint(0, cfg.vocab_size, (1, max(cfg.pre_lookahead_len - 1, 1))),
+        torch.randn(1, cfg.spk_embed_dim),
+        torch.tensor(0, dtype=torch.int64),
+    )
+    torch_export(EncoderGraphV3(flow), enc_args, out_dir / FILES["flow_encoder"],
+                 input_names=["token", "context", "embedding", "chunk_size"], output_names=["mu", "spks"],
+                 dynamic_axes={"token": {1: "tokens"}, "context": {1: "context"}, "mu": {2: "frames"}})  # fmt: skip
+    _pin_output_shape(out_dir / FILES["flow_encoder"], "mu", [1, cfg.output_size, "frames"])
+    est = flow.decoder.estimator
+    rng = np.random.default_rng(0)
+    est_args = tuple(torch.from_numpy(v) for v in _estimator_inputs(rng, [71, 60], 71).values())
+    names = ["x", "mask", "mu", "t", "spks", "cond"]
+    axes: dict[str, dict[int, str]] = {n: {0: "batch", 2: "time"} for n in ("x", "mask", "mu", "cond")}
+    axes.update(t={0: "batch"}, spks={0: "batch"}, estimator_out={0: "batch", 2: "time"})
+    torch_export(EstimatorGraphV3(est), est_args, out_dir / FILES["flow_estimator"], input_names=names,
+                 output_names=["estimator_out"], dynamic_axes=axes)  # fmt: skip
+    export_stream_estimator(est, out_dir / FILES["flow_estimator_stream"])
+    layers, width, state, hist = stream_layout(est)
+    for name in ("new_k", "new_v"):  # the tracer names the key width after a Concat
+        _pin_output_shape(out_dir / FILES["flow_estimator_stream"], name, [layers, "batch", "time", width])
+    np.save(out_dir / FILES["flow_noise"], official_fixed_noise().numpy().astype(np.float32))  # v2's table
+    logger.info("exported the v3 flow to %s in %.1f s", out_dir, time.perf_counter() - t0)
+
+    settings = settings_of(flow)
+    encoder = {**settings, "chunk_unit": "tokens (chunk_size input unused: v3 has no conformer)",
+               "vocab_size": cfg.vocab_size, "spk_embed_dim": cfg.spk_embed_dim, "output_size": cfg.output_size}
+    solver = {**settings, "noise_file": FILES["flow_noise"], "noise_frames": NOISE_FRAMES, "noise_seed": NOISE_SEED,
+              "estimator": "DiT", "depth": est.cfg.depth, "dim": est.cfg.dim, "heads": est.cfg.heads,
+              "dim_head": est.cfg.dim_head}  # fmt: skip
+    stream = {**solver, "attention": "cached keys/values + chunk-causal window (absolute positions)",
+              "cache_layers": layers, "cache_width": width, "conv_state_channels": state,
+              "conv_state_frames": hist}  # fmt: skip
+    return [
+        _artifact(out_dir, "flow_encoder", encoder),
+        _artifact(out_dir, "flow_estimator", {"attention": "full", **solver}),
+        _artifact(out_dir, "flow_estimator_stream", stream),
+    ]
+
+
+def _gate(key: str, check: str, ours: np.ndarray, ref: np.ndarray, tol: float, detail: str = "") -> GateResult:
+    result = GateResult(key, check, rel_err(ours, ref), tol, detail)
+    logger.info("%s", result)
+    return result
+
+
+def _t(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+@torch.inference_mode()
+def verify_flow(
+    flow: FlowV3,
+    out_dir: Path,
+    seed: int = 0,
+    files: dict[str, str] | None = None,
+    tolerance: dict[str, float] | None = None,
+    threads: int = 1,
+) -> list[GateResult]:
+    """ONNX Runtime vs the PyTorch reference on random inputs (max relative errors).
+
+    Gates: encoder mu (final; non-final with look-ahead context) and spks; the estimator at batch 2 with a
+    padded row (valid frames) and the padded row vs the row alone; the stream estimator on three windows vs
+    the reference DiT with the official chunk mask; the whole flow (:class:`~cosyvoice_cpu.flow_v3.FlowStageV3`,
+    10 steps, CFG 0.7) vs ``FlowV3.inference``; :class:`~cosyvoice_cpu.flow_stream_v3.FlowStreamV3` in three
+    chunks vs the official prefix recompute (``FlowV3.inference(streaming=True, finalize=...)`` per chunk).
+
+    Args:
+        files: overrides of the file names by key (relative to ``out_dir``), e.g. a quantized estimator.
+        tolerance: overrides of :data:`TOLERANCE` by check kind (``encoder``, ``estimator``, ``mel``).
+    """
+    from cosyvoice_cpu.flow_stream_v3 import FlowStreamV3
+    from cosyvoice_cpu.flow_v3 import FlowStageV3
+
+    out_dir = Path(out_dir)
+    paths = {k: out_dir / v for k, v in {**FILES, **(files or {})}.items()}
+    unknown = set(tolerance or {}) - set(TOLERANCE) or set(files or {}) - set(FILES)
+    if unknown:
+        raise ConfigError(f"verify_flow: unknown keys {sorted(unknown)}; tolerance keys are {sorted(TOLERANCE)}, "
+                          f"file keys {sorted(FILES)}")  # fmt: skip
+    tol = {**TOLERANCE, **(tolerance or {})}
+    flow = flow.eval()
+    cfg = flow.config
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    stage = FlowStageV3(paths["flow_encoder"], paths["flow_estimator"], paths["flow_estimator_stream"],
+                        paths["flow_noise"], settings=settings_of(flow), threads=threads)  # fmt: skip
+    n_prompt, n_tok, look = 40, 60, cfg.pre_lookahead_len
+    prompt = torch.randint(0, cfg.vocab_size, (1, n_prompt), generator=gen)
+    tokens = torch.randint(0, cfg.vocab_size, (1, n_tok), generator=gen)
+    emb = torch.randn(1, cfg.spk_embed_dim, generator=gen)
+    feat = torch.randn(1, 2 * n_prompt, 80, generator=gen)
+    results: list[GateResult] = []
+
+    for finalize in (True, False):
+        ref = flow.encode(tokens, torch.tensor([n_tok]), prompt, torch.tensor([n_prompt]), feat, emb, finalize)
+        toks, ctx = (tokens, None) if finalize else (tokens[:, :-look], tokens[:, -look:])
+        mu, spks = stage.encode(toks.numpy(), prompt.numpy(), emb.numpy(), None if ctx is None else ctx.numpy())
+        what = "final" if finalize else f"non-final, {look} look-ahead tokens"
+        results.append(_gate("flow_encoder", "mu rel err", mu, ref.mu.numpy(), tol["encoder"], what))
+    results.append(_gate("flow_encoder", "spks rel err", spks, ref.spks.numpy(), tol["encoder"]))
+
+    est = flow.decoder.estimator
+    sess = make_session(paths["flow_estimator"], SessionConfig(threads=threads))
+    for size in (64, 131):
+        lengths = [size, size - 17]
+        feeds = _estimator_inputs(rng, lengths, size)
+        ours = sess.run(None, feeds)[0]
+        ref = est(*(_t(v) for v in feeds.values())).numpy() * feeds["mask"]
+        what = f"batch 2, T={size}, lengths {lengths} (valid frames)"
+        results.append(_gate("flow_estimator", "velocity rel err", ours, ref, tol["estimator"], what))
+        row = {k: v[1:2, :, : lengths[1]] if v.ndim == 3 else v[1:2] for k, v in feeds.items()}
+        single = sess.run(None, row)[0]
+        results.append(_gate("flow_estimator", "padded row vs single row", ours[1:2, :, : lengths[1]], single,
+                             tol["estimator"], f"T={size}"))  # fmt: skip
+    stream_sess = make_session(paths["flow_estimator_stream"], SessionConfig(threads=threads))
+    for r in verify_stream_estimator(est, stream_sess, rng, tol["estimator"], "flow_estimator_stream"):
+        logger.info("%s", r)
+        results.append(r)
+
+    ref, _ = flow.inference(tokens, torch.tensor([n_tok]), prompt, torch.tensor([n_prompt]), feat, None, emb)
+    mel = stage.inference(tokens.numpy(), prompt.numpy(), feat.numpy(), emb.numpy())
+    results.append(_gate("flow", "mel rel err", mel, ref.numpy(), tol["mel"], "whole sentence, 10 steps, cfg 0.7"))
+
+    fs = FlowStreamV3(stage, prompt.numpy()[0], feat.numpy()[0], emb.numpy(), context_tokens=None)
+    ours_chunks, ref_chunks = [], []
+    for a, b in ((0, 7), (7, 30), (30, n_tok)):
+        final = b == n_tok
+        ours_chunks.append(fs.push(tokens[0, a:b].numpy(), None if final else tokens[0, b : b + look].numpy()))
+        upto = b if final else b + look
+        ref, _ = flow.inference(tokens[:, :upto], torch.tensor([upto]), prompt, torch.tensor([n_prompt]), feat,
+                                None, emb, streaming=True, finalize=final)  # fmt: skip
+        ref_chunks.append(ref.numpy()[:, :, cfg.token_mel_ratio * a :])
+    results.append(_gate("flow", "mel rel err", np.concatenate(ours_chunks, axis=2),
+                         np.concatenate(ref_chunks, axis=2), tol["mel"],
+                         "streamed in 3 chunks vs the official prefix recompute"))  # fmt: skip
+    return results

@@ -1,0 +1,233 @@
+"""The Fun-CosyVoice3 DiT as ONNX graphs: the official estimator and a streamed window on a key/value cache.
+
+Both graphs are built from :class:`~cosyvoice_cpu.reference.dit.DiT` modules by :class:`DiTRun`, which applies
+the DiT with explicit attention (additive bias), absolute RoPE positions and causal-conv states::
+
+    t (B,) -> t_emb (B, D);  cat[x, cond, mu, spks] (B, T, 320) -Linear-> h (B, T, D)
+    conv position embedding: [state1 | h] -conv1, Mish-> c1;  [state2 | c1] -conv2, Mish-> c2;  h = h + c2
+    L x AdaLN-zero block: q, k = RoPE(to_q/to_k(n), positions offset .. offset+T-1), v = to_v(n)
+                           keys = [past keys | k] (all past visible), chunk-causal bias inside the window
+    AdaLN final -> Linear(D, 80) -> (B, 80, T)
+
+``flow_estimator_stream.onnx`` (v3 contract; batch = CFG rows and/or streams, all frames valid)::
+
+    x, mu, cond (B, 80, T)  t (B,)  spks (B, 80)       the window's frames (absolute positions offset ..)
+    prompt_k, prompt_v (L, B, P, I)                     cached keys (after RoPE) / values of the prompt frames
+    context_k, context_v (L, B, C, I)                   ... of the committed generated frames (P, C may be 0)
+    conv_state (B, 2D, 30)                              the conv position embedding's inputs (h | c1) on the 30
+                                                        frames before ``offset`` (zeros before frame 0)
+    offset () int64                                     absolute position of the window's first frame
+    -> velocity (B, 80, T), new_k, new_v (L, B, T, I), conv_in (B, 2D, T) (h | c1 of the window's frames)
+
+The official streaming mask is chunk-causal over absolute frames (key j visible from query i iff
+``j < (i // 50 + 1) * 50``) and every other part of the DiT is causal, so once a 50-frame chunk is complete its
+keys, values and conv inputs never change within an Euler step. The runtime (:mod:`cosyvoice_cpu.flow_stream_v3`)
+caches them per step and CFG row and recomputes only the open chunk plus the new frames: with the whole past
+cached this equals the official prefix recompute exactly (gated below).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cosyvoice_cpu.export.common import GateResult, rel_err
+from cosyvoice_cpu.reference.dit import TIME_FREQ_DIM, DiT, DiTBlock, apply_rope
+from cosyvoice_cpu.reference.flow_estimator import MASK_BIAS, timestep_embedding
+
+logger = logging.getLogger(__name__)
+
+INPUTS = ["x", "mu", "t", "spks", "cond", "prompt_k", "prompt_v", "context_k", "context_v", "conv_state", "offset"]
+OUTPUTS = ["velocity", "new_k", "new_v", "conv_in"]
+
+
+def stream_layout(est: DiT) -> tuple[int, int, int, int]:
+    """(blocks L, key/value width I = heads * dim_head, conv-state channels 2D, conv-state frames K - 1)."""
+    cfg = est.cfg
+    return cfg.depth, cfg.heads * cfg.dim_head, 2 * cfg.dim, est.input_embed.conv_pos_embed.kernel_size - 1
+
+
+class DiTRun:
+    """The DiT's forward pass in traceable pieces (shared by both graphs)."""
+
+    def __init__(self, est: DiT) -> None:
+        self.est = est
+        self.heads = est.cfg.heads
+        self.scale = est.cfg.dim_head**-0.5
+
+    def embed(self, x: torch.Tensor, cond: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor,
+              state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(B, 80, T) inputs -> h (B, T, D) and the two convs' inputs (B, 2D, T); ``state`` (B, 2D, K-1) or None
+        (zeros: the official left padding)."""
+        inp = self.est.input_embed
+        parts = [x, cond, mu]
+        if inp.spk_dim > 0:
+            parts.append(spks.unsqueeze(-1).expand(-1, -1, x.size(2)))
+        h = inp.proj(torch.cat(parts, dim=1).transpose(1, 2))  # (B, T, D)
+        pos = inp.conv_pos_embed
+        d, pad = h.size(2), pos.kernel_size - 1
+        h_ct = h.transpose(1, 2)
+        s1 = F.pad(h_ct, (pad, 0)) if state is None else torch.cat([state[:, :d], h_ct], dim=2)
+        c1 = pos.conv1(s1)
+        s2 = F.pad(c1, (pad, 0)) if state is None else torch.cat([state[:, d:], c1], dim=2)
+        c2 = pos.conv2(s2)
+        return h + c2.transpose(1, 2), torch.cat([h_ct, c1], dim=1)
+
+    def freqs(self, offset: torch.Tensor, size: Any) -> torch.Tensor:
+        """RoPE angles (1, T, dim_head) at absolute positions offset .. offset + T - 1."""
+        inv = self.est.rotary_embed.inv_freq
+        pos = (torch.arange(size) + offset).to(inv.dtype)
+        f = pos[:, None] * inv[None, :]
+        return torch.stack([f, f], dim=-1).flatten(1).unsqueeze(0)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """q (B, T, I), k/v (B, S, I), bias broadcastable to (B, H, T, S) -> (B, T, I)."""
+        b, size, _ = q.shape
+
+        def split(h: torch.Tensor) -> torch.Tensor:
+            return h.reshape(b, h.size(1), self.heads, -1).transpose(1, 2)
+
+        scores = torch.matmul(split(q), split(k).transpose(2, 3)) * self.scale + bias
+        out = torch.matmul(torch.softmax(scores, dim=-1), split(v))
+        return out.transpose(1, 2).reshape(b, size, -1)
+
+    def block(self, block: DiTBlock, x: torch.Tensor, t_emb: torch.Tensor, attention: Any) -> torch.Tensor:
+        """One AdaLN-zero block; ``attention(n) -> (B, T, D)`` is the attention on the modulated input."""
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.attn_norm.modulation(t_emb)
+        n = block.attn_norm.norm(x) * (1 + scale_msa[:, None]) + shift_msa[:, None]
+        x = x + gate_msa.unsqueeze(1) * attention(n)
+        n = block.ff_norm(x) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
+        return x + gate_mlp.unsqueeze(1) * block.ff.ff(n)
+
+    def time(self, t: torch.Tensor) -> torch.Tensor:
+        return self.est.time_embed.time_mlp(timestep_embedding(t, TIME_FREQ_DIM))
+
+    def head(self, h: torch.Tensor, residual: torch.Tensor, t_emb: torch.Tensor) -> torch.Tensor:
+        """Long skip (if any), final AdaLN (scale then shift), projection -> (B, 80, T)."""
+        est = self.est
+        if est.long_skip_connection is not None:
+            h = est.long_skip_connection(torch.cat((h, residual), dim=-1))
+        scale, shift = est.norm_out.modulation(t_emb)
+        h = est.norm_out.norm(h) * (1 + scale)[:, None, :] + shift[:, None, :]
+        return est.proj_out(h).transpose(1, 2)
+
+
+class StreamEstimatorGraphV3(nn.Module):
+    """``flow_estimator_stream.onnx`` for the DiT (contract in the module doc)."""
+
+    def __init__(self, est: DiT) -> None:
+        super().__init__()
+        self.est = est
+        self.run = DiTRun(est)
+        self.chunk = est.static_chunk_size
+
+    def forward(
+        self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
+        prompt_k: torch.Tensor, prompt_v: torch.Tensor, context_k: torch.Tensor, context_v: torch.Tensor,
+        conv_state: torch.Tensor, offset: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        run, size = self.run, x.size(2)
+        t_emb = run.time(t)
+        h, conv_in = run.embed(x, cond, mu, spks, conv_state)
+        residual = h
+        freqs = run.freqs(offset, size)
+        pos = torch.arange(size) + offset
+        end = (torch.div(pos, self.chunk, rounding_mode="floor") + 1) * self.chunk
+        inside = torch.where(pos.unsqueeze(0) < end.unsqueeze(1), 0.0, MASK_BIAS)  # (T, T) chunk-causal
+        n_past = prompt_k.size(2) + context_k.size(2)
+        bias = torch.cat([torch.zeros(size, n_past), inside], dim=1)  # past keys: earlier chunks, all visible
+        new_k: list[torch.Tensor] = []
+        new_v: list[torch.Tensor] = []
+        for i, block in enumerate(self.est.transformer_blocks):
+
+            def attention(n: torch.Tensor, i: int = i, block: DiTBlock = block) -> torch.Tensor:
+                a = block.attn
+                q, k, v = apply_rope(a.to_q(n), freqs), apply_rope(a.to_k(n), freqs), a.to_v(n)
+                new_k.append(k)
+                new_v.append(v)
+                keys = torch.cat([prompt_k[i], context_k[i], k], dim=1)
+                values = torch.cat([prompt_v[i], context_v[i], v], dim=1)
+                return a.to_out[0](run.attend(q, keys, values, bias))
+
+            h = run.block(block, h, t_emb, attention)
+        return run.head(h, residual, t_emb), torch.stack(new_k), torch.stack(new_v), conv_in
+
+
+def example_inputs(est: DiT, rng: np.random.Generator, b: int, size: int, n_prompt: int, n_ctx: int,
+                   offset: int) -> dict[str, np.ndarray]:  # fmt: skip
+    """Random feeds for a window of ``size`` frames at ``offset`` after ``n_prompt`` + ``n_ctx`` cached frames."""
+    layers, width, state, frames = stream_layout(est)
+    feeds: dict[str, Any] = {
+        "x": rng.standard_normal((b, 80, size)), "mu": rng.standard_normal((b, 80, size)), "t": rng.uniform(0, 1, b),
+        "spks": rng.standard_normal((b, 80)), "cond": np.zeros((b, 80, size)),
+        "prompt_k": rng.standard_normal((layers, b, n_prompt, width)),
+        "prompt_v": rng.standard_normal((layers, b, n_prompt, width)),
+        "context_k": rng.standard_normal((layers, b, n_ctx, width)),
+        "context_v": rng.standard_normal((layers, b, n_ctx, width)),
+        "conv_state": rng.standard_normal((b, state, frames)),
+    }  # fmt: skip
+    out = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in feeds.items()}
+    out["offset"] = np.array(offset, dtype=np.int64)
+    return out
+
+
+DYNAMIC_AXES = {
+    "x": {0: "batch", 2: "time"}, "mu": {0: "batch", 2: "time"}, "cond": {0: "batch", 2: "time"},
+    "t": {0: "batch"}, "spks": {0: "batch"}, "conv_state": {0: "batch"},
+    "prompt_k": {1: "batch", 2: "prompt_frames"}, "prompt_v": {1: "batch", 2: "prompt_frames"},
+    "context_k": {1: "batch", 2: "context_frames"}, "context_v": {1: "batch", 2: "context_frames"},
+    "velocity": {0: "batch", 2: "time"}, "new_k": {1: "batch", 2: "time"}, "new_v": {1: "batch", 2: "time"},
+    "conv_in": {0: "batch", 2: "time"},
+}  # fmt: skip
+
+
+def export_stream_estimator(est: DiT, path: Any) -> None:
+    """Write the v3 ``flow_estimator_stream.onnx`` (+ ``.data``) at ``path``."""
+    from cosyvoice_cpu.export.common import torch_export
+
+    feeds = example_inputs(est, np.random.default_rng(0), 2, 19, 11, 7, 57)
+    args = tuple(torch.from_numpy(feeds[k]) for k in INPUTS)
+    torch_export(StreamEstimatorGraphV3(est), args, path, input_names=INPUTS, output_names=OUTPUTS,
+                 dynamic_axes=DYNAMIC_AXES)  # fmt: skip
+
+
+@torch.inference_mode()
+def verify_stream_estimator(est: DiT, sess: Any, rng: np.random.Generator, tol: float, key: str) -> list[GateResult]:
+    """The graph against the reference DiT (``streaming=True``, the official chunk mask) at batch 2.
+
+    Windows as the runtime makes them (chunk C = ``static_chunk_size``): a prompt pass over [0, C), then
+    [C, 2C + 23) on the prompt cache, then [2C, 3C + 11) on the prompt cache + the committed chunk [C, 2C); each
+    window's velocity vs the reference over all frames up to the window's end.
+    """
+    c = est.static_chunk_size
+    windows = [(0, c), (c, 2 * c + 23), (2 * c, 3 * c + 11)]
+    total, b = windows[-1][1], 2
+    full = {k: rng.standard_normal((b, 80, total)).astype(np.float32) for k in ("x", "mu", "cond")}
+    full["cond"][:, :, c + 7 :] = 0.0
+    t = rng.uniform(0, 1, b).astype(np.float32)
+    spks = rng.standard_normal((b, 80)).astype(np.float32)
+    layers, width, state, frames = stream_layout(est)
+    empty = np.zeros((layers, b, 0, width), np.float32)
+    cache = {"prompt_k": empty, "prompt_v": empty, "context_k": empty, "context_v": empty}
+    conv = np.zeros((b, state, frames), np.float32)
+    results = []
+    for i, (s, e) in enumerate(windows):
+        ref = est(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (
+            full["x"][:, :, :e], np.ones((b, 1, e), np.float32), full["mu"][:, :, :e], t, spks,
+            full["cond"][:, :, :e])), streaming=True).numpy()  # fmt: skip
+        feeds = {"x": full["x"][:, :, s:e], "mu": full["mu"][:, :, s:e], "t": t, "spks": spks,
+                 "cond": full["cond"][:, :, s:e], **cache, "conv_state": conv, "offset": np.array(s, np.int64)}
+        velocity, new_k, new_v, conv_in = sess.run(None, {k: np.ascontiguousarray(v) for k, v in feeds.items()})
+        what = f"window [{s}, {e}) on {s} cached frames"
+        results.append(GateResult(key, "velocity rel err", rel_err(velocity, ref[:, :, s:]), tol, what))
+        n = c  # commit the window's first complete chunk
+        part = "prompt" if i == 0 else "context"
+        cache[f"{part}_k"] = np.concatenate([cache[f"{part}_k"], new_k[:, :, :n]], axis=2)
+        cache[f"{part}_v"] = np.concatenate([cache[f"{part}_v"], new_v[:, :, :n]], axis=2)
+        conv = np.concatenate([conv, conv_in], axis=2)[:, :, n : n + frames]
+    return results

@@ -1,0 +1,205 @@
+"""Fun-CosyVoice3 flow export (``export.flow_graph_v3``) and its torch-free runtime (``flow_v3``, ``flow_stream_v3``)
+on the tiny v3 fixture: every gate (fp32 and int8), whole-sentence parity on the v2 ``FlowStage``, streamed chunks
+vs the official prefix recompute (``FlowV3.inference(streaming=True, finalize=...)``)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.export.common import rel_err
+from cosyvoice_cpu.export.flow_graph_v3 import FILES, export_flow, settings_of, verify_flow
+from cosyvoice_cpu.flow import FlowStage
+from cosyvoice_cpu.flow_stream_v3 import FlowStreamV3, PromptCacheV3
+from cosyvoice_cpu.flow_v3 import FlowStageV3
+from cosyvoice_cpu.reference.model_dir import load_reference
+
+RTOL = 1e-5  # measured 2.8e-7 .. 5e-7 (fp32 ORT vs torch, whole and streamed flow)
+
+
+@pytest.fixture(scope="module")
+def flow(tmp_path_factory: pytest.TempPathFactory):
+    from cosyvoice_cpu.export.fixture import FixtureSpec, write_fixture
+
+    src = write_fixture(FixtureSpec("cosyvoice3", "tiny", 0), tmp_path_factory.mktemp("fixtures") / "tiny-v3")
+    return load_reference(src, stages=("flow",)).flow
+
+
+@pytest.fixture(scope="module")
+def flow_dir(flow, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("flow_v3_onnx")
+    artifacts = export_flow(flow, out)
+    assert [a.key for a in artifacts] == ["flow_encoder", "flow_estimator", "flow_estimator_stream"]
+    assert all((out / a.file).is_file() and all((out / d).is_file() for d in a.data) for a in artifacts)
+    assert (out / FILES["flow_noise"]).is_file()
+    return out
+
+
+@pytest.fixture(scope="module")
+def stage(flow_dir: Path, flow) -> FlowStageV3:
+    return FlowStageV3.from_dir(flow_dir, settings=settings_of(flow), threads=2)
+
+
+def _inputs(flow, n_prompt: int, n_tok: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, flow.config.vocab_size, (1, n_prompt), generator=gen)
+    tokens = torch.randint(0, flow.config.vocab_size, (1, n_tok), generator=gen)
+    emb = torch.randn(1, 192, generator=gen)
+    feat = torch.randn(1, 2 * n_prompt, 80, generator=gen)
+    return prompt, tokens, emb, feat
+
+
+def test_all_verification_gates_pass(flow, flow_dir: Path) -> None:
+    results = verify_flow(flow, flow_dir, seed=3, threads=2)
+    assert len(results) == 12
+    assert all(r.passed for r in results), "\n".join(str(r) for r in results)
+
+
+def test_int8_estimators_pass_the_recipe_gate(flow, flow_dir: Path, tmp_path: Path) -> None:
+    """The recipe's int8 (dynamic, reduce_range) on both estimator graphs, gated with QUANT_TOLERANCE."""
+    from cosyvoice_cpu.export.quantize import quantize_int8_dynamic
+    from cosyvoice_cpu.export.stages import QUANT_TOLERANCE
+
+    for name in ("flow_encoder.onnx", "flow_encoder.onnx.data", "flow_noise.npy"):
+        if (flow_dir / name).exists():
+            shutil.copy(flow_dir / name, tmp_path / name)
+    for key in ("flow_estimator", "flow_estimator_stream"):
+        quantize_int8_dynamic(flow_dir / FILES[key], tmp_path / FILES[key], reduce_range=True)
+    results = verify_flow(flow, tmp_path, seed=0, threads=2, tolerance=QUANT_TOLERANCE["flow_estimator:int8"])
+    assert all(r.passed for r in results), "\n".join(str(r) for r in results)
+    # measured on this fixture: velocity 1.4e-2 .. 2.1e-2, mel 8e-3 .. 1.0e-2
+    assert max(r.value for r in results if r.graph == "flow") < 0.03
+
+
+def test_artifact_contracts(flow, tmp_path: Path) -> None:
+    artifacts = {a.key: a for a in export_flow(flow, tmp_path)}
+    enc = artifacts["flow_encoder"]
+    assert [(s.name, s.dtype, s.shape) for s in enc.inputs] == [
+        ("token", "int64", [1, "tokens"]), ("context", "int64", [1, "context"]),
+        ("embedding", "float32", [1, 192]), ("chunk_size", "int64", []),
+    ]  # fmt: skip
+    assert [(s.name, s.shape) for s in enc.outputs] == [("mu", [1, 80, "frames"]), ("spks", [1, 80])]
+    assert enc.attrs["chunk_frames"] == 50 and enc.attrs["pre_lookahead_len"] == 3
+    est = artifacts["flow_estimator"]
+    assert [s.name for s in est.inputs] == ["x", "mask", "mu", "t", "spks", "cond"]
+    assert [(s.name, s.shape) for s in est.outputs] == [("estimator_out", ["batch", 80, "time"])]
+    stream = artifacts["flow_estimator_stream"]
+    layers, width = stream.attrs["cache_layers"], stream.attrs["cache_width"]
+    assert (layers, width, stream.attrs["conv_state_frames"]) == (2, 64, 30)
+    assert [(s.name, s.shape) for s in stream.outputs] == [
+        ("velocity", ["batch", 80, "time"]), ("new_k", [layers, "batch", "time", width]),
+        ("new_v", [layers, "batch", "time", width]), ("conv_in", ["batch", 128, "time"]),
+    ]  # fmt: skip
+
+
+def test_encoder_ignores_chunk_size(stage: FlowStageV3) -> None:
+    tokens = np.arange(1, 30)
+    a, _ = stage.encode(tokens, [], np.ones(192, np.float32), streaming=False)
+    b, _ = stage.encode(tokens, [], np.ones(192, np.float32), streaming=True)
+    assert a.shape == (1, 80, 58) and np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("n_prompt", [23, 0])
+def test_v2_flow_stage_runs_v3_whole_sentences(flow, flow_dir: Path, n_prompt: int) -> None:
+    """The unchanged CosyVoice2 ``FlowStage`` (no stream graph) on a v3 directory = ``FlowV3.inference``."""
+    plain = FlowStage.from_dir(flow_dir, settings=settings_of(flow), threads=2, streaming=False)
+    prompt, tokens, emb, feat = _inputs(flow, n_prompt, 41, seed=n_prompt)
+    ref, _ = flow.inference(tokens, torch.tensor([41]), prompt, torch.tensor([n_prompt]), feat, None, emb)
+    mel = plain.inference(tokens.numpy(), prompt.numpy(), feat.numpy(), emb.numpy())
+    assert mel.shape == tuple(ref.shape) == (1, 80, 82)
+    assert rel_err(mel, ref.numpy()) < RTOL
+
+
+def _official_stream(flow, prompt, tokens, emb, feat, cuts, look=3) -> list[np.ndarray]:
+    out = []
+    n = tokens.size(1)
+    for a, b in cuts:
+        final = b == n
+        upto = b if final else b + look
+        ref, _ = flow.inference(tokens[:, :upto], torch.tensor([upto]), prompt, torch.tensor([prompt.size(1)]), feat,
+                                None, emb, streaming=True, finalize=final)  # fmt: skip
+        out.append(ref.numpy()[:, :, 2 * a :])
+    return out
+
+
+def _our_stream(fs: FlowStreamV3, tokens, cuts, look=3) -> list[np.ndarray]:
+    n = tokens.size(1)
+    return [fs.push(tokens[0, a:b].numpy(), None if b == n else tokens[0, b : b + look].numpy()) for a, b in cuts]
+
+
+@pytest.mark.parametrize(
+    ("n_prompt", "cuts"),
+    [
+        (75, [(0, 10), (10, 40), (40, 90), (90, 97)]),  # the official 25-token grid after a 3 s prompt
+        (40, [(0, 7), (7, 30), (30, 31), (31, 60)]),  # open chunks, a one-token push
+        (12, [(0, 5), (5, 44)]),  # short prompt: no prompt chunk is cached
+        (0, [(0, 30), (30, 55), (55, 80)]),  # no prompt
+    ],
+)
+def test_stream_equals_official_prefix_recompute(flow, stage: FlowStageV3, n_prompt: int, cuts) -> None:
+    prompt, tokens, emb, feat = _inputs(flow, n_prompt, cuts[-1][1], seed=n_prompt + 1)
+    fs = FlowStreamV3(stage, prompt.numpy()[0], feat.numpy()[0], emb.numpy(), context_tokens=None)
+    ours = _our_stream(fs, tokens, cuts)
+    ref = _official_stream(flow, prompt, tokens, emb, feat, cuts)
+    for (a, b), o, r in zip(cuts, ours, ref):
+        assert o.shape == r.shape == (1, 80, 2 * (b - a))
+        assert rel_err(o, r) < RTOL, (a, b)
+    assert fs.finished and fs.frames_done == 2 * cuts[-1][1]
+    assert fs.prompt.frames == max(0, n_prompt - 3) * 2 // 50 * 50
+
+
+def test_prompt_cache_is_shared_and_context_bound_is_cheap(flow, stage: FlowStageV3) -> None:
+    prompt, tokens, emb, feat = _inputs(flow, 60, 80, seed=7)
+    cache = PromptCacheV3.build(stage, prompt.numpy()[0], feat.numpy()[0], emb.numpy())
+    assert cache.frames == 100 and cache.k[0].shape == (2, 2, 100, 64) and cache.nbytes > 0
+    cuts = [(0, 10), (10, 40), (40, 80)]
+    args = (stage, prompt.numpy()[0], feat.numpy()[0], emb.numpy())
+    exact = np.concatenate(_our_stream(FlowStreamV3(*args, context_tokens=None), tokens, cuts), axis=2)
+    shared = FlowStreamV3(*args, context_tokens=None, prompt_cache=cache)
+    again = np.concatenate(_our_stream(shared, tokens, cuts), axis=2)
+    assert np.array_equal(exact, again)
+    fs = FlowStreamV3(*args, context_tokens=0, prompt_cache=cache)
+    bounded = np.concatenate(_our_stream(fs, tokens, cuts), axis=2)
+    assert all(k.shape[2] == 0 for k in fs.ctx_k)  # nothing generated is kept
+    assert bounded.shape == exact.shape and np.isfinite(bounded).all()
+    assert np.array_equal(bounded[:, :, :20], exact[:, :, :20])  # the first chunk sees only the prompt anyway
+
+
+def test_stream_errors(flow, stage: FlowStageV3, flow_dir: Path) -> None:
+    prompt, tokens, emb, feat = _inputs(flow, 10, 20)
+    fs = FlowStreamV3(stage, prompt.numpy()[0], feat.numpy()[0], emb.numpy())
+    with pytest.raises(ConfigError, match="pre_lookahead_len"):
+        fs.push(tokens[0, :5].numpy(), tokens[0, 5:10].numpy())
+    fs.push(tokens[0].numpy())
+    with pytest.raises(ConfigError, match="finished"):
+        fs.push(tokens[0].numpy())
+    plain = FlowStage.from_dir(flow_dir, settings=settings_of(flow))
+    with pytest.raises(ConfigError, match="FlowStageV3"):
+        FlowStreamV3(plain, prompt.numpy()[0], feat.numpy()[0], emb.numpy())
+    with pytest.raises(ConfigError, match="chunk_frames"):
+        FlowStageV3.from_dir(flow_dir, settings={"chunk_frames": 25})
+
+
+def test_v3_flow_runs_without_torch(flow, flow_dir: Path) -> None:
+    code = f"""
+import sys; sys.modules['torch'] = None
+import numpy as np
+from cosyvoice_cpu.flow_v3 import FlowStageV3
+from cosyvoice_cpu.flow_stream_v3 import FlowStreamV3
+assert 'onnx' not in sys.modules, 'the runtime must not need the onnx package'
+stage = FlowStageV3.from_dir({str(flow_dir)!r}, settings={settings_of(flow)!r})
+emb, feat = np.ones(192, np.float32), np.zeros((20, 80), np.float32)
+mel = stage.inference(np.arange(30), np.arange(10), feat, emb)
+fs = FlowStreamV3(stage, np.arange(10), feat, emb, context_tokens=25)
+parts = [fs.push(np.arange(12), np.arange(12, 15)), fs.push(np.arange(12, 30))]
+assert mel.shape == (1, 80, 60) and sum(p.shape[2] for p in parts) == 60
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
