@@ -13,7 +13,8 @@ Implementations (one per process, so ``ru_maxrss`` is the implementation's own):
 Workload (``/work/shared/reference/baseline.md``): ``torch.set_num_threads(--threads)``, fp32, eval,
 ``torch.inference_mode()``; all inputs are random from ``--seed``.
 
-CosyVoice2 and CosyVoice-300M directories are both measured (the family is read from the yaml); for v1 the prompt
+CosyVoice2, CosyVoice-300M and (``reference`` only: the official v3 code is not on PyPI) Fun-CosyVoice3 directories
+are measured (the family is read from the yaml; v3's prompt text ends with ``<|endofprompt|>``); for v1 the prompt
 is 150 speech tokens (3 s at 50 Hz) with 258 prompt mel frames (22050 / 256 Hz), the LM gets the x-vector and the
 official v1 flow draws fresh noise (``MaskedDiffWithXvec.inference``, no streaming arguments).
 
@@ -85,6 +86,7 @@ class Peer:
     text_vocab: int
     speech_tokens: int  # speech_token_size (6561; v1 4096); ids >= it are stop ids
     v1: bool = False  # CosyVoice-300M: 50 Hz tokens, 22050 / 256 Hz mel
+    endofprompt: int | None = None  # Fun-CosyVoice3: its LM requires this text id (the prompt text ends with it)
 
     @property
     def token_hz(self) -> int:
@@ -183,7 +185,7 @@ def build_reference(model_dir: Path) -> Peer:
 
     vocab = lm_mod.cfg.text_token_size if v1 else lm_mod.backbone.embed_tokens.num_embeddings
     return Peer(lm, _flow_call(m.flow, v1), lambda mel: m.hift.inference(mel)[0], m.flow.decoder.estimator,
-                vocab, stop, v1)  # fmt: skip
+                vocab, stop, v1, getattr(lm_mod.cfg, "endofprompt_id", None))  # fmt: skip
 
 
 def _is_v1(model_dir: Path) -> bool:
@@ -216,9 +218,12 @@ def make_inputs(peer: Peer, seed: int) -> Inputs:
     g = torch.Generator().manual_seed(seed)
     text_hi = min(peer.text_vocab, MAX_TEXT_ID)
     prompt_tokens = PROMPT_SECONDS * peer.token_hz
+    prompt_text = torch.randint(0, text_hi, (1, PROMPT_TEXT_TOKENS), generator=g)
+    if peer.endofprompt is not None:
+        prompt_text[0, -1] = peer.endofprompt
     return Inputs(
         text=torch.randint(0, text_hi, (1, TEXT_TOKENS), generator=g),
-        prompt_text=torch.randint(0, text_hi, (1, PROMPT_TEXT_TOKENS), generator=g),
+        prompt_text=prompt_text,
         prompt_speech=torch.randint(0, peer.speech_tokens, (1, prompt_tokens), generator=g),
         prompt_mel=torch.randn(1, peer.frames(prompt_tokens), MEL_BINS, generator=g),
         xvec=torch.randn(1, XVEC_DIM, generator=g),

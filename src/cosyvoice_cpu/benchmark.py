@@ -31,7 +31,7 @@ TEXT = ("Warning: the temperature on line three is above the safe limit, so the 
         "and the operators should check valve seven.")  # fmt: skip  (~30 text tokens, one sentence)
 SHORT_TEXT = "请注意三号线过热"  # the guide's 8-character sentence
 PROMPT_TEXT = "This is the voice of the plant's announcement system."
-TOKEN_RATE = 25  # CosyVoice2 speech tokens per second
+TOKEN_RATE = 25  # CosyVoice2/3 speech tokens per second (reports before the rate was recorded; v1: 50)
 POWERCAP = Path("/sys/class/powercap")
 
 
@@ -236,7 +236,7 @@ def task_concurrent(model_dir: Path, threads: int, tokens: int, streams: int, ru
     if errors:
         raise RuntimeError(f"{len(errors)} of {streams} streams failed: {errors[0]!r}")
     done = streams * runs
-    audio = done * tokens / TOKEN_RATE
+    audio = done * tokens / engine.manifest.token_frame_rate
     joules = None if e0 is None or e1 is None else (e1 - e0) / done
     engine.close()
     return {"streams": streams, "sentences": done, "wall_s": wall, "sentences_per_s": done / wall, "lm_batched": True,

@@ -57,7 +57,7 @@ def cmd_fixture(args: argparse.Namespace) -> int:
     from cosyvoice_cpu.export.fixture import FixtureSpec, write_fixture
 
     t0 = time.perf_counter()
-    out = write_fixture(FixtureSpec(args.family, args.size, args.seed), args.out, force=args.force)
+    out = write_fixture(FixtureSpec(args.family, args.size, args.seed, args.variant), args.out, force=args.force)
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     print(f"wrote {args.size} {args.family} fixture (seed {args.seed}) to {out}: {size / 1e6:.1f} MB "
           f"in {time.perf_counter() - t0:.1f} s")  # fmt: skip
@@ -193,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--family", default="cosyvoice2", choices=["cosyvoice2", "cosyvoice", "cosyvoice3"],
                    help="cosyvoice = CosyVoice-300M (v1), cosyvoice3 = Fun-CosyVoice3-0.5B")
     f.add_argument("--size", default="tiny", choices=["tiny", "full"])
+    f.add_argument("--variant", default="sft", choices=["base", "sft", "instruct"],
+                   help="CosyVoice-300M download to mimic: base has no built-in speakers (spk2info.pt)")  # fmt: skip
     f.add_argument("--seed", type=_non_negative, default=0)
     f.add_argument("--out", required=True, type=Path, help="directory to create")
     f.add_argument("--force", action="store_true", help="replace an existing directory")

@@ -73,7 +73,7 @@ def resolve_model(args: argparse.Namespace) -> tuple[Path, Path | None, str]:
     except Exception:
         print(f"exporting the fixture with recipe {args.recipe} (once; cached in {dst}) ...", file=sys.stderr)
         export_model(src, dst, ExportOptions(recipe=args.recipe, force=True))
-    name = {"cosyvoice2": "CosyVoice2", "cosyvoice": "CosyVoice-300M"}[family]
+    name = {"cosyvoice2": "CosyVoice2", "cosyvoice": "CosyVoice-300M", "cosyvoice3": "Fun-CosyVoice3"}[family]
     return dst, args.peer_from or src, f"full-size random {name}, recipe {args.recipe}"
 
 
@@ -131,7 +131,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if any(n < 1 for n in streams) or args.tokens < 1 or args.runs < 1:
         raise ConfigError("--concurrency counts, --tokens and --runs must be >= 1")
     print(f"benchmarking {what} with {threads} threads ...", file=sys.stderr, flush=True)
-    result: dict[str, Any] = {"model": what, "model_dir": str(model_dir), "tokens": args.tokens,
+    result: dict[str, Any] = {"model": what, "model_dir": str(model_dir), "tokens": args.tokens, "token_rate": rate,
                               "runs": args.runs, "machine": machine_facts(threads),
                               "started": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
     partial = args.out / "bench.partial.json"  # progress survives a failure later in the run
@@ -163,8 +163,9 @@ def add_parser(sub: Any) -> None:
     src.add_argument("-m", "--model", type=Path, help="an exported model directory")
     src.add_argument("--recipe", default="int8w", help="else: the full-size random --family model exported with "
                      "this recipe (cached; needs the [export] extra)")  # fmt: skip
-    b.add_argument("--family", choices=("cosyvoice2", "cosyvoice"), default="cosyvoice2",
-                   help="the random fixture's family (without -m): CosyVoice2-0.5B or CosyVoice-300M")  # fmt: skip
+    b.add_argument("--family", choices=("cosyvoice2", "cosyvoice", "cosyvoice3"), default="cosyvoice2",
+                   help="the random fixture's family (without -m): CosyVoice2-0.5B, CosyVoice-300M or "
+                        "Fun-CosyVoice3-0.5B (its official code is not on PyPI: use --peer reference)")  # fmt: skip
     b.add_argument("--threads", type=int, default=0, help="ORT threads (default: usable physical cores)")
     b.add_argument("--tokens", type=int, default=0, help="speech tokens per sentence (default 10 s: 250 at 25 Hz)")
     b.add_argument("--short-tokens", type=int, default=0, help="tokens for the 8-character sentence (default 2 s)")

@@ -166,3 +166,17 @@ def test_say_with_a_builtin_speaker_and_serve_it(v1_int8w: Path, tmp_path: Path)
             assert c.get("/health").json()["status"] == "ok"
     finally:
         server.stop()
+
+
+def test_base_variant_has_no_builtin_speakers(tmp_path: Path) -> None:
+    """`fixture --variant base` mimics the base CosyVoice-300M download: no spk2info.pt, so no built-in voices."""
+    from cosyvoice_cpu.export.fixture import FixtureSpec, write_fixture
+
+    src = write_fixture(FixtureSpec("cosyvoice", "tiny", 0, "base"), tmp_path / "base")
+    assert not (src / "spk2info.pt").exists()
+    out = tmp_path / "out"
+    m = export_model(src, out, ExportOptions(recipe="fp32", verify=False, max_len=512))
+    assert not [k for k in m.files if k.startswith("voice:")] and not (out / "voices").exists()
+    assert Engine.load(out).builtin_voices() == {}
+    with pytest.raises(ConfigError, match="variants are CosyVoice-300M downloads"):
+        FixtureSpec("cosyvoice2", "tiny", 0, "base").validate()

@@ -121,3 +121,24 @@ def test_prompt_rules_streaming_and_bad_input(v3_int8w: Path, tmp_path: Path) ->
     assert len(chunks) >= 3 and chunks[-1].final and np.isfinite(streamed).all() and np.abs(streamed).max() > 0
     assert len(chunks[0].samples) < len(streamed) / 3
     assert len(streamed) == len(whole)  # 2 frames per token x 480 samples, whatever the chunking
+
+
+def test_serve_a_v3_model(v3_int8w: Path, tmp_path: Path) -> None:
+    """A real server on a Fun-CosyVoice3 directory: a voice uploaded once, then streamed speech in PCM."""
+    from tests.server.conftest import start_server
+
+    server = start_server(tmp_path / "voices", tmp_path / "server.log", model=v3_int8w)
+    try:
+        with server.client() as c:
+            files = {"file": ("p.wav", _prompt_wav(tmp_path / "p.wav").read_bytes(), "audio/wav")}
+            r = c.post("/v1/audio/voices", data={"name": "p", "prompt_text": "今天天气很好。"}, files=files)
+            assert r.status_code == 201, r.text
+            body = {"model": "tts-1", "input": "Hello there.", "voice": "p", "response_format": "pcm", "seed": 1,
+                    "stream": True}  # fmt: skip
+            r = c.post("/v1/audio/speech", json=body)
+            assert r.status_code == 200, r.text
+            pcm = np.frombuffer(r.content, np.int16)
+            assert len(pcm) > 0 and len(pcm) % 480 == 0  # whole 20 ms frames at 24 kHz
+            assert c.get("/health").json()["family"] == "cosyvoice3"
+    finally:
+        server.stop()

@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 FAMILIES = ("cosyvoice2", "cosyvoice", "cosyvoice3")
 SIZES = ("tiny", "full", "demo")
 FAMILY_SIZES = {"cosyvoice2": SIZES, "cosyvoice": ("tiny", "full"), "cosyvoice3": ("tiny", "full")}
+V1_VARIANTS = ("base", "sft", "instruct")  # the CosyVoice-300M downloads: same layout, -SFT/-Instruct add speakers
 
 # Modules the official HiFTGenerator wraps in weight_norm (saved as parametrizations in hift.pt).
 _HIFT_WEIGHT_NORMED = re.compile(
@@ -52,8 +53,13 @@ class FixtureSpec:
     family: str = "cosyvoice2"
     size: str = "tiny"
     seed: int = 0
+    variant: str = "sft"  # CosyVoice-300M only: base (no spk2info.pt), sft or instruct (both ship built-in speakers)
 
     def validate(self) -> None:
+        if self.variant not in V1_VARIANTS:
+            raise ConfigError(f"fixture variant {self.variant!r} is unknown; choose from {V1_VARIANTS}")
+        if self.variant != "sft" and self.family != "cosyvoice":
+            raise ConfigError(f"fixture variants are CosyVoice-300M downloads; {self.family} has none (omit --variant)")
         if self.family not in FAMILIES:
             raise ConfigError(f"fixture family {self.family!r} is not supported yet; choose from {FAMILIES}")
         if self.size not in SIZES:
@@ -151,7 +157,7 @@ def write_fixture(spec: FixtureSpec, out: str | Path, force: bool = False) -> Pa
         if spec.family == "cosyvoice":
             from cosyvoice_cpu.export.fixture_v1 import write_cosyvoice_files
 
-            write_cosyvoice_files(tmp, spec.size, spec.seed, rng)
+            write_cosyvoice_files(tmp, spec.size, spec.seed, rng, speakers=spec.variant != "base")
         elif spec.family == "cosyvoice3":
             from cosyvoice_cpu.export.fixture_v3 import write_cosyvoice3_files
 

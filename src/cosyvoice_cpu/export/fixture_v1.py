@@ -46,8 +46,9 @@ def _perturb(module, gen) -> None:
                 p.add_(torch.randn(p.shape, generator=gen) * 0.05)
 
 
-def write_cosyvoice_files(out: Path, size: str, seed: int, rng: np.random.Generator) -> None:
-    """Write every file of a v1 fixture into the (empty, temporary) directory ``out``."""
+def write_cosyvoice_files(out: Path, size: str, seed: int, rng: np.random.Generator, speakers: bool = True) -> None:
+    """Write every file of a v1 fixture into the (empty, temporary) directory ``out``; ``speakers=False`` leaves out
+    ``spk2info.pt`` (the base CosyVoice-300M; -SFT and -Instruct ship it). Weights do not depend on it."""
     import torch
 
     from cosyvoice_cpu.export.fixture import released_hift_state
@@ -67,8 +68,9 @@ def write_cosyvoice_files(out: Path, size: str, seed: int, rng: np.random.Genera
     torch.save(flow.state_dict(), out / "flow.pt")
     torch.save(released_hift_state(hift.state_dict()), out / "hift.pt")
     del lm, flow, hift
-    speakers = {name: {"embedding": torch.randn(1, 192, generator=gen)} for name in SPEAKERS}
-    torch.save(speakers, out / SPK2INFO)
+    spk2info = {name: {"embedding": torch.randn(1, 192, generator=gen)} for name in SPEAKERS}
+    if speakers:
+        torch.save(spk2info, out / SPK2INFO)
     fixture_onnx.write_campplus_standin(out / "campplus.onnx", rng)
     fixture_onnx.write_speech_tokenizer_v1_standin(out / "speech_tokenizer_v1.onnx", rng)
     write_fixture_tiktoken(out / "multilingual.tiktoken", seed)
