@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from cosyvoice_cpu.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 OPSET = 17
@@ -87,6 +89,27 @@ def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
     scale = float(np.max(np.abs(ref))) if ref.size else 0.0
     diff = float(np.max(np.abs(ours - ref))) if ref.size else 0.0
     return diff / scale if scale > 0 else diff
+
+
+def gate(key: str, check: str, ours: np.ndarray, ref: np.ndarray, tol: float, detail: str = "") -> GateResult:
+    """A :class:`GateResult` of ``rel_err(ours, ref)`` against ``tol``, logged."""
+    result = GateResult(key, check, rel_err(ours, ref), tol, detail)
+    logger.info("%s", result)
+    return result
+
+
+def verify_setup(
+    out_dir: Path, files: dict[str, str] | None, tolerance: dict[str, float] | None,
+    default_files: dict[str, str], default_tolerance: dict[str, float], what: str,
+) -> tuple[dict[str, Path], dict[str, float]]:  # fmt: skip
+    """A verifier's graph paths (``default_files`` overridden by ``files``, under ``out_dir``) and tolerances
+    (``default_tolerance`` overridden by ``tolerance``); ConfigError for a key neither default knows."""
+    unknown = set(tolerance or {}) - set(default_tolerance) or set(files or {}) - set(default_files)
+    if unknown:
+        raise ConfigError(f"{what}: unknown keys {sorted(unknown)}; tolerance keys are {sorted(default_tolerance)}, "
+                          f"file keys {sorted(default_files)}")  # fmt: skip
+    paths = {k: Path(out_dir) / v for k, v in {**default_files, **(files or {})}.items()}
+    return paths, {**default_tolerance, **(tolerance or {})}
 
 
 def save_onnx(model: Any, path: Path) -> list[str]:

@@ -31,8 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.export.common import GateResult, GraphArtifact, rel_err, torch_export
+from cosyvoice_cpu.export.common import GateResult, GraphArtifact, gate, torch_export, verify_setup
 from cosyvoice_cpu.export.flow_stream_graph import export_stream_estimator, stream_layout, verify_stream_estimator
 from cosyvoice_cpu.flow import FILES
 from cosyvoice_cpu.reference.cfm import NOISE_FRAMES, NOISE_SEED, official_fixed_noise
@@ -220,12 +219,6 @@ def export_flow(flow: Flow, out_dir: Path) -> list[GraphArtifact]:
     ]
 
 
-def _gate(key: str, check: str, ours: np.ndarray, ref: np.ndarray, tol: float, detail: str = "") -> GateResult:
-    result = GateResult(key, check, rel_err(ours, ref), tol, detail)
-    logger.info("%s", result)
-    return result
-
-
 @torch.inference_mode()
 def verify_flow(
     flow: Flow,
@@ -253,13 +246,7 @@ def verify_flow(
     """
     from cosyvoice_cpu.flow import FlowStage
 
-    out_dir = Path(out_dir)
-    paths = {k: out_dir / v for k, v in {**FILES, **(files or {})}.items()}
-    unknown = set(tolerance or {}) - set(TOLERANCE) or set(files or {}) - set(FILES)
-    if unknown:
-        raise ConfigError(f"verify_flow: unknown keys {sorted(unknown)}; tolerance keys are {sorted(TOLERANCE)}, "
-                         f"file keys {sorted(FILES)}")  # fmt: skip
-    tol = {**TOLERANCE, **(tolerance or {})}
+    paths, tol = verify_setup(out_dir, files, tolerance, FILES, TOLERANCE, "verify_flow")
     flow = flow.eval()
     cfg = flow.config
     gen = torch.Generator().manual_seed(seed)
@@ -281,8 +268,8 @@ def verify_flow(
             mu, spks = stage.encode(toks.numpy(), prompt.numpy(), emb.numpy(), context=None if ctx is None
                                     else ctx.numpy(), streaming=streaming)  # fmt: skip
             what = f"{'final' if finalize else 'non-final+context'}, {'chunk' if streaming else 'full'} attention"
-            results.append(_gate("flow_encoder", "mu rel err", mu, ref.mu.numpy(), tol["encoder"], what))
-    results.append(_gate("flow_encoder", "spks rel err", spks, ref.spks.numpy(), tol["encoder"]))
+            results.append(gate("flow_encoder", "mu rel err", mu, ref.mu.numpy(), tol["encoder"], what))
+    results.append(gate("flow_encoder", "spks rel err", spks, ref.spks.numpy(), tol["encoder"]))
 
     est = flow.decoder.estimator
     sess = make_session(paths["flow_estimator"], SessionConfig(threads=threads))
@@ -292,11 +279,11 @@ def verify_flow(
         ours = sess.run(None, feeds)[0]
         ref = est(*(torch.from_numpy(v) for v in feeds.values())).numpy()
         what = f"batch 2, T={size}, lengths {lengths}"
-        results.append(_gate("flow_estimator", "velocity rel err", ours, ref, tol["estimator"], what))
+        results.append(gate("flow_estimator", "velocity rel err", ours, ref, tol["estimator"], what))
         row = {k: v[1:2, :, : lengths[1]] if v.ndim == 3 else v[1:2] for k, v in feeds.items()}
         single = sess.run(None, row)[0]
         ours = ours[1:2, :, : lengths[1]]
-        results.append(_gate("flow_estimator", "padded row vs single row", ours, single, tol["estimator"], f"T={size}"))
+        results.append(gate("flow_estimator", "padded row vs single row", ours, single, tol["estimator"], f"T={size}"))
     stream_sess = make_session(paths["flow_estimator_stream"], SessionConfig(threads=threads))
     for r in verify_stream_estimator(est, stream_sess, rng, tol["estimator"], "flow_estimator_stream"):
         logger.info("%s", r)
@@ -308,7 +295,7 @@ def verify_flow(
         if streaming:  # the official non-final call: chunk-causal encoder and estimator, a grid from frame 0
             continue  # (our runtime streams differently; its whole-flow gate follows)
         mel = stage.inference(tokens.numpy(), prompt.numpy(), feat.numpy(), emb.numpy())
-        results.append(_gate("flow", "mel rel err", mel, ref.numpy(), tol["mel"], "whole sentence, 10 steps, cfg 0.7"))
+        results.append(gate("flow", "mel rel err", mel, ref.numpy(), tol["mel"], "whole sentence, 10 steps, cfg 0.7"))
     results.append(_gate_stream(flow, stage, prompt.numpy()[0], tokens.numpy()[0], feat.numpy()[0], emb.numpy(),
                                 tol["mel"]))  # fmt: skip
     return results
@@ -334,7 +321,7 @@ def _gate_stream(flow: Flow, stage: Any, prompt: np.ndarray, tokens: np.ndarray,
     size = mu.shape[2]
     ref = flow.decoder(torch.from_numpy(mu), torch.ones(1, 1, size), torch.from_numpy(fs.prompt.spks),
                        torch.from_numpy(cond), streaming=True, chunk_id=torch.from_numpy(ids)).numpy()  # fmt: skip
-    return _gate("flow", "mel rel err", mel, ref[:, :, n_prompt:], tol, "streamed in 3 chunks on cached activations")
+    return gate("flow", "mel rel err", mel, ref[:, :, n_prompt:], tol, "streamed in 3 chunks on cached activations")
 
 
 def _settings(flow: Flow) -> dict[str, Any]:

@@ -31,8 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.export.common import GateResult, GraphArtifact, rel_err, torch_export
+from cosyvoice_cpu.export.common import GateResult, GraphArtifact, gate, torch_export, verify_setup
 from cosyvoice_cpu.export.flow_graph import _estimator_inputs, _pin_output_shape, rel_position_encoding
 from cosyvoice_cpu.flow_v1 import CACHE_TAIL_FRAMES, FILES, MEL_FRAMES_PER_SECOND, OVERLAP_TOKENS, stretch_matrix
 from cosyvoice_cpu.reference.flow_estimator import MASK_BIAS, FlowEstimator, timestep_embedding
@@ -177,12 +176,6 @@ def export_flow(flow: FlowV1, out_dir: Path) -> list[GraphArtifact]:
     return [_artifact(out_dir, "flow_encoder", encoder), _artifact(out_dir, "flow_estimator", estimator)]
 
 
-def _gate(key: str, check: str, ours: np.ndarray, ref: np.ndarray, tol: float, detail: str = "") -> GateResult:
-    result = GateResult(key, check, rel_err(ours, ref), tol, detail)
-    logger.info("%s", result)
-    return result
-
-
 def _t(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a))
 
@@ -211,13 +204,7 @@ def verify_flow(
     """
     from cosyvoice_cpu.flow_v1 import FlowStageV1
 
-    out_dir = Path(out_dir)
-    paths = {k: out_dir / v for k, v in {**FILES, **(files or {})}.items()}
-    unknown = set(tolerance or {}) - set(TOLERANCE) or set(files or {}) - set(FILES)
-    if unknown:
-        raise ConfigError(f"verify_flow: unknown keys {sorted(unknown)}; tolerance keys are {sorted(TOLERANCE)}, "
-                          f"file keys {sorted(FILES)}")  # fmt: skip
-    tol = {**TOLERANCE, **(tolerance or {})}
+    paths, tol = verify_setup(out_dir, files, tolerance, FILES, TOLERANCE, "verify_flow")
     flow = flow.eval()
     cfg = flow.config
     gen = torch.Generator().manual_seed(seed)
@@ -238,8 +225,8 @@ def verify_flow(
         ref = flow.encode(*args)
         mu, spks, _ = stage.encode(tok.numpy(), pt.numpy(), pf.shape[1], emb.numpy())
         what = f"{n_new} new tokens, {n_prompt} prompt tokens -> {ref.mu.shape[2]} frames"
-        results.append(_gate("flow_encoder", "mu rel err", mu, ref.mu.numpy(), tol["encoder"], what))
-    results.append(_gate("flow_encoder", "spks rel err", spks, ref.spks.numpy(), tol["encoder"]))
+        results.append(gate("flow_encoder", "mu rel err", mu, ref.mu.numpy(), tol["encoder"], what))
+    results.append(gate("flow_encoder", "spks rel err", spks, ref.spks.numpy(), tol["encoder"]))
 
     est = flow.decoder.estimator
     sess = make_session(paths["flow_estimator"], SessionConfig(threads=threads))
@@ -249,13 +236,13 @@ def verify_flow(
         ours = sess.run(None, feeds)[0]
         ref = est(*(_t(v) for v in feeds.values())).numpy()
         what = f"batch 2, T={size}, lengths {lengths}"
-        results.append(_gate("flow_estimator", "velocity rel err", ours, ref, tol["estimator"], what))
+        results.append(gate("flow_estimator", "velocity rel err", ours, ref, tol["estimator"], what))
         # a padded row is NOT the row alone (GroupNorm statistics span the padded frames, in the official model
         # too): v1 rows of different lengths must not share a padded batch; so gate the unpadded row itself
         row = {k: v[1:2, :, : lengths[1]] if v.ndim == 3 else v[1:2] for k, v in feeds.items()}
         single = sess.run(None, row)[0]
         ref = est(*(_t(v) for v in row.values())).numpy()
-        results.append(_gate("flow_estimator", "velocity rel err", single, ref, tol["estimator"],
+        results.append(gate("flow_estimator", "velocity rel err", single, ref, tol["estimator"],
                              f"batch 1, T={lengths[1]}, unpadded"))  # fmt: skip
 
     cache = None
@@ -268,8 +255,8 @@ def verify_flow(
         mel, new_cache = stage.inference(tok.numpy(), pt.numpy(), pf.numpy()[0], emb.numpy(), noise=noise,
                                          flow_cache=None if cache is None or not cached else cache.numpy())  # fmt: skip
         what = f"{n_new} new, {n_prompt} prompt tokens, {'on the previous flow_cache' if cached else 'no cache'}"
-        results.append(_gate("flow", "mel rel err", mel, ref.numpy(), tol["mel"], what))
+        results.append(gate("flow", "mel rel err", mel, ref.numpy(), tol["mel"], what))
         if n_prompt and not cached:
             cache = ref_cache
-            results.append(_gate("flow", "flow_cache rel err", new_cache, ref_cache.numpy(), tol["mel"], what))
+            results.append(gate("flow", "flow_cache rel err", new_cache, ref_cache.numpy(), tol["mel"], what))
     return results

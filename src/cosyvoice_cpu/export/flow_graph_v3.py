@@ -31,8 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.export.common import GateResult, GraphArtifact, rel_err, torch_export
+from cosyvoice_cpu.export.common import GateResult, GraphArtifact, gate, torch_export, verify_setup
 from cosyvoice_cpu.export.flow_graph import _estimator_inputs, _pin_output_shape
 from cosyvoice_cpu.export.flow_stream_graph_v3 import (
     DiTRun,
@@ -179,12 +178,6 @@ def export_flow(flow: FlowV3, out_dir: Path) -> list[GraphArtifact]:
     ]
 
 
-def _gate(key: str, check: str, ours: np.ndarray, ref: np.ndarray, tol: float, detail: str = "") -> GateResult:
-    result = GateResult(key, check, rel_err(ours, ref), tol, detail)
-    logger.info("%s", result)
-    return result
-
-
 def _t(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a))
 
@@ -213,13 +206,7 @@ def verify_flow(
     from cosyvoice_cpu.flow_stream_v3 import FlowStreamV3
     from cosyvoice_cpu.flow_v3 import FlowStageV3
 
-    out_dir = Path(out_dir)
-    paths = {k: out_dir / v for k, v in {**FILES, **(files or {})}.items()}
-    unknown = set(tolerance or {}) - set(TOLERANCE) or set(files or {}) - set(FILES)
-    if unknown:
-        raise ConfigError(f"verify_flow: unknown keys {sorted(unknown)}; tolerance keys are {sorted(TOLERANCE)}, "
-                          f"file keys {sorted(FILES)}")  # fmt: skip
-    tol = {**TOLERANCE, **(tolerance or {})}
+    paths, tol = verify_setup(out_dir, files, tolerance, FILES, TOLERANCE, "verify_flow")
     flow = flow.eval()
     cfg = flow.config
     gen = torch.Generator().manual_seed(seed)
@@ -238,8 +225,8 @@ def verify_flow(
         toks, ctx = (tokens, None) if finalize else (tokens[:, :-look], tokens[:, -look:])
         mu, spks = stage.encode(toks.numpy(), prompt.numpy(), emb.numpy(), None if ctx is None else ctx.numpy())
         what = "final" if finalize else f"non-final, {look} look-ahead tokens"
-        results.append(_gate("flow_encoder", "mu rel err", mu, ref.mu.numpy(), tol["encoder"], what))
-    results.append(_gate("flow_encoder", "spks rel err", spks, ref.spks.numpy(), tol["encoder"]))
+        results.append(gate("flow_encoder", "mu rel err", mu, ref.mu.numpy(), tol["encoder"], what))
+    results.append(gate("flow_encoder", "spks rel err", spks, ref.spks.numpy(), tol["encoder"]))
 
     est = flow.decoder.estimator
     sess = make_session(paths["flow_estimator"], SessionConfig(threads=threads))
@@ -249,10 +236,10 @@ def verify_flow(
         ours = sess.run(None, feeds)[0]
         ref = est(*(_t(v) for v in feeds.values())).numpy() * feeds["mask"]
         what = f"batch 2, T={size}, lengths {lengths} (valid frames)"
-        results.append(_gate("flow_estimator", "velocity rel err", ours, ref, tol["estimator"], what))
+        results.append(gate("flow_estimator", "velocity rel err", ours, ref, tol["estimator"], what))
         row = {k: v[1:2, :, : lengths[1]] if v.ndim == 3 else v[1:2] for k, v in feeds.items()}
         single = sess.run(None, row)[0]
-        results.append(_gate("flow_estimator", "padded row vs single row", ours[1:2, :, : lengths[1]], single,
+        results.append(gate("flow_estimator", "padded row vs single row", ours[1:2, :, : lengths[1]], single,
                              tol["estimator"], f"T={size}"))  # fmt: skip
     stream_sess = make_session(paths["flow_estimator_stream"], SessionConfig(threads=threads))
     for r in verify_stream_estimator(est, stream_sess, rng, tol["estimator"], "flow_estimator_stream"):
@@ -261,7 +248,7 @@ def verify_flow(
 
     ref, _ = flow.inference(tokens, torch.tensor([n_tok]), prompt, torch.tensor([n_prompt]), feat, None, emb)
     mel = stage.inference(tokens.numpy(), prompt.numpy(), feat.numpy(), emb.numpy())
-    results.append(_gate("flow", "mel rel err", mel, ref.numpy(), tol["mel"], "whole sentence, 10 steps, cfg 0.7"))
+    results.append(gate("flow", "mel rel err", mel, ref.numpy(), tol["mel"], "whole sentence, 10 steps, cfg 0.7"))
 
     fs = FlowStreamV3(stage, prompt.numpy()[0], feat.numpy()[0], emb.numpy(), context_tokens=None)
     ours_chunks, ref_chunks = [], []
@@ -272,7 +259,7 @@ def verify_flow(
         ref, _ = flow.inference(tokens[:, :upto], torch.tensor([upto]), prompt, torch.tensor([n_prompt]), feat,
                                 None, emb, streaming=True, finalize=final)  # fmt: skip
         ref_chunks.append(ref.numpy()[:, :, cfg.token_mel_ratio * a :])
-    results.append(_gate("flow", "mel rel err", np.concatenate(ours_chunks, axis=2),
+    results.append(gate("flow", "mel rel err", np.concatenate(ours_chunks, axis=2),
                          np.concatenate(ref_chunks, axis=2), tol["mel"],
                          "streamed in 3 chunks vs the official prefix recompute"))  # fmt: skip
     return results

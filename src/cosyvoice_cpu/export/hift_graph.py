@@ -147,16 +147,14 @@ def hift_attrs(hift: HiFT) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def export_hift(hift: HiFT, out_dir: Path) -> list[GraphArtifact]:
-    """Write ``hift_f0.onnx`` and ``hift_decode.onnx`` (+ ``.data``) into ``out_dir``; see the module docstring."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    hift = hift.eval()
+def write_graphs(f0_graph: nn.Module, hift: Any, out_dir: Path) -> None:
+    """Trace ``f0_graph`` (mel -> f0) and the decode graph of ``hift`` (mel, source -> wave) to ``hift_f0.onnx`` and
+    ``hift_decode.onnx`` in ``out_dir``, batch and time dynamic (shared by the v1/v2 and the causal v3 HiFT)."""
     cfg = hift.cfg
     frames = 12
     mel = torch.randn(2, cfg.in_channels, frames)
     source = torch.rand(2, 1, frames * cfg.upsample) * 2 - 1
-    torch_export(_F0Graph(hift).eval(), (mel,), out_dir / F0_FILE, input_names=["mel"], output_names=["f0"],
+    torch_export(f0_graph.eval(), (mel,), out_dir / F0_FILE, input_names=["mel"], output_names=["f0"],
                  dynamic_axes={"mel": {0: "batch", 2: "frames"}, "f0": {0: "batch", 1: "frames"}})  # fmt: skip
     torch_export(
         _DecodeGraph(hift).eval(),
@@ -167,6 +165,15 @@ def export_hift(hift: HiFT, out_dir: Path) -> list[GraphArtifact]:
         dynamic_axes={"mel": {0: "batch", 2: "frames"}, "source": {0: "batch", 2: "samples"},
                       "wave": {0: "batch", 1: "samples"}},
     )  # fmt: skip
+
+
+def export_hift(hift: HiFT, out_dir: Path) -> list[GraphArtifact]:
+    """Write ``hift_f0.onnx`` and ``hift_decode.onnx`` (+ ``.data``) into ``out_dir``; see the module docstring."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hift = hift.eval()
+    cfg = hift.cfg
+    write_graphs(_F0Graph(hift), hift, out_dir)
     artifacts = [
         GraphArtifact.of(out_dir, "hift_f0", F0_FILE, {"in_channels": cfg.in_channels}),
         GraphArtifact.of(out_dir, "hift_decode", DECODE_FILE, hift_attrs(hift)),

@@ -47,8 +47,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.export.common import GateResult, GraphArtifact, rel_err, torch_export
-from cosyvoice_cpu.export.hift_graph import _DecodeGraph, hift_attrs
+from cosyvoice_cpu.export.common import GateResult, GraphArtifact, rel_err
+from cosyvoice_cpu.export.hift_graph import hift_attrs, write_graphs
 from cosyvoice_cpu.reference.hift_source import SourceNoise
 from cosyvoice_cpu.reference.hift_v3 import F0_LOOK_RIGHT, CausalHiFT, CausalHiFTConfig
 from cosyvoice_cpu.vocoder import DECODE_FILE, F0_FILE
@@ -150,21 +150,7 @@ def export_hift(hift: CausalHiFT, out_dir: Path, f0_precision: str = "fp64") -> 
     out_dir.mkdir(parents=True, exist_ok=True)
     hift = hift.eval()
     cfg = hift.cfg
-    frames = 12
-    mel = torch.randn(2, cfg.in_channels, frames)
-    source = torch.rand(2, 1, frames * cfg.upsample) * 2 - 1
-    dtype = torch.float64 if f0_precision == "fp64" else torch.float32
-    torch_export(_F0Graph(hift, dtype).eval(), (mel,), out_dir / F0_FILE, input_names=["mel"], output_names=["f0"],
-                 dynamic_axes={"mel": {0: "batch", 2: "frames"}, "f0": {0: "batch", 1: "frames"}})  # fmt: skip
-    torch_export(
-        _DecodeGraph(hift).eval(),
-        (mel, source),
-        out_dir / DECODE_FILE,
-        input_names=["mel", "source"],
-        output_names=["wave"],
-        dynamic_axes={"mel": {0: "batch", 2: "frames"}, "source": {0: "batch", 2: "samples"},
-                      "wave": {0: "batch", 1: "samples"}},
-    )  # fmt: skip
+    write_graphs(_F0Graph(hift, torch.float64 if f0_precision == "fp64" else torch.float32), hift, out_dir)
     artifacts = [
         GraphArtifact.of(out_dir, "hift_f0", F0_FILE, {"in_channels": cfg.in_channels, "precision": f0_precision}),
         GraphArtifact.of(out_dir, "hift_decode", DECODE_FILE, hift_v3_attrs(hift, f0_precision)),
