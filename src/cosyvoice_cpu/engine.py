@@ -9,11 +9,16 @@ The engine is immutable after ``load`` and may be shared by threads: per-request
 generator, decoded tokens) lives in each ``synthesize`` call. With ``EngineConfig(lm_batch_rows=N)`` the LM steps of
 up to N concurrent calls run as one batched call (:mod:`cosyvoice_cpu.scheduler`); call :meth:`Engine.close` at
 the end. Text is spoken a sentence at a time, so memory does
-not grow with the text's length. Modes follow the official CosyVoice2 frontend:
+not grow with the text's length. Modes follow the official frontends:
 
 - zero-shot: a voice with a transcript: the LM sees the transcript and the prompt's speech tokens;
 - cross-lingual: a voice without a transcript: the LM gets no prompt, the flow still clones the voice;
 - instruct: ``instruct="..."``: the LM sees the instruction + ``<|endofprompt|>`` instead of the transcript.
+
+Per family: CosyVoice-300M's LM also takes the voice's x-vector (not in instruct mode, whose marker is the plain
+text ``<endofprompt>``), and its built-in -SFT speakers are voices without a prompt (:meth:`Engine.builtin_voices`);
+Fun-CosyVoice3's LM needs ``<|endofprompt|>``, so ``You are a helpful assistant.<|endofprompt|>`` goes before a
+transcript (or alone) when it has none, and runs of more than 5 silent tokens never reach its flow.
 """
 
 from __future__ import annotations
@@ -69,7 +74,8 @@ class _Request:
 
 
 class Engine:
-    """CosyVoice2 on ONNX Runtime and NumPy. Build it with :meth:`load`."""
+    """CosyVoice2, CosyVoice-300M or Fun-CosyVoice3 (the manifest's family) on ONNX Runtime and NumPy. Build it with
+    :meth:`load`."""
 
     def __init__(self, model_dir: Path, manifest: Any, parts: dict[str, Any], threads: int,
                  prompt_cache_mb: int = 1024, lm_batch_rows: int = 0) -> None:  # fmt: skip
