@@ -169,6 +169,32 @@ def _artifact(out_dir: Path, key: str, attrs: dict[str, Any]) -> GraphArtifact:
 
 
 @torch.inference_mode()
+def export_encoder(graph: nn.Module, cfg: Any, path: Path, chunk_size: int) -> None:
+    """Trace a ``flow_encoder.onnx`` under the CosyVoice2 contract (``token``, ``context``, ``embedding``,
+    ``chunk_size`` -> ``mu``, ``spks``; CosyVoice2 and Fun-CosyVoice3); ``cfg`` is the flow config."""
+    args = (
+        torch.randint(0, cfg.vocab_size, (1, 37)),
+        torch.randint(0, cfg.vocab_size, (1, max(cfg.pre_lookahead_len - 1, 1))),
+        torch.randn(1, cfg.spk_embed_dim),
+        torch.tensor(chunk_size, dtype=torch.int64),
+    )
+    torch_export(graph, args, path, input_names=["token", "context", "embedding", "chunk_size"],
+                 output_names=["mu", "spks"],
+                 dynamic_axes={"token": {1: "tokens"}, "context": {1: "context"}, "mu": {2: "frames"}})  # fmt: skip
+    _pin_output_shape(path, "mu", [1, cfg.output_size, "frames"])
+
+
+def export_estimator(graph: nn.Module, path: Path) -> None:
+    """Trace a ``flow_estimator.onnx`` under the official contract (``x, mask, mu, t, spks, cond`` ->
+    ``estimator_out``), batch and time dynamic (the UNets of CosyVoice-300M/CosyVoice2 and the DiT)."""
+    rng = np.random.default_rng(0)
+    args = tuple(torch.from_numpy(v) for v in _estimator_inputs(rng, [71, 60], 71).values())
+    names = ["x", "mask", "mu", "t", "spks", "cond"]
+    axes: dict[str, dict[int, str]] = {n: {0: "batch", 2: "time"} for n in ("x", "mask", "mu", "cond")}
+    axes.update(t={0: "batch"}, spks={0: "batch"}, estimator_out={0: "batch", 2: "time"})
+    torch_export(graph, args, path, input_names=names, output_names=["estimator_out"], dynamic_axes=axes)
+
+
 def export_flow(flow: Flow, out_dir: Path) -> list[GraphArtifact]:
     """Write ``flow_encoder.onnx``, ``flow_estimator.onnx``, ``flow_estimator_stream.onnx`` (each with its
     ``.data``) and ``flow_noise.npy`` into ``out_dir``.
@@ -182,23 +208,8 @@ def export_flow(flow: Flow, out_dir: Path) -> list[GraphArtifact]:
     flow = flow.eval()
     cfg = flow.config
     t0 = time.perf_counter()
-    enc_args = (
-        torch.randint(0, cfg.vocab_size, (1, 37)),
-        torch.randint(0, cfg.vocab_size, (1, max(cfg.pre_lookahead_len - 1, 1))),
-        torch.randn(1, cfg.spk_embed_dim),
-        torch.tensor(cfg.encoder.static_chunk_size, dtype=torch.int64),
-    )
-    torch_export(EncoderGraph(flow), enc_args, out_dir / FILES["flow_encoder"],
-                 input_names=["token", "context", "embedding", "chunk_size"], output_names=["mu", "spks"],
-                 dynamic_axes={"token": {1: "tokens"}, "context": {1: "context"}, "mu": {2: "frames"}})  # fmt: skip
-    _pin_output_shape(out_dir / FILES["flow_encoder"], "mu", [1, cfg.output_size, "frames"])
-    rng = np.random.default_rng(0)
-    est_args = tuple(torch.from_numpy(v) for v in _estimator_inputs(rng, [71, 60], 71).values())
-    names = ["x", "mask", "mu", "t", "spks", "cond"]
-    axes: dict[str, dict[int, str]] = {n: {0: "batch", 2: "time"} for n in ("x", "mask", "mu", "cond")}
-    axes.update(t={0: "batch"}, spks={0: "batch"}, estimator_out={0: "batch", 2: "time"})
-    torch_export(EstimatorGraph(flow.decoder.estimator), est_args, out_dir / FILES["flow_estimator"],
-                 input_names=names, output_names=["estimator_out"], dynamic_axes=axes)  # fmt: skip
+    export_encoder(EncoderGraph(flow), cfg, out_dir / FILES["flow_encoder"], cfg.encoder.static_chunk_size)
+    export_estimator(EstimatorGraph(flow.decoder.estimator), out_dir / FILES["flow_estimator"])
     export_stream_estimator(flow.decoder.estimator, out_dir / FILES["flow_estimator_stream"])
     np.save(out_dir / FILES["flow_noise"], official_fixed_noise().numpy().astype(np.float32))
     logger.info("exported the flow to %s in %.1f s", out_dir, time.perf_counter() - t0)

@@ -32,7 +32,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from cosyvoice_cpu.export.common import GateResult, GraphArtifact, gate, torch_export, verify_setup
-from cosyvoice_cpu.export.flow_graph import _estimator_inputs, _pin_output_shape, rel_position_encoding
+from cosyvoice_cpu.export.flow_graph import (
+    _estimator_inputs,
+    _pin_output_shape,
+    export_estimator,
+    rel_position_encoding,
+)
 from cosyvoice_cpu.flow_v1 import CACHE_TAIL_FRAMES, FILES, MEL_FRAMES_PER_SECOND, OVERLAP_TOKENS, stretch_matrix
 from cosyvoice_cpu.reference.flow_estimator import MASK_BIAS, FlowEstimator, timestep_embedding
 from cosyvoice_cpu.reference.flow_estimator_v1 import UNetEstimator
@@ -159,13 +164,7 @@ def export_flow(flow: FlowV1, out_dir: Path) -> list[GraphArtifact]:
                  dynamic_axes={"token": {1: "tokens"}, "stretch": {0: "tokens", 1: "frames"},
                                "mu": {2: "frames"}})  # fmt: skip
     _pin_output_shape(out_dir / FILES["flow_encoder"], "mu", [1, cfg.output_size, "frames"])
-    rng = np.random.default_rng(0)
-    est_args = tuple(torch.from_numpy(v) for v in _estimator_inputs(rng, [71, 60], 71).values())
-    names = ["x", "mask", "mu", "t", "spks", "cond"]
-    axes: dict[str, dict[int, str]] = {n: {0: "batch", 2: "time"} for n in ("x", "mask", "mu", "cond")}
-    axes.update(t={0: "batch"}, spks={0: "batch"}, estimator_out={0: "batch", 2: "time"})
-    torch_export(EstimatorGraphV1(flow.decoder.estimator), est_args, out_dir / FILES["flow_estimator"],
-                 input_names=names, output_names=["estimator_out"], dynamic_axes=axes)  # fmt: skip
+    export_estimator(EstimatorGraphV1(flow.decoder.estimator), out_dir / FILES["flow_estimator"])
     logger.info("exported the v1 flow to %s in %.1f s", out_dir, time.perf_counter() - t0)
 
     solver = settings_of(flow)

@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosyvoice_cpu.export.common import GateResult, GraphArtifact, gate, torch_export, verify_setup
-from cosyvoice_cpu.export.flow_graph import _estimator_inputs, _pin_output_shape
+from cosyvoice_cpu.export.common import GateResult, GraphArtifact, gate, verify_setup
+from cosyvoice_cpu.export.flow_graph import _estimator_inputs, _pin_output_shape, export_encoder, export_estimator
 from cosyvoice_cpu.export.flow_stream_graph_v3 import (
     DiTRun,
     export_stream_estimator,
@@ -137,24 +137,9 @@ def export_flow(flow: FlowV3, out_dir: Path) -> list[GraphArtifact]:
     flow = flow.eval()
     cfg = flow.config
     t0 = time.perf_counter()
-    enc_args = (
-        torch.randint(0, cfg.vocab_size, (1, 37)),
-        torch.randint(0, cfg.vocab_size, (1, max(cfg.pre_lookahead_len - 1, 1))),
-        torch.randn(1, cfg.spk_embed_dim),
-        torch.tensor(0, dtype=torch.int64),
-    )
-    torch_export(EncoderGraphV3(flow), enc_args, out_dir / FILES["flow_encoder"],
-                 input_names=["token", "context", "embedding", "chunk_size"], output_names=["mu", "spks"],
-                 dynamic_axes={"token": {1: "tokens"}, "context": {1: "context"}, "mu": {2: "frames"}})  # fmt: skip
-    _pin_output_shape(out_dir / FILES["flow_encoder"], "mu", [1, cfg.output_size, "frames"])
     est = flow.decoder.estimator
-    rng = np.random.default_rng(0)
-    est_args = tuple(torch.from_numpy(v) for v in _estimator_inputs(rng, [71, 60], 71).values())
-    names = ["x", "mask", "mu", "t", "spks", "cond"]
-    axes: dict[str, dict[int, str]] = {n: {0: "batch", 2: "time"} for n in ("x", "mask", "mu", "cond")}
-    axes.update(t={0: "batch"}, spks={0: "batch"}, estimator_out={0: "batch", 2: "time"})
-    torch_export(EstimatorGraphV3(est), est_args, out_dir / FILES["flow_estimator"], input_names=names,
-                 output_names=["estimator_out"], dynamic_axes=axes)  # fmt: skip
+    export_encoder(EncoderGraphV3(flow), cfg, out_dir / FILES["flow_encoder"], 0)  # chunk_size unused by v3
+    export_estimator(EstimatorGraphV3(est), out_dir / FILES["flow_estimator"])
     export_stream_estimator(est, out_dir / FILES["flow_estimator_stream"])
     layers, width, state, hist = stream_layout(est)
     for name in ("new_k", "new_v"):  # the tracer names the key width after a Concat
