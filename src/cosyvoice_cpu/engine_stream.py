@@ -56,7 +56,6 @@ def _speak_chunks(engine: Any, text_ids: list[int], req: Any, t: Any, flow_cls: 
                   silence: Any = None) -> Iterator[tuple[np.ndarray, bool]]:  # fmt: skip
     """Chunks of ``first_chunk_tokens`` doubling up to ``chunk_tokens``, each cut once its look-ahead tokens exist;
     ``silence`` (v3) drops long silent runs from what the flow sees."""
-    from cosyvoice_cpu.engine import _change_speed
     from cosyvoice_cpu.streaming import ChunkPlan
 
     voice, config = req.voice, req.config
@@ -68,39 +67,19 @@ def _speak_chunks(engine: Any, text_ids: list[int], req: Any, t: Any, flow_cls: 
     plan = ChunkPlan(config.first_chunk_tokens, config.chunk_tokens, max(flow.lookahead, 1))
     tokens: list[int] = []
 
-    def piece(a: int, b: int, final: bool) -> np.ndarray:
-        t1 = time.perf_counter()
-        mel = flow.push(tokens[a:b], None if final else tokens[b : b + flow.lookahead])
-        mel = _change_speed(mel, config.speed)
-        t2 = time.perf_counter()
-        wave = vocoder.push(mel, final)
-        t.flow += t2 - t1
-        t.vocoder += time.perf_counter() - t2
-        return wave.astype(np.float32, copy=False)
+    def cut(n: int, done: bool) -> tuple[int, int, bool] | None:
+        if done:
+            return plan.offset, n, True
+        return (*plan.cut(), False) if plan.ready(n) else None
 
-    t0 = time.perf_counter()
-    first_done = threading.Event()
-    decoded = 0
-    for token in engine._tokens(text_ids, req, hold=(plan.first + plan.lookahead, first_done)):
-        decoded += 1
-        if silence is not None and not silence.push(token):
-            continue
-        tokens.append(token)
-        if plan.ready(len(tokens)):
-            t.lm += time.perf_counter() - t0
-            wave = piece(*plan.cut(), final=False)
-            first_done.set()
-            yield wave, False
-            t0 = time.perf_counter()  # the consumer's time between chunks is not the LM's
-    t.lm += time.perf_counter() - t0
-    t.tokens += decoded
-    if len(tokens) > plan.offset:
-        yield piece(plan.offset, len(tokens), final=True), True
+    def mel(a: int, b: int, final: bool) -> np.ndarray:
+        return flow.push(tokens[a:b], None if final else tokens[b : b + flow.lookahead])
+
+    return _stream(engine, text_ids, req, t, tokens, cut, mel, vocoder, plan.first + plan.lookahead, silence)
 
 
 def speak_v1(engine: Any, text_ids: list[int], req: Any, t: Any) -> Iterator[tuple[np.ndarray, bool]]:
     """CosyVoice-300M: the official overlapping-window stream (fresh noise per window from the request's RNG)."""
-    from cosyvoice_cpu.engine import _change_speed
     from cosyvoice_cpu.flow_stream_v1 import FlowStreamV1
     from cosyvoice_cpu.streaming import VocoderStream
 
@@ -113,28 +92,46 @@ def speak_v1(engine: Any, text_ids: list[int], req: Any, t: Any) -> Iterator[tup
     vocoder = VocoderStream(engine.vocoder, req.vocoder_rng, overlap_frames=V1_VOCODER_OVERLAP)
     tokens: list[int] = []
 
+    def mel(a: int, b: int, final: bool) -> np.ndarray:
+        return flow.push(tokens[a:b], final)
+
+    return _stream(engine, text_ids, req, t, tokens, flow.next_window, mel, vocoder, flow.window_tokens)
+
+
+def _stream(engine: Any, text_ids: list[int], req: Any, t: Any, tokens: list[int], cut: Any, mel: Any,
+            vocoder: Any, hold_at: int, silence: Any = None) -> Iterator[tuple[np.ndarray, bool]]:  # fmt: skip
+    """The loop every family shares: decode speech tokens into ``tokens``; whenever ``cut(n, done)`` gives a
+    ``(start, end, final)`` piece, vocode ``mel(start, end, final)`` (speed applied) and yield it. The LM is held
+    after ``hold_at`` tokens until the first piece's audio exists; ``silence`` (v3) drops tokens before the flow.
+    """
+    from cosyvoice_cpu.engine import _change_speed
+
     def piece(a: int, b: int, final: bool) -> np.ndarray:
         t1 = time.perf_counter()
-        mel = _change_speed(flow.push(tokens[a:b], final), config.speed)
+        m = _change_speed(mel(a, b, final), req.config.speed)
         t2 = time.perf_counter()
-        wave = vocoder.push(mel, final)
+        wave = vocoder.push(m, final)
         t.flow += t2 - t1
         t.vocoder += time.perf_counter() - t2
         return wave.astype(np.float32, copy=False)
 
     t0 = time.perf_counter()
     first_done = threading.Event()
-    for token in engine._tokens(text_ids, req, hold=(flow.window_tokens, first_done)):
+    decoded = 0
+    for token in engine._tokens(text_ids, req, hold=(hold_at, first_done)):
+        decoded += 1
+        if silence is not None and not silence.push(token):
+            continue
         tokens.append(token)
-        window = flow.next_window(len(tokens), llm_done=False)
+        window = cut(len(tokens), False)
         if window is not None:
             t.lm += time.perf_counter() - t0
             wave = piece(*window)
             first_done.set()
             yield wave, False
-            t0 = time.perf_counter()
+            t0 = time.perf_counter()  # the consumer's time between chunks is not the LM's
     t.lm += time.perf_counter() - t0
-    t.tokens += len(tokens)
-    window = flow.next_window(len(tokens), llm_done=True)
+    t.tokens += decoded
+    window = cut(len(tokens), True)
     if window is not None and window[1] > window[0]:
         yield piece(*window), True
