@@ -181,3 +181,47 @@ def test_voice_store_skips_what_it_cannot_serve(tmp_path: Path) -> None:
     assert other.names() == [] and "made for cosyvoice2" in other.skipped["good.npz"]
     store.remove("good")
     assert not (tmp_path / "good.npz").exists() and VoiceStore(tmp_path, "cosyvoice2", 24000).names() == []
+
+
+def test_a_slow_reader_pauses_its_synthesis_and_a_cancel_ends_the_pause() -> None:
+    """Job.chunks: the worker runs at most MAX_PENDING_CHUNKS encoded chunks ahead of the reader (no audio piles
+    up for a client that does not read), encodes in the worker, and stops waiting once the job is cancelled."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from cosyvoice_cpu.server.speech import MAX_PENDING_CHUNKS, Job
+
+    made: list[int] = []
+    encoded_in: set[str] = set()
+
+    def run(check: Any) -> Iterator[Any]:
+        for i in range(200):
+            check()
+            made.append(i)
+            yield SimpleNamespace(samples=np.full(10, i, np.float32))
+
+    class Encoder:
+        def push(self, samples: np.ndarray) -> bytes:
+            encoded_in.add(threading.current_thread().name)
+            return bytes([int(samples[0])])
+
+        def finish(self) -> bytes:
+            return b"end"
+
+    async def read(pool: ThreadPoolExecutor) -> tuple[list[bytes], Job]:
+        job = Job(run, timeout=60)
+        chunks = job.chunks(pool, Encoder())
+        got = [await chunks.__anext__(), await chunks.__anext__()]
+        await asyncio.sleep(0.5)  # a client that stopped reading: unbounded, all 200 chunks would be made by now
+        assert len(made) <= len(got) + MAX_PENDING_CHUNKS + 1, len(made)
+        await chunks.aclose()  # the client went away: the worker, waiting for room, must see the cancel
+        return got, job
+
+    with ThreadPoolExecutor(1, thread_name_prefix="synth") as pool:
+        got, job = asyncio.run(read(pool))
+        assert got == [b"\x00", b"\x01"] and encoded_in == {"synth_0"}
+        assert job.cancel.is_set() and job.future.done() and job.future.exception() is None
+        stopped_at = len(made)
+        time.sleep(0.3)
+        assert len(made) == stopped_at < 200

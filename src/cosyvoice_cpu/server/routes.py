@@ -13,7 +13,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import numpy as np
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -67,11 +66,11 @@ def add_routes(app: Any, state: Any, api_error: type, exists: type, not_found: t
         state.jobs.add(job)
         watcher = asyncio.create_task(_watch_disconnect(request, job))
         try:
-            chunks = job.chunks(state.executor)
+            chunks = job.chunks(state.executor, encoder)
             try:  # the first chunk before the status line: early failures still get their 4xx/5xx
                 first = await chunks.__anext__()
-            except StopAsyncIteration:
-                first = np.zeros(0, np.float32)
+            except StopAsyncIteration:  # not reached: the encoder's tail always comes
+                first = b""
         except BaseException as e:
             watcher.cancel()
             job.cancel.set()
@@ -79,7 +78,7 @@ def add_routes(app: Any, state: Any, api_error: type, exists: type, not_found: t
             if isinstance(e, asyncio.CancelledError):
                 raise
             raise _as_api_error(e, m, api_error) from e
-        stream = _SpeechStream(first, chunks, job, encoder, body.stream_format == "sse", queue_wait, state, watcher)
+        stream = _SpeechStream(first, chunks, job, body.stream_format == "sse", queue_wait, state, watcher)
         media = "text/event-stream" if stream.sse else encoder.media_type
         return _StreamResponse(stream, media_type=media,
                                headers={"Cache-Control": "no-store", "X-Sample-Rate": str(state.engine.sample_rate)})
@@ -200,9 +199,9 @@ class _SpeechStream:
     """The body of one speech response, and the cleanup that must run exactly once however the response ends
     (finished, failed, client gone, or never started): free the slot, stop the worker, count the outcome."""
 
-    def __init__(self, first: np.ndarray, chunks: AsyncIterator[np.ndarray], job: Job, encoder: Encoder, sse: bool,
-                 queue_wait: float, state: Any, watcher: asyncio.Task) -> None:  # fmt: skip
-        self.first, self.chunks, self.job, self.encoder, self.sse = first, chunks, job, encoder, sse
+    def __init__(self, first: bytes, chunks: AsyncIterator[bytes], job: Job, sse: bool, queue_wait: float,
+                 state: Any, watcher: asyncio.Task) -> None:  # fmt: skip
+        self.first, self.chunks, self.job, self.sse = first, chunks, job, sse
         self.queue_wait, self.state, self.watcher = queue_wait, state, watcher
         self.closed = False
 
@@ -212,16 +211,14 @@ class _SpeechStream:
         return _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
 
     async def body(self) -> AsyncIterator[bytes]:
-        """Encoded audio (or SSE events) per chunk."""
+        """Encoded audio (or SSE events) per chunk, the encoder's tail last."""
         outcome = "cancelled"
         try:
-            if out := self._emit(self.encoder.push(self.first)):
+            if out := self._emit(self.first):
                 yield out
-            async for samples in self.chunks:
-                if out := self._emit(self.encoder.push(samples)):
+            async for data in self.chunks:
+                if out := self._emit(data):
                     yield out
-            if out := self._emit(self.encoder.finish()):
-                yield out
             if self.sse:
                 seconds = round(self.job.audio / self.state.engine.sample_rate, 3)
                 yield _sse({"type": "speech.audio.done", "usage": {"output_audio_seconds": seconds}})

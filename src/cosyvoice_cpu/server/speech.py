@@ -1,8 +1,9 @@
 """``POST /v1/audio/speech``: the OpenAI request body, admission (bounded queue), and running one synthesis.
 
 A synthesis runs in a worker thread (at most ``max_active`` at once; their LM steps are batched by the engine's
-scheduler). Audio chunks cross to the event loop through an asyncio queue as they are produced, so the first
-chunk is on the wire while later ones are synthesized. A client that goes away (seen by a watcher of the ASGI
+scheduler). Audio chunks are encoded in the worker and cross to the event loop through a bounded queue as they
+are produced, so the first chunk is on the wire while later ones are synthesized, and a slow reader pauses its
+own synthesis. A client that goes away (seen by a watcher of the ASGI
 receive channel, also before the first chunk) sets the job's cancel flag; the engine checks it at every speech
 token, so the work stops within one LM step or one flow call. The request's slot is freed when the worker thread
 has actually stopped.
@@ -18,7 +19,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from cosyvoice_cpu.config import SynthesisConfig
@@ -26,6 +26,7 @@ from cosyvoice_cpu.config import SynthesisConfig
 logger = logging.getLogger(__name__)
 
 OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # accepted as aliases of the loaded model
+MAX_PENDING_CHUNKS = 8  # encoded chunks a worker may have made ahead of the client (see Job.chunks)
 
 
 class SpeechRequest(BaseModel):
@@ -144,20 +145,32 @@ class Job:
         if time.perf_counter() - self.started > self.timeout:
             raise TimedOut(f"synthesis took longer than the server's timeout of {self.timeout:g} s")
 
-    async def chunks(self, executor: Any) -> AsyncIterator[np.ndarray]:
-        """Run the synthesis on ``executor`` and yield its (N,) float32 sample arrays as they come.
+    async def chunks(self, executor: Any, encoder: Any) -> AsyncIterator[bytes]:
+        """Run the synthesis on ``executor`` and yield each chunk as ``encoder`` (a server ``Encoder``) encodes it,
+        then the encoder's tail.
 
-        Exceptions of the synthesis are raised here; closing this iterator cancels the synthesis.
+        The encoding runs in the worker thread too: compressed formats cost CPU that would otherwise stall the
+        event loop, and with it every other stream. At most :data:`MAX_PENDING_CHUNKS` encoded chunks wait for
+        the client: a slow reader pauses its own synthesis (backpressure) instead of piling audio up in memory;
+        the wait still ends at a cancel or the timeout. Exceptions of the synthesis are raised here; closing this
+        iterator cancels the synthesis.
         """
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
+        room = threading.Semaphore(MAX_PENDING_CHUNKS)
         done = object()
+
+        def put(samples: int, data: bytes) -> None:
+            while not room.acquire(timeout=0.1):
+                self.check()  # the client is gone or the time is up: stop waiting for it
+            loop.call_soon_threadsafe(q.put_nowait, (samples, data))
 
         def work() -> None:
             try:
                 for chunk in self.run(self.check):
                     self.check()
-                    loop.call_soon_threadsafe(q.put_nowait, chunk.samples)
+                    put(len(chunk.samples), encoder.push(chunk.samples))
+                put(0, encoder.finish())
                 loop.call_soon_threadsafe(q.put_nowait, done)
             except BaseException as e:  # handed to the event loop and raised there
                 loop.call_soon_threadsafe(q.put_nowait, e)
@@ -170,10 +183,12 @@ class Job:
                     break
                 if isinstance(item, BaseException):
                     raise item
-                if self.first_audio is None and len(item):
+                room.release()
+                samples, data = item
+                if self.first_audio is None and samples:
                     self.first_audio = time.perf_counter() - self.started
-                self.audio += len(item)
-                yield item
+                self.audio += samples
+                yield data
         finally:
             self.cancel.set()  # a no-op when finished; stops the worker when the client went away
             await asyncio.shield(future)  # (under a cancelled task this may raise at once: see Job.when_done)
