@@ -67,10 +67,14 @@ def resolve_model(args: argparse.Namespace) -> tuple[Path, Path | None, str]:
     if not (src / f"{family}.yaml").is_file():
         print(f"writing the full-size random {family} fixture (once) ...", file=sys.stderr)
         write_fixture(FixtureSpec(family, "full", 0), src, force=True)
+    from cosyvoice_cpu.export.quantize import parse_recipe
+
     dst = cache_dir() / "exports" / f"{family}-full-seed0-{args.recipe}"
-    try:
-        Manifest.load(dst)
+    try:  # a cache written before the recipe changed (e.g. a stage was added to it) is exported again
+        fresh = Manifest.load(dst).recipe.get("stages") == parse_recipe(args.recipe).stages()
     except Exception:
+        fresh = False
+    if not fresh:
         print(f"exporting the fixture with recipe {args.recipe} (once; cached in {dst}) ...", file=sys.stderr)
         export_model(src, dst, ExportOptions(recipe=args.recipe, force=True))
     name = {"cosyvoice2": "CosyVoice2", "cosyvoice": "CosyVoice-300M", "cosyvoice3": "Fun-CosyVoice3"}[family]

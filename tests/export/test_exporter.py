@@ -51,6 +51,7 @@ def test_model_directory_is_complete_and_self_describing(exported: Path, tiny_mo
     assert expected_lm_op[RECIPES[DEFAULT_RECIPE].lm] in _ops(exported / "lm.onnx")
     assert "DynamicQuantizeLinear" in _ops(exported / "flow_estimator.onnx")
     assert "DynamicQuantizeLinear" in _ops(exported / "flow_estimator_stream.onnx")
+    assert "MatMulNBits" in _ops(exported / "flow_encoder.onnx") and m.graphs["flow_encoder"].precision == "int8w"
     assert {"lm_text_embedding", "lm_speech_embedding", "lm_special_embedding", "flow_noise"} <= set(m.arrays)
     assert (m.sample_rate, m.token_frame_rate, m.token_mel_ratio) == (24000, 25, 2)
     assert m.lm["stop_ids"] == [6561, 6562, 6563] and m.graphs["lm"].attrs["max_len"] == 256
@@ -65,7 +66,10 @@ def test_model_directory_is_complete_and_self_describing(exported: Path, tiny_mo
     recipe = RECIPES[DEFAULT_RECIPE]
     quantized = {(v["graph"], v["check"]): v["tolerance"] for v in m.verification if v["phase"] != "fp32"}
     assert quantized[("lm", "decode_kl")] == stages.QUANT_TOLERANCE[f"lm:{recipe.lm}"]["decode_kl"]
-    assert quantized[("flow", "mel rel err")] == stages.QUANT_TOLERANCE["flow_estimator:int8"]["mel"]
+    flow_key = stages.gate_key({"flow_estimator": recipe.flow_estimator, "flow_encoder": recipe.flow_encoder})
+    assert flow_key == "flow_estimator:int8+flow_encoder:int8w"
+    assert quantized[("flow", "mel rel err")] == stages.QUANT_TOLERANCE[flow_key]["mel"]
+    assert quantized[("flow_encoder", "mu rel err")] == stages.QUANT_TOLERANCE[flow_key]["encoder"]
     # graph I/O recorded from the files themselves
     lm_inputs = {i["name"] for i in m.graphs["lm"].inputs}
     assert {"inputs_embeds", "seqlens_k", "total_sequence_length", "past_key_0"} <= lm_inputs
@@ -143,7 +147,8 @@ def test_cli_export_with_a_recipe_spec(tiny_model_dir: Path, tmp_path: Path, cap
     out = capsys.readouterr().out
     assert "HiFT: numerics gate (int8w vs PyTorch)" in out and "done:" in out
     m = Manifest.load(dst)
-    assert m.recipe["stages"] == {"lm": "int4", "flow_estimator": "fp32", "hift": "int8w", "embedding": "fp16"}
+    assert m.recipe["stages"] == {"lm": "int4", "flow_estimator": "fp32", "flow_encoder": "fp32", "hift": "int8w",
+                                   "embedding": "fp16"}
     assert np.load(dst / "lm_text_embedding.npy", mmap_mode="r").dtype == np.float16
     assert m.graphs["hift_decode"].precision == "int8w" and m.graphs["flow_estimator"].precision == "fp32"
     # the graphs really are what the manifest says

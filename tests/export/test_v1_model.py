@@ -57,7 +57,9 @@ def test_export_writes_a_v1_model_directory(v1_int8w: Path, tiny_v1_model_dir: P
     assert {"lm", "lm_text_encoder", "flow_encoder", "flow_estimator", "hift_decode"} <= set(m.graphs)
     assert m.graphs["lm"].precision == "int8w" and m.graphs["flow_estimator"].precision == "int8"
     phases = {g["phase"] for g in m.verification}
-    assert all(g["passed"] for g in m.verification) and {"fp32", "int8"} < phases  # and the LM's int8w phase
+    assert all(g["passed"] for g in m.verification)
+    assert {"fp32", "int8, flow_encoder int8w"} < phases  # and the LM's int8w phase
+    assert m.graphs["flow_encoder"].precision == "int8w"
     # the built-in speakers, exactly the x-vectors of spk2info.pt, listed (and hashed) in the manifest
     speakers = load_speakers(tiny_v1_model_dir)
     assert {k for k in m.files if k.startswith("voice:")} == {f"voice:{n}" for n in speakers}

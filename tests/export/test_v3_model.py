@@ -61,7 +61,8 @@ def test_export_writes_a_v3_model_directory(v3_int8w: Path) -> None:
     assert {"lm", "flow_encoder", "flow_estimator", "flow_estimator_stream", "hift_f0", "hift_decode"} <= set(m.graphs)
     assert m.graphs["lm"].precision == "int8w" and m.graphs["flow_estimator"].precision == "int8"
     assert m.graphs["hift_decode"].attrs["sine_type"] == "v3" and m.graphs["hift_decode"].attrs["causal"]
-    assert all(g["passed"] for g in m.verification) and {"fp32", "int8"} < {g["phase"] for g in m.verification}
+    assert all(g["passed"] for g in m.verification) and m.graphs["flow_encoder"].precision == "int8w"
+    assert {"fp32", "int8, flow_encoder int8w"} < {g["phase"] for g in m.verification}
 
 
 @pytest.mark.parametrize(("mode", "seed"), [("zero-shot", 11), ("cross-lingual", 5)])

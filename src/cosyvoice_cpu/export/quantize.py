@@ -13,6 +13,8 @@ Stage precisions:
   ``int4`` (the same with 4 bits).
 * ``flow_estimator``: ``fp32`` or ``int8`` (dynamic, per channel, ``reduce_range`` on: 7-bit weights, safe on
   AVX2 machines without VNNI where u8s8 products can saturate).
+* ``flow_encoder``: ``fp32`` or ``int8w`` (weight-only ``MatMulNBits``, 8 bits, block 32, fp32 compute: the
+  encoder runs once per sentence or chunk, so this is for memory, 158 -> 62 MB at full size, not speed).
 * ``hift``: ``fp32`` or ``int8w`` (Conv weights stored int8 per output channel + ``DequantizeLinear``, fp32
   activations: a 4x smaller file, the same speed; see ``hift_graph.quantize_hift_weights_int8``). Never the default.
 * ``embedding``: the LM's embedding tables as ``fp32`` or ``fp16`` ``.npy`` (memory-mapped either way).
@@ -34,6 +36,7 @@ logger = logging.getLogger(__name__)
 STAGE_CHOICES = {
     "lm": ("fp32", "int8", "int8w", "int4"),
     "flow_estimator": ("fp32", "int8"),
+    "flow_encoder": ("fp32", "int8w"),
     "hift": ("fp32", "int8w"),
     "embedding": ("fp32", "fp16"),
 }
@@ -46,6 +49,7 @@ class Recipe:
     name: str
     lm: str = "fp32"
     flow_estimator: str = "fp32"
+    flow_encoder: str = "fp32"
     hift: str = "fp32"
     embedding: str = "fp32"
 
@@ -69,9 +73,9 @@ RECIPES: dict[str, Recipe] = {
         Recipe("lm-int8w", lm="int8w"),
         Recipe("lm-int4", lm="int4"),
         Recipe("int8", lm="int8", flow_estimator="int8"),
-        Recipe("int8w", lm="int8w", flow_estimator="int8"),
-        Recipe("int4", lm="int4", flow_estimator="int8"),
-        Recipe("int4-fp16emb", lm="int4", flow_estimator="int8", embedding="fp16"),
+        Recipe("int8w", lm="int8w", flow_estimator="int8", flow_encoder="int8w"),
+        Recipe("int4", lm="int4", flow_estimator="int8", flow_encoder="int8w"),
+        Recipe("int4-fp16emb", lm="int4", flow_estimator="int8", flow_encoder="int8w", embedding="fp16"),
         Recipe("hift-int8w", hift="int8w"),
     )
 }

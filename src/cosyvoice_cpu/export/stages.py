@@ -42,6 +42,8 @@ QUANT_TOLERANCE: dict[str, dict[str, Any]] = {
     "lm:int8w": {**_LM_8BIT, "batch_vs_single": 1e-5},
     "lm:int4": {"logp": 0.1, "batch_vs_single": 1e-5, "greedy_mismatch": 0.56, "decode_kl": 0.02},
     "flow_estimator:int8": {"estimator": 0.08, "mel": 0.08},
+    "flow_encoder:int8w": {"encoder": 0.03, "mel": 0.03},
+    "flow_estimator:int8+flow_encoder:int8w": {"encoder": 0.03, "estimator": 0.08, "mel": 0.08},
     "hift:int8w": {"decode": 0.02, "wave": 0.05},
 }
 
@@ -73,6 +75,9 @@ def _quantize(art: GraphArtifact, precision: str, work: Path, out: Path) -> Grap
         quantize_int8_dynamic(src, dst, reduce_range=False)
     elif lm and precision in ("int4", "int8w"):
         quantize_nbits(src, dst, bits=4 if precision == "int4" else 8, block_size=32, accuracy_level=4)
+    elif art.key == "flow_encoder" and precision == "int8w":
+        # fp32 compute (accuracy 1): full-size random weights, mu rel err 6.5e-3 (int8 compute: 1.1e-2, same speed)
+        quantize_nbits(src, dst, bits=8, block_size=32, accuracy_level=1)
     elif estimator and precision == "int8":
         # 7-bit weights: exact on every ISA (u8s8 products saturate on AVX2 without VNNI)
         quantize_int8_dynamic(src, dst, reduce_range=True)
@@ -94,27 +99,43 @@ class _Plan:
     name: str  # for progress lines
     ref: str  # load_reference stage and checkpoint stem
     module: str  # cosyvoice_cpu.export.<module> with export_<ref>/verify_<ref>
-    recipe_field: str  # the Recipe field (and QUANT_TOLERANCE prefix)
-    quantized: tuple[str, ...]  # graph keys the precision applies to
+    recipe_field: str  # the stage's main Recipe field
+    quantized: dict[str, str]  # graph key -> the Recipe field whose precision applies to it
+
+    def precisions(self, recipe: Recipe) -> dict[str, str]:
+        """Recipe field -> precision, for the fields this stage quantizes (the main field first)."""
+        fields = dict.fromkeys([self.recipe_field, *self.quantized.values()])
+        return {f: getattr(recipe, f) for f in fields}
 
 
+_ESTIMATORS = {"flow_estimator": "flow_estimator", "flow_estimator_stream": "flow_estimator",
+               "flow_encoder": "flow_encoder"}  # fmt: skip
+_V1_FLOW = {"flow_estimator": "flow_estimator", "flow_encoder": "flow_encoder"}
 PLANS = {
     "cosyvoice2": (
-        _Plan("LM", "lm", "lm_graph", "lm", ("lm",)),
-        _Plan("flow", "flow", "flow_graph", "flow_estimator", ("flow_estimator", "flow_estimator_stream")),
-        _Plan("HiFT", "hift", "hift_graph", "hift", ("hift_decode",)),
+        _Plan("LM", "lm", "lm_graph", "lm", {"lm": "lm"}),
+        _Plan("flow", "flow", "flow_graph", "flow_estimator", _ESTIMATORS),
+        _Plan("HiFT", "hift", "hift_graph", "hift", {"hift_decode": "hift"}),
     ),
     "cosyvoice": (  # CosyVoice-300M: the text encoder takes the LM's precision (78 M parameters at full size)
-        _Plan("LM", "lm", "lm_graph_v1", "lm", ("lm", "lm_text_encoder")),
-        _Plan("flow", "flow", "flow_graph_v1", "flow_estimator", ("flow_estimator",)),
-        _Plan("HiFT", "hift", "hift_graph", "hift", ("hift_decode",)),
+        _Plan("LM", "lm", "lm_graph_v1", "lm", {"lm": "lm", "lm_text_encoder": "lm"}),
+        _Plan("flow", "flow", "flow_graph_v1", "flow_estimator", _V1_FLOW),
+        _Plan("HiFT", "hift", "hift_graph", "hift", {"hift_decode": "hift"}),
     ),
     "cosyvoice3": (  # the v2 LM and flow contracts (DiT estimator, its own stream graph), the causal HiFT
-        _Plan("LM", "lm", "lm_graph_v3", "lm", ("lm",)),
-        _Plan("flow", "flow", "flow_graph_v3", "flow_estimator", ("flow_estimator", "flow_estimator_stream")),
-        _Plan("HiFT", "hift", "hift_graph_v3", "hift", ("hift_decode",)),
+        _Plan("LM", "lm", "lm_graph_v3", "lm", {"lm": "lm"}),
+        _Plan("flow", "flow", "flow_graph_v3", "flow_estimator", _ESTIMATORS),
+        _Plan("HiFT", "hift", "hift_graph_v3", "hift", {"hift_decode": "hift"}),
     ),
 }
+
+
+def gate_key(precisions: dict[str, str]) -> str:
+    """The :data:`QUANT_TOLERANCE` key of a stage's quantized gate: ``field:precision`` of every non-fp32 field
+    joined by ``+`` (``lm:fp32`` when only the embeddings changed)."""
+    return "+".join(f"{f}:{p}" for f, p in precisions.items() if p != "fp32") or "lm:fp32"
+
+
 CHECKPOINTS = {"lm": "llm.pt", "flow": "flow.pt", "hift": "hift.pt"}
 
 
@@ -143,18 +164,21 @@ def export_stage_files(
             if options.verify:
                 step(f"{plan.name}: numerics gate (fp32 vs PyTorch)")
                 gates = _passed(gates, verify(model, out, seed=options.seed))
-            precision = getattr(recipe, plan.recipe_field)
-            changed = precision != "fp32"
+            precisions = plan.precisions(recipe)
+            changed = any(p != "fp32" for p in precisions.values())
             if plan.ref == "lm" and recipe.embedding != "fp32":
                 changed = True
                 for table in sorted(out.glob("lm_*embedding.npy")):
                     convert_embedding(table, work / table.name, recipe.embedding)
                     shutil.move(str(work / table.name), str(table))
-            arts = [_quantize(a, precision, work, out) if a.key in plan.quantized else a for a in arts]
+            arts = [_quantize(a, precisions[plan.quantized[a.key]], work, out) if a.key in plan.quantized else a
+                    for a in arts]  # fmt: skip
             if changed and options.verify:
-                what = precision + (f", {recipe.embedding} embeddings" if plan.ref == "lm" else "")
+                others = [f"{f} {p}" for f, p in precisions.items() if f != plan.recipe_field and p != "fp32"]
+                what = ", ".join([precisions[plan.recipe_field], *others])  # e.g. "int8, flow_encoder int8w"
+                what += f", {recipe.embedding} embeddings" if plan.ref == "lm" else ""
                 step(f"{plan.name}: numerics gate ({what} vs PyTorch)")
-                key = f"{plan.recipe_field}:{precision}"
+                key = gate_key(precisions)
                 tol = getattr(module, "QUANT_TOLERANCE", {}).get(key) or QUANT_TOLERANCE[key]  # a family's own bounds
                 checked = verify(model, out, seed=options.seed, tolerance=tol)
                 for g in checked:
