@@ -78,7 +78,8 @@ class Engine:
     :meth:`load`."""
 
     def __init__(self, model_dir: Path, manifest: Any, parts: dict[str, Any], threads: int,
-                 prompt_cache_mb: int = 1024, lm_batch_rows: int = 0) -> None:  # fmt: skip
+                 prompt_cache_mb: int = 1024, lm_batch_rows: int = 0,
+                 prompt_cache_fp16: bool = False) -> None:  # fmt: skip
         self.model_dir = model_dir
         self.manifest = manifest
         self.tokenizer = parts["tokenizer"]
@@ -96,7 +97,8 @@ class Engine:
             from cosyvoice_cpu.voice_cache import PromptCaches
 
             kind = PromptCacheV3 if self.family == "cosyvoice3" else PromptCache
-            self.prompt_caches = PromptCaches(self.flow, prompt_cache_mb << 20, kind)
+            dtype = np.float16 if prompt_cache_fp16 else np.float32
+            self.prompt_caches = PromptCaches(self.flow, prompt_cache_mb << 20, kind, dtype)
         self.scheduler = None
         if lm_batch_rows:
             from cosyvoice_cpu.scheduler import LMScheduler
@@ -152,7 +154,8 @@ class Engine:
             logger.warning("%s", warning)
         logger.info("loaded %s (%s, recipe %s) in %.2f s, %d threads", model_dir, m.family, m.recipe["name"],
                     time.perf_counter() - t0, threads)  # fmt: skip
-        return cls(model_dir, m, parts, threads, config.prompt_cache_mb, config.lm_batch_rows)
+        return cls(model_dir, m, parts, threads, config.prompt_cache_mb, config.lm_batch_rows,
+                   config.prompt_cache_fp16)
 
     def close(self) -> None:
         """Stop the LM scheduler's thread, if any (requests still running end with an error)."""

@@ -39,7 +39,8 @@ class PromptCache:
 
     Attributes:
         mu: (1, 80, P) prompt encoder output; spks: (1, 80) projected speaker vector.
-        h: per Euler step, (L, rows, P, width) float32 cached ``norm1`` outputs of the prompt frames.
+        h: per Euler step, (L, rows, P, width) cached ``norm1`` outputs of the prompt frames: float32, or float16
+            storage (``build(dtype=np.float16)``: half the memory; widened to float32 for each call).
         conv: per Euler step, (rows, S, 2) float32 causal-convolution states at the prompt's end.
     """
 
@@ -54,8 +55,10 @@ class PromptCache:
 
     @classmethod
     def build(cls, stage: FlowStage, prompt_tokens: Any, prompt_feat: np.ndarray, embedding: np.ndarray,
-              n_timesteps: int | None = None, cfg_rate: float | None = None) -> PromptCache:  # fmt: skip
-        """Integrate the prompt frames alone (chunk 0) and keep their activations at every step."""
+              n_timesteps: int | None = None, cfg_rate: float | None = None,
+              dtype: Any = np.float32) -> PromptCache:  # fmt: skip
+        """Integrate the prompt frames alone (chunk 0) and keep their activations at every step (stored as
+        ``dtype``: float32, or float16 for half the memory)."""
         sess = _stream_session(stage)
         steps, cfg_rate = stage.solver_params(n_timesteps, cfg_rate)
         tokens = _ids(prompt_tokens, "prompt_tokens")
@@ -73,7 +76,7 @@ class PromptCache:
             feeds["t"] = np.full(rows, t, np.float32)
             v, new_h, conv = sess.run(None, feeds)
             x = x + dt * guide(v, cfg_rate, 1)
-            cache.h.append(new_h)
+            cache.h.append(new_h.astype(dtype, copy=False))
             cache.conv.append(conv)
         logger.debug("prompt cache: %d frames, %d steps, %.1f MB", n, steps, cache.nbytes / 1e6)
         return cache
@@ -173,7 +176,8 @@ class FlowStream:
         x = self.stage.initial_noise(None, 1, n_new, offset=self.n_prompt + self.frames_done)
         for k, (t, dt) in enumerate(self.schedule):
             feeds.update(x=np.concatenate([x] * self.rows), t=np.full(self.rows, t, np.float32),
-                         prompt_h=self.prompt.h[k], context_h=self.ctx_h[k], conv_state=self.conv[k])  # fmt: skip
+                         prompt_h=self.prompt.h[k].astype(np.float32, copy=False), context_h=self.ctx_h[k],
+                         conv_state=self.conv[k])  # fmt: skip
             v, new_h, self.conv[k] = self.sess.run(None, feeds)
             x = x + dt * guide(v, self.cfg_rate, 1)
             self.ctx_h[k] = self._trim(np.concatenate([self.ctx_h[k], new_h], axis=2))

@@ -46,7 +46,8 @@ class PromptCacheV3:
 
     Attributes:
         frames: committed prompt frames (a multiple of the chunk); spks: (1, 80) projected speaker vector.
-        k, v: per Euler step, (L, rows, frames, I) float32 keys (after RoPE) and values.
+        k, v: per Euler step, (L, rows, frames, I) keys (after RoPE) and values: float32, or float16 storage
+            (``build(dtype=np.float16)``: half the memory; widened to float32 for each call).
         conv: per Euler step, (rows, 2D, K-1) float32 conv position embedding inputs before frame ``frames``.
     """
 
@@ -62,8 +63,10 @@ class PromptCacheV3:
 
     @classmethod
     def build(cls, stage: FlowStageV3, prompt_tokens: Any, prompt_feat: np.ndarray, embedding: np.ndarray,
-              n_timesteps: int | None = None, cfg_rate: float | None = None) -> PromptCacheV3:  # fmt: skip
-        """Integrate the prompt's stable complete chunks alone and keep their keys/values at every step."""
+              n_timesteps: int | None = None, cfg_rate: float | None = None,
+              dtype: Any = np.float32) -> PromptCacheV3:  # fmt: skip
+        """Integrate the prompt's stable complete chunks alone and keep their keys/values at every step (stored
+        as ``dtype``: float32, or float16 for half the memory)."""
         sess = _stream_session(stage)
         steps, cfg_rate = stage.solver_params(n_timesteps, cfg_rate)
         s = stage.settings
@@ -89,8 +92,8 @@ class PromptCacheV3:
             feeds.update(x=np.concatenate([x] * rows), t=np.full(rows, t, np.float32))
             v, new_k, new_v, conv_in = sess.run(None, feeds)
             x = x + dt * guide(v, cfg_rate, 1)
-            cache.k.append(new_k)
-            cache.v.append(new_v)
+            cache.k.append(new_k.astype(dtype, copy=False))
+            cache.v.append(new_v.astype(dtype, copy=False))
             cache.conv.append(_next_state(conv0, conv_in, frames, hist))
         logger.debug("v3 prompt cache: %d of %d frames, %d steps, %.1f MB", frames, feat.shape[2], steps,
                      cache.nbytes / 1e6)  # fmt: skip
@@ -208,7 +211,8 @@ class FlowStreamV3:
         x = self.stage.initial_noise(None, 1, size, offset=offset)
         for k, (t, dt) in enumerate(self.schedule):
             feeds.update(x=np.concatenate([x] * self.rows), t=np.full(self.rows, t, np.float32),
-                         prompt_k=self.prompt.k[k], prompt_v=self.prompt.v[k], context_k=self.ctx_k[k],
+                         prompt_k=self.prompt.k[k].astype(np.float32, copy=False),
+                         prompt_v=self.prompt.v[k].astype(np.float32, copy=False), context_k=self.ctx_k[k],
                          context_v=self.ctx_v[k], conv_state=self.conv[k])  # fmt: skip
             v, new_k, new_v, conv_in = self.sess.run(None, feeds)
             x = x + dt * guide(v, self.cfg_rate, 1)

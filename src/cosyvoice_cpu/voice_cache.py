@@ -14,6 +14,8 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
+
 from cosyvoice_cpu.flow import FlowStage
 from cosyvoice_cpu.flow_stream import PromptCache
 
@@ -23,14 +25,16 @@ logger = logging.getLogger(__name__)
 class PromptCaches:
     """LRU of :class:`PromptCache` keyed by (voice fingerprint, steps, cfg rate), at most ``budget`` bytes.
 
-    ``kind`` is the cache class with a ``build(stage, prompt_tokens, prompt_mel, embedding, steps, cfg_rate)``
-    classmethod and ``nbytes`` (CosyVoice2's :class:`PromptCache`, Fun-CosyVoice3's ``PromptCacheV3``).
+    ``kind`` is the cache class with a ``build(stage, prompt_tokens, prompt_mel, embedding, steps, cfg_rate,
+    dtype)`` classmethod and ``nbytes`` (CosyVoice2's :class:`PromptCache`, Fun-CosyVoice3's ``PromptCacheV3``);
+    ``dtype`` is the storage type of the cached activations (float32, or float16 for half the memory).
     """
 
-    def __init__(self, stage: FlowStage, budget: int, kind: type = PromptCache) -> None:
+    def __init__(self, stage: FlowStage, budget: int, kind: type = PromptCache, dtype: Any = np.float32) -> None:
         self.stage = stage
         self.budget = budget
         self.kind = kind
+        self.dtype = dtype
         self._items: OrderedDict[tuple[str, int, float], PromptCache] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = self.misses = 0
@@ -50,7 +54,8 @@ class PromptCaches:
                 self.hits += 1
                 return cache
             self.misses += 1
-        cache = self.kind.build(self.stage, voice.speech_tokens, voice.mel, voice.embedding, steps, cfg_rate)
+        cache = self.kind.build(self.stage, voice.speech_tokens, voice.mel, voice.embedding, steps, cfg_rate,
+                                dtype=self.dtype)
         if cache.nbytes > self.budget:
             return cache  # too big to keep: this request uses it, the next one builds it again
         with self._lock:

@@ -113,6 +113,16 @@ def test_prompt_cache_is_shared_and_changes_nothing(engine: Engine, fp32_dir: Pa
     uncached = Engine.load(fp32_dir, EngineConfig(threads=2, prompt_cache_mb=0))
     assert np.array_equal(uncached.synthesize_wav("One two three.", voice, config), first)
     assert uncached.prompt_caches.nbytes == 0
+    # float16 storage: half the bytes, the same audio up to the rounding of the cached activations
+    half = Engine.load(fp32_dir, EngineConfig(threads=2, prompt_cache_fp16=True))
+    wave = half.synthesize_wav("One two three.", voice, config)
+    key = next(k for k in half.prompt_caches._items if k[0] == voice.fingerprint)
+    h16, h32 = half.prompt_caches._items[key].h, caches._items[key].h
+    assert {a.dtype for a in h16} == {np.dtype(np.float16)} and {a.dtype for a in h32} == {np.dtype(np.float32)}
+    assert sum(a.nbytes for a in h16) * 2 == sum(a.nbytes for a in h32)
+    err = np.linalg.norm(wave - first) / np.linalg.norm(first)
+    print(f"float16 prompt cache: wave rel err {err:.2e}")
+    assert 0 < err < 2e-2
 
 
 def test_bounded_context_is_close_and_converges(engine: Engine) -> None:
