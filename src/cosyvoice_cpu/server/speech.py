@@ -3,9 +3,9 @@
 A synthesis runs in a worker thread (at most ``max_active`` at once; their LM steps are batched by the engine's
 scheduler). Audio chunks are encoded in the worker and cross to the event loop through a bounded queue as they
 are produced, so the first chunk is on the wire while later ones are synthesized, and a slow reader pauses its
-own synthesis. A client that goes away (seen by a watcher of the ASGI
-receive channel, also before the first chunk) sets the job's cancel flag; the engine checks it at every speech
-token, so the work stops within one LM step or one flow call. The request's slot is freed when the worker thread
+own synthesis. A client that goes away (seen by a watcher of the ASGI receive channel, also before the first
+chunk) sets the job's cancel flag; the engine checks it at every speech token, so the work stops within one LM
+step or one flow call. The request's slot is freed when the worker thread
 has actually stopped.
 """
 
