@@ -51,7 +51,7 @@ class EngineConfig:
         prompt_cache_mb: memory for per-voice streaming caches (the prompt's flow activations, ~170 MB per 3 s
             voice at full size); 0 rebuilds them for every streamed request.
         prompt_cache_fp16: store those caches in float16: half the memory (CosyVoice2 full size, 3 s voice:
-            173 -> 87 MB; Fun-CosyVoice3 365 -> 183 MB) for a streamed-mel rel. error of 2.6e-3 (a quarter of the
+            173 -> 87 MB; Fun-CosyVoice3 365 -> ~183 MB) for a streamed-mel rel. error of 2.6e-3 (a quarter of the
             int8 estimator's) and ~5 ms more per stream-estimator call, widening the cache back to float32.
         lm_batch_rows: decode the LM of up to this many concurrent requests in one batched call per step
             (:class:`~cosyvoice_cpu.scheduler.LMScheduler`, a background thread); 0 = each request decodes alone.
