@@ -170,6 +170,13 @@ def test_prompt_cache_is_shared_and_context_bound_is_cheap(flow, stage: FlowStag
     assert all(k.shape[2] == 0 for k in fs.ctx_k)  # nothing generated is kept
     assert bounded.shape == exact.shape and np.isfinite(bounded).all()
     assert np.array_equal(bounded[:, :, :20], exact[:, :, :20])  # the first chunk sees only the prompt anyway
+    # float16 storage of the keys/values: half the bytes, the same mel up to their rounding
+    half = PromptCacheV3.build(*args, dtype=np.float16)
+    assert {a.dtype for a in half.k + half.v} == {np.dtype(np.float16)}
+    assert sum(a.nbytes for a in half.k + half.v) * 2 == sum(a.nbytes for a in cache.k + cache.v)
+    rounded = np.concatenate(_our_stream(FlowStreamV3(*args, context_tokens=None, prompt_cache=half), tokens, cuts),
+                             axis=2)  # fmt: skip
+    assert 0 < rel_err(rounded, exact) < 1e-2, rel_err(rounded, exact)
 
 
 def test_stream_errors(flow, stage: FlowStageV3, flow_dir: Path) -> None:
