@@ -147,13 +147,7 @@ class FlowStream:
         Returns:
             (1, 80, C * token_mel_ratio) float32 mel of the new tokens.
         """
-        if self.finished:
-            raise ConfigError("this stream is finished (its last chunk had no look-ahead); start a new FlowStream")
-        new = _ids(tokens, "tokens")
-        if new.shape[1] == 0:
-            raise ConfigError("push needs at least one new token")
-        if lookahead is not None and _ids(lookahead, "lookahead").shape[1] == 0:
-            lookahead = None
+        new, lookahead = chunk_ids(tokens, lookahead, self.finished, "FlowStream")
         self.finished = lookahead is None
         done = self.history.shape[1]
         keep = done if self.context_tokens is None else min(self.context_tokens, done)
@@ -188,6 +182,18 @@ class FlowStream:
         if self.context_tokens is None or a.shape[2] <= self.context_tokens * self.ratio:
             return a
         return np.ascontiguousarray(a[:, :, a.shape[2] - self.context_tokens * self.ratio :])
+
+
+def chunk_ids(tokens: Any, lookahead: Any, finished: bool, stream: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """The checked arguments of a chunked stream's ``push``: new ids (1, C) with C >= 1, and the look-ahead ids
+    (1, K) or None (None or no ids: the last chunk). ``finished``: the stream already had its last chunk."""
+    if finished:
+        raise ConfigError(f"this stream is finished (its last chunk had no look-ahead); start a new {stream}")
+    new = _ids(tokens, "tokens")
+    if new.shape[1] == 0:
+        raise ConfigError("push needs at least one new token")
+    ahead = None if lookahead is None else _ids(lookahead, "lookahead")
+    return new, ahead if ahead is not None and ahead.shape[1] else None
 
 
 def _stream_session(stage: FlowStage) -> Any:

@@ -34,7 +34,7 @@ import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.flow import _ids, guidance_rows, guide, guided_rows
-from cosyvoice_cpu.flow_stream import _prompt_feat
+from cosyvoice_cpu.flow_stream import _prompt_feat, chunk_ids
 from cosyvoice_cpu.flow_v3 import FlowStageV3
 
 logger = logging.getLogger(__name__)
@@ -173,14 +173,7 @@ class FlowStreamV3:
         Returns:
             (1, 80, C * token_mel_ratio) float32 mel of the new tokens.
         """
-        if self.finished:
-            raise ConfigError("this stream is finished (its last chunk had no look-ahead); start a new FlowStreamV3")
-        new = _ids(tokens, "tokens")
-        if new.shape[1] == 0:
-            raise ConfigError("push needs at least one new token")
-        ahead = None if lookahead is None else _ids(lookahead, "lookahead")
-        if ahead is not None and ahead.shape[1] == 0:
-            ahead = None
+        new, ahead = chunk_ids(tokens, lookahead, self.finished, "FlowStreamV3")
         n_ahead = 0 if ahead is None else ahead.shape[1]
         if n_ahead > self.lookahead:
             raise ConfigError(f"lookahead has {n_ahead} tokens; pass at most pre_lookahead_len = {self.lookahead}")
