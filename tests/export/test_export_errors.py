@@ -142,6 +142,22 @@ def test_too_little_disk_is_refused_before_writing(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_disk_estimate_covers_an_export_and_widens_half_precision_checkpoints(
+    tiny_model_dir: Path, tiny_export_dir: Path, tmp_path: Path
+) -> None:
+    import torch
+
+    need = exporter.needed_bytes(tiny_model_dir)
+    written = sum(f.stat().st_size for f in tiny_export_dir.rglob("*") if f.is_file())
+    assert written <= need < 4 * written + (64 << 20)
+    state = torch.load(tiny_model_dir / "hift.pt", weights_only=True)
+    half = {k: v.half() if v.is_floating_point() else v for k, v in state.items()}
+    torch.save(half, tmp_path / "hift.pt")
+    fp32 = exporter._fp32_bytes(tiny_model_dir / "hift.pt")
+    assert exporter._fp32_bytes(tmp_path / "hift.pt") == fp32  # widened back to what the fp32 graph holds
+    assert (tmp_path / "hift.pt").stat().st_size < 0.8 * fp32  # (a tiny file: zip headers weigh)
+
+
 def test_bad_recipe_and_max_len_are_config_errors(tiny_model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="unknown quantization recipe 'int3'"):
         export_model(tiny_model_dir, tmp_path / "m", ExportOptions(recipe="int3"))
