@@ -33,6 +33,7 @@ from torch import nn
 
 from cosyvoice_cpu.export.common import GateResult, GraphArtifact, gate, torch_export, verify_setup
 from cosyvoice_cpu.export.flow_stream_graph import export_stream_estimator, stream_layout, verify_stream_estimator
+from cosyvoice_cpu.export.fused_ops import export_forms, unmasked_when_unpadded
 from cosyvoice_cpu.flow import FILES
 from cosyvoice_cpu.reference.cfm import NOISE_FRAMES, NOISE_SEED, official_fixed_noise
 from cosyvoice_cpu.reference.flow import Flow
@@ -193,6 +194,8 @@ def export_estimator(graph: nn.Module, path: Path) -> None:
     axes: dict[str, dict[int, str]] = {n: {0: "batch", 2: "time"} for n in ("x", "mask", "mu", "cond")}
     axes.update(t={0: "batch"}, spks={0: "batch"}, estimator_out={0: "batch", 2: "time"})
     torch_export(graph, args, path, input_names=names, output_names=["estimator_out"], dynamic_axes=axes)
+    _pin_output_shape(path, "estimator_out", ["batch", 80, "time"])  # the tracer cannot infer through fused ops
+    unmasked_when_unpadded(path)
 
 
 def export_flow(flow: Flow, out_dir: Path) -> list[GraphArtifact]:
@@ -209,8 +212,9 @@ def export_flow(flow: Flow, out_dir: Path) -> list[GraphArtifact]:
     cfg = flow.config
     t0 = time.perf_counter()
     export_encoder(EncoderGraph(flow), cfg, out_dir / FILES["flow_encoder"], cfg.encoder.static_chunk_size)
-    export_estimator(EstimatorGraph(flow.decoder.estimator), out_dir / FILES["flow_estimator"])
-    export_stream_estimator(flow.decoder.estimator, out_dir / FILES["flow_estimator_stream"])
+    with export_forms(flow.decoder.estimator) as est:  # fused attention, one-Exp Mish (fused_ops.py)
+        export_estimator(EstimatorGraph(est), out_dir / FILES["flow_estimator"])
+        export_stream_estimator(est, out_dir / FILES["flow_estimator_stream"])
     np.save(out_dir / FILES["flow_noise"], official_fixed_noise().numpy().astype(np.float32))
     logger.info("exported the flow to %s in %.1f s", out_dir, time.perf_counter() - t0)
 

@@ -38,6 +38,7 @@ from cosyvoice_cpu.export.flow_graph import (
     export_estimator,
     rel_position_encoding,
 )
+from cosyvoice_cpu.export.fused_ops import export_forms
 from cosyvoice_cpu.flow_v1 import CACHE_TAIL_FRAMES, FILES, MEL_FRAMES_PER_SECOND, OVERLAP_TOKENS, stretch_matrix
 from cosyvoice_cpu.reference.flow_estimator import MASK_BIAS, FlowEstimator, timestep_embedding
 from cosyvoice_cpu.reference.flow_estimator_v1 import UNetEstimator
@@ -164,7 +165,8 @@ def export_flow(flow: FlowV1, out_dir: Path) -> list[GraphArtifact]:
                  dynamic_axes={"token": {1: "tokens"}, "stretch": {0: "tokens", 1: "frames"},
                                "mu": {2: "frames"}})  # fmt: skip
     _pin_output_shape(out_dir / FILES["flow_encoder"], "mu", [1, cfg.output_size, "frames"])
-    export_estimator(EstimatorGraphV1(flow.decoder.estimator), out_dir / FILES["flow_estimator"])
+    with export_forms(flow.decoder.estimator) as est:  # fused attention, one-Exp Mish (fused_ops.py)
+        export_estimator(EstimatorGraphV1(est), out_dir / FILES["flow_estimator"])
     logger.info("exported the v1 flow to %s in %.1f s", out_dir, time.perf_counter() - t0)
 
     solver = settings_of(flow)

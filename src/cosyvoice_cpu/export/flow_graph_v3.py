@@ -39,10 +39,10 @@ from cosyvoice_cpu.export.flow_stream_graph_v3 import (
     stream_layout,
     verify_stream_estimator,
 )
+from cosyvoice_cpu.export.fused_ops import export_forms
 from cosyvoice_cpu.flow_v3 import FILES_V3 as FILES
 from cosyvoice_cpu.reference.cfm import NOISE_FRAMES, NOISE_SEED, official_fixed_noise
 from cosyvoice_cpu.reference.dit import DiT, apply_rope
-from cosyvoice_cpu.reference.flow_estimator import MASK_BIAS
 from cosyvoice_cpu.reference.flow_v3 import FlowV3
 from cosyvoice_cpu.sessions import SessionConfig, make_session
 
@@ -98,13 +98,13 @@ class EstimatorGraphV3(nn.Module):
         h, _ = run.embed(x, cond, mu, spks, None)
         residual = h
         freqs = run.freqs(torch.zeros((), dtype=torch.int64), x.size(2))
-        bias = ((1.0 - mask) * MASK_BIAS).unsqueeze(1)  # (B, 1, 1, T): padded keys hidden
+        visible = mask[:, 0]  # (B, T): padded keys hidden
         keep = mask.transpose(1, 2)  # (B, T, 1): attention output zeroed on padded frames (as upstream)
         for block in self.est.transformer_blocks:
 
             def attention(n: torch.Tensor, a: nn.Module = block.attn) -> torch.Tensor:
                 q, k = apply_rope(a.to_q(n), freqs), apply_rope(a.to_k(n), freqs)
-                return a.to_out[0](run.attend(q, k, a.to_v(n), bias)) * keep
+                return a.to_out[0](run.attend(q, k, a.to_v(n), key_mask=visible)) * keep
 
             h = run.block(block, h, t_emb, attention)
         return run.head(h, residual, t_emb) * mask
@@ -139,11 +139,13 @@ def export_flow(flow: FlowV3, out_dir: Path) -> list[GraphArtifact]:
     t0 = time.perf_counter()
     est = flow.decoder.estimator
     export_encoder(EncoderGraphV3(flow), cfg, out_dir / FILES["flow_encoder"], 0)  # chunk_size unused by v3
-    export_estimator(EstimatorGraphV3(est), out_dir / FILES["flow_estimator"])
-    export_stream_estimator(est, out_dir / FILES["flow_estimator_stream"])
+    with export_forms(est):  # one-Exp Mish in the conv position embedding (fused_ops.py)
+        export_estimator(EstimatorGraphV3(est), out_dir / FILES["flow_estimator"])
+        export_stream_estimator(est, out_dir / FILES["flow_estimator_stream"])
     layers, width, state, hist = stream_layout(est)
     for name in ("new_k", "new_v"):  # the tracer names the key width after a Concat
         _pin_output_shape(out_dir / FILES["flow_estimator_stream"], name, [layers, "batch", "time", width])
+    _pin_output_shape(out_dir / FILES["flow_estimator_stream"], "velocity", ["batch", 80, "time"])  # fused ops
     np.save(out_dir / FILES["flow_noise"], official_fixed_noise().numpy().astype(np.float32))  # v2's table
     logger.info("exported the v3 flow to %s in %.1f s", out_dir, time.perf_counter() - t0)
 

@@ -33,7 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cosyvoice_cpu.export import fused_ops
 from cosyvoice_cpu.export.common import GateResult, rel_err
+from cosyvoice_cpu.export.fused_ops import KeyMaskedAttention
 from cosyvoice_cpu.reference.flow_estimator import (
     CausalBlock,
     CausalConv1d,
@@ -119,14 +121,9 @@ class _Run:
         keys = torch.cat([self.past[self.block], n], dim=1)
         self.block += 1
         attn = block.attn1
-        b, size, _ = n.shape
-
-        def split(h: torch.Tensor) -> torch.Tensor:
-            return h.view(b, h.size(1), attn.heads, -1).transpose(1, 2)
-
-        q, k, v = split(attn.to_q(n)), split(attn.to_k(keys)), split(attn.to_v(keys))
-        out = F.scaled_dot_product_attention(q, k, v)
-        x = x + attn.to_out[0](out.transpose(1, 2).reshape(b, size, -1))
+        attn = attn.inner if isinstance(attn, KeyMaskedAttention) else attn  # under export_forms
+        scale = (attn.to_q.out_features // attn.heads) ** -0.5
+        x = x + attn.to_out[0](fused_ops.attention(attn.to_q(n), attn.to_k(keys), attn.to_v(keys), attn.heads, scale))
         h = block.norm3(x)
         for layer in block.ff.net:
             h = layer(h)

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cosyvoice_cpu.export import fused_ops
 from cosyvoice_cpu.export.common import GateResult, rel_err
 from cosyvoice_cpu.reference.dit import TIME_FREQ_DIM, DiT, DiTBlock, apply_rope
 from cosyvoice_cpu.reference.flow_estimator import MASK_BIAS, timestep_embedding
@@ -85,16 +86,12 @@ class DiTRun:
         f = pos[:, None] * inv[None, :]
         return torch.stack([f, f], dim=-1).flatten(1).unsqueeze(0)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """q (B, T, I), k/v (B, S, I), bias broadcastable to (B, H, T, S) -> (B, T, I)."""
-        b, size, _ = q.shape
-
-        def split(h: torch.Tensor) -> torch.Tensor:
-            return h.reshape(b, h.size(1), self.heads, -1).transpose(1, 2)
-
-        scores = torch.matmul(split(q), split(k).transpose(2, 3)) * self.scale + bias
-        out = torch.matmul(torch.softmax(scores, dim=-1), split(v))
-        return out.transpose(1, 2).reshape(b, size, -1)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """q (B, T, I), k/v (B, S, I), key_mask (B, S) 0/1 or bias (T, S) additive -> (B, T, I), as one
+        ``com.microsoft.MultiHeadAttention`` in the graphs (:func:`~cosyvoice_cpu.export.fused_ops.attention`)."""
+        bias = None if bias is None else bias[None, None]
+        return fused_ops.attention(q, k, v, self.heads, self.scale, key_mask=key_mask, bias=bias)
 
     def block(self, block: DiTBlock, x: torch.Tensor, t_emb: torch.Tensor, attention: Any) -> torch.Tensor:
         """One AdaLN-zero block; ``attention(n) -> (B, T, D)`` is the attention on the modulated input."""
@@ -152,7 +149,7 @@ class StreamEstimatorGraphV3(nn.Module):
                 new_v.append(v)
                 keys = torch.cat([prompt_k[i], context_k[i], k], dim=1)
                 values = torch.cat([prompt_v[i], context_v[i], v], dim=1)
-                return a.to_out[0](run.attend(q, keys, values, bias))
+                return a.to_out[0](run.attend(q, keys, values, bias=bias))
 
             h = run.block(block, h, t_emb, attention)
         return run.head(h, residual, t_emb), torch.stack(new_k), torch.stack(new_v), conv_in

@@ -1,0 +1,179 @@
+"""Export-time forms of two estimator pieces that ONNX Runtime runs faster, equal to the reference in fp32.
+
+Profiled on the full-size CosyVoice2 estimator (650 frames, CFG batch 2, 2 threads, ``int8w``), the unfused
+attention (``MatMul -> Mul -> Add(mask) -> Softmax -> MatMul`` plus four ``Transpose`` per block) and ``Mish``
+(ORT's ``Softplus`` is scalar code) were ~55 % of a call. Measured on this machine:
+
+- **attention** as ``com.microsoft.MultiHeadAttention`` (:func:`attention`): ORT loops over (batch, head) with a
+  score tile that stays in cache and applies the key mask inside the loop, instead of streaming the whole
+  (B, H, T, T) score tensor through memory four times: 5.7 ms per block with a key mask, 4.9 ms without (the
+  streamed chunk's graph), against ~7.1 ms.
+- **Mish** as ``x * m / (m + 2)`` with ``m = e (e + 2)``, ``e = exp(min(x, 20))`` (:class:`ExpMish`):
+  ``tanh(softplus(x)) = ((1+e)^2 - 1) / ((1+e)^2 + 1)`` rewritten so that only one ``Exp`` is needed; from
+  x = 20 on, the ratio is 1 in fp32, so clamping the exponent changes nothing. 0.36 ms vs 1.86 ms on
+  (2, 256, 650), max relative difference 1.3e-6.
+
+:func:`export_forms` swaps these into a module tree for the duration of an export; eager PyTorch computes the
+same numbers, and the numerics gates compare the graphs against the unswapped reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cosyvoice_cpu.reference.flow_estimator import MASK_BIAS, SelfAttention
+
+
+class _MultiHeadAttention(torch.autograd.Function):
+    """Eager: scaled dot-product attention. ONNX: one ``com.microsoft.MultiHeadAttention`` node."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
+                bias: torch.Tensor | None, heads: int, scale: float) -> torch.Tensor:  # fmt: skip
+        b, size, _ = q.shape
+
+        def split(h: torch.Tensor) -> torch.Tensor:
+            return h.reshape(b, h.size(1), heads, -1).transpose(1, 2)
+
+        add = None if bias is None else bias
+        if key_mask is not None:
+            keys = (1.0 - key_mask.to(q.dtype)) * MASK_BIAS
+            add = keys[:, None, None, :] if add is None else add + keys[:, None, None, :]
+        out = F.scaled_dot_product_attention(split(q), split(k), split(v), attn_mask=add, scale=scale)
+        return out.transpose(1, 2).reshape(b, size, -1)
+
+    @staticmethod
+    def symbolic(g: Any, q: Any, k: Any, v: Any, key_mask: Any, bias: Any, heads: int, scale: float) -> Any:
+        def none() -> Any:
+            return g.op("prim::Constant").setType(torch._C.OptionalType.ofTensor())
+
+        inputs = [q, k, v, none()]
+        if key_mask is not None or bias is not None:
+            mask = none() if key_mask is None else g.op("Cast", key_mask, to_i=6)  # int32, 1 = visible
+            inputs.append(mask)
+        if bias is not None:
+            inputs.append(bias)
+        out = g.op("com.microsoft::MultiHeadAttention", *inputs, num_heads_i=heads, scale_f=scale,
+                   mask_filter_value_f=MASK_BIAS)  # fmt: skip
+        return out.setType(q.type())
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, scale: float,
+              key_mask: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Multi-head attention on packed heads, exported as ``com.microsoft.MultiHeadAttention``.
+
+    Args:
+        q: (B, T, H*D) queries; k, v: (B, S, H*D) keys and values (S may differ from T).
+        heads: H; scale: the score scale (``D ** -0.5`` in every CosyVoice estimator).
+        key_mask: (B, S) float 0/1, 1 = visible (a padded key gets the official ``-1e10`` bias), or None.
+        bias: (1|B, 1, T, S) additive float bias (e.g. a chunk-causal window), or None.
+    Returns:
+        (B, T, H*D).
+    """
+    return _MultiHeadAttention.apply(q, k, v, key_mask, bias, heads, scale)
+
+
+class KeyMaskedAttention(nn.Module):
+    """:class:`SelfAttention` with the same weights, its key-padding bias (B, 1, T) run by :func:`attention`."""
+
+    def __init__(self, inner: SelfAttention) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """x (B, T, C), bias (B, 1, T) additive key bias (0 visible, -1e10 padded) -> (B, T, C)."""
+        a = self.inner
+        if bias.dim() != 3 or bias.size(1) != 1:
+            raise ValueError(f"KeyMaskedAttention takes a (B, 1, T) key-padding bias, got {tuple(bias.shape)}")
+        dim_head = a.to_q.out_features // a.heads
+        out = attention(a.to_q(x), a.to_k(x), a.to_v(x), a.heads, dim_head**-0.5, key_mask=(bias[:, 0] == 0))
+        return a.to_out[0](out)
+
+
+class ExpMish(nn.Module):
+    """``x * tanh(softplus(x))`` with a single ``Exp`` (formula in the module doc)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = torch.exp(torch.clamp(x, max=20.0))
+        m = e * (e + 2.0)
+        return x * m / (m + 2.0)
+
+
+@contextlib.contextmanager
+def export_forms(module: nn.Module) -> Iterator[nn.Module]:
+    """Within the block, every ``nn.Mish`` of ``module`` is an :class:`ExpMish` and every :class:`SelfAttention`
+    a :class:`KeyMaskedAttention` (same parameters, nothing copied); the originals are put back on exit."""
+    swapped: list[tuple[nn.Module, str, nn.Module]] = []
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Mish):
+                new: nn.Module = ExpMish()
+            elif isinstance(child, SelfAttention):
+                new = KeyMaskedAttention(child)
+            else:
+                continue
+            setattr(parent, name, new)
+            swapped.append((parent, name, child))
+    try:
+        yield module
+    finally:
+        for parent, name, child in reversed(swapped):
+            setattr(parent, name, child)
+
+
+def unmasked_when_unpadded(path: Path) -> int:
+    """Rewrite every key-masked ``MultiHeadAttention`` of the graph at ``path`` as ``If(no key is padded)``: then
+    the same node without the mask, else the node as it was. Returns the number of nodes rewritten.
+
+    ORT runs an unmasked ``MultiHeadAttention`` with its flash-attention kernel and a masked one with the
+    classic per-head kernel (score tile + mask + softmax): 4.9 vs 6.5 ms per CosyVoice2 block at 650 frames, CFG
+    batch 2. The runtime pads nothing in a whole-sentence call, so it always takes the first branch; a padded
+    batch (the official contract allows one) takes the second. The branches hold no weights, and the test runs
+    once per graph call (one ``ReduceMin`` over the (B, T) mask). Weights stay in their external file.
+    """
+    import onnx
+    from onnx import TensorProto, helper
+
+    model = onnx.load(str(path), load_external_data=False)
+    graph = model.graph
+    nodes: list[Any] = []
+    conds: dict[str, str] = {}
+    rewritten = 0
+    for node in graph.node:
+        if node.op_type != "MultiHeadAttention" or len(node.input) < 5 or not node.input[4] or len(node.input) > 5:
+            nodes.append(node)
+            continue
+        mask = node.input[4]
+        if mask not in conds:  # one test per distinct mask (each UNet resolution has its own)
+            low, cond = f"{mask}/min", f"{mask}/unpadded"
+            nodes += [helper.make_node("ReduceMin", [mask], [low], keepdims=0),
+                      helper.make_node("Equal", [low, f"{mask}/one"], [cond])]  # fmt: skip
+            graph.initializer.append(helper.make_tensor(f"{mask}/one", TensorProto.INT32, [], [1]))
+            conds[mask] = cond
+        out = node.output[0]
+        attrs = list(node.attribute)
+        branch_out = [helper.make_tensor_value_info(f"{out}/then", TensorProto.FLOAT, None)]
+        fast = helper.make_node("MultiHeadAttention", list(node.input[:3]), [f"{out}/then"], node.name + "/unmasked",
+                                domain="com.microsoft")  # fmt: skip
+        fast.attribute.extend(a for a in attrs if a.name != "mask_filter_value")
+        slow = helper.make_node("MultiHeadAttention", list(node.input), [f"{out}/else"], node.name + "/masked",
+                                domain="com.microsoft")  # fmt: skip
+        slow.attribute.extend(attrs)
+        nodes.append(helper.make_node(
+            "If", [conds[mask]], [out], node.name + "/if_unpadded",
+            then_branch=helper.make_graph([fast], "unmasked", [], branch_out),
+            else_branch=helper.make_graph(
+                [slow], "masked", [], [helper.make_tensor_value_info(f"{out}/else", TensorProto.FLOAT, None)]),
+        ))  # fmt: skip
+        rewritten += 1
+    del graph.node[:]
+    graph.node.extend(nodes)
+    onnx.save_model(model, str(path))
+    return rewritten
