@@ -51,6 +51,21 @@ def _task(model_dir: Path, task: str, threads: int, args: argparse.Namespace, **
     return _child(cmd, f"{task} {threads} threads {extra or ''}".strip())
 
 
+def cached_export_is_fresh(dst: Path, recipe: str) -> bool:
+    """Whether ``dst`` is a loadable export with ``recipe``'s stages, written by the current graph-building code
+    (a cache from before a recipe or exporter change must be exported again, not benchmarked as current)."""
+    from cosyvoice_cpu.export.exporter import export_code_digest
+    from cosyvoice_cpu.export.quantize import parse_recipe
+    from cosyvoice_cpu.manifest import Manifest
+
+    try:
+        cached = Manifest.load(dst)
+    except Exception:
+        return False
+    return (cached.recipe.get("stages") == parse_recipe(recipe).stages()
+            and cached.created_by.endswith(f"(export code {export_code_digest()})"))  # fmt: skip
+
+
 def resolve_model(args: argparse.Namespace) -> tuple[Path, Path | None, str]:
     """(model dir, official dir for the peers or None, description)."""
     if args.model is not None:
@@ -60,21 +75,14 @@ def resolve_model(args: argparse.Namespace) -> tuple[Path, Path | None, str]:
     _need_export_extra()
     from cosyvoice_cpu.export.exporter import ExportOptions, export_model
     from cosyvoice_cpu.export.fixture import FixtureSpec, write_fixture
-    from cosyvoice_cpu.manifest import Manifest
 
     family = args.family
     src = cache_dir() / "fixtures" / f"{family}-full-seed0"
     if not (src / f"{family}.yaml").is_file():
         print(f"writing the full-size random {family} fixture (once) ...", file=sys.stderr)
         write_fixture(FixtureSpec(family, "full", 0), src, force=True)
-    from cosyvoice_cpu.export.quantize import parse_recipe
-
     dst = cache_dir() / "exports" / f"{family}-full-seed0-{args.recipe}"
-    try:  # a cache written before the recipe changed (e.g. a stage was added to it) is exported again
-        fresh = Manifest.load(dst).recipe.get("stages") == parse_recipe(args.recipe).stages()
-    except Exception:
-        fresh = False
-    if not fresh:
+    if not cached_export_is_fresh(dst, args.recipe):
         print(f"exporting the fixture with recipe {args.recipe} (once; cached in {dst}) ...", file=sys.stderr)
         export_model(src, dst, ExportOptions(recipe=args.recipe, force=True))
     name = {"cosyvoice2": "CosyVoice2", "cosyvoice": "CosyVoice-300M", "cosyvoice3": "Fun-CosyVoice3"}[family]

@@ -73,3 +73,21 @@ def test_bench_runs_the_pytorch_peer_in_the_same_report(tiny_export_dir: Path, t
     md = (out / "bench.md").read_text()
     row = next(line for line in md.splitlines() if line.startswith("| end-to-end RTF (LM"))
     assert row.count("–") == 2  # official skipped; reference and ours measured, no ratio without the official
+
+
+def test_a_cached_export_from_other_exporter_code_or_recipe_is_stale(tiny_export_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from cosyvoice_cpu.cli_bench import cached_export_is_fresh
+    from cosyvoice_cpu.export.quantize import DEFAULT_RECIPE
+
+    assert cached_export_is_fresh(tiny_export_dir, DEFAULT_RECIPE)
+    assert not cached_export_is_fresh(tiny_export_dir, "fp32")
+    assert not cached_export_is_fresh(tmp_path / "missing", DEFAULT_RECIPE)
+    old = shutil.copytree(tiny_export_dir, tmp_path / "old")
+    manifest = old / "cosyvoice_cpu.json"
+    data = json.loads(manifest.read_text())
+    assert "(export code " in data["created_by"]
+    data["created_by"] = "cosyvoice-cpu 0.1.0 (export code 000000000000)"
+    manifest.write_text(json.dumps(data))
+    assert not cached_export_is_fresh(old, DEFAULT_RECIPE)

@@ -84,6 +84,22 @@ class ExportOptions:
         return parse_recipe(self.recipe)
 
 
+def export_code_digest() -> str:
+    """12 hex digits of SHA-256 over the code that shapes an export (``export/`` and ``reference/`` sources).
+
+    Recorded in the manifest's ``created_by``, so a cached export written by other graph-building code is
+    recognised as stale (``cosyvoice-cpu bench`` re-exports it) instead of being benchmarked as if it were current.
+    """
+    import hashlib
+
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in sorted([*(root / "export").glob("*.py"), *(root / "reference").glob("*.py")]):
+        h.update(f"{f.parent.name}/{f.name}".encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def free_bytes(path: Path) -> int:
     """Free disk space where ``path`` (or its nearest existing parent) lives."""
     while not path.exists():
@@ -369,7 +385,7 @@ def _manifest(
     return Manifest(
         format_version=FORMAT_VERSION,
         family=cfg.family,
-        created_by=f"cosyvoice-cpu {__version__}",
+        created_by=f"cosyvoice-cpu {__version__} (export code {export_code_digest()})",
         recipe={"name": recipe.name, "stages": recipe.stages()},
         sample_rate=cfg.sample_rate,
         token_frame_rate=cfg.token_frame_rate,
