@@ -14,6 +14,7 @@ from torch import nn
 from cosyvoice_cpu.export.common import torch_export
 from cosyvoice_cpu.export.fused_ops import (
     ExpMish,
+    FastGelu,
     KeyMaskedAttention,
     attention,
     export_forms,
@@ -132,3 +133,21 @@ def test_masked_attention_takes_the_unmasked_kernel_only_when_nothing_is_padded(
         ref = _reference(q, k, v, heads, ((1 - m) * MASK_BIAS)[:, None, None, :])
         out = sess.run(None, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "m": m.numpy()})[0]
         assert np.abs(out - ref.numpy()).max() < 1e-5, padded
+
+
+def test_fast_gelu_is_one_node_equal_to_tanh_gelu(tmp_path: Path) -> None:
+    x = torch.linspace(-12, 12, 4001).reshape(1, 1, -1)
+    want = F.gelu(x, approximate="tanh")
+    model = nn.Sequential(nn.GELU(approximate="tanh"))
+    path = tmp_path / "gelu.onnx"
+    with export_forms(model):
+        assert isinstance(model[0], FastGelu)
+        assert torch.equal(model(x), want)
+        torch_export(model, (x,), path, input_names=["x"], output_names=["y"], dynamic_axes={"x": {2: "t"}})
+    assert isinstance(model[0], nn.GELU)
+    assert [n.op_type for n in onnx.load(str(path)).graph.node] == ["FastGelu"]
+    out = make_session(path, SessionConfig(threads=1)).run(None, {"x": x.numpy()})[0]
+    assert np.abs(out - want.numpy()).max() < 1e-5
+    exact = nn.Sequential(nn.GELU())  # the erf GELU (CosyVoice2's FFN) is left alone
+    with export_forms(exact):
+        assert isinstance(exact[0], nn.GELU)

@@ -9,6 +9,7 @@ complete, so a failure never leaves a half-written model directory.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -84,8 +85,10 @@ class ExportOptions:
         return parse_recipe(self.recipe)
 
 
+@functools.lru_cache(maxsize=1)
 def export_code_digest() -> str:
-    """12 hex digits of SHA-256 over the code that shapes an export (``export/`` and ``reference/`` sources).
+    """12 hex digits of SHA-256 over the code that shapes an export (``export/`` and ``reference/`` sources),
+    read once per process (:func:`export_model` reads it first, before any graph is built).
 
     Recorded in the manifest's ``created_by``, so a cached export written by other graph-building code is
     recognised as stale (``cosyvoice-cpu bench`` re-exports it) instead of being benchmarked as if it were current.
@@ -230,6 +233,7 @@ def export_model(
     options = options or ExportOptions()
     recipe = options.validate()
     src, dst = Path(src), Path(dst)
+    export_code_digest()  # the code this export is built with, not what the files say when it ends
     say = progress or (lambda msg: logger.info("%s", msg))
     t0 = time.perf_counter()
 
