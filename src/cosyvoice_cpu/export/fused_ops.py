@@ -1,17 +1,19 @@
-"""Export-time forms of two estimator pieces that ONNX Runtime runs faster, equal to the reference in fp32.
+"""Export-time forms of estimator pieces that ONNX Runtime runs faster, equal to the reference in fp32.
 
 Profiled on the full-size CosyVoice2 estimator (650 frames, CFG batch 2, 2 threads, ``int8w``), the unfused
 attention (``MatMul -> Mul -> Add(mask) -> Softmax -> MatMul`` plus four ``Transpose`` per block) and ``Mish``
-(ORT's ``Softplus`` is scalar code) were ~55 % of a call. Measured on this machine:
+(ORT's ``Softplus`` is scalar code) were ~65 % of a 677 ms call; with these forms a call takes 524-557 ms
+(docs/benchmarks.md). Measured on this machine:
 
 - **attention** as ``com.microsoft.MultiHeadAttention`` (:func:`attention`): ORT loops over (batch, head) with a
   score tile that stays in cache and applies the key mask inside the loop, instead of streaming the whole
-  (B, H, T, T) score tensor through memory four times: 5.7 ms per block with a key mask, 4.9 ms without (the
-  streamed chunk's graph), against ~7.1 ms.
+  (B, H, T, T) score tensor through memory four times: 5.7 ms per block with a key mask, 4.9 ms without (its
+  flash-attention kernel, which :func:`unmasked_when_unpadded` selects whenever no key is padded), against ~7.1 ms.
 - **Mish** as ``x * m / (m + 2)`` with ``m = e (e + 2)``, ``e = exp(min(x, 20))`` (:class:`ExpMish`):
   ``tanh(softplus(x)) = ((1+e)^2 - 1) / ((1+e)^2 + 1)`` rewritten so that only one ``Exp`` is needed; from
   x = 20 on, the ratio is 1 in fp32, so clamping the exponent changes nothing. 0.36 ms vs 1.86 ms on
   (2, 256, 650), max relative difference 1.3e-6.
+- **tanh GELU** (the Fun-CosyVoice3 DiT's FFN) as one ``com.microsoft.FastGelu`` (:class:`FastGelu`).
 
 :func:`export_forms` swaps these into a module tree for the duration of an export; eager PyTorch computes the
 same numbers, and the numerics gates compare the graphs against the unswapped reference.
