@@ -120,7 +120,8 @@ def _fp32_bytes(ckpt: Path) -> int:
     from cosyvoice_cpu.reference.model_dir import load_checkpoint
 
     state = load_checkpoint(ckpt)
-    state = state.get("state_dict", state) if isinstance(state.get("state_dict"), dict) else state
+    if isinstance(state.get("state_dict"), dict):  # a training checkpoint wrapping the weights
+        state = state["state_dict"]
     return sum(t.numel() * (4 if t.is_floating_point() else t.element_size())
                for t in state.values() if isinstance(t, torch.Tensor))  # fmt: skip
 
