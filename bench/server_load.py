@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,27 +26,10 @@ from pathlib import Path
 import httpx
 
 from cosyvoice_cpu.cli_speech import DEMO_MODEL, _tone_wav
+from cosyvoice_cpu.server.process import ServerProcess
 
 TEXT = "Warning: line three is overheating. Check the pump."
-
-
-def launch(model: Path, voices: Path, *extra: str) -> tuple[subprocess.Popen, str]:
-    """Start a server on a free port and wait for /health; returns (process, base url)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "cosyvoice_cpu", "serve", "-m", str(model), "--voices", str(voices),
-           "--port", str(port), "--log-level", "warning", *extra]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise SystemExit(f"server on {model} did not start")
+STARTUP_S = 300  # a full-size model directory loads in well under a minute; a busy machine gets slack
 
 
 def ensure_voice(url: str) -> None:
@@ -88,15 +69,15 @@ def batching(args: argparse.Namespace) -> dict:
     out: dict = {"machine": platform.processor() or platform.machine(), "model": str(args.model), "runs": {}}
     for label, extra in (("scheduler", []), ("no-scheduler", ["--lm-batch-rows", "0"])):
         with tempfile.TemporaryDirectory() as voices:
-            proc, url = launch(args.model, Path(voices), "--threads", str(args.threads), "--max-active",
-                               str(max(args.concurrency)), *extra)  # fmt: skip
+            server = ServerProcess.start(args.model, Path(voices), "--threads", str(args.threads), "--max-active",
+                                         str(max(args.concurrency)), *extra, timeout=STARTUP_S)  # fmt: skip
+            url = server.url
             try:
                 ensure_voice(url)
                 one(url, 999)  # warm-up
                 rows = [run_batch(url, n, args.requests) for n in args.concurrency]
             finally:
-                proc.terminate()
-                proc.wait(30)
+                server.stop()
         base = rows[0]["sentences_per_s"]
         for row in rows:
             row["vs_serial"] = round(row["sentences_per_s"] / base, 2)
@@ -111,8 +92,9 @@ def soak(args: argparse.Namespace) -> dict:
     curve: list[tuple[int, float]] = []
     errors = 0
     with tempfile.TemporaryDirectory() as voices:
-        proc, url = launch(args.model, Path(voices), "--threads", str(args.threads), "--max-active",
-                           str(args.concurrency))  # fmt: skip
+        server = ServerProcess.start(args.model, Path(voices), "--threads", str(args.threads), "--max-active",
+                                     str(args.concurrency), timeout=STARTUP_S)  # fmt: skip
+        url = server.url
         try:
             ensure_voice(url)
             done = 0
@@ -126,8 +108,7 @@ def soak(args: argparse.Namespace) -> dict:
                     curve.append((done, rss))
                     print(f"{done:6d} requests  RSS {rss:8.1f} MB", flush=True)
         finally:
-            proc.terminate()
-            proc.wait(30)
+            server.stop()
     warm = next(rss for n, rss in curve if n >= args.requests // 10)
     growth = (curve[-1][1] - warm) / warm
     print(f"RSS after warm-up {warm:.1f} MB, at the end {curve[-1][1]:.1f} MB: growth {growth * 100:+.2f} %; "

@@ -2,12 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,59 +10,28 @@ import httpx
 import pytest
 
 from cosyvoice_cpu.cli_speech import DEMO_MODEL, _tone_wav
+from cosyvoice_cpu.server.process import ServerProcess, free_port
+
+__all__ = ["free_port"]  # re-exported for the tests that run an in-process server
 
 VOICE = "demo"
 PROMPT_TEXT = "Good morning everyone."
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
-class Server:
-    """A running server: its URL, process, voices directory and log file."""
+class Server(ServerProcess):
+    """A running server (:class:`ServerProcess`) with its voices directory."""
 
-    url: str
-    proc: subprocess.Popen
-    voices: Path
-    log: Path
+    voices: Path = Path()
 
     def client(self, **kw: object) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=120, **kw)
 
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-
 
 def start_server(voices: Path, log: Path, *extra: str, model: Path = DEMO_MODEL) -> Server:
-    """Start ``cosyvoice-cpu serve`` and wait until /health answers (raises with the log if it dies)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "cosyvoice_cpu", "serve", "-m", str(model), "--voices", str(voices),
-           "--port", str(port), "--threads", "2", "--log-level", "warning", *extra]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
-    server = Server(f"http://127.0.0.1:{port}", proc, voices, log)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    server.stop(signal.SIGKILL)
-    raise RuntimeError(f"the server did not come up in 60 s:\n{log.read_text()[-3000:]}")
+    """Start ``cosyvoice-cpu serve`` (2 threads) and wait until /health answers (raises with the log if it dies)."""
+    proc = ServerProcess.start(model, voices, "--threads", "2", *extra, log=log)
+    return Server(proc.url, proc.proc, proc.log, voices)
 
 
 def add_voice(client: httpx.Client, name: str = VOICE, text: str = PROMPT_TEXT, **data: str) -> httpx.Response:
