@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import pytest
 
 from cosyvoice_cpu.cli_speech import DEMO_MODEL, _tone_wav
-from cosyvoice_cpu.server.process import ServerProcess, free_port
-
-__all__ = ["free_port"]  # re-exported for the tests that run an in-process server
+from cosyvoice_cpu.server.process import ServerProcess
 
 VOICE = "demo"
 PROMPT_TEXT = "Good morning everyone."
@@ -22,7 +20,7 @@ PROMPT_TEXT = "Good morning everyone."
 class Server(ServerProcess):
     """A running server (:class:`ServerProcess`) with its voices directory."""
 
-    voices: Path = Path()
+    voices: Path = field(kw_only=True)
 
     def client(self, **kw: object) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=120, **kw)
@@ -31,7 +29,7 @@ class Server(ServerProcess):
 def start_server(voices: Path, log: Path, *extra: str, model: Path = DEMO_MODEL) -> Server:
     """Start ``cosyvoice-cpu serve`` (2 threads) and wait until /health answers (raises with the log if it dies)."""
     proc = ServerProcess.start(model, voices, "--threads", "2", *extra, log=log)
-    return Server(proc.url, proc.proc, proc.log, voices)
+    return Server(proc.url, proc.proc, proc.log, voices=voices)
 
 
 def add_voice(client: httpx.Client, name: str = VOICE, text: str = PROMPT_TEXT, **data: str) -> httpx.Response:

@@ -19,9 +19,10 @@ import pytest
 from cosyvoice_cpu.cli_speech import DEMO_MODEL, _tone_wav
 from cosyvoice_cpu.config import EngineConfig, SynthesisConfig
 from cosyvoice_cpu.engine import Engine
+from cosyvoice_cpu.server.process import free_port
 from cosyvoice_cpu.voice import Voice
 
-from .conftest import PROMPT_TEXT, VOICE, add_voice, free_port, start_server
+from .conftest import PROMPT_TEXT, VOICE, add_voice, start_server
 
 TEXT = "Warning: line three is overheating. Check the pump."
 

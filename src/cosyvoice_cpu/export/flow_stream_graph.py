@@ -35,7 +35,6 @@ from torch import nn
 
 from cosyvoice_cpu.export import fused_ops
 from cosyvoice_cpu.export.common import GateResult, rel_err
-from cosyvoice_cpu.export.fused_ops import KeyMaskedAttention
 from cosyvoice_cpu.reference.flow_estimator import (
     CausalBlock,
     CausalConv1d,
@@ -120,10 +119,7 @@ class _Run:
         self.new_h.append(n)
         keys = torch.cat([self.past[self.block], n], dim=1)
         self.block += 1
-        attn = block.attn1
-        attn = attn.inner if isinstance(attn, KeyMaskedAttention) else attn  # under export_forms
-        scale = (attn.to_q.out_features // attn.heads) ** -0.5
-        x = x + attn.to_out[0](fused_ops.attention(attn.to_q(n), attn.to_k(keys), attn.to_v(keys), attn.heads, scale))
+        x = x + fused_ops.self_attention(block.attn1, n, keys)
         h = block.norm3(x)
         for layer in block.ff.net:
             h = layer(h)

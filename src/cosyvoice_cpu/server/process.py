@@ -6,6 +6,7 @@ only, so it works wherever the ``[server]`` extra does.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -48,8 +49,10 @@ class ServerProcess:
         port = free_port()
         cmd = [sys.executable, "-m", "cosyvoice_cpu", "serve", "-m", str(model), "--voices", str(voices),
                "--port", str(port), "--log-level", "warning", *extra]  # fmt: skip
-        out = log.open("ab") if log is not None else subprocess.DEVNULL
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with contextlib.ExitStack() as files:  # the child keeps its own copy of the log's descriptor
+            out = files.enter_context(log.open("ab")) if log is not None else subprocess.DEVNULL
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         server = cls(f"http://127.0.0.1:{port}", proc, log)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
