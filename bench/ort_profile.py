@@ -1,8 +1,11 @@
 """Where one ONNX graph's time goes: ORT's profiler, summed per operator type (and per op + output shape).
 
     python bench/ort_profile.py MODEL_DIR/flow_estimator.onnx [--frames 650] [--batch 2] [--threads 2] [--runs 3]
+    python bench/ort_profile.py MODEL_DIR/flow_estimator_stream.onnx --frames 20 --dim prompt_frames=150 \
+        --dim context_frames=0    # a first streamed chunk on a 3 s voice
 
-Random float inputs; a dimension named ``batch`` gets ``--batch``, every other named dimension ``--frames``; an
+Random float inputs; a dimension named ``batch`` gets ``--batch``, one named by ``--dim NAME=N`` gets N, every
+other named dimension ``--frames``; an
 input called ``mask`` is all ones (nothing padded: what the runtime feeds); integer inputs are zeros. Prints the
 median wall time per call (without profiling), then per-op-type kernel time per call, then the heaviest
 (op, output shape) pairs. An ``If`` node's time includes the nodes of the branch it ran, which are listed too
@@ -23,11 +26,12 @@ import numpy as np
 import onnxruntime as ort
 
 
-def _feeds(sess: ort.InferenceSession, frames: int, batch: int) -> dict[str, np.ndarray]:
+def _feeds(sess: ort.InferenceSession, frames: int, batch: int, dims: dict[str, int]) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
+    sizes = {"batch": batch, **dims}
     feeds = {}
     for i in sess.get_inputs():
-        shape = [d if isinstance(d, int) else (batch if d == "batch" else frames) for d in i.shape]
+        shape = [d if isinstance(d, int) else sizes.get(d, frames) for d in i.shape]
         if "float" in i.type:
             feeds[i.name] = np.ones(shape, np.float32) if i.name == "mask" else rng.standard_normal(shape, np.float32)
         else:
@@ -43,7 +47,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--dim", action="append", default=[], metavar="NAME=N", help="size of a named input dimension")
     args = ap.parse_args()
+    try:
+        dims = {k: int(v) for k, v in (d.split("=") for d in args.dim)}
+    except ValueError:
+        ap.error(f"--dim takes NAME=N (an integer size), got {args.dim}")
 
     def options(profile: str | None) -> ort.SessionOptions:
         so = ort.SessionOptions()
@@ -55,7 +64,7 @@ def main() -> None:
         return so
 
     sess = ort.InferenceSession(str(args.graph), options(None), providers=["CPUExecutionProvider"])
-    feeds = _feeds(sess, args.frames, args.batch)
+    feeds = _feeds(sess, args.frames, args.batch, dims)
     sess.run(None, feeds)
     walls = []
     for _ in range(args.runs):
@@ -63,7 +72,7 @@ def main() -> None:
         sess.run(None, feeds)
         walls.append(time.perf_counter() - t0)
     print(f"{args.graph.name}: {statistics.median(walls) * 1000:.1f} ms per call (median of {args.runs}), "
-          f"batch {args.batch}, {args.frames} frames, {args.threads} threads")  # fmt: skip
+          f"batch {args.batch}, {args.frames} frames {dims or ''}, {args.threads} threads")  # fmt: skip
 
     with tempfile.TemporaryDirectory() as tmp:
         profiled = options(str(Path(tmp) / "prof"))
