@@ -24,7 +24,6 @@ transcript (or alone) when it has none, and runs of more than 5 silent tokens ne
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -36,6 +35,7 @@ import numpy as np
 from cosyvoice_cpu.config import AudioChunk, EngineConfig, SynthesisConfig
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.hardware import detect
+from cosyvoice_cpu.scheduler import Hold, LMScheduler
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +101,6 @@ class Engine:
             self.prompt_caches = PromptCaches(self.flow, prompt_cache_mb << 20, kind, dtype)
         self.scheduler = None
         if lm_batch_rows:
-            from cosyvoice_cpu.scheduler import LMScheduler
-
             self.scheduler = LMScheduler(self.lm, lm_batch_rows)
 
     @classmethod
@@ -288,7 +286,7 @@ class Engine:
                     yield AudioChunk(np.zeros(0, np.float32), self.sample_rate, True, seg.text, (seg.start, seg.end))
             seg = following
 
-    def _tokens(self, text_ids: list[int], req: _Request, hold: tuple[int, threading.Event] | None = None,
+    def _tokens(self, text_ids: list[int], req: _Request, hold: Hold | None = None,
                 ) -> Iterator[int]:  # fmt: skip
         """The sentence's speech tokens, from the LM scheduler when there is one (``hold``: see its submit)."""
         kw = {"draw": req.draw, "sampling": req.sampling, "budget": (req.config.min_tokens, req.config.max_tokens),

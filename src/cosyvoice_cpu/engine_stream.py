@@ -22,12 +22,13 @@ the official ``mel_cache_len``; v1: 20); v3's causal HiFT needs no join.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+
+from cosyvoice_cpu.scheduler import Hold
 
 logger = logging.getLogger(__name__)
 
@@ -116,9 +117,9 @@ def _stream(engine: Any, text_ids: list[int], req: Any, t: Any, tokens: list[int
         return wave.astype(np.float32, copy=False)
 
     t0 = time.perf_counter()
-    first_done = threading.Event()
+    first_done = Hold(hold_at)
     decoded = 0
-    for token in engine._tokens(text_ids, req, hold=(hold_at, first_done)):
+    for token in engine._tokens(text_ids, req, hold=first_done):
         decoded += 1
         if silence is not None and not silence.push(token):
             continue
@@ -127,7 +128,7 @@ def _stream(engine: Any, text_ids: list[int], req: Any, t: Any, tokens: list[int
         if window is not None:
             t.lm += time.perf_counter() - t0
             wave = piece(*window)
-            first_done.set()
+            first_done.release()
             yield wave, False
             t0 = time.perf_counter()  # the consumer's time between chunks is not the LM's
     t.lm += time.perf_counter() - t0

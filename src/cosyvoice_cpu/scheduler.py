@@ -36,7 +36,7 @@ from cosyvoice_cpu.lm_loop import SpeechTokenGenerator, TokenRequest
 logger = logging.getLogger(__name__)
 
 _END = object()  # end of a request's token stream
-HOLD_POLL_S = 0.002  # how often a scheduler whose rows are all held looks whether one was released
+IDLE_CHECK_S = 1.0  # a scheduler whose rows are all held is woken by a release or a cancel; this is a safety net
 
 
 @dataclass
@@ -57,21 +57,50 @@ class SchedulerStats:
         return self.tokens / busy if busy > 0 else 0.0
 
 
+class Hold:
+    """Pauses a request after ``after`` speech tokens until :meth:`release` (see :meth:`LMScheduler.submit`).
+
+    Releasing wakes the scheduler at once (it sleeps while every active row is held); releasing twice, or a hold
+    that was never submitted, is harmless.
+    """
+
+    def __init__(self, after: int) -> None:
+        need(isinstance(after, int) and after >= 0, "hold after", after, "a token count >= 0")
+        self.after = after
+        self._released = threading.Event()
+        self._wake: threading.Condition | None = None  # the scheduler's, set by submit
+
+    @property
+    def released(self) -> bool:
+        return self._released.is_set()
+
+    def release(self) -> None:
+        self._released.set()
+        _notify(self._wake)
+
+
+def _notify(wake: threading.Condition | None) -> None:
+    if wake is not None:
+        with wake:
+            wake.notify()
+
+
 class _Job:
     """One request inside the scheduler: its TokenRequest, its row, and the queue its consumer reads."""
 
-    def __init__(self, request: TokenRequest, hold: tuple[int, threading.Event] | None = None) -> None:
+    def __init__(self, request: TokenRequest, wake: threading.Condition, hold: Hold | None = None) -> None:
         self.request = request
         self.out: queue.SimpleQueue = queue.SimpleQueue()
         self.row: int | None = None
         self.pending: int | None = None  # the last token, to be fed back at the next step
         self.cancelled = threading.Event()
         self.hold = hold
+        self._wake = wake
 
     @property
     def held(self) -> bool:
-        """Paused after ``hold[0]`` tokens until ``hold[1]`` is set (see :meth:`LMScheduler.submit`)."""
-        return self.hold is not None and len(self.request.tokens) >= self.hold[0] and not self.hold[1].is_set()
+        """Paused after ``hold.after`` tokens until the hold is released (see :meth:`LMScheduler.submit`)."""
+        return self.hold is not None and len(self.request.tokens) >= self.hold.after and not self.hold.released
 
     def deliver(self, token: int | None) -> bool:
         """Hand a sampled token (or the end) to the consumer; True while the job goes on."""
@@ -95,6 +124,7 @@ class _Job:
                 yield item
         finally:
             self.cancelled.set()
+            _notify(self._wake)  # a held row is freed now, not when the scheduler next happens to look
 
 
 class LMScheduler:
@@ -129,17 +159,19 @@ class LMScheduler:
         return len(self._waiting)
 
     def submit(self, text: Sequence[int], prompt_text: Sequence[int] = (), prompt_speech: Sequence[int] = (),
-               hold: tuple[int, threading.Event] | None = None, **kw: Any) -> Iterator[int]:  # fmt: skip
+               hold: Hold | None = None, **kw: Any) -> Iterator[int]:  # fmt: skip
         """Queue a request (arguments of :meth:`SpeechTokenGenerator.request`, checked now) and return its
         speech tokens as they are decoded. Raises ConfigError at once for bad input or after :meth:`close`.
 
-        ``hold=(n, event)`` pauses the request after n tokens until ``event`` is set. A streaming caller holds
+        ``hold=Hold(n)`` pauses the request after n tokens until ``hold.release()``. A streaming caller holds
         the LM at its first chunk while that chunk's flow runs: on a small machine, decoding ahead would only
         take cores from the first audio.
         """
         if kw.get("cache") is not None:
             raise ConfigError("the scheduler owns the KV cache; do not pass cache= to submit")
-        job = _Job(self.generator.request(text, prompt_text, prompt_speech, **kw), hold)
+        if hold is not None:
+            hold._wake = self._wake
+        job = _Job(self.generator.request(text, prompt_text, prompt_speech, **kw), self._wake, hold)
         with self._wake:
             if self._closed:
                 raise ConfigError("the LM scheduler is closed (the engine is shutting down)")
@@ -175,9 +207,10 @@ class LMScheduler:
             except Exception:  # never let the thread die: _step already failed the jobs involved
                 logger.exception("LM scheduler step failed")
                 busy = True
-            if not busy:  # every active row is held: look again shortly (holds are released by other threads)
+            if not busy:  # every active row is held: sleep until a release, a cancel or a new request
                 with self._wake:
-                    self._wake.wait(HOLD_POLL_S)
+                    if not self._closed and not self._runnable():
+                        self._wake.wait(IDLE_CHECK_S)
         error = ConfigError("the LM scheduler was closed before this request finished")
         with self._wake:
             jobs = list(self._waiting) + list(self._active.values())
@@ -185,6 +218,13 @@ class LMScheduler:
             self._active.clear()
         for job in jobs:
             job.out.put(error)
+
+    def _runnable(self) -> bool:
+        """Whether a step would do anything now: admit a waiting request into a free row, drop a cancelled row or
+        decode one that is not held (called under ``_wake``)."""
+        if self._waiting and len(self._active) < self.max_rows:
+            return True
+        return any(j.cancelled.is_set() or (j.pending is not None and not j.held) for j in self._active.values())
 
     def _free_row(self) -> int:
         return min(set(range(self.max_rows)) - set(self._active))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -14,7 +15,7 @@ from cosyvoice_cpu.config import EngineConfig, SynthesisConfig
 from cosyvoice_cpu.engine import Engine
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.sampling import RngDraw
-from cosyvoice_cpu.scheduler import LMScheduler
+from cosyvoice_cpu.scheduler import Hold, LMScheduler
 
 TEXT = "Warning: the temperature on line three is too high."
 
@@ -121,14 +122,68 @@ def test_a_held_request_waits_at_its_first_chunk_until_released(engine: Engine) 
     scheduler = LMScheduler(engine.lm, max_rows=2)
     try:
         ids = engine.tokenizer.encode(TEXT)
-        release = threading.Event()
-        held = scheduler.submit(ids, budget=(40, 40), hold=(13, release))
+        release = Hold(13)
+        held = scheduler.submit(ids, budget=(40, 40), hold=release)
         free = scheduler.submit(ids, budget=(40, 40))  # a neighbour is not held back
         assert len([next(held) for _ in range(13)]) == 13
         assert len(list(free)) == 40
         time.sleep(0.1)
         assert scheduler.stats.tokens == 53  # nothing was decoded for the held request meanwhile
-        release.set()
+        release.release()
         assert len(list(held)) == 27
     finally:
         scheduler.close()
+
+
+def test_a_scheduler_whose_rows_are_all_held_sleeps_until_a_release_or_a_cancel(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import cosyvoice_cpu.scheduler as sched
+
+    monkeypatch.setattr(sched, "IDLE_CHECK_S", 60.0)  # only a wake-up can make progress within the test
+    scheduler = LMScheduler(engine.lm, max_rows=1)
+    steps = 0
+    step = scheduler._step
+
+    def counted(admit: list) -> bool:
+        nonlocal steps
+        steps += 1
+        return step(admit)
+
+    scheduler._step = counted  # type: ignore[method-assign]
+    ids = engine.tokenizer.encode(TEXT)
+    try:
+        hold = Hold(5)
+        held = scheduler.submit(ids, budget=(20, 20), hold=hold)
+        assert len([next(held) for _ in range(5)]) == 5
+        before = steps
+        time.sleep(0.3)
+        assert steps - before <= 2  # asleep, not polling (a 2 ms poll made ~150 steps here)
+        hold.release()  # wakes it: the rest arrives long before the 60 s safety net
+        assert len(_drain(held, 30)) == 15
+
+        second = Hold(3)
+        blocked = scheduler.submit(ids, budget=(10, 10), hold=second)
+        assert len([next(blocked) for _ in range(3)]) == 3
+        before = steps
+        waiting = scheduler.submit(ids, budget=(10, 10))  # one row: waits for the held request's row
+        time.sleep(0.3)  # the scheduler is asleep again: a request waits, but no row is free
+        assert steps - before <= 4
+        blocked.close()  # the consumer leaves: only the cancel can wake the scheduler, which frees the row
+        assert len(_drain(waiting, 30)) == 10
+    finally:
+        scheduler.close()
+
+
+def _drain(tokens: Iterator[int], timeout: float) -> list[int]:
+    """The rest of a token stream, or what arrived within ``timeout`` seconds."""
+    done: list[int] = []
+    t = threading.Thread(target=lambda: done.extend(tokens), daemon=True)
+    t.start()
+    t.join(timeout)
+    return done
+
+
+def test_hold_rejects_a_negative_count() -> None:
+    with pytest.raises(ConfigError, match="hold after"):
+        Hold(-1)
