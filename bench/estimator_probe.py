@@ -1,9 +1,11 @@
 """Flow estimator speed/accuracy probe: fp32 vs dynamic int8 on the weight GEMMs only (the ``int8`` recipe) vs
-dynamic int8 on every MatMul (attention products too).
+dynamic int8 on every MatMul (attention products too) vs weight-only 8-bit ``MatMulNBits`` (int8 compute with
+activations quantized per row and block of 32, so a row's output does not depend on its batch neighbours).
 
     python bench/estimator_probe.py MODEL_DIR_FP32/flow_estimator.onnx [--frames 650] [--threads 2]
 
-Batch 2 (CFG), random inputs, median of 3 calls after a warm-up; relative error = max |int8 - fp32| / max |fp32|.
+Batch 2 (CFG), random inputs, median of 3 calls after a warm-up; relative error = max |int8 - fp32| / max |fp32|;
+"row dep." = max |row 0 of the batch - row 0 run alone| / max |row 0| (0 when rows are independent).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 from onnxruntime.quantization import QuantType, quantize_dynamic
 
 from cosyvoice_cpu.export.common import rel_err
+from cosyvoice_cpu.export.quantize import quantize_nbits
 from cosyvoice_cpu.sessions import SessionConfig, make_session
 
 
@@ -42,7 +45,9 @@ def main() -> None:
             sess.run(None, feeds)
             times.append(time.perf_counter() - t0)
         err = "" if ref is None else f"  rel err {rel_err(out, ref):.2e}"
-        print(f"{name:24s} {1000 * np.median(times):7.0f} ms/call{err}", flush=True)
+        alone = sess.run(None, {k: v[:1] for k, v in feeds.items()})[0]
+        print(f"{name:24s} {1000 * np.median(times):7.0f} ms/call{err}  row dep. {rel_err(out[:1], alone):.1e}",
+              flush=True)  # fmt: skip
         return out
 
     ref = bench(args.estimator, "fp32")
@@ -50,9 +55,12 @@ def main() -> None:
         for name, const_b in (("int8 weight GEMMs", True), ("int8 every MatMul", False)):
             dst = Path(tmp) / f"{name.replace(' ', '_')}.onnx"
             quantize_dynamic(str(args.estimator), str(dst), op_types_to_quantize=["MatMul"], per_channel=True,
-                             weight_type=QuantType.QInt8, use_external_data_format=True,
+                             reduce_range=True, weight_type=QuantType.QInt8, use_external_data_format=True,
                              extra_options={"MatMulConstBOnly": const_b})  # fmt: skip
             bench(dst, name, ref)
+        dst = Path(tmp) / "nbits8.onnx"
+        quantize_nbits(args.estimator, dst, bits=8, block_size=32, accuracy_level=4)
+        bench(dst, "int8w (MatMulNBits 8)", ref)
 
 
 if __name__ == "__main__":
