@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -54,15 +55,32 @@ def one(url: str, seed: int, text: str = TEXT) -> dict[str, float]:
     return {"seconds": time.perf_counter() - t0, "first": first or 0.0, "audio": n / 2 / rate}
 
 
-def run_batch(url: str, concurrency: int, requests: int) -> dict[str, float]:
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a process (all its threads) so far; None where /proc is not readable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_batch(url: str, concurrency: int, requests: int, pid: int | None = None) -> dict[str, float]:
+    """``requests`` streamed requests, ``concurrency`` in flight; with the server's ``pid``, also the cores it
+    used and its CPU seconds per sentence (what bounds the ratio to serial on a 2-core machine)."""
+    c0 = None if pid is None else cpu_seconds(pid)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda s: one(url, s), range(requests)))
     wall = time.perf_counter() - t0
     firsts = sorted(r["first"] for r in results)
-    return {"concurrency": concurrency, "requests": requests, "wall_s": round(wall, 3),
-            "sentences_per_s": round(requests / wall, 3), "audio_s": round(sum(r["audio"] for r in results), 2),
-            "median_first_audio_s": round(firsts[len(firsts) // 2], 3)}  # fmt: skip
+    row = {"concurrency": concurrency, "requests": requests, "wall_s": round(wall, 3),
+           "sentences_per_s": round(requests / wall, 3), "audio_s": round(sum(r["audio"] for r in results), 2),
+           "median_first_audio_s": round(firsts[len(firsts) // 2], 3)}  # fmt: skip
+    c1 = None if pid is None else cpu_seconds(pid)
+    if c0 is not None and c1 is not None:
+        row["server_cores"] = round((c1 - c0) / wall, 2)
+        row["server_cpu_s_per_sentence"] = round((c1 - c0) / requests, 3)
+    return row
 
 
 def batching(args: argparse.Namespace) -> dict:
@@ -75,7 +93,7 @@ def batching(args: argparse.Namespace) -> dict:
             try:
                 ensure_voice(url)
                 one(url, 999)  # warm-up
-                rows = [run_batch(url, n, args.requests) for n in args.concurrency]
+                rows = [run_batch(url, n, args.requests, server.proc.pid) for n in args.concurrency]
             finally:
                 server.stop()
         base = rows[0]["sentences_per_s"]
@@ -83,8 +101,9 @@ def batching(args: argparse.Namespace) -> dict:
             row["vs_serial"] = round(row["sentences_per_s"] / base, 2)
         out["runs"][label] = rows
         for row in rows:
+            cores = f", server {row['server_cores']:.2f} cores" if "server_cores" in row else ""
             print(f"{label:13s} {row['concurrency']:2d} in flight: {row['sentences_per_s']:6.2f} sentences/s "
-                  f"({row['vs_serial']:.2f}x serial), median first audio {row['median_first_audio_s']:.3f} s")
+                  f"({row['vs_serial']:.2f}x serial), median first audio {row['median_first_audio_s']:.3f} s{cores}")
     return out
 
 
