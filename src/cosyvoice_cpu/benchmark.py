@@ -81,12 +81,14 @@ def _prompt_wav(path: Path, seconds: float = 3.0, sr: int = 16000) -> Path:
     return path
 
 
-def load(model_dir: Path, threads: int, spinning: bool = False, lm_batch_rows: int = 0) -> tuple[Any, Any]:
-    """The engine and a registered voice (voice creation is setup, not timed)."""
-    from cosyvoice_cpu.config import EngineConfig
+def load(model_dir: Path, threads: int, spinning: bool = False, lm_batch_rows: int | None = None) -> tuple[Any, Any]:
+    """The engine (``lm_batch_rows`` None: the engine's default, what users get) and a registered voice (voice
+    creation is setup, not timed)."""
+    from cosyvoice_cpu.config import DEFAULT_LM_BATCH_ROWS, EngineConfig
     from cosyvoice_cpu.engine import Engine
 
-    engine = Engine.load(model_dir, EngineConfig(threads=threads, spinning=spinning, lm_batch_rows=lm_batch_rows))
+    rows = DEFAULT_LM_BATCH_ROWS if lm_batch_rows is None else lm_batch_rows
+    engine = Engine.load(model_dir, EngineConfig(threads=threads, spinning=spinning, lm_batch_rows=rows))
     with tempfile.TemporaryDirectory() as tmp:
         voice = engine.make_voice(_prompt_wav(Path(tmp) / "prompt.wav"), PROMPT_TEXT, name="bench")
     return engine, voice

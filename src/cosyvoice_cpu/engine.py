@@ -6,10 +6,11 @@
         play(chunk.samples, chunk.sample_rate)
 
 The engine is immutable after ``load`` and may be shared by threads: per-request state (KV cache, random
-generator, decoded tokens) lives in each ``synthesize`` call. With ``EngineConfig(lm_batch_rows=N)`` the LM steps of
-up to N concurrent calls run as one batched call (:mod:`cosyvoice_cpu.scheduler`); call :meth:`Engine.close` at
-the end. Text is spoken a sentence at a time, so memory does
-not grow with the text's length. Modes follow the official frontends:
+generator, decoded tokens) lives in each ``synthesize`` call. The LM decodes in a background thread
+(:mod:`cosyvoice_cpu.scheduler`, ``EngineConfig(lm_batch_rows=N)``, default 4): a streamed request's next tokens
+are decoded while the flow renders its current chunk, and the LM steps of up to N concurrent calls run as one
+batched call. The thread ends when idle; :meth:`Engine.close` stops it at once. Text is spoken a sentence at a
+time, so memory does not grow with the text's length. Modes follow the official frontends:
 
 - zero-shot: a voice with a transcript: the LM sees the transcript and the prompt's speech tokens;
 - cross-lingual: a voice without a transcript: the LM gets no prompt, the flow still clones the voice;
@@ -32,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from cosyvoice_cpu.config import AudioChunk, EngineConfig, SynthesisConfig
+from cosyvoice_cpu.config import DEFAULT_LM_BATCH_ROWS, AudioChunk, EngineConfig, SynthesisConfig
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.hardware import detect
 from cosyvoice_cpu.scheduler import Hold, LMScheduler
@@ -78,7 +79,7 @@ class Engine:
     :meth:`load`."""
 
     def __init__(self, model_dir: Path, manifest: Any, parts: dict[str, Any], threads: int,
-                 prompt_cache_mb: int = 1024, lm_batch_rows: int = 0,
+                 prompt_cache_mb: int = 1024, lm_batch_rows: int = DEFAULT_LM_BATCH_ROWS,
                  prompt_cache_fp16: bool = False) -> None:  # fmt: skip
         self.model_dir = model_dir
         self.manifest = manifest

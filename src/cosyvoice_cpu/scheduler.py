@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 _END = object()  # end of a request's token stream
 IDLE_CHECK_S = 1.0  # a scheduler whose rows are all held is woken by a release or a cancel; this is a safety net
+IDLE_EXIT_S = 2.0  # the thread ends after this long without any request
 
 
 @dataclass
@@ -187,8 +188,9 @@ class LMScheduler:
         with self._wake:
             self._closed = True
             self._wake.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
 
     # ---- the scheduler thread ----------------------------------------------------------------------------------
 
@@ -196,7 +198,11 @@ class LMScheduler:
         while True:
             with self._wake:
                 while not self._closed and not self._waiting and not self._active:
-                    self._wake.wait()
+                    if not self._wake.wait(IDLE_EXIT_S) and not self._waiting and not self._active:
+                        # idle: end the thread (the next submit starts another), so an engine that is dropped
+                        # without close() is not kept alive, sessions and KV cache included, by its thread
+                        self._thread = None
+                        return
                 if self._closed:
                     break
                 admit = []

@@ -22,7 +22,8 @@ TEXT = "Warning: the temperature on line three is too high."
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine.load(DEMO_MODEL, EngineConfig(threads=2))
+    """The LM in the caller's thread, one request alone: the reference for the scheduler's results."""
+    return Engine.load(DEMO_MODEL, EngineConfig(threads=2, lm_batch_rows=0))
 
 
 def _alone(engine: Engine, ids: list[int], seed: int, budget=(None, None)) -> list[int]:
@@ -187,3 +188,41 @@ def _drain(tokens: Iterator[int], timeout: float) -> list[int]:
 def test_hold_rejects_a_negative_count() -> None:
     with pytest.raises(ConfigError, match="hold after"):
         Hold(-1)
+
+
+def test_the_scheduler_thread_ends_when_idle_and_restarts_on_the_next_request(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import cosyvoice_cpu.scheduler as sched
+
+    monkeypatch.setattr(sched, "IDLE_EXIT_S", 0.05)
+    scheduler = LMScheduler(engine.lm, max_rows=2)
+    ids = engine.tokenizer.encode(TEXT)
+    try:
+        for _ in range(2):
+            assert len(list(scheduler.submit(ids, budget=(12, 12)))) == 12
+            thread = scheduler._thread
+            assert thread is not None
+            thread.join(10)  # nothing more to do: the thread ends by itself (no close() needed)
+            assert not thread.is_alive() and scheduler._thread is None
+    finally:
+        scheduler.close()
+
+
+def test_by_default_a_streamed_request_decodes_ahead_while_its_consumer_is_busy() -> None:
+    """The LM/flow pipeline: after the first chunk, the rest of the tokens are decoded in the background even
+    while the caller does not ask for the next chunk (with ``lm_batch_rows=0`` they wait for the caller)."""
+    default = Engine.load(DEMO_MODEL, EngineConfig(threads=2))
+    try:
+        assert default.scheduler is not None and default.scheduler.max_rows == EngineConfig().lm_batch_rows
+        voice = default.make_voice(_tone_wav(), "Good morning everyone.", name="demo")
+        chunks = default.synthesize(TEXT, voice, SynthesisConfig(seed=3, stream=True, min_tokens=80,
+                                                                 max_tokens=80, normalize=False))  # fmt: skip
+        next(chunks)  # the first chunk; the caller now pauses
+        deadline = time.monotonic() + 30
+        while default.scheduler.stats.tokens < 80 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert default.scheduler.stats.tokens == 80
+        chunks.close()
+    finally:
+        default.close()
