@@ -60,3 +60,48 @@ def test_sessions_run_one_after_the_other_share_their_activation_memory(tmp_path
     # serves b from what a freed (199 MB)
     assert separate >= 300, separate
     assert separate - shared >= 150, (separate, shared)
+
+
+ARENAS = """
+import ctypes, re, sys, tempfile, threading
+if sys.argv[1] == "1":
+    from cosyvoice_cpu.sessions import _limit_malloc_arenas
+    _limit_malloc_arenas()
+keep, barrier = [], threading.Barrier(8)
+
+def work():  # 8 threads allocating at the same time: glibc gives each its own arena unless capped
+    barrier.wait()
+    keep.append([bytearray(50_000) for _ in range(20)])
+    barrier.wait()
+
+threads = [threading.Thread(target=work) for _ in range(8)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+libc = ctypes.CDLL(None)
+libc.fopen.restype = ctypes.c_void_p
+with tempfile.NamedTemporaryFile(suffix=".xml") as f:
+    fp = ctypes.c_void_p(libc.fopen(f.name.encode(), b"w"))
+    libc.malloc_info(0, fp)
+    libc.fclose(fp)
+    print(len(re.findall(r"<heap nr=", open(f.name).read())))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc arenas")
+def test_sessions_cap_glibc_malloc_arenas_so_threads_share_freed_memory() -> None:
+    import os
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("not glibc")
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+
+    def heaps(limit: bool) -> int:
+        out = subprocess.run([sys.executable, "-c", ARENAS, "1" if limit else "0"], env=env, check=True,
+                             capture_output=True, text=True)  # fmt: skip
+        return int(out.stdout)
+
+    assert heaps(False) > 2  # the control: uncapped, the threads got arenas of their own
+    assert heaps(True) <= 2
