@@ -7,10 +7,7 @@ difference (not at the first ``run`` with an ORT error).
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
-import platform
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,42 +79,12 @@ def _register_shared_arena(ort: Any) -> bool:
         return _arena
 
 
-MALLOC_ARENAS = 2  # glibc malloc arenas for the process (see _limit_malloc_arenas); MALLOC_ARENA_MAX overrides
-M_ARENA_MAX = -8  # glibc's mallopt parameter number (malloc.h)
-_malloc_limited = False
-
-
-def _limit_malloc_arenas() -> None:
-    """Cap glibc's malloc arenas at :data:`MALLOC_ARENAS`, once per process (not where ``MALLOC_ARENA_MAX`` is set,
-    nor outside glibc).
-
-    glibc gives each thread that allocates its own arena (up to 8 per core), and memory freed in one arena is not
-    reused by another. The LM decodes in the scheduler's thread while the flow and vocoder run in the caller's, so
-    ORT's and NumPy's buffers outside the shared ORT arena piled up in two arenas: full-size CosyVoice2, 10 s
-    whole sentences, RSS 989 -> 1089 MB with the LM in its thread; with two arenas 999 MB, the same as the LM in the
-    caller's thread, and 4 concurrent streams ran at the same speed (0.119 vs 0.120 sentences/s).
-    """
-    global _malloc_limited
-    if _malloc_limited:
-        return
-    _malloc_limited = True
-    if os.environ.get("MALLOC_ARENA_MAX") or platform.libc_ver()[0] != "glibc":
-        return
-    try:
-        if ctypes.CDLL(None).mallopt(M_ARENA_MAX, MALLOC_ARENAS) != 1:
-            logger.debug("mallopt(M_ARENA_MAX) refused")
-    except (OSError, AttributeError) as e:  # a libc without mallopt
-        logger.debug("cannot limit malloc arenas: %s", e)
-
-
-
 def make_session(path: str | Path, config: SessionConfig | None = None) -> Any:
     """Open ``path`` on the CPU execution provider; a missing or unreadable graph is a :class:`ModelDirError`."""
     import onnxruntime as ort
 
     config = config or SessionConfig()
     config.validate()
-    _limit_malloc_arenas()
     path = Path(path)
     if not path.is_file():
         raise ModelDirError(f"graph {path} is missing; re-export the model directory")
