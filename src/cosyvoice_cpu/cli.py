@@ -252,3 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+if __name__ == "__main__":  # ``python -m cosyvoice_cpu.cli`` as well as ``python -m cosyvoice_cpu``
+    raise SystemExit(main())

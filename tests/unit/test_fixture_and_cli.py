@@ -91,3 +91,12 @@ def test_cli_rejects_bad_numbers_with_usage(capsys: pytest.CaptureFixture[str]) 
             main(argv)
         assert e.value.code == 2
         assert "usage:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["cosyvoice_cpu", "cosyvoice_cpu.cli"])
+def test_both_module_entry_points_run_the_cli(module: str) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "usage: cosyvoice-cpu" in out.stdout, (out.returncode, out.stdout, out.stderr)
