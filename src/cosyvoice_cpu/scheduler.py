@@ -103,6 +103,11 @@ class _Job:
         """Paused after ``hold.after`` tokens until the hold is released (see :meth:`LMScheduler.submit`)."""
         return self.hold is not None and len(self.request.tokens) >= self.hold.after and not self.hold.released
 
+    @property
+    def ready(self) -> bool:
+        """Has a token to feed back, and is neither cancelled nor held: the next decode step includes it."""
+        return self.pending is not None and not self.cancelled.is_set() and not self.held
+
     def deliver(self, token: int | None) -> bool:
         """Hand a sampled token (or the end) to the consumer; True while the job goes on."""
         if token is not None:
@@ -230,7 +235,7 @@ class LMScheduler:
         decode one that is not held (called under ``_wake``)."""
         if self._waiting and len(self._active) < self.max_rows:
             return True
-        return any(j.cancelled.is_set() or (j.pending is not None and not j.held) for j in self._active.values())
+        return any(j.cancelled.is_set() or j.ready for j in self._active.values())
 
     def _free_row(self) -> int:
         return min(set(range(self.max_rows)) - set(self._active))
@@ -258,8 +263,7 @@ class LMScheduler:
             finally:
                 self.stats.prefill_seconds += time.perf_counter() - t0
             self._deliver(row, first)
-        rows = sorted(r for r, j in self._active.items()
-                      if j.pending is not None and not j.cancelled.is_set() and not j.held)  # fmt: skip
+        rows = sorted(r for r, j in self._active.items() if j.ready)
         if not rows:
             return bool(admit)
         tokens = [self._active[r].pending for r in rows]
