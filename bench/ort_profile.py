@@ -5,8 +5,8 @@
         --dim context_frames=0    # a first streamed chunk on a 3 s voice
 
 Random float inputs; a dimension named ``batch`` gets ``--batch``, one named by ``--dim NAME=N`` gets N, every
-other named dimension ``--frames``; an
-input called ``mask`` is all ones (nothing padded: what the runtime feeds); integer inputs are zeros. Prints the
+other named dimension ``--frames``; an input called ``mask`` is all ones (nothing padded: what the runtime
+feeds); integer inputs are zeros. Prints the
 median wall time per call (without profiling), then per-op-type kernel time per call, then the heaviest
 (op, output shape) pairs. An ``If`` node's time includes the nodes of the branch it ran, which are listed too
 (so shares overlap). This is how the flow estimator was profiled for docs/benchmarks.md.
