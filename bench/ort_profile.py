@@ -33,7 +33,8 @@ def _feeds(sess: ort.InferenceSession, frames: int, batch: int, dims: dict[str, 
     for i in sess.get_inputs():
         shape = [d if isinstance(d, int) else sizes.get(d, frames) for d in i.shape]
         if "float" in i.type:
-            feeds[i.name] = np.ones(shape, np.float32) if i.name == "mask" else rng.standard_normal(shape, np.float32)
+            value = np.ones(shape, np.float32) if i.name == "mask" else rng.standard_normal(shape, np.float32)
+            feeds[i.name] = value.astype(np.float16) if i.type == "tensor(float16)" else value
         else:
             feeds[i.name] = np.zeros(shape, np.int64 if "int64" in i.type else np.int32)
     return feeds

@@ -39,8 +39,8 @@ ENCODER_IO = ({"token": ("int64", 2), "context": ("int64", 2), "embedding": ("fl
 ESTIMATOR_IO = ({"x": ("float", 3), "mask": ("float", 3), "mu": ("float", 3), "t": ("float", 1),
                  "spks": ("float", 2), "cond": ("float", 3)}, ("estimator_out",))  # fmt: skip
 STREAM_IO = ({"x": ("float", 3), "mu": ("float", 3), "t": ("float", 1), "spks": ("float", 2), "cond": ("float", 3),
-              "prompt_h": ("float", 4), "context_h": ("float", 4), "conv_state": ("float", 3)},
-             ("velocity", "new_h", "new_conv_state"))  # fmt: skip
+              "prompt_h": ("float|float16", 4), "context_h": ("float|float16", 4), "conv_state": ("float", 3),
+              "keep_frames": ("int64", 0)}, ("velocity", ("new_h", "float|float16"), "new_conv_state"))  # fmt: skip
 
 
 @dataclass
@@ -76,10 +76,29 @@ def _open(path: Path, threads: int | SessionConfig, io: tuple[dict[str, tuple[st
     """A session on a flow graph whose inputs (dtype, rank) and output names are checked against ``io``."""
     sess = make_session(path, as_config(threads))
     inputs, outputs = io
-    want_in = {n: (f"tensor({dt})", rank) for n, (dt, rank) in inputs.items()}
+    want_in = {n: (_types(dt), rank) for n, (dt, rank) in inputs.items()}
     out_rank = {o.name: len(o.shape) for o in sess.get_outputs()}
-    check_io(sess, path, want_in, {n: ("tensor(float)", out_rank.get(n, 0)) for n in outputs})
+    want_out = dict(o if isinstance(o, tuple) else (o, "float") for o in outputs)
+    check_io(sess, path, want_in, {n: (_types(dt), out_rank.get(n, 0)) for n, dt in want_out.items()})
     return sess
+
+
+def _types(dtypes: str) -> str:
+    """``"float|float16"`` -> ``"tensor(float)|tensor(float16)"`` (alternatives :func:`check_io` accepts)."""
+    return "|".join(f"tensor({d})" for d in dtypes.split("|"))
+
+
+def stream_layout(sess: Any) -> tuple[int, int, int]:
+    """(L, width, S) of a v2 stream estimator from its input shapes (prompt_h (L, B, T, width), conv (B, S, 2))."""
+    shapes = {i.name: i.shape for i in sess.get_inputs()}
+    return int(shapes["prompt_h"][0]), int(shapes["prompt_h"][3]), int(shapes["conv_state"][1])
+
+
+def cache_dtype(sess: Any) -> type:
+    """The dtype a v2 stream estimator takes its caches in and returns ``new_h`` in: float32, or float16 (the
+    int8 recipes' graphs, ``export.flow_stream_graph.half_cache_io``)."""
+    kind = next(i.type for i in sess.get_inputs() if i.name == "prompt_h")
+    return np.float16 if kind == "tensor(float16)" else np.float32
 
 
 def _ids(tokens: Any, what: str) -> np.ndarray:
@@ -129,6 +148,9 @@ class FlowStage:
     encoder_io: ClassVar[tuple[dict[str, tuple[str, int]], tuple[str, ...]]] = ENCODER_IO
     # the stream estimator's contract (v3's key/value-cache graph: :mod:`cosyvoice_cpu.flow_v3`)
     stream_io: ClassVar[tuple[dict[str, tuple[str, int]], tuple[str, ...]]] = STREAM_IO
+    # whether that graph also runs whole sentences (v2: empty caches and keep_frames = 0 are the full-attention
+    # estimator), so a process that does both modes holds one copy of the estimator's weights
+    stream_serves_whole: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -143,8 +165,9 @@ class FlowStage:
         self.encoder = _open(Path(encoder), threads, self.encoder_io)
         emb_shape = next(i.shape for i in self.encoder.get_inputs() if i.name == "embedding")
         self._emb_dim = int(emb_shape[1]) if isinstance(emb_shape[1], int) else 192
-        # the two estimators are opened on first use: a whole-sentence-only or streaming-only process never pays
-        # for the other one's weights (~100 MB at int8, more in ORT's prepacked copies)
+        # the estimators are opened on first use. With the stream graph present (and ``stream_serves_whole``),
+        # whole sentences run on it too and ``flow_estimator.onnx`` is opened only for padded rows: one copy of
+        # the weights (~94 MB at int8 full size) serves both modes
         self._estimators: dict[str, tuple[Path, tuple]] = {"whole": (Path(estimator), ESTIMATOR_IO)}
         if estimator_stream is not None:
             self._estimators["stream"] = (Path(estimator_stream), self.stream_io)
@@ -168,7 +191,7 @@ class FlowStage:
                  threads: int | SessionConfig = 1, streaming: bool = True) -> FlowStage:  # fmt: skip
         """The stage from the standard file names in an exported directory."""
         d = Path(model_dir)
-        stream = d / FILES["flow_estimator_stream"] if streaming else None  # ~100 MB less when not streaming
+        stream = d / FILES["flow_estimator_stream"] if streaming else None
         return cls(d / FILES["flow_encoder"], d / FILES["flow_estimator"], stream,
                    d / FILES["flow_noise"], settings, threads)  # fmt: skip
 
@@ -185,7 +208,7 @@ class FlowStage:
 
     @property
     def estimator(self) -> Any:
-        """The full-attention estimator session (whole sentences), opened on first use."""
+        """The full-attention estimator session (``flow_estimator.onnx``), opened on first use."""
         return self._estimator("whole")
 
     @property
@@ -198,6 +221,18 @@ class FlowStage:
         """The chunk-causal estimator session on cached activations (streaming), opened on first use; None if
         the stage was made without it."""
         return self._estimator("stream") if self.can_stream else None
+
+    def _whole_call(self, padded: bool, n: int) -> tuple[Any, dict[str, np.ndarray]]:
+        """(session, extra feeds) for a whole-sentence estimator call on ``n`` rows: the stream graph with empty
+        caches when it serves whole sentences and no row is padded (it has no mask), else ``flow_estimator.onnx``
+        (extra feeds: none; the caller adds the mask)."""
+        if padded or not (self.stream_serves_whole and self.can_stream):
+            return self.estimator, {}
+        sess = self.stream_estimator
+        layers, width, state = stream_layout(sess)
+        empty = np.zeros((layers, n, 0, width), cache_dtype(sess))
+        return sess, {"prompt_h": empty, "context_h": empty, "conv_state": np.zeros((n, state, 2), np.float32),
+                      "keep_frames": np.array(0, np.int64)}  # fmt: skip
 
     def encode(
         self, tokens: Any, prompt_tokens: Any, embedding: np.ndarray, context: Any = None, streaming: bool = False
@@ -259,9 +294,11 @@ class FlowStage:
         if cond.shape != mu.shape or mask.shape != (b, 1, size):
             raise ConfigError(f"cond must be {mu.shape} and mask {(b, 1, size)}, got {cond.shape} and {mask.shape}")
         rows = guidance_rows(cfg_rate)
-        feeds = {"mask": np.concatenate([mask] * rows), **guided_rows(mu, spks, cond, rows)}
+        estimator, feeds = self._whole_call(bool((mask != 1).any()), rows * b)
+        feeds.update(guided_rows(mu, spks, cond, rows))
+        if "keep_frames" not in feeds:
+            feeds["mask"] = np.concatenate([mask] * rows)
         x = self.initial_noise(noise, b, size)
-        estimator = self.estimator
         for t, dt in self.schedule(n_timesteps):
             feeds["x"] = np.concatenate([x] * rows) if rows > 1 else x
             feeds["t"] = np.full(rows * b, t, dtype=np.float32)

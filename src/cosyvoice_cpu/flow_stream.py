@@ -28,7 +28,16 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.flow import N_MELS, FlowStage, _ids, guidance_rows, guide, guided_rows
+from cosyvoice_cpu.flow import (
+    N_MELS,
+    FlowStage,
+    _ids,
+    cache_dtype,
+    guidance_rows,
+    guide,
+    guided_rows,
+    stream_layout,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +48,9 @@ class PromptCache:
 
     Attributes:
         mu: (1, 80, P) prompt encoder output; spks: (1, 80) projected speaker vector.
-        h: per Euler step, (L, rows, P, width) cached ``norm1`` outputs of the prompt frames: float32, or float16
-            storage (``build(dtype=np.float16)``: half the memory; widened to float32 for each call).
+        h: per Euler step, (L, rows, P, width) cached ``norm1`` outputs of the prompt frames: float16 when the
+            graph takes float16 caches (the int8 recipes), else float32 or float16 storage as ``build(dtype=)``
+            asks (float16: half the memory, widened to float32 for each call of a float32 graph).
         conv: per Euler step, (rows, S, 2) float32 causal-convolution states at the prompt's end.
     """
 
@@ -58,17 +68,20 @@ class PromptCache:
               n_timesteps: int | None = None, cfg_rate: float | None = None,
               dtype: Any = np.float32) -> PromptCache:  # fmt: skip
         """Integrate the prompt frames alone (chunk 0) and keep their activations at every step (stored as
-        ``dtype``: float32, or float16 for half the memory)."""
+        ``dtype``: float32, or float16 for half the memory; always float16 for a graph that takes float16)."""
         sess = _stream_session(stage)
+        wire = cache_dtype(sess)
+        dtype = wire if wire == np.float16 else dtype
         steps, cfg_rate = stage.solver_params(n_timesteps, cfg_rate)
         tokens = _ids(prompt_tokens, "prompt_tokens")
         feat = _prompt_feat(prompt_feat, tokens.shape[1] * stage.settings.token_mel_ratio)
         mu, spks = _encode(stage, tokens, embedding)
-        layers, width, state = _layout(sess)
+        layers, width, state = stream_layout(sess)
         rows, n = guidance_rows(cfg_rate), feat.shape[2]
-        feeds = {**guided_rows(mu, spks, feat, rows), "context_h": np.zeros((layers, rows, 0, width), np.float32),
-                 "prompt_h": np.zeros((layers, rows, 0, width), np.float32),
-                 "conv_state": np.zeros((rows, state, 2), np.float32)}  # fmt: skip
+        empty = np.zeros((layers, rows, 0, width), wire)
+        feeds = {**guided_rows(mu, spks, feat, rows), "context_h": empty, "prompt_h": empty,
+                 "conv_state": np.zeros((rows, state, 2), np.float32),
+                 "keep_frames": np.array(n, np.int64)}  # fmt: skip
         x = stage.initial_noise(None, 1, n)
         cache = cls(mu, spks, [], [])
         for t, dt in stage.schedule(steps):
@@ -124,9 +137,10 @@ class FlowStream:
         if len(prompt_cache.h) != self.steps or prompt_cache.h[0].shape[1:3] != (self.rows, self.n_prompt):
             raise ConfigError("the prompt cache was built for other solver settings or another voice")
         self.prompt = prompt_cache
-        layers, width, _ = _layout(self.sess)
+        layers, width, _ = stream_layout(self.sess)
+        self.h_dtype = cache_dtype(self.sess)  # what the graph takes and returns the caches in
         # per Euler step: the context's cached activations and the convolution states after the latest frame
-        self.ctx_h = [np.zeros((layers, self.rows, 0, width), np.float32) for _ in range(self.steps)]
+        self.ctx_h = [np.zeros((layers, self.rows, 0, width), self.h_dtype) for _ in range(self.steps)]
         self.conv = list(prompt_cache.conv)
         self.history = np.zeros((1, 0), np.int64)  # every token already turned into mel
         self.ctx_mu = np.zeros((1, N_MELS, 0), np.float32)  # the context frames' encoder output (for checks)
@@ -167,10 +181,13 @@ class FlowStream:
         """Euler over the new frames on the cached past; updates the context caches. Returns (1, 80, C)."""
         n_new = mu_new.shape[2]
         feeds = guided_rows(mu_new, self.prompt.spks, np.zeros_like(mu_new), self.rows)
+        # the graph returns only the frames the context window keeps
+        keep = n_new if self.context_tokens is None else min(n_new, self.context_tokens * self.ratio)
+        feeds["keep_frames"] = np.array(keep, np.int64)
         x = self.stage.initial_noise(None, 1, n_new, offset=self.n_prompt + self.frames_done)
         for k, (t, dt) in enumerate(self.schedule):
             feeds.update(x=np.concatenate([x] * self.rows), t=np.full(self.rows, t, np.float32),
-                         prompt_h=self.prompt.h[k].astype(np.float32, copy=False), context_h=self.ctx_h[k],
+                         prompt_h=self.prompt.h[k].astype(self.h_dtype, copy=False), context_h=self.ctx_h[k],
                          conv_state=self.conv[k])  # fmt: skip
             v, new_h, self.conv[k] = self.sess.run(None, feeds)
             x = x + dt * guide(v, self.cfg_rate, 1)
@@ -201,12 +218,6 @@ def _stream_session(stage: FlowStage) -> Any:
         raise ConfigError("streaming needs flow_estimator_stream.onnx: load the engine with "
                           "EngineConfig(streaming_estimator=True)")  # fmt: skip
     return stage.stream_estimator
-
-
-def _layout(sess: Any) -> tuple[int, int, int]:
-    """(L, width, S) of the stream estimator from its input shapes (prompt_h (L, B, T, width), conv (B, S, 2))."""
-    shapes = {i.name: i.shape for i in sess.get_inputs()}
-    return int(shapes["prompt_h"][0]), int(shapes["prompt_h"][3]), int(shapes["conv_state"][1])
 
 
 def _prompt_feat(prompt_feat: np.ndarray, frames: int) -> np.ndarray:

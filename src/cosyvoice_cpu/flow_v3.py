@@ -60,6 +60,7 @@ class FlowStageV3(FlowStage):
     """
 
     stream_io = STREAM_IO_V3
+    stream_serves_whole = False  # the window graph on key/value caches is not the full-attention DiT
 
     def __init__(
         self,

@@ -20,7 +20,8 @@ from cosyvoice_cpu.errors import ModelDirError
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "cosyvoice_cpu.json"
-FORMAT_VERSION = 2  # 2: flow_estimator_stream.onnx (streamed chunks on cached activations) replaces _chunk
+FORMAT_VERSION = 3  # 2: flow_estimator_stream.onnx (streamed chunks on cached activations) replaces _chunk;
+# 3: its keep_frames input (the v2 stream graph also runs whole sentences: one estimator in memory)
 FAMILIES = ("cosyvoice2", "cosyvoice", "cosyvoice3")  # CosyVoice2-0.5B, CosyVoice-300M (+SFT, Instruct), CosyVoice3
 STAGE_SECTIONS = ("text", "lm", "sampling", "flow", "hift")
 

@@ -110,8 +110,9 @@ Spec = dict[str, tuple[str, "int | list[int | str]"]]  # name -> (ORT type such 
 def check_io(session: Any, path: str | Path, inputs: Spec, outputs: Spec) -> None:
     """Raise :class:`ModelDirError` unless the graph has exactly these inputs and outputs.
 
-    Each entry is ``name -> (type, rank)`` or ``name -> (type, shape)``; in a shape, strings are dynamic axes
-    (anything matches) and integers must equal the graph's fixed size.
+    Each entry is ``name -> (type, rank)`` or ``name -> (type, shape)``; ``type`` may list alternatives
+    separated by ``|``; in a shape, strings are dynamic axes (anything matches) and integers must equal the
+    graph's fixed size.
     """
     problems = []
     for kind, want, got in (("input", inputs, session.get_inputs()), ("output", outputs, session.get_outputs())):
@@ -128,7 +129,7 @@ def check_io(session: Any, path: str | Path, inputs: Spec, outputs: Spec) -> Non
                 ok = len(gshape) == len(shape) and all(
                     not isinstance(w, int) or not isinstance(g, int) or g == w for g, w in zip(gshape, shape)
                 )
-            if gtype != dtype or not ok:
+            if gtype not in dtype.split("|") or not ok:
                 problems.append(f"{kind} {name} is {gtype} {gshape}, expected {dtype} {shape}")
     if problems:
         shown = "; ".join(problems[:6]) + (f"; ... ({len(problems)} problems)" if len(problems) > 6 else "")

@@ -42,7 +42,7 @@ def test_progress_is_reported_stage_by_stage(tiny_model_dir: Path, tmp_path: Pat
 
 def test_model_directory_is_complete_and_self_describing(exported: Path, tiny_model_dir: Path) -> None:
     m = Manifest.load(exported, check_hashes=True)
-    assert m.family == "cosyvoice2" and m.format_version == 2
+    assert m.family == "cosyvoice2" and m.format_version == 3
     assert m.recipe["name"] == DEFAULT_RECIPE and m.recipe["stages"] == RECIPES[DEFAULT_RECIPE].stages()
     assert set(m.graphs) == GRAPHS
     assert m.graphs["lm"].precision == RECIPES[DEFAULT_RECIPE].lm

@@ -54,7 +54,8 @@ def _estimator_feeds(rng: np.random.Generator, lengths: list[int], size: int) ->
 
 def test_all_verification_gates_pass(flow, flow_dir: Path) -> None:
     results = verify_flow(flow, flow_dir, seed=3, threads=2)
-    assert len(results) == 14  # incl. the stream estimator (prompt pass + 2 cached chunks) and a streamed flow
+    # incl. the stream estimator (prompt pass, 2 cached chunks, keep_frames, a whole sentence) and a streamed flow
+    assert len(results) == 16
     assert all(r.passed for r in results), "\n".join(str(r) for r in results)
 
 
@@ -83,8 +84,10 @@ def test_artifact_contracts(flow, tmp_path: Path) -> None:
         "x": ["batch", 80, "time"], "mu": ["batch", 80, "time"], "t": ["batch"], "spks": ["batch", 80],
         "cond": ["batch", 80, "time"], "prompt_h": [layers, "batch", "prompt_frames", width],
         "context_h": [layers, "batch", "context_frames", width], "conv_state": ["batch", channels, 2],
+        "keep_frames": [],
     }  # fmt: skip
     assert [s.name for s in stream.outputs] == ["velocity", "new_h", "new_conv_state"]
+    assert stream.outputs[1].shape == [layers, "batch", "kept_frames", width]
     noise = np.load(tmp_path / "flow_noise.npy")
     assert noise.shape == (1, 80, 15000) and noise.dtype == np.float32
     from cosyvoice_cpu.reference.cfm import official_fixed_noise
@@ -159,6 +162,26 @@ def test_stage_injected_noise_and_batch_solve(flow, stage: FlowStage) -> None:
     assert rel_err(mel, ref) < RTOL
     with pytest.raises(ValueError, match="noise must be"):
         stage.solve(mu, spks, cond, noise=noise[:, :, :10])
+
+
+def test_whole_sentences_run_on_the_stream_graph(flow_dir: Path) -> None:
+    """A stage with the stream graph opens only that one for unpadded whole sentences (one copy of the weights
+    in a process that does both modes); the result equals flow_estimator.onnx's; padded rows need the latter."""
+    rng = np.random.default_rng(1)
+    mu, cond = rng.standard_normal((2, 80, 57)).astype(np.float32), np.zeros((2, 80, 57), np.float32)
+    spks, noise = rng.standard_normal((2, 80)).astype(np.float32), rng.standard_normal((1, 80, 57)).astype(np.float32)
+    both = FlowStage.from_dir(flow_dir, threads=2)
+    whole_only = FlowStage.from_dir(flow_dir, threads=2, streaming=False)
+    mel = both.solve(mu, spks, cond, n_timesteps=3, noise=noise)
+    assert set(both._sessions) == {"stream"}
+    ref = whole_only.solve(mu, spks, cond, n_timesteps=3, noise=noise)
+    assert set(whole_only._sessions) == {"whole"}
+    assert rel_err(mel, ref) < 1e-5
+    mask = np.ones((2, 1, 57), np.float32)
+    mask[1, :, 40:] = 0
+    padded = both.solve(mu, spks, cond, mask, n_timesteps=3, noise=noise)
+    assert set(both._sessions) == {"stream", "whole"}
+    assert rel_err(padded[:1], mel[:1]) < 1e-5 and rel_err(padded[1:, :, :40], mel[1:, :, :40]) > 1e-4
 
 
 def test_stage_rejects_bad_inputs_and_graphs(stage: FlowStage, flow_dir: Path) -> None:

@@ -125,6 +125,35 @@ def test_prompt_cache_is_shared_and_changes_nothing(engine: Engine, fp32_dir: Pa
     assert 0 < err < 2e-2
 
 
+def test_int8_stream_graph_takes_float16_caches(fp32_dir: Path, tmp_path: Path) -> None:
+    """The int8 recipes' stream graph takes and returns its caches in float16 (half_cache_io): the prompt cache
+    and the context take half the memory, whole sentences still run on it, and streamed mel moves by the
+    rounding of the cached activations only (against the same int8 graph with float32 caches)."""
+    import shutil
+
+    from cosyvoice_cpu.export.flow_stream_graph import half_cache_io
+    from cosyvoice_cpu.export.quantize import quantize_int8_dynamic
+    from cosyvoice_cpu.flow import FILES, cache_dtype
+
+    src = fp32_dir / FILES["flow_estimator_stream"]
+    wide, half = tmp_path / "wide.onnx", tmp_path / "half.onnx"
+    quantize_int8_dynamic(src, wide, reduce_range=True)
+    shutil.copy(wide, half)
+    shutil.copy(f"{wide}.data", f"{half}.data")
+    half_cache_io(half)
+    stages = [FlowStage(fp32_dir / FILES["flow_encoder"], fp32_dir / FILES["flow_estimator"], g,
+                        fp32_dir / FILES["flow_noise"], threads=2) for g in (wide, half)]  # fmt: skip
+    assert [cache_dtype(st.stream_estimator) for st in stages] == [np.float32, np.float16]
+    (mel32, fs32), (mel16, fs16) = (_stream(st, 25) for st in stages)
+    assert fs16.prompt.nbytes < 0.6 * fs32.prompt.nbytes and fs16.ctx_h[0].dtype == np.float16
+    err = np.abs(mel16 - mel32).max() / np.abs(mel32).max()
+    print(f"float16 caches vs float32 caches (same int8 graph): mel rel {err:.2e}")
+    assert 0 < err < 1e-2
+    prompt, toks, feat, emb = _inputs()
+    whole = [st.inference(toks, prompt, feat, emb) for st in stages]  # empty float16 caches, keep_frames = 0
+    assert np.array_equal(whole[0], whole[1])
+
+
 def test_bounded_context_is_close_and_converges(engine: Engine) -> None:
     full, _ = _stream(engine.flow, None)
     errors = {ctx: float(np.abs(_stream(engine.flow, ctx)[0] - full).mean()) for ctx in (0, 10, 50)}

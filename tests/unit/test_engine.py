@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from cosyvoice_cpu.config import SynthesisConfig
+from cosyvoice_cpu.config import EngineConfig, SynthesisConfig
 from cosyvoice_cpu.engine import Engine, Timings
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.voice import Voice, VoiceError
@@ -181,11 +181,17 @@ def test_broken_model_directories_fail_at_load_with_the_fix(tiny_export_dir: Pat
         Engine.load(tmp_path)
 
 
-def test_each_flow_estimator_is_opened_only_when_its_mode_is_used(tiny_export_dir: Path) -> None:
+def test_one_flow_estimator_serves_both_modes(tiny_export_dir: Path) -> None:
+    """The stream graph runs whole sentences too: a process that does both modes holds one estimator, and one
+    loaded without streaming holds only the whole-sentence graph; the two give the same audio."""
     engine = Engine.load(tiny_export_dir)
     voice = engine.make_voice(_prompt_wav(tiny_export_dir.parent / "bob.wav"), "Hi there.", name="bob")
     assert engine.flow._sessions == {}  # nothing estimator-sized is in memory after load
-    engine.synthesize_wav("Hello.", voice, SynthesisConfig(seed=1))
-    assert set(engine.flow._sessions) == {"whole"}
+    wav = engine.synthesize_wav("Hello.", voice, SynthesisConfig(seed=1))
+    assert set(engine.flow._sessions) == {"stream"}
     engine.synthesize_wav("Hello.", voice, SynthesisConfig(seed=1, stream=True))
-    assert set(engine.flow._sessions) == {"whole", "stream"}
+    assert set(engine.flow._sessions) == {"stream"}
+    whole_only = Engine.load(tiny_export_dir, EngineConfig(streaming_estimator=False))
+    other = whole_only.synthesize_wav("Hello.", voice, SynthesisConfig(seed=1))
+    assert set(whole_only.flow._sessions) == {"whole"}
+    assert other.shape == wav.shape and np.abs(other - wav).max() < 1e-4 * np.abs(wav).max()
