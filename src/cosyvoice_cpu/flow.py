@@ -94,10 +94,10 @@ def stream_layout(sess: Any) -> tuple[int, int, int]:
     return int(shapes["prompt_h"][0]), int(shapes["prompt_h"][3]), int(shapes["conv_state"][1])
 
 
-def cache_dtype(sess: Any) -> type:
-    """The dtype a v2 stream estimator takes its caches in and returns ``new_h`` in: float32, or float16 (the
-    int8 recipes' graphs, ``export.flow_stream_graph.half_cache_io``)."""
-    kind = next(i.type for i in sess.get_inputs() if i.name == "prompt_h")
+def cache_dtype(sess: Any, name: str = "prompt_h") -> type:
+    """The dtype a stream estimator takes its caches in (the type of its input ``name``) and returns the new
+    ones in: float32, or float16 (the int8 recipes' graphs, ``export.flow_stream_graph.half_cache_io``)."""
+    kind = next(i.type for i in sess.get_inputs() if i.name == name)
     return np.float16 if kind == "tensor(float16)" else np.float32
 
 

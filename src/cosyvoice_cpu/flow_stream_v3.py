@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.flow import _ids, guidance_rows, guide, guided_rows
+from cosyvoice_cpu.flow import _ids, cache_dtype, guidance_rows, guide, guided_rows
 from cosyvoice_cpu.flow_stream import _prompt_feat, chunk_ids
 from cosyvoice_cpu.flow_v3 import FlowStageV3
 
@@ -46,8 +46,9 @@ class PromptCacheV3:
 
     Attributes:
         frames: committed prompt frames (a multiple of the chunk); spks: (1, 80) projected speaker vector.
-        k, v: per Euler step, (L, rows, frames, I) keys (after RoPE) and values: float32, or float16 storage
-            (``build(dtype=np.float16)``: half the memory; widened to float32 for each call).
+        k, v: per Euler step, (L, rows, frames, I) keys (after RoPE) and values: float16 when the graph takes
+            float16 caches (the int8 recipes), else float32 or float16 storage as ``build(dtype=)`` asks
+            (float16: half the memory, widened to float32 for each call of a float32 graph).
         conv: per Euler step, (rows, 2D, K-1) float32 conv position embedding inputs before frame ``frames``.
     """
 
@@ -66,8 +67,10 @@ class PromptCacheV3:
               n_timesteps: int | None = None, cfg_rate: float | None = None,
               dtype: Any = np.float32) -> PromptCacheV3:  # fmt: skip
         """Integrate the prompt's stable complete chunks alone and keep their keys/values at every step (stored
-        as ``dtype``: float32, or float16 for half the memory)."""
+        as ``dtype``: float32, or float16 for half the memory; always float16 for a graph that takes float16)."""
         sess = _stream_session(stage)
+        wire = cache_dtype(sess, "prompt_k")
+        dtype = wire if wire == np.float16 else dtype
         steps, cfg_rate = stage.solver_params(n_timesteps, cfg_rate)
         s = stage.settings
         tokens = _ids(prompt_tokens, "prompt_tokens")
@@ -76,12 +79,13 @@ class PromptCacheV3:
         frames = stable // stage.chunk_frames * stage.chunk_frames
         rows = guidance_rows(cfg_rate)
         layers, width, state, hist = _layout(sess)
-        empty = np.zeros((layers, rows, 0, width), np.float32)
+        empty = np.zeros((layers, rows, 0, width), wire)
         conv0 = np.zeros((rows, state, hist), np.float32)
         emb = np.asarray(embedding, dtype=np.float32)
         if frames == 0:
             _, spks = stage.encode(tokens[:, :1] if tokens.shape[1] else np.zeros((1, 1), np.int64), [], emb)
-            return cls(0, spks, [empty] * steps, [empty] * steps, [conv0] * steps)
+            none = empty.astype(dtype)
+            return cls(0, spks, [none] * steps, [none] * steps, [conv0] * steps)
         mu, spks = stage.encode(tokens, [], emb)
         mu = mu[:, :, :frames]
         feeds = {**guided_rows(mu, spks, feat[:, :, :frames], rows), "prompt_k": empty, "prompt_v": empty,
@@ -150,7 +154,8 @@ class FlowStreamV3:
             raise ConfigError("the prompt cache was built for a longer prompt (another voice)")
         self.prompt = prompt_cache
         layers, width, _, self.hist = _layout(self.sess)
-        self.ctx_k = [np.zeros((layers, self.rows, 0, width), np.float32) for _ in range(self.steps)]
+        self.kv_dtype = cache_dtype(self.sess, "prompt_k")  # what the graph takes and returns keys/values in
+        self.ctx_k = [np.zeros((layers, self.rows, 0, width), self.kv_dtype) for _ in range(self.steps)]
         self.ctx_v = list(self.ctx_k)
         self.conv = list(prompt_cache.conv)
         self.committed = prompt_cache.frames  # frames [0, committed) are in the caches (or trimmed away)
@@ -204,8 +209,8 @@ class FlowStreamV3:
         x = self.stage.initial_noise(None, 1, size, offset=offset)
         for k, (t, dt) in enumerate(self.schedule):
             feeds.update(x=np.concatenate([x] * self.rows), t=np.full(self.rows, t, np.float32),
-                         prompt_k=self.prompt.k[k].astype(np.float32, copy=False),
-                         prompt_v=self.prompt.v[k].astype(np.float32, copy=False), context_k=self.ctx_k[k],
+                         prompt_k=self.prompt.k[k].astype(self.kv_dtype, copy=False),
+                         prompt_v=self.prompt.v[k].astype(self.kv_dtype, copy=False), context_k=self.ctx_k[k],
                          context_v=self.ctx_v[k], conv_state=self.conv[k])  # fmt: skip
             v, new_k, new_v, conv_in = self.sess.run(None, feeds)
             x = x + dt * guide(v, self.cfg_rate, 1)

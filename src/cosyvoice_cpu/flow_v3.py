@@ -28,9 +28,9 @@ logger = logging.getLogger(__name__)
 FILES_V3 = dict(FILES)
 STREAM_IO_V3 = (
     {"x": ("float", 3), "mu": ("float", 3), "t": ("float", 1), "spks": ("float", 2), "cond": ("float", 3),
-     "prompt_k": ("float", 4), "prompt_v": ("float", 4), "context_k": ("float", 4), "context_v": ("float", 4),
-     "conv_state": ("float", 3), "offset": ("int64", 0)},
-    ("velocity", "new_k", "new_v", "conv_in"),
+     "prompt_k": ("float|float16", 4), "prompt_v": ("float|float16", 4), "context_k": ("float|float16", 4),
+     "context_v": ("float|float16", 4), "conv_state": ("float", 3), "offset": ("int64", 0)},
+    ("velocity", ("new_k", "float|float16"), ("new_v", "float|float16"), "conv_in"),
 )  # fmt: skip
 
 

@@ -140,7 +140,7 @@ def test_int8_stream_graph_takes_float16_caches(fp32_dir: Path, tmp_path: Path) 
     quantize_int8_dynamic(src, wide, reduce_range=True)
     shutil.copy(wide, half)
     shutil.copy(f"{wide}.data", f"{half}.data")
-    half_cache_io(half)
+    half_cache_io(half, ("prompt_h", "context_h"), ("new_h",))
     stages = [FlowStage(fp32_dir / FILES["flow_encoder"], fp32_dir / FILES["flow_estimator"], g,
                         fp32_dir / FILES["flow_noise"], threads=2) for g in (wide, half)]  # fmt: skip
     assert [cache_dtype(st.stream_estimator) for st in stages] == [np.float32, np.float16]

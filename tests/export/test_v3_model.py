@@ -63,6 +63,10 @@ def test_export_writes_a_v3_model_directory(v3_int8w: Path) -> None:
     assert m.graphs["hift_decode"].attrs["sine_type"] == "v3" and m.graphs["hift_decode"].attrs["causal"]
     assert all(g["passed"] for g in m.verification) and m.graphs["flow_encoder"].precision == "int8w"
     assert {"fp32", "int8, flow_encoder int8w"} < {g["phase"] for g in m.verification}
+    # the int8 stream DiT takes and returns its key/value caches in float16 (half the prompt cache's memory)
+    stream = m.graphs["flow_estimator_stream"]
+    kv = {s["name"]: s["dtype"] for s in (*stream.inputs, *stream.outputs) if s["name"].endswith(("_k", "_v"))}
+    assert kv == dict.fromkeys(["prompt_k", "prompt_v", "context_k", "context_v", "new_k", "new_v"], "float16")
 
 
 @pytest.mark.parametrize(("mode", "seed"), [("zero-shot", 11), ("cross-lingual", 5)])
@@ -122,6 +126,7 @@ def test_prompt_rules_streaming_and_bad_input(v3_int8w: Path, tmp_path: Path) ->
     assert len(chunks) >= 3 and chunks[-1].final and np.isfinite(streamed).all() and np.abs(streamed).max() > 0
     assert len(chunks[0].samples) < len(streamed) / 3
     assert len(streamed) == len(whole)  # 2 frames per token x 480 samples, whatever the chunking
+    assert {a.dtype for c in engine.prompt_caches._items.values() for a in (*c.k, *c.v)} == {np.dtype(np.float16)}
 
 
 def test_serve_a_v3_model(v3_int8w: Path, tmp_path: Path) -> None:

@@ -240,18 +240,26 @@ def export_stream_estimator(est: FlowEstimator, path: Path) -> None:
                  output_names=OUTPUTS, dynamic_axes=DYNAMIC_AXES)  # fmt: skip
 
 
-CACHE_INPUTS, CACHE_OUTPUT = ("prompt_h", "context_h"), "new_h"
+# the stream graphs' cache inputs and outputs: v2 (norm1 outputs) and v3 (keys/values of the DiT)
+CACHE_IO = {"v2": (("prompt_h", "context_h"), ("new_h",)),
+            "v3": (("prompt_k", "prompt_v", "context_k", "context_v"), ("new_k", "new_v"))}  # fmt: skip
 
 
-def half_cache_io(path: Path) -> None:
-    """Make the graph at ``path`` take ``prompt_h``/``context_h`` and return ``new_h`` in float16 (in place).
+def cache_io(input_names: set[str]) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """The (cache inputs, cache outputs) of a stream graph with these input names, or None (not a stream graph)."""
+    return next((io for io in CACHE_IO.values() if set(io[0]) <= input_names), None)
 
-    A ``Cast`` to float32 follows each cache input and a ``Cast`` to float16 precedes the output; everything
+
+def half_cache_io(path: Path, inputs: tuple[str, ...], outputs: tuple[str, ...]) -> None:
+    """Make the graph at ``path`` take its cache ``inputs`` and return its cache ``outputs`` in float16 (in place).
+
+    A ``Cast`` to float32 follows each such input and a ``Cast`` to float16 precedes each such output; everything
     inside stays float32. The runtime then stores the per-voice prompt cache and each stream's context in half
-    the memory (full-size CosyVoice2, 3 s voice: 173 -> 87 MB and 57 -> 28 MB per stream) and feeds them as they
-    are: ORT's vectorized Cast widens the prompt cache in ~0.3 ms per call, where NumPy's ``astype`` took ~6 ms.
-    Applied to the int8 estimator's stream graph only (the rounding, ~5e-4 relative on the cached activations,
-    is far below its quantization error); the fp32 graph keeps float32 caches and stays exact.
+    the memory (full-size CosyVoice2, 3 s voice: 173 -> 87 MB and 57 -> 28 MB per stream; Fun-CosyVoice3's
+    keys/values 365 -> 183 MB) and feeds them as they are: ORT's vectorized Cast widens CosyVoice2's prompt
+    cache in ~0.3 ms per call, where NumPy's ``astype`` took ~6 ms. Applied to the int8 estimators' stream graphs
+    only (the rounding, ~5e-4 relative on the cached activations, is far below their quantization error); the
+    fp32 graphs keep float32 caches and stay exact.
     """
     import onnx
     from onnx import TensorProto, helper
@@ -260,23 +268,25 @@ def half_cache_io(path: Path) -> None:
 
     model = onnx.load(str(path), load_external_data=True)
     graph = model.graph
-    casts = []
+    head, tail = [], []
     for value in graph.input:
-        if value.name in CACHE_INPUTS:
+        if value.name in inputs:
             wide = value.name + "_fp32"
             for node in graph.node:
                 node.input[:] = [wide if i == value.name else i for i in node.input]
-            casts.append(helper.make_node("Cast", [value.name], [wide], to=TensorProto.FLOAT, name=f"{wide}_cast"))
+            head.append(helper.make_node("Cast", [value.name], [wide], to=TensorProto.FLOAT, name=f"{wide}_cast"))
             value.type.tensor_type.elem_type = TensorProto.FLOAT16
-    out = next(v for v in graph.output if v.name == CACHE_OUTPUT)
-    wide = CACHE_OUTPUT + "_fp32"
-    for node in graph.node:
-        node.output[:] = [wide if o == CACHE_OUTPUT else o for o in node.output]
-    out.type.tensor_type.elem_type = TensorProto.FLOAT16
-    nodes = [*casts, *graph.node, helper.make_node("Cast", [wide], [CACHE_OUTPUT], to=TensorProto.FLOAT16,
-                                                   name=f"{CACHE_OUTPUT}_cast")]  # fmt: skip
+    for value in graph.output:
+        if value.name in outputs:
+            wide = value.name + "_fp32"
+            for node in graph.node:
+                node.output[:] = [wide if o == value.name else o for o in node.output]
+            tail.append(helper.make_node("Cast", [wide], [value.name], to=TensorProto.FLOAT16, name=f"{wide}_cast"))
+            value.type.tensor_type.elem_type = TensorProto.FLOAT16
+    if len(head) != len(inputs) or len(tail) != len(outputs):
+        raise ValueError(f"{path} lacks some of the cache inputs {inputs} / outputs {outputs}")
+    nodes = [*head, *graph.node, *tail]
     del graph.node[:]
     graph.node.extend(nodes)
     onnx.checker.check_model(model)
     save_onnx(model, Path(path))
-

@@ -81,10 +81,11 @@ def _quantize(art: GraphArtifact, precision: str, work: Path, out: Path) -> Grap
     elif estimator and precision == "int8":
         # 7-bit weights: exact on every ISA (u8s8 products saturate on AVX2 without VNNI)
         quantize_int8_dynamic(src, dst, reduce_range=True)
-        from cosyvoice_cpu.export.flow_stream_graph import CACHE_INPUTS, half_cache_io
+        from cosyvoice_cpu.export.flow_stream_graph import cache_io, half_cache_io
 
-        if set(CACHE_INPUTS) <= {i.name for i in art.inputs}:  # v2's stream graph: float16 norm1 caches
-            half_cache_io(dst)
+        caches = cache_io({i.name for i in art.inputs})
+        if caches:  # a stream graph: its caches in float16
+            half_cache_io(dst, *caches)
     elif hift and precision == "int8w":
         from cosyvoice_cpu.export.hift_graph import quantize_hift_weights_int8
 
