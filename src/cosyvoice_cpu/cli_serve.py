@@ -78,8 +78,9 @@ def add_parser(sub: argparse._SubParsersAction, positive: type, non_negative: ty
     s.add_argument("--timeout", type=float, default=300.0, help="seconds one synthesis may take")
     s.add_argument("--max-upload-mb", type=float, default=20.0, help="largest voice upload")
     s.add_argument("--threads", type=non_negative, default=0, help="ORT threads (default: usable physical cores)")
-    s.add_argument("--prompt-cache-fp16", action="store_true", help="keep each voice's streaming cache in float16: "
-                   "half the memory, mel rel. error 2.6e-3, ~5 %% slower streamed chunks")  # fmt: skip
+    s.add_argument("--prompt-cache-fp16", action="store_true", help="fp32 models: keep each voice's streaming cache in "
+                   "float16 (half the memory, mel rel. error 2.6e-3, ~5 %% slower streamed chunks); int8 models "
+                   "(the default recipe) do so already")  # fmt: skip
     s.add_argument("--voices", type=Path, help="saved-voices directory (shared with `cosyvoice-cpu voice`)")
     s.add_argument("--model-id", help="model id in /v1/models (default: the model directory's name)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

@@ -49,12 +49,17 @@ class EngineConfig:
         leave_cores: cores to leave to the OS and other processes when ``threads`` is 0.
         spinning: let idle ORT threads spin (lower latency for a single stream; keep off when requests overlap).
         verify_hashes: recompute every file's sha256 at load (seconds per GB).
-        streaming_estimator: also load the streaming flow estimator (needed for ``stream=True``).
-        prompt_cache_mb: memory for per-voice streaming caches (the prompt's flow activations, ~170 MB per 3 s
-            voice at full size); 0 rebuilds them for every streamed request.
-        prompt_cache_fp16: store those caches in float16: half the memory (CosyVoice2 full size, 3 s voice:
-            173 -> 87 MB; Fun-CosyVoice3 365 -> ~183 MB) for a streamed-mel rel. error of 2.6e-3 (a quarter of the
-            int8 estimator's) and ~5 ms more per stream-estimator call, widening the cache back to float32.
+        streaming_estimator: load the streaming flow estimator (needed for ``stream=True``). On CosyVoice2 it
+            also runs whole sentences, so one estimator is in memory for both modes; False loads only
+            ``flow_estimator.onnx`` (whole sentences only, ~1-3 % faster per flow step: its q/k/v share one
+            activation quantization).
+        prompt_cache_mb: memory for per-voice streaming caches (the prompt's flow activations: full size, 3 s
+            voice, 87 MB for CosyVoice2 and ~183 MB for Fun-CosyVoice3 with the int8 recipes, whose stream
+            graphs take float16 caches; twice that with fp32 graphs); 0 rebuilds them for every streamed request.
+        prompt_cache_fp16: with an fp32 stream graph, store those caches in float16 anyway: half the memory for a
+            streamed-mel rel. error of 2.6e-3 and ~5 ms more per stream-estimator call (NumPy widens the cache
+            back to float32). The int8 recipes' graphs take float16 caches themselves (no widening); there this
+            setting changes nothing.
         lm_batch_rows: decode the LM in a background thread (:class:`~cosyvoice_cpu.scheduler.LMScheduler`),
             up to this many concurrent requests in one batched call per step. A streamed request's LM then
             decodes its next chunk while the flow renders the current one (full-size CosyVoice2, 2 cores: ~10 %
