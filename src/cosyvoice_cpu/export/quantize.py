@@ -12,7 +12,8 @@ Stage precisions:
   neighbours); ``int8w`` (weight-only ``MatMulNBits``, 8 bits, block 32, int8 compute: rows independent);
   ``int4`` (the same with 4 bits).
 * ``flow_estimator``: ``fp32`` or ``int8`` (dynamic, per channel, ``reduce_range`` on: 7-bit weights, safe on
-  AVX2 machines without VNNI where u8s8 products can saturate).
+  AVX2 machines without VNNI where u8s8 products can saturate; the int8 stream graph also takes its caches in
+  float16: ``export.flow_stream_graph.half_cache_io``).
 * ``flow_encoder``: ``fp32`` or ``int8w`` (weight-only ``MatMulNBits``, 8 bits, block 32, fp32 compute: the
   encoder runs once per sentence or chunk, so this is for memory, 158 -> 62 MB at full size, not speed).
 * ``hift``: ``fp32`` or ``int8w`` (Conv weights stored int8 per output channel + ``DequantizeLinear``, fp32
