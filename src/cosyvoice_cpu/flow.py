@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -202,7 +202,10 @@ class FlowStage:
         with self._lock:
             if kind not in self._sessions:
                 path, io = self._estimators[kind]
-                self._sessions[kind] = _open(path, self._threads, io)
+                config = as_config(self._threads)
+                if kind == "stream":  # its new_h/new_conv_state gathers run early: see SessionConfig
+                    config = replace(config, priority_order=True)
+                self._sessions[kind] = _open(path, config, io)
                 logger.info("opened %s", path.name)
             return self._sessions[kind]
 

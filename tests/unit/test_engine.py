@@ -189,6 +189,11 @@ def test_one_flow_estimator_serves_both_modes(tiny_export_dir: Path) -> None:
     assert engine.flow._sessions == {}  # nothing estimator-sized is in memory after load
     wav = engine.synthesize_wav("Hello.", voice, SynthesisConfig(seed=1))
     assert set(engine.flow._sessions) == {"stream"}
+    # priority-based node order: the per-layer new_h gathers run early instead of holding every layer's input
+    import onnxruntime as ort
+
+    order = engine.flow.stream_estimator.get_session_options().execution_order
+    assert order == ort.ExecutionOrder.PRIORITY_BASED
     engine.synthesize_wav("Hello.", voice, SynthesisConfig(seed=1, stream=True))
     assert set(engine.flow._sessions) == {"stream"}
     whole_only = Engine.load(tiny_export_dir, EngineConfig(streaming_estimator=False))
