@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 from pathlib import Path
 
-from cosyvoice_cpu.benchmark import PROMPT_TEXT, _prompt_wav, measure_e2e
-from cosyvoice_cpu.config import EngineConfig
-from cosyvoice_cpu.engine import Engine
+from cosyvoice_cpu.benchmark import alternate, load, measure_e2e
 
 
 def main() -> None:
@@ -28,23 +25,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=4)
     args = ap.parse_args()
-    engines = {}
-    for label, streaming in (("stream graph (default)", True), ("flow_estimator.onnx", False)):
-        engine = Engine.load(args.model_dir, EngineConfig(threads=args.threads, streaming_estimator=streaming))
-        with tempfile.TemporaryDirectory() as tmp:
-            voice = engine.make_voice(_prompt_wav(Path(tmp) / "prompt.wav"), PROMPT_TEXT, name="bench")
-        engines[label] = (engine, voice)
-    results: dict[str, list[dict[str, float]]] = {label: [] for label in engines}
-    for _ in range(args.runs):
-        for label, (engine, voice) in engines.items():
-            results[label].append(measure_e2e(engine, voice, 250, 1))
+    engines = {label: load(args.model_dir, args.threads, streaming_estimator=streaming)
+               for label, streaming in (("stream graph (default)", True), ("flow_estimator.onnx", False))}
+    # alternately; each measurement after its own warm-up run
+    results = alternate(engines, args.runs, lambda engine, voice: measure_e2e(engine, voice, 250, 1))
+    sessions = {label: sorted(engine.flow._sessions) for label, (engine, _) in engines.items()}
     for label, rs in results.items():
         steps, rtf = [r["flow_ms_per_step"] for r in rs], statistics.median(r["rtf"] for r in rs)
         print(f"{label:24s} flow {statistics.median(steps):.1f} ms/step, RTF {rtf:.3f}"
-              f"  (runs: {', '.join(f'{x:.0f}' for x in steps)}; sessions {sorted(engines[label][0].flow._sessions)})")
-    for engine, _ in engines.values():
-        engine.close()
-
+              f"  (runs: {', '.join(f'{x:.0f}' for x in steps)}; estimator sessions opened {sessions[label]})")
 
 if __name__ == "__main__":
     main()

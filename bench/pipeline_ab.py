@@ -16,7 +16,7 @@ import argparse
 import statistics
 from pathlib import Path
 
-from cosyvoice_cpu.benchmark import SHORT_TEXT, TEXT, first_audio, load
+from cosyvoice_cpu.benchmark import SHORT_TEXT, TEXT, alternate, first_audio, load
 
 
 def main() -> None:
@@ -28,19 +28,14 @@ def main() -> None:
     args = ap.parse_args()
     text, tokens = (SHORT_TEXT, 50) if args.short else (TEXT, 250)
     engines = {rows: load(args.model_dir, args.threads, lm_batch_rows=rows) for rows in (0, 4)}
-    results: dict[int, list[dict[str, float]]] = {0: [], 4: []}
-    for _ in range(args.runs):
-        for rows, (engine, voice) in engines.items():  # alternately; each measurement after its own warm-up run
-            results[rows].append(first_audio(engine, voice, text, tokens, 1))
+    # alternately; each measurement after its own warm-up run
+    results = alternate(engines, args.runs, lambda engine, voice: first_audio(engine, voice, text, tokens, 1))
     for rows, rs in results.items():
         label = "LM in the caller's thread (lm_batch_rows=0)" if rows == 0 else "LM ahead in its thread (default)"
         firsts = [r["first_audio_s"] for r in rs]
         rtfs = [r["stream_rtf"] for r in rs]
         print(f"{label:45s} first audio {statistics.median(firsts):.3f} s, streamed RTF {statistics.median(rtfs):.3f}"
               f"  (runs: {', '.join(f'{x:.3f}' for x in rtfs)})")
-    for engine, _ in engines.values():
-        engine.close()
-
 
 if __name__ == "__main__":
     main()

@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,17 +82,32 @@ def _prompt_wav(path: Path, seconds: float = 3.0, sr: int = 16000) -> Path:
     return path
 
 
-def load(model_dir: Path, threads: int, spinning: bool = False, lm_batch_rows: int | None = None) -> tuple[Any, Any]:
-    """The engine (``lm_batch_rows`` None: the engine's default, what users get) and a registered voice (voice
-    creation is setup, not timed)."""
+def load(model_dir: Path, threads: int, spinning: bool = False, lm_batch_rows: int | None = None,
+         **config: Any) -> tuple[Any, Any]:  # fmt: skip
+    """The engine (``lm_batch_rows`` None: the engine's default, what users get; ``config``: other
+    :class:`~cosyvoice_cpu.config.EngineConfig` fields) and a registered voice (voice creation is setup, not
+    timed)."""
     from cosyvoice_cpu.config import DEFAULT_LM_BATCH_ROWS, EngineConfig
     from cosyvoice_cpu.engine import Engine
 
     rows = DEFAULT_LM_BATCH_ROWS if lm_batch_rows is None else lm_batch_rows
-    engine = Engine.load(model_dir, EngineConfig(threads=threads, spinning=spinning, lm_batch_rows=rows))
+    engine = Engine.load(model_dir, EngineConfig(threads=threads, spinning=spinning, lm_batch_rows=rows, **config))
     with tempfile.TemporaryDirectory() as tmp:
         voice = engine.make_voice(_prompt_wav(Path(tmp) / "prompt.wav"), PROMPT_TEXT, name="bench")
     return engine, voice
+
+
+def alternate(engines: dict[str, tuple[Any, Any]], runs: int,
+              measure: Callable[[Any, Any], dict[str, float]]) -> dict[str, list[dict[str, float]]]:  # fmt: skip
+    """``runs`` x ``measure(engine, voice)`` for each labelled (engine, voice), the engines taking turns (an A/B
+    in one process under the same load); the engines are closed afterwards. Returns label -> the results."""
+    results: dict[str, list[dict[str, float]]] = {label: [] for label in engines}
+    for _ in range(runs):
+        for label, (engine, voice) in engines.items():
+            results[label].append(measure(engine, voice))
+    for engine, _ in engines.values():
+        engine.close()
+    return results
 
 
 def _config(tokens: int, **kw: Any) -> Any:
