@@ -162,3 +162,18 @@ def test_cli_export_with_a_recipe_spec(tiny_model_dir: Path, tmp_path: Path, cap
                  "--no-verify", "--max-len", "128"]) == 0  # fmt: skip
     m = Manifest.load(dst)
     assert m.recipe["name"] == "fp32" and m.verification == []
+
+
+def test_lm_block_128_recipe(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """``lm=int8w-b128``: the LM's MatMulNBits use blocks of 128 (the faster kernels), gated like int8w."""
+    import onnx
+
+    dst = tmp_path / "m"
+    export_model(tiny_model_dir, dst, ExportOptions(recipe="lm=int8w-b128", max_len=128))
+    m = Manifest.load(dst)
+    assert m.graphs["lm"].precision == "int8w-b128" and all(g["passed"] for g in m.verification)
+    assert "int8w-b128, fp32 embeddings" in {g["phase"] for g in m.verification}
+    nodes = [n for n in onnx.load(str(dst / "lm.onnx"), load_external_data=False).graph.node
+             if n.op_type == "MatMulNBits"]  # fmt: skip
+    blocks = {a.i for n in nodes for a in n.attribute if a.name == "block_size"}
+    assert nodes and blocks == {128}

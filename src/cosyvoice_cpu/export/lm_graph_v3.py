@@ -53,6 +53,7 @@ QUANT_TOLERANCE: dict[str, dict[str, float]] = {
     "lm:fp32": {"logp": 0.01, "greedy_mismatch": 0.23, "decode_kl": 1e-4},  # fp32 graph, fp16 tables
     "lm:int8": {"logp": 0.12, "batch_vs_single": 0.1, "greedy_mismatch": 0.56, "decode_kl": 0.06},
     "lm:int8w": {"logp": 0.06, "batch_vs_single": 1e-5, "greedy_mismatch": 0.56, "decode_kl": 0.02},
+    "lm:int8w-b128": {"logp": 0.06, "batch_vs_single": 1e-5, "greedy_mismatch": 0.56, "decode_kl": 0.02},
     "lm:int4": {"logp": 0.6, "batch_vs_single": 1e-5, "greedy_mismatch": 0.89, "decode_kl": 2.0},
 }
 

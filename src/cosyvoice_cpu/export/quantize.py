@@ -10,7 +10,8 @@ Stage precisions:
 * ``lm``: ``fp32``; ``int8`` (MatMul weights int8 per output channel, activations quantized per call and per
   tensor: ``DynamicQuantizeMatMul``; rows of a batch share one activation scale, so a row's output depends on its
   neighbours); ``int8w`` (weight-only ``MatMulNBits``, 8 bits, block 32, int8 compute: rows independent);
-  ``int4`` (the same with 4 bits).
+  ``int8w-b128`` (the same with blocks of 128: faster kernels, a small agreement cost); ``int4`` (4 bits,
+  block 32).
 * ``flow_estimator``: ``fp32`` or ``int8`` (dynamic, per channel, ``reduce_range`` on: 7-bit weights, safe on
   AVX2 machines without VNNI where u8s8 products can saturate; the int8 stream graph also takes its caches in
   float16: ``export.flow_stream_graph.half_cache_io``).
@@ -35,7 +36,7 @@ from cosyvoice_cpu.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 STAGE_CHOICES = {
-    "lm": ("fp32", "int8", "int8w", "int4"),
+    "lm": ("fp32", "int8", "int8w", "int8w-b128", "int4"),
     "flow_estimator": ("fp32", "int8"),
     "flow_encoder": ("fp32", "int8w"),
     "hift": ("fp32", "int8w"),
@@ -75,6 +76,7 @@ RECIPES: dict[str, Recipe] = {
         Recipe("lm-int4", lm="int4"),
         Recipe("int8", lm="int8", flow_estimator="int8"),
         Recipe("int8w", lm="int8w", flow_estimator="int8", flow_encoder="int8w"),
+        Recipe("int8w-b128", lm="int8w-b128", flow_estimator="int8", flow_encoder="int8w"),
         Recipe("int4", lm="int4", flow_estimator="int8", flow_encoder="int8w"),
         Recipe("int4-fp16emb", lm="int4", flow_estimator="int8", flow_encoder="int8w", embedding="fp16"),
         Recipe("hift-int8w", hift="int8w"),
