@@ -15,8 +15,10 @@ only (``flow_estimator_stream.onnx``), on cached activations of what came before
   convolution states always continue from the frame just before the chunk, so nothing else is approximated;
 * a frame's starting noise is the official fixed noise at its absolute position, as in a one-shot call.
 
-Memory: the prompt cache holds ``steps x rows x L x T_prompt x 256`` floats (CosyVoice2: L = 56, 172 MB for a
-3 s prompt at 10 steps with CFG); each stream holds the same for its context window (57 MB for 50 frames).
+Memory: the prompt cache holds ``steps x rows x L x T_prompt x 256`` values (CosyVoice2: L = 56; for a 3 s prompt
+at 10 steps with CFG 87 MB in float16, the int8 exports' cache type, 172 MB in float32); each stream holds the same
+for its context window (28 / 57 MB for 50 frames). The graph returns only the frames the window keeps
+(``keep_frames``).
 """
 
 from __future__ import annotations
