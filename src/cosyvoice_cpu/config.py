@@ -54,7 +54,7 @@ class EngineConfig:
             ``flow_estimator.onnx`` (whole sentences only, ~1-3 % faster per flow step: its q/k/v share one
             activation quantization).
         prompt_cache_mb: memory for per-voice streaming caches (the prompt's flow activations: full size, 3 s
-            voice, 87 MB for CosyVoice2 and ~183 MB for Fun-CosyVoice3 with the int8 recipes, whose stream
+            voice, 87 MB for CosyVoice2 and 185 MB for Fun-CosyVoice3 with the int8 recipes, whose stream
             graphs take float16 caches; twice that with fp32 graphs); 0 rebuilds them for every streamed request.
         prompt_cache_fp16: with an fp32 stream graph, store those caches in float16 anyway: half the memory for a
             streamed-mel rel. error of 2.6e-3 and ~5 ms more per stream-estimator call (NumPy widens the cache

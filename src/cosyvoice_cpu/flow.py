@@ -101,6 +101,13 @@ def cache_dtype(sess: Any, name: str = "prompt_h") -> type:
     return np.float16 if kind == "tensor(float16)" else np.float32
 
 
+def cache_storage(sess: Any, name: str, requested: Any) -> tuple[type, Any]:
+    """(the graph's cache dtype, the dtype to store a prompt cache in): ``requested`` (float32, or float16 for
+    half the memory, widened per call) for a float32 graph; always float16 for a graph that takes float16."""
+    wire = cache_dtype(sess, name)
+    return wire, wire if wire == np.float16 else requested
+
+
 def _ids(tokens: Any, what: str) -> np.ndarray:
     """Token ids (T,) or (1, T) -> int64 (1, T)."""
     arr = np.asarray(tokens)

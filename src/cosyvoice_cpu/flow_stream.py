@@ -35,6 +35,7 @@ from cosyvoice_cpu.flow import (
     FlowStage,
     _ids,
     cache_dtype,
+    cache_storage,
     guidance_rows,
     guide,
     guided_rows,
@@ -72,8 +73,7 @@ class PromptCache:
         """Integrate the prompt frames alone (chunk 0) and keep their activations at every step (stored as
         ``dtype``: float32, or float16 for half the memory; always float16 for a graph that takes float16)."""
         sess = _stream_session(stage)
-        wire = cache_dtype(sess)
-        dtype = wire if wire == np.float16 else dtype
+        wire, dtype = cache_storage(sess, "prompt_h", dtype)
         steps, cfg_rate = stage.solver_params(n_timesteps, cfg_rate)
         tokens = _ids(prompt_tokens, "prompt_tokens")
         feat = _prompt_feat(prompt_feat, tokens.shape[1] * stage.settings.token_mel_ratio)

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.flow import _ids, cache_dtype, guidance_rows, guide, guided_rows
+from cosyvoice_cpu.flow import _ids, cache_dtype, cache_storage, guidance_rows, guide, guided_rows
 from cosyvoice_cpu.flow_stream import _prompt_feat, chunk_ids
 from cosyvoice_cpu.flow_v3 import FlowStageV3
 
@@ -69,8 +69,7 @@ class PromptCacheV3:
         """Integrate the prompt's stable complete chunks alone and keep their keys/values at every step (stored
         as ``dtype``: float32, or float16 for half the memory; always float16 for a graph that takes float16)."""
         sess = _stream_session(stage)
-        wire = cache_dtype(sess, "prompt_k")
-        dtype = wire if wire == np.float16 else dtype
+        wire, dtype = cache_storage(sess, "prompt_k", dtype)
         steps, cfg_rate = stage.solver_params(n_timesteps, cfg_rate)
         s = stage.settings
         tokens = _ids(prompt_tokens, "prompt_tokens")

@@ -256,7 +256,7 @@ def half_cache_io(path: Path, inputs: tuple[str, ...], outputs: tuple[str, ...])
     A ``Cast`` to float32 follows each such input and a ``Cast`` to float16 precedes each such output; everything
     inside stays float32. The runtime then stores the per-voice prompt cache and each stream's context in half
     the memory (full-size CosyVoice2, 3 s voice: 173 -> 87 MB and 57 -> 28 MB per stream; Fun-CosyVoice3's
-    keys/values 365 -> 183 MB) and feeds them as they are: ORT's vectorized Cast widens CosyVoice2's prompt
+    keys/values 365 -> 185 MB) and feeds them as they are: ORT's vectorized Cast widens CosyVoice2's prompt
     cache in ~0.3 ms per call, where NumPy's ``astype`` took ~6 ms. Applied to the int8 estimators' stream graphs
     only (the rounding, ~5e-4 relative on the cached activations, is far below their quantization error); the
     fp32 graphs keep float32 caches and stay exact.
