@@ -1,0 +1,56 @@
+"""The LM's KV cache costs memory only where positions are written (``lm.KVCache``, ``lm.zero_pages``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.lm import KVCache, LMSpec, zero_pages
+
+# the full-size CosyVoice2 LM's cache geometry: 4 rows x 24 layers x 2 KV heads x 2048 positions x 64 = 192 MB
+SPEC = LMSpec(max_len=2048, num_layers=24, kv_heads=2, head_dim=64, hidden=896, speech_vocab=6564, text_vocab=151936)
+
+
+def _resident_mb(arrays: list[np.ndarray]) -> float:
+    """Resident MB of the mappings that hold ``arrays`` (from /proc/self/smaps)."""
+    spans = [(a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays]
+    total, hit = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            hit = any(s < hi and e > lo for s, e in spans)
+        elif head == "Rss:" and hit:
+            total += int(line.split()[1])
+    return total / 1024
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
+def test_cache_pages_are_resident_only_where_written() -> None:
+    junk = np.ones(16 << 18, np.float32)  # a freed 16 MB block raises glibc's mmap threshold: np.zeros would
+    del junk  # then take the cache's 4 MB layer arrays from the heap and clear (touch) every page of them
+    cache = KVCache(SPEC, rows=4)
+    assert len(cache.keys) == len(cache.values) == 24
+    assert cache.keys[0].shape == (4, 2, 2048, 64) and cache.keys[0].dtype == np.float32
+    assert _resident_mb(cache.keys + cache.values) < 2  # nothing written yet
+    for layer in cache.keys + cache.values:  # a 100-position prefill of row 0, as the graph writes it
+        layer[0, :, :100] = 1.0
+    written = 48 * 2 * 100 * 64 * 4 / 2**20  # 2.3 MB
+    assert _resident_mb(cache.keys + cache.values) < written + 2  # not the 192 MB the cache spans
+    assert all(k.flags.writeable and k.flags.c_contiguous for k in cache.keys)
+    assert not cache.values[5][1:].any() and cache.values[5][0, :, :100].all()
+
+
+def test_zero_pages_shapes_and_lifetime() -> None:
+    a = zero_pages((3, 5))
+    assert a.shape == (3, 5) and not a.any()
+    row = a[1]
+    del a
+    row[:] = 2.0  # a view keeps the mapping alive
+    assert row.sum() == 10.0
+    assert zero_pages((0, 4)).shape == (0, 4)
+    with pytest.raises(ConfigError, match="at least one row"):
+        KVCache(SPEC, rows=0)
