@@ -1,0 +1,72 @@
+"""Where a process's peak RSS is reached: the bench's single-stream task, step by step, in one process.
+
+    python bench/memory_steps.py MODEL_DIR [--threads 2] [--runs 1] [--tokens 250]
+
+Runs the steps of ``cosyvoice-cpu bench``'s single task in its order (load and register the voice, the LM alone,
+the 4-row LM batch, a whole sentence at default quality, one at the fast preset, the streamed 8-character
+sentence, the streamed 10 s sentence) and prints, after each, the current RSS, the peak so far (``VmHWM``) and
+what the step added to the peak. Speed is not measured here; ``cosyvoice-cpu bench`` measures the same task's
+peak in its own process (its "peak RSS of the whole engine" row).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cosyvoice_cpu.benchmark import (
+    SHORT_TEXT,
+    TEXT,
+    first_audio,
+    load,
+    measure_e2e,
+    measure_lm,
+    measure_lm_batched,
+)
+
+
+def _status_mb(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model_dir", type=Path)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=250)
+    ap.add_argument("--short-tokens", type=int, default=50)
+    args = ap.parse_args()
+    n, runs = args.tokens, args.runs
+    state: dict[str, Any] = {}
+
+    def setup() -> None:
+        state["engine"], state["voice"] = load(args.model_dir, args.threads)
+
+    steps: list[tuple[str, Callable[[], Any]]] = [
+        ("load + voice", setup),
+        ("LM alone", lambda: measure_lm(state["engine"], state["voice"], n, runs)),
+        ("LM, 4 rows", lambda: measure_lm_batched(state["engine"], state["voice"], 4)),
+        ("whole sentence", lambda: measure_e2e(state["engine"], state["voice"], n, runs)),
+        ("fast preset", lambda: measure_e2e(state["engine"], state["voice"], n, runs, flow_steps=5)),
+        ("streamed, 8 characters",
+         lambda: first_audio(state["engine"], state["voice"], SHORT_TEXT, args.short_tokens, runs)),
+        ("streamed, 10 s", lambda: first_audio(state["engine"], state["voice"], TEXT, n, runs)),
+    ]
+    print(f"{'step':24s} {'RSS MB':>8s} {'peak MB':>8s} {'+peak':>6s}")
+    last = 0.0
+    for label, step in steps:
+        step()
+        peak = _status_mb("VmHWM")
+        print(f"{label:24s} {_status_mb('VmRSS'):8.0f} {peak:8.0f} {peak - last:+6.0f}", flush=True)
+        last = peak
+    state["engine"].close()
+
+
+if __name__ == "__main__":
+    main()
