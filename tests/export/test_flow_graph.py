@@ -135,6 +135,33 @@ def test_encoder_streaming_context_matches_reference(flow, stage: FlowStage, str
         assert rel_err(mu, ref_mu) < RTOL
 
 
+def test_encoder_relative_shift_is_a_strided_view(flow, flow_dir: Path, stage: FlowStage) -> None:
+    """The rel shift is a slice/reshape of the padded scores (no expanded int64 index in the graph), equal to its
+    definition ``out[i, j] = scores[i, T-1-i+j]`` for every length, one token included (empty strides)."""
+    import onnx
+
+    from cosyvoice_cpu.export.flow_graph import EncoderGraph
+    from cosyvoice_cpu.reference.flow_encoder import pad_rel_rows, rel_shift
+
+    gen = torch.Generator().manual_seed(0)
+    for size in (1, 2, 5, 33):
+        scores = torch.randn(2, 3, size, 2 * size - 1, generator=gen)
+        index = (size - 1 - torch.arange(size)).unsqueeze(1) + torch.arange(size).unsqueeze(0)  # (T, T)
+        want = torch.gather(scores, -1, index.expand(2, 3, size, size))
+        padded = pad_rel_rows(scores.transpose(-2, -1)).transpose(-2, -1)  # the zero row becomes a zero column
+        assert torch.equal(rel_shift(padded), want), size
+    ops = {n.op_type for n in onnx.load(str(flow_dir / FILES["flow_encoder"]), load_external_data=False).graph.node}
+    assert "GatherElements" not in ops
+    emb = torch.randn(1, 192, generator=gen)
+    for size in (1, 2, 7):  # the graph at lengths other than the traced one, a single token included
+        token = torch.randint(0, 6561, (1, size), generator=gen)
+        with torch.inference_mode():
+            ref_mu, _ = EncoderGraph(flow)(token, torch.zeros(1, 0, dtype=torch.int64), emb, torch.tensor(0))
+        mu, _ = stage.encoder.run(None, {"token": token.numpy(), "context": np.zeros((1, 0), np.int64),
+                                         "embedding": emb.numpy(), "chunk_size": np.array(0, np.int64)})  # fmt: skip
+        assert mu.shape == (1, 80, 2 * size) and rel_err(mu, ref_mu.numpy()) < RTOL, size
+
+
 @pytest.mark.parametrize("n_timesteps,cfg_rate", [(10, 0.7), (4, 0.0)])
 @pytest.mark.parametrize("finalize", [True, False])
 def test_stage_inference_matches_reference(flow, stage: FlowStage, n_timesteps, cfg_rate, finalize) -> None:

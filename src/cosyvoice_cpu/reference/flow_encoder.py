@@ -87,6 +87,26 @@ class LinearEmbed(nn.Module):
         return self.out(x) * self.xscale
 
 
+def pad_rel_rows(p: torch.Tensor) -> torch.Tensor:
+    """(..., 2T-1, d) projected relative encodings -> (..., 2T, d) with a zero row appended, for :func:`rel_shift`."""
+    return torch.cat([p, torch.zeros_like(p[..., :1, :])], dim=-2)
+
+
+def rel_shift(scores: torch.Tensor) -> torch.Tensor:
+    """Relative shift: (B, H, T, 2T) scores against the encodings of relative positions T-1 .. -(T-1) plus one
+    zero row (:func:`pad_rel_rows`) -> (B, H, T, T) with ``out[..., i, j] = scores[..., i, T-1-i+j]`` (the encoding
+    of ``i - j``).
+
+    Row-major, that element sits at flat offset ``i*2T + T-1-i+j = T-1 + i*(2T-1) + j`` of each (T, 2T) matrix, so
+    the shift is a view with row stride 2T-1 starting at T-1: one contiguous slice, a reshape and a column slice.
+    The exported graph copies ~1.5 score matrices instead of building an expanded (B, H, T, T) int64 index for a
+    ``GatherElements`` (27 MB and ~14 ms per layer at 650 frames, full-size CosyVoice2).
+    """
+    b, h, size = scores.size(0), scores.size(1), scores.size(2)
+    flat = scores.reshape(b, h, -1)[:, :, size - 1 : size - 1 + size * (2 * size - 1)]
+    return flat.reshape(b, h, size, 2 * size - 1)[..., :size]
+
+
 class RelPositionAttention(nn.Module):
     """Transformer-XL style multi-head self-attention with learned ``pos_bias_u``/``pos_bias_v``."""
 
@@ -112,11 +132,7 @@ class RelPositionAttention(nn.Module):
         v = self._heads(self.linear_v(x)).transpose(1, 2)
         p = self._heads(self.linear_pos(pos_emb)).transpose(1, 2)  # (1, H, 2T-1, d_k)
         content = torch.matmul((q + self.pos_bias_u).transpose(1, 2), k.transpose(-2, -1))  # (B, H, T, T)
-        position = torch.matmul((q + self.pos_bias_v).transpose(1, 2), p.transpose(-2, -1))  # (B,H,T,2T-1)
-        # Relative shift: score(i, j) uses the encoding of relative position i - j, i.e. row T-1-i+j.
-        idx = torch.arange(size, device=x.device)
-        rel_index = (size - 1 - idx).unsqueeze(1) + idx.unsqueeze(0)  # (T, T)
-        position = torch.gather(position, -1, rel_index.expand(*position.shape[:2], size, size))
+        position = rel_shift(torch.matmul((q + self.pos_bias_v).transpose(1, 2), pad_rel_rows(p).transpose(-2, -1)))
         scores = (content + position) / math.sqrt(self.d_k)
         hidden = ~mask.unsqueeze(1)  # (B, 1, 1|T, T)
         attn = torch.softmax(scores.masked_fill(hidden, -float("inf")), dim=-1).masked_fill(hidden, 0.0)
