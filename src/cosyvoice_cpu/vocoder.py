@@ -125,18 +125,20 @@ def _linear_taps(in_size: int, scale_factor: float, start: int = 0, stop: int | 
     return i0, i0 + (i0 < in_size - 1), _F32(1) - w1, w1
 
 
-def interpolate_linear(x: np.ndarray, scale_factor: float) -> np.ndarray:
-    """``(..., N)`` -> ``(..., int(N * scale_factor))`` like torch ``F.interpolate(mode="linear")``.
+def interpolate_linear(x: np.ndarray, scale_factor: float, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """``(..., N)`` -> ``(..., int(N * scale_factor))`` like torch ``F.interpolate(mode="linear")``, or only the
+    output positions ``[start, stop)`` of it (the same values).
 
     torch's vectorised kernel computes ``fma(x0, w0, x1 * w1)``; ``x0 * w0`` is exact in float64, so one float64
     add and a cast to float32 reproduce it (bar a double rounding, ~1 in 2**29 values).
     """
-    i0, i1, w0, w1 = _linear_taps(x.shape[-1], scale_factor)
+    i0, i1, w0, w1 = _linear_taps(x.shape[-1], scale_factor, start, stop)
     return (x[..., i0].astype(np.float64) * w0 + x[..., i1] * w1).astype(_F32)
 
 
-def sine_phase_v2(f0_up: np.ndarray, initial_phase: np.ndarray, sampling_rate: int, upsample: int) -> np.ndarray:
-    """SineGen2 phase: ``f0_up (B, L)`` Hz -> radians ``(B, H, L)``, integrated at the frame rate.
+def frame_phase_v2(f0_up: np.ndarray, initial_phase: np.ndarray, sampling_rate: int, upsample: int) -> np.ndarray:
+    """SineGen2 phase integrated at the frame rate: ``f0_up (B, L)`` Hz -> ``(B, H, L / upsample)`` radians times
+    ``upsample``; :func:`interpolate_linear` by ``upsample`` gives the phase of every sample.
 
     The per-sample increment ``(f0 * k / sr) % 1`` is only evaluated at the samples the linear down-sampling
     reads (two per frame), which is exact: the down-sampling is a gather + blend.
@@ -155,17 +157,25 @@ def sine_phase_v2(f0_up: np.ndarray, initial_phase: np.ndarray, sampling_rate: i
 
     frames = (step(i0).astype(np.float64) * w0 + step(i1) * w1).astype(_F32)
     phase = np.cumsum(frames, axis=-1, dtype=np.float64).astype(_F32) * _F32(2) * _F32(math.pi)
-    return interpolate_linear(phase * _F32(upsample), float(upsample))
+    return phase * _F32(upsample)
 
 
-def sine_phase_v1(f0_up: np.ndarray, initial_phase: np.ndarray, sampling_rate: int) -> np.ndarray:
-    """SineGen phase: ``f0_up (B, L)`` Hz -> radians ``(B, H, L)``, a wrapped running sum at the sample rate."""
+def sine_phase_v1(
+    f0_up: np.ndarray, initial_phase: np.ndarray, sampling_rate: int, carry: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """SineGen phase: ``f0_up (B, L)`` Hz -> (radians ``(B, H, L)``, carry ``(B, H)`` float64), a wrapped running
+    sum at the sample rate. ``carry`` is the float64 running sum before these samples (None at sample 0); passing
+    the returned one with the next samples continues the sum exactly (sequential float64 adds either way)."""
     harmonics = initial_phase.shape[1]
     step = np.stack([f0_up * _F32(i + 1) / _F32(sampling_rate) for i in range(harmonics)], axis=1)
     start = initial_phase.astype(_F32) * _F32(2 * math.pi) + _F32(-math.pi)
     start[:, 0] = 0
-    cycles = np.remainder(np.cumsum(step, axis=-1, dtype=np.float64).astype(_F32), _F32(1))
-    return _F32(2 * math.pi) * cycles + start[..., None]
+    step = step.astype(np.float64)
+    if carry is not None:
+        step[:, :, 0] += carry
+    total = np.cumsum(step, axis=-1)
+    cycles = np.remainder(total.astype(_F32), _F32(1))
+    return _F32(2 * math.pi) * cycles + start[..., None], total[:, :, -1]
 
 
 def _merge(f0_up: np.ndarray, sines: np.ndarray, sine_noise: np.ndarray, cfg: SourceConfig) -> np.ndarray:
@@ -181,13 +191,24 @@ def _merge(f0_up: np.ndarray, sines: np.ndarray, sine_noise: np.ndarray, cfg: So
     return merged[:, None, :]
 
 
-def harmonic_source(f0: np.ndarray, cfg: SourceConfig, noise: SourceNoise) -> np.ndarray:
-    """Merged excitation: ``f0 (B, T)`` Hz at the frame rate -> ``(B, 1, T * upsample)`` in ``[-1, 1]``."""
+SOURCE_BLOCK = 24000  # samples per block of the sample-rate arithmetic: 1 s at 24 kHz
+
+
+def harmonic_source(f0: np.ndarray, cfg: SourceConfig, noise: SourceNoise, block: int = SOURCE_BLOCK) -> np.ndarray:
+    """Merged excitation: ``f0 (B, T)`` Hz at the frame rate -> ``(B, 1, T * upsample)`` in ``[-1, 1]``.
+
+    Everything at the sample rate (phase, sines, gating, merge) runs ``block`` samples at a time into the output,
+    with the same per-sample arithmetic (the v1 running sum carried across blocks), so the result does not
+    depend on ``block`` while the temporaries stay ~``block * harmonics`` floats: 10 s of CosyVoice2 source
+    held ~40 MB of them at once before (tracemalloc peak), a few MB now.
+    """
+    if block <= 0:
+        raise ConfigError(f"source block must be > 0 samples, got {block}")
     f0 = np.asarray(f0, dtype=_F32)
     if f0.ndim != 2:
         raise ConfigError(f"hift source expects f0 (B, T), got shape {f0.shape}")
     if cfg.sine_type == "v3":
-        return source_v3(f0, cfg, noise)[0]
+        return source_v3(f0, cfg, noise, block=block)[0]
     f0_up = upsample_nearest(f0, cfg.upsample)
     batch, length = f0_up.shape
     phase0 = np.asarray(noise.initial_phase, dtype=_F32)
@@ -197,16 +218,27 @@ def harmonic_source(f0: np.ndarray, cfg: SourceConfig, noise: SourceNoise) -> np
             f"SourceNoise shapes {phase0.shape}/{sine_noise.shape} do not match "
             f"{(batch, cfg.harmonics)}/{(batch, length, cfg.harmonics)}"
         )
-    if cfg.sine_type == "v2":
-        phase = sine_phase_v2(f0_up, phase0, cfg.sampling_rate, cfg.upsample)
-    else:
-        phase = sine_phase_v1(f0_up, phase0, cfg.sampling_rate)
-    sines = (np.sin(phase) * _F32(cfg.sine_amp)).transpose(0, 2, 1)  # (B, L, H)
-    return _merge(f0_up, sines, sine_noise, cfg)
+    frame_phase = frame_phase_v2(f0_up, phase0, cfg.sampling_rate, cfg.upsample) if cfg.sine_type == "v2" else None
+    out = np.empty((batch, 1, length), _F32)
+    carry = None
+    for a in range(0, length, block):
+        b = min(a + block, length)
+        if frame_phase is not None:
+            phase = interpolate_linear(frame_phase, float(cfg.upsample), a, b)
+        else:
+            phase, carry = sine_phase_v1(f0_up[:, a:b], phase0, cfg.sampling_rate, carry)
+        sines = (np.sin(phase) * _F32(cfg.sine_amp)).transpose(0, 2, 1)  # (B, b - a, H)
+        out[:, :, a:b] = _merge(f0_up[:, a:b], sines, sine_noise[:, a:b], cfg)
+    return out
 
 
 def source_v3(
-    f0: np.ndarray, cfg: SourceConfig, noise: SourceNoise, start: int = 0, carry: np.ndarray | None = None
+    f0: np.ndarray,
+    cfg: SourceConfig,
+    noise: SourceNoise,
+    start: int = 0,
+    carry: np.ndarray | None = None,
+    block: int = SOURCE_BLOCK,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Causal ``SineGen2`` (v3) source of the frames ``[start, start + T)`` of an utterance.
 
@@ -244,7 +276,11 @@ def source_v3(
     phase = total.astype(_F32) * _F32(2) * _F32(math.pi)
     sines = np.sin(phase * _F32(up)) * _F32(cfg.sine_amp)  # (B, H, T): constant over each frame's samples
     fr = np.minimum(nearest_index(start * up, start * up + length, up) - start, frames - 1)
-    source = _merge(f0[:, fr], sines[:, :, fr].transpose(0, 2, 1), table[:, :length], cfg)
+    source = np.empty((batch, 1, length), _F32)
+    for a in range(0, length, block):  # the sample-rate gather and merge, block samples at a time
+        at = fr[a : a + block]
+        source[:, :, a : a + len(at)] = _merge(f0[:, at], sines[:, :, at].transpose(0, 2, 1), table[:, a : a + len(at)],
+                                               cfg)  # fmt: skip
     return source, total[:, :, -1]
 
 

@@ -107,9 +107,14 @@ def test_numpy_source_matches_reference(hift: HiFT, sine_type: str) -> None:
     noise = SourceNoise.draw(2, 300 * hift.cfg.upsample, 9, sine_type, generator=gen)
     with torch.no_grad():
         want = hift.source(f0, noise).numpy()
-    got = V.harmonic_source(f0.numpy(), cfg, V.SourceNoise(noise.initial_phase.numpy(), noise.sine_noise.numpy()))
+    arrays = V.SourceNoise(noise.initial_phase.numpy(), noise.sine_noise.numpy())
+    got = V.harmonic_source(f0.numpy(), cfg, arrays)  # 144,000 samples: 6 blocks of 24,000
     assert got.shape == want.shape == (2, 1, 300 * hift.cfg.upsample) and got.dtype == np.float32
     assert np.abs(got - want).max() <= SOURCE_ATOL
+    for block in (997, 144_000, 10**6):  # block by block, the same bits (v1: its running sum carried over)
+        assert np.array_equal(V.harmonic_source(f0.numpy(), cfg, arrays, block=block), got), block
+    with pytest.raises(ConfigError, match="block"):
+        V.harmonic_source(f0.numpy(), cfg, arrays, block=0)
 
 
 def test_vocoder_matches_inference_with_cache_source(voiced) -> None:

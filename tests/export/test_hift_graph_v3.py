@@ -109,6 +109,8 @@ def test_numpy_source_chunked_equals_whole(voiced) -> None:
     with torch.no_grad():
         want = model.source(torch.from_numpy(f0), ref_noise).numpy()
     assert rel_err(whole, want) < 1e-6  # sin/tanh rounding only
+    for block in (997, 24_000):  # the sample-rate gather and merge block by block: the same bits
+        assert np.array_equal(V.harmonic_source(f0, cfg, noise, block=block), whole), block
     parts, carry, start = [], None, 0
     for n in (1, 7, 20, 22):
         rows = V.SourceNoise(noise.initial_phase, noise.sine_noise[:, start * 480 :])
