@@ -4,14 +4,16 @@
 
 Runs the steps of ``cosyvoice-cpu bench``'s single task in its order (load and register the voice, the LM alone,
 the 4-row LM batch, a whole sentence at default quality, one at the fast preset, the streamed 8-character
-sentence, the streamed 10 s sentence) and prints, after each, the current RSS, the peak so far (``VmHWM``) and
-what the step added to the peak. Speed is not measured here; ``cosyvoice-cpu bench`` measures the same task's
-peak in its own process (its "peak RSS of the whole engine" row).
+sentence, the streamed 10 s sentence) and prints, after each, the current RSS, the peak so far (``VmHWM``),
+what the step added to the peak, and the memory glibc's malloc holds free in its heaps (``mallinfo2``: freed
+but not returned to the OS; "-" where glibc lacks it). Speed is not measured here; ``cosyvoice-cpu bench``
+measures the same task's peak in its own process (its "peak RSS of the whole engine" row).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,21 @@ def _status_mb(field: str) -> float:
         if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]  # fmt: skip
+
+
+def _malloc_free_mb() -> str:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+    except (OSError, AttributeError):
+        return "-"
+    return f"{libc.mallinfo2().fordblks / 2**20:.0f}"
 
 
 def main() -> None:
@@ -58,12 +75,13 @@ def main() -> None:
          lambda: first_audio(state["engine"], state["voice"], SHORT_TEXT, args.short_tokens, runs)),
         ("streamed, 10 s", lambda: first_audio(state["engine"], state["voice"], TEXT, n, runs)),
     ]
-    print(f"{'step':24s} {'RSS MB':>8s} {'peak MB':>8s} {'+peak':>6s}")
+    print(f"{'step':24s} {'RSS MB':>8s} {'peak MB':>8s} {'+peak':>6s} {'malloc free MB':>15s}")
     last = 0.0
     for label, step in steps:
         step()
         peak = _status_mb("VmHWM")
-        print(f"{label:24s} {_status_mb('VmRSS'):8.0f} {peak:8.0f} {peak - last:+6.0f}", flush=True)
+        print(f"{label:24s} {_status_mb('VmRSS'):8.0f} {peak:8.0f} {peak - last:+6.0f} {_malloc_free_mb():>15s}",
+              flush=True)
         last = peak
     state["engine"].close()
 
