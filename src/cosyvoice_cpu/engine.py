@@ -148,7 +148,7 @@ class Engine:
         }
         for note in hw.notes:
             logger.info("%s", note)
-        warning = hw.memory_warning(sum(f.size for f in m.all_files() if not f.file.startswith("speech_tokenizer")))
+        warning = hw.memory_warning(m.resident_bytes(config.streaming_estimator))
         if warning:
             logger.warning("%s", warning)
         logger.info("loaded %s (%s, recipe %s) in %.2f s, %d threads", model_dir, m.family, m.recipe["name"],

@@ -201,6 +201,17 @@ class Manifest:
         out = [f for g in self.graphs.values() for f in g.files()]
         return out + list(self.arrays.values()) + list(self.files.values())
 
+    def resident_bytes(self, streaming_estimator: bool = True) -> int:
+        """Bytes of the files a synthesizing engine keeps in memory (what the memory warnings weigh): all of them
+        but the speech tokenizer (opened only to make voices), the text embedding table (memory-mapped: only the
+        rows of the text being read become resident; 544 MB at full size) and, on CosyVoice2 with the stream
+        graph loaded, ``flow_estimator.onnx`` (whole sentences run on the stream graph; it opens only for padded
+        batches; 94 MB at full size int8)."""
+        skip = {"lm_text_embedding.npy"}
+        if self.family == "cosyvoice2" and streaming_estimator and "flow_estimator_stream" in self.graphs:
+            skip.update(f.file for f in self.graphs["flow_estimator"].files())
+        return sum(f.size for f in self.all_files() if f.file not in skip and not f.file.startswith("speech_tokenizer"))
+
     def check_files(self, model_dir: Path, check_hashes: bool = False) -> None:
         """Every referenced file exists with the recorded size (and sha256 when ``check_hashes``)."""
         problems = []
