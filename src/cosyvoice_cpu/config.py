@@ -65,6 +65,11 @@ class EngineConfig:
             decodes its next chunk while the flow renders the current one (full-size CosyVoice2, 2 cores: ~10 %
             faster streaming, docs/benchmarks.md); requests beyond N wait for a free row. 0 = the LM runs in the
             caller's thread, each request alone. Servers set it to the number of requests run at once.
+        malloc_mmap_threshold_kb: on glibc, blocks of at least this many KiB get their own mapping and go back to
+            the OS when freed, and glibc stops raising that threshold as big buffers are freed
+            (:func:`~cosyvoice_cpu.hardware.fix_mmap_threshold`). Process-wide, set by ``Engine.load``: full-size
+            CosyVoice2, one process doing whole and streamed sentences, peak 1128 -> 1103 MB (docs/benchmarks.md).
+            0 leaves malloc alone; ``MALLOC_MMAP_THRESHOLD_`` in the environment wins.
     """
 
     threads: int = 0
@@ -75,9 +80,12 @@ class EngineConfig:
     prompt_cache_mb: int = 1024
     prompt_cache_fp16: bool = False
     lm_batch_rows: int = DEFAULT_LM_BATCH_ROWS
+    malloc_mmap_threshold_kb: int = 1024
 
     def validate(self) -> EngineConfig:
-        _types(self, ("threads", "leave_cores", "prompt_cache_mb", "lm_batch_rows"), ())
+        _types(self, ("threads", "leave_cores", "prompt_cache_mb", "lm_batch_rows", "malloc_mmap_threshold_kb"), ())
+        need(0 <= self.malloc_mmap_threshold_kb <= 32768, "malloc_mmap_threshold_kb", self.malloc_mmap_threshold_kb,
+             "0 (leave malloc alone) to 32768")  # fmt: skip
         need(0 <= self.lm_batch_rows <= 256, "lm_batch_rows", self.lm_batch_rows, "0 (off) to 256")
         need(0 <= self.prompt_cache_mb <= 1 << 20, "prompt_cache_mb", self.prompt_cache_mb, "0 to 1048576")
         need(0 <= self.threads <= 512, "threads", self.threads, "0 (auto) to 512")

@@ -35,7 +35,7 @@ import numpy as np
 
 from cosyvoice_cpu.config import DEFAULT_LM_BATCH_ROWS, AudioChunk, EngineConfig, SynthesisConfig
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.hardware import detect
+from cosyvoice_cpu.hardware import detect, fix_mmap_threshold
 from cosyvoice_cpu.scheduler import Hold, LMScheduler
 
 logger = logging.getLogger(__name__)
@@ -110,6 +110,8 @@ class Engine:
         config = (config or EngineConfig()).validate()
         hw = detect()
         hw.check_cpu()  # before onnxruntime is imported: no 'Illegal instruction'
+        if config.malloc_mmap_threshold_kb and fix_mmap_threshold(config.malloc_mmap_threshold_kb << 10):
+            logger.debug("glibc mmap threshold fixed at %d KiB", config.malloc_mmap_threshold_kb)
         threads = config.threads or hw.threads(config.leave_cores)
         from cosyvoice_cpu.flow import FlowStage
         from cosyvoice_cpu.frontend import Frontend

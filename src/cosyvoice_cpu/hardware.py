@@ -227,3 +227,31 @@ def detect(root: Path = ROOT) -> Hardware:
     if limit is not None:
         hw.notes.append(f"the container's memory limit is {limit / 2**30:.1f} GiB")
     return hw
+
+
+_M_MMAP_THRESHOLD = -3  # glibc <malloc.h>
+MMAP_THRESHOLD_ENV = "MALLOC_MMAP_THRESHOLD_"  # glibc reads it at start-up; an explicit value there wins
+
+
+def fix_mmap_threshold(nbytes: int) -> bool:
+    """Make glibc's malloc give every allocation of at least ``nbytes`` its own mapping (returned to the OS
+    when freed) and stop it from moving that threshold; True if set.
+
+    glibc raises the threshold (up to 32 MiB) each time a mapped block is freed, so after the first big NumPy or
+    ORT buffers come and go, later ones are carved from its heaps, and freed there they stay resident as free
+    heap memory (72 MB after a streamed sentence of full-size CosyVoice2, ``bench/memory_steps.py``). A fixed
+    threshold keeps them returnable. Process-wide; a no-op (False) off glibc or when ``MALLOC_MMAP_THRESHOLD_``
+    is set in the environment (the operator's choice wins).
+    """
+    if not 0 < nbytes <= 32 << 20:
+        raise ConfigError(f"mmap threshold must be 1 byte to 32 MiB, got {nbytes}")
+    if os.environ.get(MMAP_THRESHOLD_ENV):
+        return False
+    import ctypes  # here, not at import time
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, int(nbytes)))

@@ -7,7 +7,16 @@ from pathlib import Path
 import pytest
 
 from cosyvoice_cpu.cli import main
-from cosyvoice_cpu.hardware import SKIP_CHECK_ENV, Hardware, UnsupportedCpuError, detect, read_cpuinfo
+from cosyvoice_cpu.config import EngineConfig
+from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.hardware import (
+    SKIP_CHECK_ENV,
+    Hardware,
+    UnsupportedCpuError,
+    detect,
+    fix_mmap_threshold,
+    read_cpuinfo,
+)
 
 
 def _cpuinfo(flags: str, sockets: int = 1, cores: int = 2, threads: int = 2, model: str = "Test CPU") -> str:
@@ -101,6 +110,49 @@ def test_memory_warnings_weigh_what_an_engine_keeps_in_memory(tiny_export_dir: P
     assert whole > 0 and left_out > size["lm_text_embedding.npy"] > 0
     assert m.resident_bytes() == sum(size.values()) - left_out - whole
     assert m.resident_bytes(streaming_estimator=False) == sum(size.values()) - left_out
+
+
+_HEAP_PROBE = """
+import ctypes, sys
+import numpy as np
+from cosyvoice_cpu.hardware import fix_mmap_threshold
+if sys.argv[1] == "fixed":
+    assert fix_mmap_threshold(1 << 20)
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                              "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+big = np.ones(16 << 18, np.float32)  # 16 MB, mapped; freeing it raises glibc's dynamic threshold to 16 MB
+del big
+blocks = [np.ones(1 << 20, np.float32) for _ in range(48)]  # 48 x 4 MB
+del blocks[:-1]  # the last stays: the heap cannot shrink from its top
+print(libc.mallinfo2().fordblks >> 20)
+"""
+
+
+def test_a_fixed_mmap_threshold_returns_freed_buffers_to_the_os() -> None:
+    """Default glibc keeps 47 freed 4 MB buffers as free heap memory (resident); with the engine's fixed 1 MiB
+    threshold they were mappings and are gone."""
+    import ctypes
+    import os
+    import subprocess
+    import sys
+
+    try:
+        ctypes.CDLL("libc.so.6").mallinfo2  # noqa: B018
+    except (OSError, AttributeError):
+        pytest.skip("needs glibc >= 2.33")
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    held = {mode: int(subprocess.run([sys.executable, "-c", _HEAP_PROBE, mode], env=env, capture_output=True,
+                                     text=True, check=True).stdout)
+            for mode in ("default", "fixed")}  # fmt: skip
+    assert held["default"] > 150 and held["fixed"] < 16, held
+    with pytest.raises(ConfigError, match="32 MiB"):
+        fix_mmap_threshold(64 << 20)
+    assert EngineConfig().malloc_mmap_threshold_kb == 1024
+    with pytest.raises(ConfigError, match="malloc_mmap_threshold_kb"):
+        EngineConfig(malloc_mmap_threshold_kb=-1).validate()
 
 
 def test_doctor_reports_the_machine_and_a_model(tiny_export_dir: Path, tmp_path: Path, capsys) -> None:
