@@ -15,7 +15,6 @@ from cosyvoice_cpu.export.common import torch_export
 from cosyvoice_cpu.export.fused_ops import (
     ExpMish,
     FastGelu,
-    HeadByHeadRelPositionAttention,
     KeyMaskedAttention,
     attention,
     export_forms,
@@ -152,39 +151,3 @@ def test_fast_gelu_is_one_node_equal_to_tanh_gelu(tmp_path: Path) -> None:
     exact = nn.Sequential(nn.GELU())  # the erf GELU (CosyVoice2's FFN) is left alone
     with export_forms(exact):
         assert isinstance(exact[0], nn.GELU)
-
-
-@pytest.mark.parametrize("mask_kind", ["chunk", "padding"])
-def test_head_by_head_rel_position_attention_equals_the_reference(mask_kind: str, tmp_path: Path) -> None:
-    """The flow encoder's attention one head at a time: eager and exported graph equal to the reference (non-zero
-    pos_bias_u/v, a chunk-causal (1, T, T) or a key-padding (B, 1, T) mask), swapped in and restored."""
-    from cosyvoice_cpu.export.flow_graph import rel_position_encoding
-    from cosyvoice_cpu.reference.flow_encoder import ConformerLayer, RelPositionAttention
-
-    gen = torch.Generator().manual_seed(0)
-    layer = ConformerLayer(64, 4, 128).eval()
-    with torch.no_grad():
-        for prm in layer.parameters():
-            prm.copy_(torch.randn(prm.shape, generator=gen) * 0.3)
-    size = 23
-    x = torch.randn(2, size, 64, generator=gen)
-    if mask_kind == "chunk":
-        pos = torch.arange(size)
-        mask = (pos.unsqueeze(0) < (pos // 5 + 1).unsqueeze(1) * 5).unsqueeze(0)  # (1, T, T), chunks of 5
-    else:
-        mask = (torch.arange(size) < torch.tensor([[size], [17]])).unsqueeze(1)  # (2, 1, T), row 1 padded
-    pe = rel_position_encoding(size, 64)
-    with torch.no_grad():
-        want = layer(x, mask, pe)
-        path = tmp_path / "layer.onnx"
-        with export_forms(layer):
-            assert isinstance(layer.self_attn, HeadByHeadRelPositionAttention)
-            assert (layer(x, mask, pe) - want).abs().max() < 1e-6
-            torch_export(layer, (x, mask, pe), path, input_names=["x", "mask", "pos_emb"], output_names=["y"],
-                         dynamic_axes={"x": {1: "t"}, "mask": {1: "tq", 2: "t"}, "pos_emb": {1: "p"}})  # fmt: skip
-    assert isinstance(layer.self_attn, RelPositionAttention)
-    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
-    assert ops.count("Softmax") == 4 and "GatherElements" not in ops  # one softmax per head
-    feeds = {"x": x.numpy(), "mask": mask.numpy(), "pos_emb": pe.numpy()}
-    out = make_session(path, SessionConfig(threads=1)).run(None, feeds)[0]
-    assert np.abs(out - want.numpy()).max() < 1e-5

@@ -211,8 +211,7 @@ def export_flow(flow: Flow, out_dir: Path) -> list[GraphArtifact]:
     flow = flow.eval()
     cfg = flow.config
     t0 = time.perf_counter()
-    with export_forms(flow.encoder):  # attention head by head (fused_ops.py)
-        export_encoder(EncoderGraph(flow), cfg, out_dir / FILES["flow_encoder"], cfg.encoder.static_chunk_size)
+    export_encoder(EncoderGraph(flow), cfg, out_dir / FILES["flow_encoder"], cfg.encoder.static_chunk_size)
     with export_forms(flow.decoder.estimator) as est:  # fused attention, one-Exp Mish (fused_ops.py)
         export_estimator(EstimatorGraph(est), out_dir / FILES["flow_estimator"])
         export_stream_estimator(est, out_dir / FILES["flow_estimator_stream"])

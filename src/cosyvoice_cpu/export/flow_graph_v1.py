@@ -160,11 +160,10 @@ def export_flow(flow: FlowV1, out_dir: Path) -> list[GraphArtifact]:
         torch.randn(1, cfg.spk_embed_dim),
         torch.from_numpy(stretch_matrix(n_prompt, n_new, mel_len1, mel_len2, cfg.input_frame_rate)),
     )
-    with export_forms(flow.encoder):  # attention head by head (fused_ops.py)
-        torch_export(EncoderGraphV1(flow), enc_args, out_dir / FILES["flow_encoder"],
-                     input_names=["token", "embedding", "stretch"], output_names=["mu", "spks"],
-                     dynamic_axes={"token": {1: "tokens"}, "stretch": {0: "tokens", 1: "frames"},
-                                   "mu": {2: "frames"}})  # fmt: skip
+    torch_export(EncoderGraphV1(flow), enc_args, out_dir / FILES["flow_encoder"],
+                 input_names=["token", "embedding", "stretch"], output_names=["mu", "spks"],
+                 dynamic_axes={"token": {1: "tokens"}, "stretch": {0: "tokens", 1: "frames"},
+                               "mu": {2: "frames"}})  # fmt: skip
     _pin_output_shape(out_dir / FILES["flow_encoder"], "mu", [1, cfg.output_size, "frames"])
     with export_forms(flow.decoder.estimator) as est:  # fused attention, one-Exp Mish (fused_ops.py)
         export_estimator(EstimatorGraphV1(est), out_dir / FILES["flow_estimator"])

@@ -1,5 +1,4 @@
-"""Export-time forms of estimator and encoder pieces that ONNX Runtime runs faster or in less memory, equal to the
-reference in fp32.
+"""Export-time forms of estimator pieces that ONNX Runtime runs faster, equal to the reference in fp32.
 
 Profiled on the full-size CosyVoice2 estimator (650 frames, CFG batch 2, 2 threads, ``int8w``), the unfused
 attention (``MatMul -> Mul -> Add(mask) -> Softmax -> MatMul`` plus four ``Transpose`` per block) and ``Mish``
@@ -15,11 +14,6 @@ attention (``MatMul -> Mul -> Add(mask) -> Softmax -> MatMul`` plus four ``Trans
   x = 20 on, the ratio is 1 in fp32, so clamping the exponent changes nothing. 0.36 ms vs 1.86 ms on
   (2, 256, 650), max relative difference 1.3e-6.
 - **tanh GELU** (the Fun-CosyVoice3 DiT's FFN) as one ``com.microsoft.FastGelu`` (:class:`FastGelu`).
-- **the flow encoder's relative-position attention** one head at a time (:class:`HeadByHeadRelPositionAttention`):
-  the same products, but the graph holds one head's (T, 2T) position scores and (T, T) attention instead of
-  eight heads' at once. Full-size CosyVoice2 encoder, 650 frames, 2 threads, its own arena: 148 -> 78 MB of
-  activations, 148 -> 141 ms per call, mu bitwise equal. (``MultiHeadAttention`` with the position scores as its
-  bias measured 189 MB: ORT's CPU kernel materializes all heads' probabilities for a biased call.)
 
 :func:`export_forms` swaps these into a module tree for the duration of an export; eager PyTorch computes the
 same numbers, and the numerics gates compare the graphs against the unswapped reference.
@@ -28,7 +22,6 @@ same numbers, and the numerics gates compare the graphs against the unswapped re
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosyvoice_cpu.reference.flow_encoder import RelPositionAttention, pad_rel_rows, rel_shift
 from cosyvoice_cpu.reference.flow_estimator import MASK_BIAS, SelfAttention
 
 
@@ -113,34 +105,6 @@ class KeyMaskedAttention(nn.Module):
         return self_attention(self.inner, x, x, key_mask=(bias[:, 0] == 0))
 
 
-class HeadByHeadRelPositionAttention(nn.Module):
-    """:class:`RelPositionAttention` (the flow encoder's) with the same weights and arithmetic, one head at a
-    time, so that the exported graph holds one head's (T, 2T) position scores and (T, T) attention at a time
-    instead of all heads' (measurements in the module doc)."""
-
-    def __init__(self, inner: RelPositionAttention) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, pos_emb: torch.Tensor) -> torch.Tensor:
-        """x (B, T, D), bool mask (B, 1|T, T), pos_emb (1, 2T-1, D) -> (B, T, D)."""
-        a = self.inner
-        q = a._heads(a.linear_q(x))  # (B, T, H, d_k)
-        k = a._heads(a.linear_k(x))
-        v = a._heads(a.linear_v(x))
-        p = pad_rel_rows(a._heads(a.linear_pos(pos_emb)).transpose(1, 2))  # (1, H, 2T, d_k)
-        hidden = ~mask  # (B, 1|T, T)
-        outs = []
-        for h in range(a.h):
-            qh = q[:, :, h]  # (B, T, d_k)
-            content = torch.matmul(qh + a.pos_bias_u[h], k[:, :, h].transpose(-2, -1))  # (B, T, T)
-            position = rel_shift(torch.matmul(qh + a.pos_bias_v[h], p[:, h].transpose(-2, -1)).unsqueeze(1))[:, 0]
-            scores = (content + position) / math.sqrt(a.d_k)
-            attn = torch.softmax(scores.masked_fill(hidden, -float("inf")), dim=-1).masked_fill(hidden, 0.0)
-            outs.append(torch.matmul(attn, v[:, :, h]))  # (B, T, d_k)
-        return a.linear_out(torch.cat(outs, dim=-1))
-
-
 class _FastGelu(torch.autograd.Function):
     """Eager: tanh-approximated GELU. ONNX: one ``com.microsoft.FastGelu`` node (the same formula, vectorized)."""
 
@@ -173,9 +137,8 @@ class ExpMish(nn.Module):
 @contextlib.contextmanager
 def export_forms(module: nn.Module) -> Iterator[nn.Module]:
     """Within the block, every ``nn.Mish`` of ``module`` is an :class:`ExpMish`, every tanh ``nn.GELU`` a
-    :class:`FastGelu`, every :class:`SelfAttention` a :class:`KeyMaskedAttention` and every
-    :class:`RelPositionAttention` a :class:`HeadByHeadRelPositionAttention` (same parameters, nothing copied);
-    the originals are put back on exit."""
+    :class:`FastGelu` and every :class:`SelfAttention` a :class:`KeyMaskedAttention` (same parameters, nothing
+    copied); the originals are put back on exit."""
     swapped: list[tuple[nn.Module, str, nn.Module]] = []
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
@@ -185,8 +148,6 @@ def export_forms(module: nn.Module) -> Iterator[nn.Module]:
                 new = FastGelu()
             elif isinstance(child, SelfAttention):
                 new = KeyMaskedAttention(child)
-            elif isinstance(child, RelPositionAttention):
-                new = HeadByHeadRelPositionAttention(child)
             else:
                 continue
             setattr(parent, name, new)
