@@ -94,7 +94,7 @@ def zero_pages(shape: tuple[int, ...]) -> np.ndarray:
     """A float32 array of ``shape`` in its own anonymous private mapping: zero, and resident only where written
     (the kernel maps a page on its first write); the mapping is unmapped when the last view of it is freed."""
     n = int(np.prod(shape))
-    if n == 0:
+    if n == 0 or not hasattr(mmap, "MAP_PRIVATE"):  # no POSIX mmap flags (Windows): calloc'd zeros
         return np.zeros(shape, np.float32)
     buf = mmap.mmap(-1, n * 4, flags=mmap.MAP_PRIVATE)
     return np.frombuffer(buf, np.float32).reshape(shape)
