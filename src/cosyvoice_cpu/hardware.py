@@ -191,13 +191,16 @@ class Hardware:
         free = self.memory_for_us
         if free is None:
             return None
-        per_request = 256 << 20  # KV cache + flow/vocoder activations of one 10 s request, full size (measured ~200 MB)
-        if model_bytes + per_request > free:
+        # Full-size CosyVoice2 int8w, 10 s sentences (docs/benchmarks.md, "Memory"): besides the model's resident
+        # files, one request needs ~350 MB (Python and libraries, the shared activation arena, a voice's prompt
+        # cache, a stream's context) and each further concurrent one ~120 MB (1006 -> 1370 -> 1852 MB for 1, 4, 8)
+        first, further = 352 << 20, 128 << 20
+        if model_bytes + first > free:
             return (
                 f"about {free / 2**30:.1f} GiB of memory is available but the model needs about "
-                f"{(model_bytes + per_request) / 2**30:.1f} GiB: use a smaller recipe (int4) or free memory"
+                f"{(model_bytes + first) / 2**30:.1f} GiB: use a smaller recipe (int4) or free memory"
             )
-        batch = max(1, (free - model_bytes) // per_request)
+        batch = 1 + (free - model_bytes - first) // further
         if batch < 4:
             return f"memory allows about {batch} concurrent request(s); keep the server's batch size at {batch}"
         return None

@@ -92,7 +92,9 @@ def test_non_x86_and_missing_files_are_not_errors(tmp_path: Path) -> None:
 def test_memory_warnings_suggest_a_recipe_or_a_batch_size() -> None:
     hw = Hardware(None, 2, None, 8 << 30, 1 << 30, None)
     assert "use a smaller recipe (int4)" in hw.memory_warning(2 << 30)
-    assert "about 2 concurrent request(s)" in hw.memory_warning(512 << 20)
+    assert "about 2 concurrent request(s)" in hw.memory_warning(512 << 20)  # 512 + 352 + 128 <= 1024 MB
+    assert "about 1 concurrent request(s)" in hw.memory_warning(640 << 20)
+    assert Hardware(None, 2, None, 8 << 30, 1400 << 20, None).memory_warning(512 << 20) is None  # room for 4
     roomy = Hardware(None, 2, None, 8 << 30, 8 << 30, 4 << 30)  # the cgroup limit is what counts
     assert roomy.memory_for_us == 4 << 30 and roomy.memory_warning(1 << 30) is None
 
