@@ -242,7 +242,7 @@ def fix_mmap_threshold(nbytes: int) -> bool:
 
     glibc raises the threshold (up to 32 MiB) each time a mapped block is freed, so after the first big NumPy or
     ORT buffers come and go, later ones are carved from its heaps, and freed there they stay resident as free
-    heap memory (72 MB after a streamed sentence of full-size CosyVoice2, ``bench/memory_steps.py``). A fixed
+    heap memory (72 MB after the bench's streamed sentences, full-size CosyVoice2, ``bench/memory_steps.py``). A fixed
     threshold keeps them returnable. Process-wide; a no-op (False) off glibc or when ``MALLOC_MMAP_THRESHOLD_``
     is set in the environment (the operator's choice wins).
     """

@@ -109,8 +109,8 @@ class KVCache:
     All layers live in one anonymous private mapping (:func:`zero_pages`), so a page of the cache costs memory
     only once a position in it is written. ``np.zeros`` does not promise that: once glibc's dynamic mmap
     threshold has risen above an array's size, ``calloc`` serves it from the heap and clears it, touching every
-    page. Measured on the full-size CosyVoice2 LM (max_len 2048, ``python bench/memory_steps.py``): prefilling
-    ~100 positions into row 0 of a 4-row ``np.zeros`` cache made 98 of its 192 MB resident.
+    page. Full-size CosyVoice2 LM (max_len 2048; a development probe in an engine's process): prefilling 166
+    positions into row 0 of a 4-row ``np.zeros`` cache made 98 of its 192 MB resident; 4 MB in one mapping.
     """
 
     def __init__(self, spec: LMSpec, rows: int) -> None:

@@ -249,6 +249,7 @@ def source_v3(
     one to the next call continues the sum exactly, so consecutive calls equal one call over all frames (indices
     are absolute). ``noise.sine_noise`` rows are the samples of these frames (``(1 or B, >= T*upsample, H)``,
     uniform; longer tables are cut); ``initial_phase`` only touches sample 0, which is never read (upsample > 1).
+    ``block``: samples per step of the sample-rate gather and merge (memory only: the same bits for any value).
     """
     f0 = np.asarray(f0, dtype=_F32)
     batch, frames = f0.shape
