@@ -13,7 +13,6 @@ measures the same task's peak in its own process (its "peak RSS of the whole eng
 from __future__ import annotations
 
 import argparse
-import ctypes
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,29 +25,10 @@ from cosyvoice_cpu.benchmark import (
     measure_e2e,
     measure_lm,
     measure_lm_batched,
+    peak_rss_mb,
+    status_mb,
 )
-
-
-def _status_mb(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]  # fmt: skip
-
-
-def _malloc_free_mb() -> str:
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = _MallInfo2
-    except (OSError, AttributeError):
-        return "-"
-    return f"{libc.mallinfo2().fordblks / 2**20:.0f}"
+from cosyvoice_cpu.hardware import malloc_free_bytes
 
 
 def main() -> None:
@@ -82,9 +62,9 @@ def main() -> None:
     last = 0.0
     for label, step in steps:
         step()
-        peak = _status_mb("VmHWM")
-        print(f"{label:24s} {_status_mb('VmRSS'):8.0f} {peak:8.0f} {peak - last:+6.0f} {_malloc_free_mb():>15s}",
-              flush=True)
+        peak, free = peak_rss_mb(), malloc_free_bytes()
+        free_mb = "-" if free is None else f"{free / 2**20:.0f}"
+        print(f"{label:24s} {status_mb('VmRSS') or 0:8.0f} {peak:8.0f} {peak - last:+6.0f} {free_mb:>15s}", flush=True)
         last = peak
     state["engine"].close()
 

@@ -55,19 +55,25 @@ def read_energy_j(counters: dict[str, Path]) -> float | None:
     return sum(int(f.read_text()) for f in counters.values()) / 1e6 if counters else None
 
 
+def status_mb(field: str) -> float | None:
+    """A memory field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ...) in MB; None where it cannot be read."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def peak_rss_mb() -> float:
     """Peak resident set size of this process image so far (MB): ``VmHWM``, else ``ru_maxrss``.
 
     ``ru_maxrss`` survives ``fork`` + ``exec``: a task child started by a parent that had just written and exported
     the full-size fixture (GBs of torch) reported the parent's peak as its own. ``VmHWM`` belongs to the new image.
     """
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except (OSError, ValueError):
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = status_mb("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _prompt_wav(path: Path, seconds: float = 3.0, sr: int = 16000) -> Path:

@@ -258,3 +258,20 @@ def fix_mmap_threshold(nbytes: int) -> bool:
     except (OSError, AttributeError):  # not glibc
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, int(nbytes)))
+
+
+def malloc_free_bytes() -> int | None:
+    """Bytes glibc's malloc holds free in its heaps (freed, not returned to the OS: ``mallinfo2().fordblks``);
+    None off glibc or before glibc 2.33."""
+    import ctypes  # here, not at import time
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                         "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = MallInfo2
+    return int(mallinfo2().fordblks)

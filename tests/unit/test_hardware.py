@@ -15,6 +15,7 @@ from cosyvoice_cpu.hardware import (
     UnsupportedCpuError,
     detect,
     fix_mmap_threshold,
+    malloc_free_bytes,
     read_cpuinfo,
 )
 
@@ -115,35 +116,27 @@ def test_memory_warnings_weigh_what_an_engine_keeps_in_memory(tiny_export_dir: P
 
 
 _HEAP_PROBE = """
-import ctypes, sys
+import sys
 import numpy as np
-from cosyvoice_cpu.hardware import fix_mmap_threshold
+from cosyvoice_cpu.hardware import fix_mmap_threshold, malloc_free_bytes
 if sys.argv[1] == "fixed":
     assert fix_mmap_threshold(1 << 20)
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                              "fsmblks", "uordblks", "fordblks", "keepcost")]
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = MallInfo2
 big = np.ones(16 << 18, np.float32)  # 16 MB, mapped; freeing it raises glibc's dynamic threshold to 16 MB
 del big
 blocks = [np.ones(1 << 20, np.float32) for _ in range(48)]  # 48 x 4 MB
 del blocks[:-1]  # the last stays: the heap cannot shrink from its top
-print(libc.mallinfo2().fordblks >> 20)
+print(malloc_free_bytes() >> 20)
 """
 
 
 def test_a_fixed_mmap_threshold_returns_freed_buffers_to_the_os() -> None:
     """Default glibc keeps 47 freed 4 MB buffers as free heap memory (resident); with the engine's fixed 1 MiB
     threshold they were mappings and are gone."""
-    import ctypes
     import os
     import subprocess
     import sys
 
-    try:
-        ctypes.CDLL("libc.so.6").mallinfo2  # noqa: B018
-    except (OSError, AttributeError):
+    if malloc_free_bytes() is None:
         pytest.skip("needs glibc >= 2.33")
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
     held = {mode: int(subprocess.run([sys.executable, "-c", _HEAP_PROBE, mode], env=env, capture_output=True,
