@@ -207,7 +207,9 @@ class Manifest:
         rows of the text being read become resident; 544 MB at full size) and, on CosyVoice2 with the stream
         graph loaded, ``flow_estimator.onnx`` (whole sentences run on the stream graph; it opens only for padded
         batches; 94 MB at full size int8)."""
-        skip = {"lm_text_embedding.npy"}
+        from cosyvoice_cpu.lm import EMBEDDING_FILES  # the runtime's table names (lm.py is light to import)
+
+        skip = {EMBEDDING_FILES["text"]}
         if self.family == "cosyvoice2" and streaming_estimator and "flow_estimator_stream" in self.graphs:
             skip.update(f.file for f in self.graphs["flow_estimator"].files())
         return sum(f.size for f in self.all_files() if f.file not in skip and not f.file.startswith("speech_tokenizer"))
