@@ -1,6 +1,7 @@
 """Where a process's peak RSS is reached: the bench's single-stream task, step by step, in one process.
 
     python bench/memory_steps.py MODEL_DIR [--threads 2] [--runs 1] [--tokens 250] [--mmap-threshold-kb N]
+                                           [--keep-weight-pages]
 
 Runs the steps of ``cosyvoice-cpu bench``'s single task in its order (load and register the voice, the LM alone,
 the 4-row LM batch, a whole sentence at default quality, one at the fast preset, the streamed 8-character
@@ -40,10 +41,16 @@ def main() -> None:
     ap.add_argument("--short-tokens", type=int, default=50)
     ap.add_argument("--mmap-threshold-kb", type=int, default=None,
                     help="EngineConfig.malloc_mmap_threshold_kb (default: the engine's; 0 leaves malloc alone)")
+    ap.add_argument("--keep-weight-pages", action="store_true",
+                    help="EngineConfig.release_weight_pages=False: keep the weight-file pages ORT touched at load")
     args = ap.parse_args()
     n, runs = args.tokens, args.runs
     state: dict[str, Any] = {}
-    extra = {} if args.mmap_threshold_kb is None else {"malloc_mmap_threshold_kb": args.mmap_threshold_kb}
+    extra: dict[str, Any] = {}
+    if args.mmap_threshold_kb is not None:
+        extra["malloc_mmap_threshold_kb"] = args.mmap_threshold_kb
+    if args.keep_weight_pages:
+        extra["release_weight_pages"] = False
 
     def setup() -> None:
         state["engine"], state["voice"] = load(args.model_dir, args.threads, **extra)

@@ -70,6 +70,10 @@ class EngineConfig:
             (:func:`~cosyvoice_cpu.hardware.fix_mmap_threshold`). Process-wide, set by ``Engine.load``: full-size
             CosyVoice2, one process doing whole and streamed sentences, peak 1128 -> 1103 MB (docs/benchmarks.md).
             0 leaves malloc alone; ``MALLOC_MMAP_THRESHOLD_`` in the environment wins.
+        release_weight_pages: after opening each graph, have the kernel reclaim the pages of its weight file
+            that ORT touched while packing its own copies (``SessionConfig.release_weight_pages``): full-size
+            CosyVoice2 int8w, the LM's 44 MB of block scales; peak 1097 -> 1057 MB for a process doing whole
+            and streamed sentences (``bench/memory_steps.py``). False keeps them.
     """
 
     threads: int = 0
@@ -81,6 +85,7 @@ class EngineConfig:
     prompt_cache_fp16: bool = False
     lm_batch_rows: int = DEFAULT_LM_BATCH_ROWS
     malloc_mmap_threshold_kb: int = 1024
+    release_weight_pages: bool = True
 
     def validate(self) -> EngineConfig:
         _types(self, ("threads", "leave_cores", "prompt_cache_mb", "lm_batch_rows", "malloc_mmap_threshold_kb"), ())

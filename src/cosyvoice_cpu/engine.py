@@ -125,7 +125,7 @@ class Engine:
         t0 = time.perf_counter()
         model_dir = Path(model_dir)
         m = Manifest.load(model_dir, check_hashes=config.verify_hashes)
-        sc = SessionConfig(threads=threads, spinning=config.spinning)
+        sc = SessionConfig(threads=threads, spinning=config.spinning, release_weight_pages=config.release_weight_pages)
         session = LMSession.from_dir(model_dir, m.graphs["lm"].attrs, threads=sc)
         if m.family == "cosyvoice":
             from cosyvoice_cpu.flow_v1 import FlowStageV1

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
+from cosyvoice_cpu.pages import release_file_pages
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,12 @@ class SessionConfig:
             stream estimator on a 650-frame whole sentence: arena growth 177 -> 66 MB (the whole-sentence
             graph's own), same speed (alternated medians 547 vs 555 ms; 120 vs 117 ms on a streamed chunk).
             It costs other graphs ~20 MB (HiFT, the flow encoder), so it is per session.
+        release_weight_pages: once the session is built, have the kernel reclaim the pages of the graph's
+            ``<graph>.data`` file that building it touched (:func:`~cosyvoice_cpu.pages.release_file_pages`).
+            ORT keeps the file mapped, but kernels that packed their weights at load (the LM's ``MatMulNBits``)
+            never read it again: full-size CosyVoice2 int8w, the LM's 44 MB of block scales. Kernels that read
+            the file at run time (fp32-compute ``MatMulNBits``, convolutions) touch their pages again at their
+            first run; those pages are not touched at load, so nothing is released for them.
 
     ORT's CPU memory arena stays on for every graph: without it the whole-sentence flow estimator took twice as
     long (full-size int8w, 650 frames: 13.8 s vs 6.9 s per 10-step solve; freed 100+ MB activations went back to
@@ -49,6 +56,7 @@ class SessionConfig:
     mem_pattern: bool = False
     shared_arena: bool = True
     priority_order: bool = False
+    release_weight_pages: bool = True
 
     def validate(self) -> None:
         if self.threads < 0:
@@ -109,9 +117,13 @@ def make_session(path: str | Path, config: SessionConfig | None = None) -> Any:
     if config.shared_arena and _register_shared_arena(ort):
         so.add_session_config_entry("session.use_env_allocators", "1")
     try:
-        return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     except Exception as e:  # ORT raises its own exception types (InvalidGraph, NoSuchFile, Fail, ...)
         raise ModelDirError(f"cannot load graph {path}: {str(e).splitlines()[0]}; re-export the model") from e
+    if config.release_weight_pages:
+        released = release_file_pages(path.with_name(path.name + ".data"))
+        logger.debug("%s: %.1f MB of weight-file pages released after load", path.name, released / 2**20)
+    return session
 
 
 Spec = dict[str, tuple[str, "int | list[int | str]"]]  # name -> (ORT type such as "tensor(float)", rank or shape)
