@@ -2,9 +2,10 @@
 
 The graph (written by :mod:`cosyvoice_cpu.export.lm_graph`) is the Qwen2 backbone plus the speech head; it takes
 ``inputs_embeds`` (B, S, D), a KV cache per layer and the per-row cache lengths, and returns the speech-token
-log-probabilities at the last position of every row. Embedding tables live beside it as ``.npy`` files that are
-memory-mapped here and gathered with NumPy, so the 151,936-row text table costs no RAM for rows never used
-(float32 or float16 tables; gathered rows are widened to float32).
+log-probabilities at the last position of every row. Embedding tables live beside it as ``.npy`` files (float32
+or float16; gathered rows are widened to float32): the 151,936-row text table is read row by row with ``pread``
+(:mod:`cosyvoice_cpu.row_table`: a memory map would keep ~64 KB resident per distinct token ever looked up), the
+small speech and special tables are memory-mapped.
 
 Graph contract (B rows, S new positions, L layers, Hkv KV heads, M = ``max_len`` cache capacity, Dh head dim):
 
@@ -36,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
+from cosyvoice_cpu.row_table import open_table
 from cosyvoice_cpu.sessions import SessionConfig, as_config, check_io, make_session
 
 logger = logging.getLogger(__name__)
@@ -138,7 +140,7 @@ class KVCache:
 
 
 class LMSession:
-    """The LM graph on ONNX Runtime (CPU) with memory-mapped embedding tables.
+    """The LM graph on ONNX Runtime (CPU) with its embedding tables read from their files on demand.
 
     Args:
         graph: path of ``lm.onnx`` (or a quantized variant with the same inputs/outputs).
@@ -186,7 +188,7 @@ class LMSession:
             raise ConfigError(f"no path given for the {key} embedding table")
         path = Path(embeddings[key])
         try:
-            table = np.load(path, mmap_mode="r")
+            table = open_table(path) if key == "text" else np.load(path, mmap_mode="r")
         except (OSError, ValueError) as e:
             raise ModelDirError(f"cannot read the {key} embedding table {path} ({e}); {EXPORT_HINT}") from e
         if table.dtype not in (np.float32, np.float16) or table.shape != (rows, width):

@@ -203,8 +203,8 @@ class Manifest:
 
     def resident_bytes(self, streaming_estimator: bool = True) -> int:
         """Bytes of the files a synthesizing engine keeps in memory (what the memory warnings weigh): all of them
-        but the speech tokenizer (opened only to make voices), the text embedding table (memory-mapped: only the
-        rows of the text being read become resident; 544 MB at full size) and, on CosyVoice2 with the stream
+        but the speech tokenizer (opened only to make voices), the text embedding table (read row by row, never
+        mapped: ``row_table``; 544 MB at full size) and, on CosyVoice2 with the stream
         graph loaded, ``flow_estimator.onnx`` (whole sentences run on the stream graph; it opens only for padded
         batches; 94 MB at full size int8)."""
         from cosyvoice_cpu.lm import EMBEDDING_FILES  # the runtime's table names (lm.py is light to import)
