@@ -3,9 +3,9 @@
 The graph (written by :mod:`cosyvoice_cpu.export.lm_graph`) is the Qwen2 backbone plus the speech head; it takes
 ``inputs_embeds`` (B, S, D), a KV cache per layer and the per-row cache lengths, and returns the speech-token
 log-probabilities at the last position of every row. Embedding tables live beside it as ``.npy`` files (float32
-or float16; gathered rows are widened to float32): the 151,936-row text table is read row by row with ``pread``
-(:mod:`cosyvoice_cpu.row_table`: a memory map would keep ~64 KB resident per distinct token ever looked up), the
-small speech and special tables are memory-mapped.
+or float16; gathered rows are widened to float32). The text and speech tables are read row by row with ``pread``
+(:mod:`cosyvoice_cpu.row_table`): a memory map would keep ~64 KB resident around every row ever looked up, up to
+the whole 545 MB text table in a long-running server. The two special rows are loaded.
 
 Graph contract (B rows, S new positions, L layers, Hkv KV heads, M = ``max_len`` cache capacity, Dh head dim):
 
@@ -188,7 +188,7 @@ class LMSession:
             raise ConfigError(f"no path given for the {key} embedding table")
         path = Path(embeddings[key])
         try:
-            table = open_table(path) if key == "text" else np.load(path, mmap_mode="r")
+            table = np.load(path) if key == "special" else open_table(path)
         except (OSError, ValueError) as e:
             raise ModelDirError(f"cannot read the {key} embedding table {path} ({e}); {EXPORT_HINT}") from e
         if table.dtype not in (np.float32, np.float16) or table.shape != (rows, width):

@@ -1,12 +1,12 @@
-"""A large embedding table read row by row from its ``.npy`` file with ``os.pread``: never memory-mapped.
+"""An embedding table read row by row from its ``.npy`` file with ``os.preadv``: never memory-mapped.
 
 A memory-mapped table costs resident memory far beyond the rows looked up: every page fault maps the pages
 around it (the kernel's fault-around and read-around windows, 64 KB per row on this machine's Linux 6.18). On
 the full-size text table (151,936 x 896 float32, 545 MB), 1,000 distinct token rows made 66 MB of the mapping
 resident and 5,000 rows 281 MB, so a server speaking varied text for long enough would end up holding most of
 the table in its RSS. Read with ``pread``, a looked-up row costs the process nothing resident; the OS page cache
-keeps the hot rows (reclaimable, not counted as the process's memory). A request looks up one row per text
-token (~100 for a sentence): one ``pread`` each, microseconds.
+keeps the hot rows (reclaimable, not counted as the process's memory). A request looks up one text row per
+text token (~100 for a sentence) and one speech row per decoded token: one ``pread`` each, 1-3 µs.
 
 :func:`open_table` returns a :class:`RowTable` where ``os.pread`` exists (POSIX) and a read-only memory map
 elsewhere; both answer ``len()``, ``shape``, ``dtype`` and ``table[ids]`` for an int64 id array.

@@ -1,4 +1,4 @@
-"""The text embedding table is read row by row (``row_table``): the same rows as ``np.load``, nothing mapped."""
+"""The LM's embedding tables are read row by row (``row_table``): the same rows as ``np.load``, nothing mapped."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_bad_tables_are_refused(tmp_path: Path) -> None:
         RowTable(path)
 
 
-def test_the_lm_reads_its_text_table_without_mapping_it(tmp_path: Path) -> None:
+def test_the_lm_reads_its_tables_without_mapping_them(tmp_path: Path) -> None:
     from cosyvoice_cpu.cli_speech import DEMO_MODEL
     from cosyvoice_cpu.manifest import Manifest
 
@@ -61,8 +61,11 @@ def test_the_lm_reads_its_text_table_without_mapping_it(tmp_path: Path) -> None:
     text = np.load(DEMO_MODEL / EMBEDDING_FILES["text"])
     ids = np.arange(len(text))[::-7]
     assert np.array_equal(lm.embed_text(ids), text[ids].astype(np.float32))
+    speech = np.load(DEMO_MODEL / EMBEDDING_FILES["speech"])
+    assert np.array_equal(lm.embed_speech([0, len(speech) - 1]), speech[[0, -1]].astype(np.float32))
     if hasattr(os, "preadv"):
         assert file_mappings(DEMO_MODEL / EMBEDDING_FILES["text"]) == []
+        assert file_mappings(DEMO_MODEL / EMBEDDING_FILES["speech"]) == []
     truncated = tmp_path / "text.npy"
     truncated.write_bytes((DEMO_MODEL / EMBEDDING_FILES["text"]).read_bytes()[:-1000])
     tables = {k: DEMO_MODEL / v for k, v in EMBEDDING_FILES.items()} | {"text": truncated}
