@@ -203,13 +203,13 @@ class Manifest:
 
     def resident_bytes(self, streaming_estimator: bool = True) -> int:
         """Bytes of the files a synthesizing engine keeps in memory (what the memory warnings weigh): all of them
-        but the speech tokenizer (opened only to make voices), the text embedding table (read row by row, never
-        mapped: ``row_table``; 544 MB at full size) and, on CosyVoice2 with the stream
+        but the speech tokenizer (opened only to make voices), the text and speech embedding tables (read row by
+        row, never mapped: ``row_table``; 544 and 23 MB at full size) and, on CosyVoice2 with the stream
         graph loaded, ``flow_estimator.onnx`` (whole sentences run on the stream graph; it opens only for padded
         batches; 94 MB at full size int8)."""
         from cosyvoice_cpu.lm import EMBEDDING_FILES  # the runtime's table names (lm.py is light to import)
 
-        skip = {EMBEDDING_FILES["text"]}
+        skip = {EMBEDDING_FILES["text"], EMBEDDING_FILES["speech"]}
         if self.family == "cosyvoice2" and streaming_estimator and "flow_estimator_stream" in self.graphs:
             skip.update(f.file for f in self.graphs["flow_estimator"].files())
         return sum(f.size for f in self.all_files() if f.file not in skip and not f.file.startswith("speech_tokenizer"))
