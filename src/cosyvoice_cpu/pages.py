@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -27,28 +28,29 @@ MADV_PAGEOUT = 21  # <asm-generic/mman-common.h>, Linux >= 5.4
 SMAPS = Path("/proc/self/smaps")
 
 
-def file_mappings(path: str | Path, smaps: Path = SMAPS) -> list[tuple[int, int, int]]:
-    """This process's mappings of ``path``: ``(start, end, resident bytes)`` each; [] when none or off Linux."""
-    target = os.path.realpath(path)
+def mappings(smaps: Path = SMAPS) -> list[tuple[int, int, str, int]]:
+    """This process's mappings: ``(start, end, path or "", resident bytes)`` each; [] off Linux."""
     try:
         text = smaps.read_text()
     except OSError:
         return []
-    spans: list[list[int]] = []
-    current: list[int] | None = None
+    spans: list[list[Any]] = []
     for line in text.splitlines():
         fields = line.split(maxsplit=5)
         if not fields:
             continue
         if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header: range perms offset dev inode path
-            current = None
-            if len(fields) == 6 and fields[5] == target:
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                current = [start, end, 0]
-                spans.append(current)
-        elif fields[0] == "Rss:" and current is not None:
-            current[2] = int(fields[1]) * 1024
-    return [(s, e, r) for s, e, r in spans]
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            spans.append([start, end, fields[5] if len(fields) == 6 else "", 0])
+        elif fields[0] == "Rss:" and spans:
+            spans[-1][3] = int(fields[1]) * 1024
+    return [(s, e, p, r) for s, e, p, r in spans]
+
+
+def file_mappings(path: str | Path, smaps: Path = SMAPS) -> list[tuple[int, int, int]]:
+    """This process's mappings of ``path``: ``(start, end, resident bytes)`` each; [] when none or off Linux."""
+    target = os.path.realpath(path)
+    return [(s, e, r) for s, e, p, r in mappings(smaps) if p == target]
 
 
 def resident_bytes(path: str | Path) -> int:
@@ -62,7 +64,7 @@ def release_file_pages(path: str | Path) -> int:
     For a file ORT has mapped and no longer reads (see the module docstring). Data-safe for any mapping; a no-op
     returning 0 off Linux, for a file not mapped, and on kernels without ``MADV_PAGEOUT``.
     """
-    if not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux") or not os.path.isfile(path):  # e.g. a graph without external data
         return 0
     spans = [(s, e, r) for s, e, r in file_mappings(path) if r]
     if not spans:

@@ -9,6 +9,7 @@ import pytest
 
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.lm import KVCache, LMSpec, zero_pages
+from cosyvoice_cpu.pages import mappings
 
 # the full-size CosyVoice2 LM's cache geometry: 4 rows x 24 layers x 2 KV heads x 2048 positions x 64 = 192 MB
 SPEC = LMSpec(max_len=2048, num_layers=24, kv_heads=2, head_dim=64, hidden=896, speech_vocab=6564, text_vocab=151936)
@@ -17,15 +18,7 @@ SPEC = LMSpec(max_len=2048, num_layers=24, kv_heads=2, head_dim=64, hidden=896, 
 def _resident_mb(arrays: list[np.ndarray]) -> float:
     """Resident MB of the mappings that hold ``arrays`` (from /proc/self/smaps)."""
     spans = [(a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays]
-    total, hit = 0, False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            hit = any(s < hi and e > lo for s, e in spans)
-        elif head == "Rss:" and hit:
-            total += int(line.split()[1])
-    return total / 1024
+    return sum(rss for lo, hi, _, rss in mappings() if any(s < hi and e > lo for s, e in spans)) / 2**20
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
