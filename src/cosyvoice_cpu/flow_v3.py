@@ -5,10 +5,12 @@
     cond = prompt mel then zeros; x_0 = the official fixed noise (``flow_noise.npy``, the same table as v2)
     Euler/CFG over ``flow_estimator.onnx`` (the DiT, official contract) = :meth:`FlowStage.solve`
 
-Whole sentences therefore run on :class:`~cosyvoice_cpu.flow.FlowStage` unchanged;
-:class:`FlowStageV3` only swaps the stream estimator's contract (``flow_estimator_stream.onnx`` of v3: a window
-of frames on a key/value cache, :mod:`cosyvoice_cpu.export.flow_stream_graph_v3`) and adds the DiT's attention
-chunk (``chunk_frames``, 50). Streaming is :class:`~cosyvoice_cpu.flow_stream_v3.FlowStreamV3`.
+Whole sentences therefore run on :class:`~cosyvoice_cpu.flow.FlowStage`'s solver; :class:`FlowStageV3` swaps the
+stream estimator's contract (``flow_estimator_stream.onnx`` of v3: a window of frames on a key/value cache,
+:mod:`cosyvoice_cpu.export.flow_stream_graph_v3`), runs whole sentences on that graph too (empty caches: the
+full-attention DiT, so a process that does both modes holds one copy of the DiT's weights, 344 MB at int8 full
+size; ``flow_estimator.onnx`` is opened only for padded rows or without the stream graph) and adds the DiT's
+attention chunk (``chunk_frames``, 50). Streaming is :class:`~cosyvoice_cpu.flow_stream_v3.FlowStreamV3`.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.flow import FILES, FlowSettings, FlowStage
+from cosyvoice_cpu.flow import FILES, FlowSettings, FlowStage, cache_dtype
 from cosyvoice_cpu.sessions import SessionConfig
 
 logger = logging.getLogger(__name__)
@@ -29,7 +33,8 @@ FILES_V3 = dict(FILES)
 STREAM_IO_V3 = (
     {"x": ("float", 3), "mu": ("float", 3), "t": ("float", 1), "spks": ("float", 2), "cond": ("float", 3),
      "prompt_k": ("float|float16", 4), "prompt_v": ("float|float16", 4), "context_k": ("float|float16", 4),
-     "context_v": ("float|float16", 4), "conv_state": ("float", 3), "offset": ("int64", 0)},
+     "context_v": ("float|float16", 4), "conv_state": ("float", 3), "offset": ("int64", 0),
+     "keep_frames": ("int64", 0)},
     ("velocity", ("new_k", "float|float16"), ("new_v", "float|float16"), "conv_in"),
 )  # fmt: skip
 
@@ -60,7 +65,7 @@ class FlowStageV3(FlowStage):
     """
 
     stream_io = STREAM_IO_V3
-    stream_serves_whole = False  # the window graph on key/value caches is not the full-attention DiT
+    stream_serves_whole = True  # empty caches, offset 0 and keep_frames 0: the full-attention DiT (format 4)
 
     def __init__(
         self,
@@ -84,6 +89,19 @@ class FlowStageV3(FlowStage):
         stream = d / FILES_V3["flow_estimator_stream"] if streaming else None
         return cls(d / FILES_V3["flow_encoder"], d / FILES_V3["flow_estimator"], stream,
                    d / FILES_V3["flow_noise"], settings, threads)  # fmt: skip
+
+    def _whole_call(self, padded: bool, n: int) -> tuple[Any, dict[str, np.ndarray]]:
+        """As :meth:`FlowStage._whole_call`, with the v3 stream graph's feeds: empty key/value caches, zero conv
+        state, ``offset`` 0 and ``keep_frames`` 0 (no key/value is returned: ~117 MB of float16 at 650 frames)."""
+        if padded or not self.can_stream:
+            return super()._whole_call(padded, n)
+        sess = self.stream_estimator
+        shapes = {i.name: i.shape for i in sess.get_inputs()}
+        layers, width = int(shapes["prompt_k"][0]), int(shapes["prompt_k"][3])
+        empty = np.zeros((layers, n, 0, width), cache_dtype(sess, "prompt_k"))
+        conv = np.zeros((n, int(shapes["conv_state"][1]), int(shapes["conv_state"][2])), np.float32)
+        return sess, {"prompt_k": empty, "prompt_v": empty, "context_k": empty, "context_v": empty,
+                      "conv_state": conv, "offset": np.array(0, np.int64), "keep_frames": np.array(0, np.int64)}
 
     @property
     def chunk_frames(self) -> int:

@@ -20,8 +20,10 @@ from cosyvoice_cpu.errors import ModelDirError
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "cosyvoice_cpu.json"
-FORMAT_VERSION = 3  # 2: flow_estimator_stream.onnx (streamed chunks on cached activations) replaces _chunk;
-# 3: its keep_frames input (the v2 stream graph also runs whole sentences: one estimator in memory)
+FORMAT_VERSION = 4  # 2: flow_estimator_stream.onnx (streamed chunks on cached activations) replaces _chunk;
+# 3: its keep_frames input (the v2 stream graph also runs whole sentences: one estimator in memory);
+# 4: the same for Fun-CosyVoice3 (its stream DiT without the in-window mask, plus keep_frames)
+OLDEST_READABLE = {"cosyvoice3": 4}  # per family; the others read format 3 directories unchanged (default 3)
 FAMILIES = ("cosyvoice2", "cosyvoice", "cosyvoice3")  # CosyVoice2-0.5B, CosyVoice-300M (+SFT, Instruct), CosyVoice3
 STAGE_SECTIONS = ("text", "lm", "sampling", "flow", "hift")
 
@@ -85,7 +87,7 @@ class Manifest:
 
     Attributes:
         format_version: :data:`FORMAT_VERSION` of the writer; a newer version is refused.
-        family: ``cosyvoice2`` or ``cosyvoice`` (CosyVoice-300M); v3 later.
+        family: ``cosyvoice2``, ``cosyvoice`` (CosyVoice-300M) or ``cosyvoice3`` (Fun-CosyVoice3).
         recipe: ``{"name": ..., "stages": {"lm": "int8", ...}}`` the quantization recipe used.
         sample_rate, token_frame_rate, token_mel_ratio: audio/token rates (24000, 25, 2 for CosyVoice2; 22050, 50,
             0 for CosyVoice-300M, whose length regulator has no fixed ratio).
@@ -140,13 +142,13 @@ class Manifest:
                 f"{where} has format_version {version}, newer than this cosyvoice-cpu understands "
                 f"({FORMAT_VERSION}): upgrade cosyvoice-cpu or re-export the model with this version"
             )
-        if version < FORMAT_VERSION:
+        if d.get("family") not in FAMILIES:
+            raise ModelDirError(f"{where}: family {d.get('family')!r} is not supported (supported: {FAMILIES})")
+        if version < OLDEST_READABLE.get(d["family"], 3):
             raise ModelDirError(
                 f"{where} has format_version {version}, from an older cosyvoice-cpu (this one writes "
                 f"{FORMAT_VERSION}): export the model directory again with `cosyvoice-cpu export`"
             )
-        if d.get("family") not in FAMILIES:
-            raise ModelDirError(f"{where}: family {d.get('family')!r} is not supported (supported: {FAMILIES})")
         try:
             return cls(
                 format_version=version,
@@ -204,13 +206,13 @@ class Manifest:
     def resident_bytes(self, streaming_estimator: bool = True) -> int:
         """Bytes of the files a synthesizing engine keeps in memory (what the memory warnings weigh): all of them
         but the speech tokenizer (opened only to make voices), the text and speech embedding tables (read row by
-        row, never mapped: ``row_table``; 544 and 23 MB at full size) and, on CosyVoice2 with the stream
-        graph loaded, ``flow_estimator.onnx`` (whole sentences run on the stream graph; it opens only for padded
-        batches; 94 MB at full size int8)."""
+        row, never mapped: ``row_table``; 544 and 23 MB at full size) and, on CosyVoice2 and Fun-CosyVoice3 with
+        the stream graph loaded, ``flow_estimator.onnx`` (whole sentences run on the stream graph; it opens only
+        for padded batches; 94 / 344 MB at full size int8)."""
         from cosyvoice_cpu.lm import EMBEDDING_FILES  # the runtime's table names (lm.py is light to import)
 
         skip = {EMBEDDING_FILES["text"], EMBEDDING_FILES["speech"]}
-        if self.family == "cosyvoice2" and streaming_estimator and "flow_estimator_stream" in self.graphs:
+        if self.family != "cosyvoice" and streaming_estimator and "flow_estimator_stream" in self.graphs:
             skip.update(f.file for f in self.graphs["flow_estimator"].files())
         return sum(f.size for f in self.all_files() if f.file not in skip and not f.file.startswith("speech_tokenizer"))
 

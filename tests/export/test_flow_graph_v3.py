@@ -58,7 +58,7 @@ def _inputs(flow, n_prompt: int, n_tok: int, seed: int = 0):
 
 def test_all_verification_gates_pass(flow, flow_dir: Path) -> None:
     results = verify_flow(flow, flow_dir, seed=3, threads=2)
-    assert len(results) == 12
+    assert len(results) == 14
     assert all(r.passed for r in results), "\n".join(str(r) for r in results)
 
 
@@ -93,9 +93,11 @@ def test_artifact_contracts(flow, tmp_path: Path) -> None:
     stream = artifacts["flow_estimator_stream"]
     layers, width = stream.attrs["cache_layers"], stream.attrs["cache_width"]
     assert (layers, width, stream.attrs["conv_state_frames"]) == (2, 64, 30)
+    assert [s.name for s in stream.inputs] == ["x", "mu", "t", "spks", "cond", "prompt_k", "prompt_v", "context_k",
+                                               "context_v", "conv_state", "offset", "keep_frames"]  # fmt: skip
     assert [(s.name, s.shape) for s in stream.outputs] == [
-        ("velocity", ["batch", 80, "time"]), ("new_k", [layers, "batch", "time", width]),
-        ("new_v", [layers, "batch", "time", width]), ("conv_in", ["batch", 128, "time"]),
+        ("velocity", ["batch", 80, "time"]), ("new_k", [layers, "batch", "kept", width]),
+        ("new_v", [layers, "batch", "kept", width]), ("conv_in", ["batch", 128, "kept"]),
     ]  # fmt: skip
 
 
@@ -115,6 +117,25 @@ def test_v2_flow_stage_runs_v3_whole_sentences(flow, flow_dir: Path, n_prompt: i
     mel = plain.inference(tokens.numpy(), prompt.numpy(), feat.numpy(), emb.numpy())
     assert mel.shape == tuple(ref.shape) == (1, 80, 82)
     assert rel_err(mel, ref.numpy()) < RTOL
+
+
+def test_whole_sentences_run_on_the_stream_graph(flow, flow_dir: Path) -> None:
+    """A v3 stage with its stream graph serves whole sentences on it (one copy of the DiT's weights):
+    ``flow_estimator.onnx`` is never opened, the mel equals ``FlowV3.inference``; a padded batch opens it."""
+    stage = FlowStageV3.from_dir(flow_dir, settings=settings_of(flow), threads=2)
+    prompt, tokens, emb, feat = _inputs(flow, 23, 41, seed=5)
+    ref, _ = flow.inference(tokens, torch.tensor([41]), prompt, torch.tensor([23]), feat, None, emb)
+    mel = stage.inference(tokens.numpy(), prompt.numpy(), feat.numpy(), emb.numpy())
+    assert rel_err(mel, ref.numpy()) < RTOL
+    assert set(stage._sessions) == {"stream"}
+    mu, spks = stage.encode(tokens.numpy(), prompt.numpy(), emb.numpy())
+    mu2, cond = np.concatenate([mu, mu]), np.zeros((2, 80, mu.shape[2]), np.float32)
+    mask = np.ones((2, 1, mu.shape[2]), np.float32)
+    mask[1, :, 60:] = 0
+    padded = stage.solve(mu2, np.concatenate([spks, spks]), cond, mask)
+    assert set(stage._sessions) == {"stream", "whole"}
+    alone = stage.solve(mu, spks, cond[:1])
+    assert rel_err(padded[:1], alone) < RTOL
 
 
 def _official_stream(flow, prompt, tokens, emb, feat, cuts, look=3) -> list[np.ndarray]:
@@ -153,6 +174,24 @@ def test_stream_equals_official_prefix_recompute(flow, stage: FlowStageV3, n_pro
         assert rel_err(o, r) < RTOL, (a, b)
     assert fs.finished and fs.frames_done == 2 * cuts[-1][1]
     assert fs.prompt.frames == max(0, n_prompt - 3) * 2 // 50 * 50
+
+
+def test_a_provisional_complete_chunk_is_not_committed(flow, stage: FlowStageV3) -> None:
+    """A push with a short look-ahead completes the chunk [150, 200) with provisional mu (its last token's
+    look-ahead is missing): the chunk serves that push only. The next push must equal a stream that never
+    computed it (the same committed past, one look-ahead token fewer pushed before)."""
+    prompt, tokens, emb, feat = _inputs(flow, 60, 120, seed=9)
+    args = (stage, prompt.numpy()[0], feat.numpy()[0], emb.numpy())
+    t = tokens[0].numpy()
+    a = FlowStreamV3(*args, context_tokens=None)
+    a.push(t[:40], t[40:41])  # window [100, 200): frames up to 196 stable, commit 150
+    assert a.committed == 150 and all(k.shape[2] == 50 for k in a.ctx_k)
+    b = FlowStreamV3(*args, context_tokens=None)
+    b.push(t[:38], t[38:41])  # window [100, 196): all stable, commit 150
+    assert b.committed == 150
+    rest_a, rest_b = a.push(t[40:]), b.push(t[38:])
+    assert rest_a.shape == (1, 80, 160) and rest_b.shape == (1, 80, 164)
+    assert rel_err(rest_a, rest_b[:, :, 4:]) < RTOL
 
 
 def test_prompt_cache_is_shared_and_context_bound_is_cheap(flow, stage: FlowStageV3) -> None:

@@ -144,7 +144,7 @@ def export_flow(flow: FlowV3, out_dir: Path) -> list[GraphArtifact]:
         export_stream_estimator(est, out_dir / FILES["flow_estimator_stream"])
     layers, width, state, hist = stream_layout(est)
     for name in ("new_k", "new_v"):  # the tracer names the key width after a Concat
-        _pin_output_shape(out_dir / FILES["flow_estimator_stream"], name, [layers, "batch", "time", width])
+        _pin_output_shape(out_dir / FILES["flow_estimator_stream"], name, [layers, "batch", "kept", width])
     _pin_output_shape(out_dir / FILES["flow_estimator_stream"], "velocity", ["batch", 80, "time"])  # fused ops
     np.save(out_dir / FILES["flow_noise"], official_fixed_noise().numpy().astype(np.float32))  # v2's table
     logger.info("exported the v3 flow to %s in %.1f s", out_dir, time.perf_counter() - t0)
@@ -180,10 +180,11 @@ def verify_flow(
 ) -> list[GateResult]:
     """ONNX Runtime vs the PyTorch reference on random inputs (max relative errors).
 
-    Gates: encoder mu (final; non-final with look-ahead context) and spks; the estimator at batch 2 with a
+    Gates (14): encoder mu (final; non-final with look-ahead context) and spks; the estimator at batch 2 with a
     padded row (valid frames) and the padded row vs the row alone; the stream estimator on three windows vs
-    the reference DiT with the official chunk mask; the whole flow (:class:`~cosyvoice_cpu.flow_v3.FlowStageV3`,
-    10 steps, CFG 0.7) vs ``FlowV3.inference``; :class:`~cosyvoice_cpu.flow_stream_v3.FlowStreamV3` in three
+    the reference DiT with the official chunk mask, its ``keep_frames`` and a whole sentence on it (full
+    attention); the whole flow (:class:`~cosyvoice_cpu.flow_v3.FlowStageV3`, on the stream graph, 10 steps,
+    CFG 0.7) vs ``FlowV3.inference``; :class:`~cosyvoice_cpu.flow_stream_v3.FlowStreamV3` in three
     chunks vs the official prefix recompute (``FlowV3.inference(streaming=True, finalize=...)`` per chunk).
 
     Args:

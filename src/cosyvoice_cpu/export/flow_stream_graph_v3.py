@@ -1,15 +1,16 @@
 """The Fun-CosyVoice3 DiT as ONNX graphs: the official estimator and a streamed window on a key/value cache.
 
 Both graphs are built from :class:`~cosyvoice_cpu.reference.dit.DiT` modules by :class:`DiTRun`, which applies
-the DiT with explicit attention (additive bias), absolute RoPE positions and causal-conv states::
+the DiT with fused attention (a key mask in the whole graph, none in the window), absolute RoPE positions and
+causal-conv states::
 
     t (B,) -> t_emb (B, D);  cat[x, cond, mu, spks] (B, T, 320) -Linear-> h (B, T, D)
     conv position embedding: [state1 | h] -conv1, Mish-> c1;  [state2 | c1] -conv2, Mish-> c2;  h = h + c2
     L x AdaLN-zero block: q, k = RoPE(to_q/to_k(n), positions offset .. offset+T-1), v = to_v(n)
-                           keys = [past keys | k] (all past visible), chunk-causal bias inside the window
+                           keys = [past keys | k], every key visible (no mask)
     AdaLN final -> Linear(D, 80) -> (B, 80, T)
 
-``flow_estimator_stream.onnx`` (v3 contract; batch = CFG rows and/or streams, all frames valid)::
+``flow_estimator_stream.onnx`` (v3 contract, format 4; batch = CFG rows and/or streams, all frames valid)::
 
     x, mu, cond (B, 80, T)  t (B,)  spks (B, 80)       the window's frames (absolute positions offset ..)
     prompt_k, prompt_v (L, B, P, I)                     cached keys (after RoPE) / values of the prompt frames
@@ -17,13 +18,22 @@ the DiT with explicit attention (additive bias), absolute RoPE positions and cau
     conv_state (B, 2D, 30)                              the conv position embedding's inputs (h | c1) on the 30
                                                         frames before ``offset`` (zeros before frame 0)
     offset () int64                                     absolute position of the window's first frame
-    -> velocity (B, 80, T), new_k, new_v (L, B, T, I), conv_in (B, 2D, T) (h | c1 of the window's frames)
+    keep_frames () int64                                how many of the window's first frames the cache
+                                                        outputs return (0 or T in practice)
+    -> velocity (B, 80, T), new_k, new_v (L, B, K, I), conv_in (B, 2D, K) with K = min(keep_frames, T)
+       (keys after RoPE, values, and h | c1 of the window's first K frames)
 
-The official streaming mask is chunk-causal over absolute frames (key j visible from query i iff
-``j < (i // 50 + 1) * 50``) and every other part of the DiT is causal, so once a 50-frame chunk is complete its
-keys, values and conv inputs never change within an Euler step. The runtime (:mod:`cosyvoice_cpu.flow_stream_v3`)
-caches them per step and CFG row and recomputes only the open chunk plus the new frames: with the whole past
-cached this equals the official prefix recompute exactly (gated below).
+Every window frame sees every cached key and every window key: the graph has no mask, so ORT runs its
+flash-attention kernel. The official streaming mask is chunk-causal over absolute frames (key j visible from
+query i iff ``j < (i // 50 + 1) * 50``), so the runtime (:mod:`cosyvoice_cpu.flow_stream_v3`) never lets a
+window cross a chunk boundary: it cuts a push at the boundaries and runs the pieces in order, each complete one's
+keys/values joining the context of the next. Every other part of the DiT is causal, so once a 50-frame chunk is
+complete its keys, values and conv inputs never change within an Euler step; the runtime caches them per step
+and CFG row, and with the whole past cached this equals the official prefix recompute exactly (gated below).
+
+With empty caches, ``offset = 0`` and ``keep_frames = 0`` a call *is* the official whole-sentence estimator
+(``streaming=False``) on unpadded rows, returning no per-layer keys/values: a process that synthesizes whole
+sentences and streams holds one copy of the DiT's weights (:class:`~cosyvoice_cpu.flow_v3.FlowStageV3`).
 """
 
 from __future__ import annotations
@@ -40,11 +50,12 @@ from cosyvoice_cpu.export import fused_ops
 from cosyvoice_cpu.export.common import GateResult, rel_err
 from cosyvoice_cpu.flow import cache_dtype
 from cosyvoice_cpu.reference.dit import TIME_FREQ_DIM, DiT, DiTBlock, apply_rope
-from cosyvoice_cpu.reference.flow_estimator import MASK_BIAS, timestep_embedding
+from cosyvoice_cpu.reference.flow_estimator import timestep_embedding
 
 logger = logging.getLogger(__name__)
 
-INPUTS = ["x", "mu", "t", "spks", "cond", "prompt_k", "prompt_v", "context_k", "context_v", "conv_state", "offset"]
+INPUTS = ["x", "mu", "t", "spks", "cond", "prompt_k", "prompt_v", "context_k", "context_v", "conv_state", "offset",
+          "keep_frames"]
 OUTPUTS = ["velocity", "new_k", "new_v", "conv_in"]
 
 
@@ -122,23 +133,19 @@ class StreamEstimatorGraphV3(nn.Module):
         super().__init__()
         self.est = est
         self.run = DiTRun(est)
-        self.chunk = est.static_chunk_size
 
     def forward(
         self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
         prompt_k: torch.Tensor, prompt_v: torch.Tensor, context_k: torch.Tensor, context_v: torch.Tensor,
-        conv_state: torch.Tensor, offset: torch.Tensor,
+        conv_state: torch.Tensor, offset: torch.Tensor, keep_frames: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         run, size = self.run, x.size(2)
+        # the first min(keep_frames, T) frames, traced as a Range (a Python slice would freeze the example's size)
+        keep = torch.arange(size - torch.clamp(size - keep_frames, min=0))
         t_emb = run.time(t)
         h, conv_in = run.embed(x, cond, mu, spks, conv_state)
         residual = h
         freqs = run.freqs(offset, size)
-        pos = torch.arange(size) + offset
-        end = (torch.div(pos, self.chunk, rounding_mode="floor") + 1) * self.chunk
-        inside = torch.where(pos.unsqueeze(0) < end.unsqueeze(1), 0.0, MASK_BIAS)  # (T, T) chunk-causal
-        n_past = prompt_k.size(2) + context_k.size(2)
-        bias = torch.cat([torch.zeros(size, n_past), inside], dim=1)  # past keys: earlier chunks, all visible
         new_k: list[torch.Tensor] = []
         new_v: list[torch.Tensor] = []
         for i, block in enumerate(self.est.transformer_blocks):
@@ -146,14 +153,14 @@ class StreamEstimatorGraphV3(nn.Module):
             def attention(n: torch.Tensor, i: int = i, block: DiTBlock = block) -> torch.Tensor:
                 a = block.attn
                 q, k, v = apply_rope(a.to_q(n), freqs), apply_rope(a.to_k(n), freqs), a.to_v(n)
-                new_k.append(k)
-                new_v.append(v)
+                new_k.append(k.index_select(1, keep))
+                new_v.append(v.index_select(1, keep))
                 keys = torch.cat([prompt_k[i], context_k[i], k], dim=1)
                 values = torch.cat([prompt_v[i], context_v[i], v], dim=1)
-                return a.to_out[0](run.attend(q, keys, values, bias=bias))
+                return a.to_out[0](run.attend(q, keys, values))
 
             h = run.block(block, h, t_emb, attention)
-        return run.head(h, residual, t_emb), torch.stack(new_k), torch.stack(new_v), conv_in
+        return run.head(h, residual, t_emb), torch.stack(new_k), torch.stack(new_v), conv_in.index_select(2, keep)
 
 
 def example_inputs(est: DiT, rng: np.random.Generator, b: int, size: int, n_prompt: int, n_ctx: int,
@@ -171,6 +178,7 @@ def example_inputs(est: DiT, rng: np.random.Generator, b: int, size: int, n_prom
     }  # fmt: skip
     out = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in feeds.items()}
     out["offset"] = np.array(offset, dtype=np.int64)
+    out["keep_frames"] = np.array(size, dtype=np.int64)
     return out
 
 
@@ -179,8 +187,8 @@ DYNAMIC_AXES = {
     "t": {0: "batch"}, "spks": {0: "batch"}, "conv_state": {0: "batch"},
     "prompt_k": {1: "batch", 2: "prompt_frames"}, "prompt_v": {1: "batch", 2: "prompt_frames"},
     "context_k": {1: "batch", 2: "context_frames"}, "context_v": {1: "batch", 2: "context_frames"},
-    "velocity": {0: "batch", 2: "time"}, "new_k": {1: "batch", 2: "time"}, "new_v": {1: "batch", 2: "time"},
-    "conv_in": {0: "batch", 2: "time"},
+    "velocity": {0: "batch", 2: "time"}, "new_k": {1: "batch", 2: "kept"}, "new_v": {1: "batch", 2: "kept"},
+    "conv_in": {0: "batch", 2: "kept"},
 }  # fmt: skip
 
 
@@ -189,6 +197,7 @@ def export_stream_estimator(est: DiT, path: Any) -> None:
     from cosyvoice_cpu.export.common import torch_export
 
     feeds = example_inputs(est, np.random.default_rng(0), 2, 19, 11, 7, 57)
+    feeds["keep_frames"] = np.array(13, np.int64)  # neither 0 nor T: no size is specialized into the graph
     args = tuple(torch.from_numpy(feeds[k]) for k in INPUTS)
     torch_export(StreamEstimatorGraphV3(est), args, path, input_names=INPUTS, output_names=OUTPUTS,
                  dynamic_axes=DYNAMIC_AXES)  # fmt: skip
@@ -196,14 +205,19 @@ def export_stream_estimator(est: DiT, path: Any) -> None:
 
 @torch.inference_mode()
 def verify_stream_estimator(est: DiT, sess: Any, rng: np.random.Generator, tol: float, key: str) -> list[GateResult]:
-    """The graph against the reference DiT (``streaming=True``, the official chunk mask) at batch 2.
+    """The graph against the reference DiT at batch 2.
 
-    Windows as the runtime makes them (chunk C = ``static_chunk_size``): a prompt pass over [0, C), then
-    [C, 2C + 23) on the prompt cache, then [2C, 3C + 11) on the prompt cache + the committed chunk [C, 2C); each
-    window's velocity vs the reference over all frames up to the window's end.
+    1. Windows as the runtime cuts them (chunk C = ``static_chunk_size``): a prompt pass over [0, C), the
+       complete chunk [C, 2C) on the prompt cache, the open chunk [2C, 2C + 23) on the prompt cache + the
+       committed [C, 2C); each window's velocity vs the reference (``streaming=True``, the official chunk mask)
+       over all frames up to the window's end.
+    2. ``keep_frames``: 0 returns no keys/values/conv inputs, 7 the window's first 7, more than T all of it, the
+       velocity the same.
+    3. A whole sentence (empty caches, ``keep_frames = 0``) vs the reference with full attention
+       (``streaming=False``).
     """
     c = est.static_chunk_size
-    windows = [(0, c), (c, 2 * c + 23), (2 * c, 3 * c + 11)]
+    windows = [(0, c), (c, 2 * c), (2 * c, 2 * c + 23)]
     total, b = windows[-1][1], 2
     full = {k: rng.standard_normal((b, 80, total)).astype(np.float32) for k in ("x", "mu", "cond")}
     full["cond"][:, :, c + 7 :] = 0.0
@@ -214,20 +228,37 @@ def verify_stream_estimator(est: DiT, sess: Any, rng: np.random.Generator, tol: 
     empty = np.zeros((layers, b, 0, width), wire)
     cache = {"prompt_k": empty, "prompt_v": empty, "context_k": empty, "context_v": empty}
     conv = np.zeros((b, state, frames), np.float32)
+
+    def call(s: int, e: int, keep: int, **caches: np.ndarray) -> list[np.ndarray]:
+        feeds = {"x": full["x"][:, :, s:e], "mu": full["mu"][:, :, s:e], "t": t, "spks": spks,
+                 "cond": full["cond"][:, :, s:e], **caches, "offset": np.array(s, np.int64),
+                 "keep_frames": np.array(keep, np.int64)}  # fmt: skip
+        return sess.run(None, {k: np.ascontiguousarray(v) for k, v in feeds.items()})
+
+    def reference(e: int, streaming: bool) -> np.ndarray:
+        args = (full["x"][:, :, :e], np.ones((b, 1, e), np.float32), full["mu"][:, :, :e], t, spks,
+                full["cond"][:, :, :e])  # fmt: skip
+        return est(*(torch.from_numpy(np.ascontiguousarray(a)) for a in args), streaming=streaming).numpy()
+
     results = []
     for i, (s, e) in enumerate(windows):
-        ref = est(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (
-            full["x"][:, :, :e], np.ones((b, 1, e), np.float32), full["mu"][:, :, :e], t, spks,
-            full["cond"][:, :, :e])), streaming=True).numpy()  # fmt: skip
-        feeds = {"x": full["x"][:, :, s:e], "mu": full["mu"][:, :, s:e], "t": t, "spks": spks,
-                 "cond": full["cond"][:, :, s:e], **cache, "conv_state": conv, "offset": np.array(s, np.int64)}
-        velocity, new_k, new_v, conv_in = sess.run(None, {k: np.ascontiguousarray(v) for k, v in feeds.items()})
-        what = f"window [{s}, {e}) on {s} cached frames"
-        err = rel_err(velocity, ref[:, :, s:]) if new_k.dtype == new_v.dtype == wire else float("inf")
-        results.append(GateResult(key, "velocity rel err", err, tol, what))
-        n = c  # commit the window's first complete chunk
-        part = "prompt" if i == 0 else "context"
-        cache[f"{part}_k"] = np.concatenate([cache[f"{part}_k"], new_k[:, :, :n]], axis=2)
-        cache[f"{part}_v"] = np.concatenate([cache[f"{part}_v"], new_v[:, :, :n]], axis=2)
-        conv = np.concatenate([conv, conv_in], axis=2)[:, :, n : n + frames]
+        keep = e - s if e % c == 0 else 0  # a complete chunk is committed, the open one is not
+        velocity, new_k, new_v, conv_in = call(s, e, keep, **cache, conv_state=conv)
+        ok = new_k.dtype == new_v.dtype == wire and new_k.shape[2] == new_v.shape[2] == conv_in.shape[2] == keep
+        err = rel_err(velocity, reference(e, True)[:, :, s:]) if ok else float("inf")
+        results.append(GateResult(key, "velocity rel err", err, tol, f"window [{s}, {e}) on {s} cached frames"))
+        if keep:
+            part = "prompt" if i == 0 else "context"
+            cache[f"{part}_k"] = np.concatenate([cache[f"{part}_k"], new_k], axis=2)
+            cache[f"{part}_v"] = np.concatenate([cache[f"{part}_v"], new_v], axis=2)
+            conv = np.concatenate([conv, conv_in], axis=2)[:, :, keep : keep + frames]
+    s, e = windows[-1]
+    everything = call(s, e, e - s + 5, **cache, conv_state=conv)
+    first = call(s, e, 7, **cache, conv_state=conv)
+    err = max(rel_err(a[..., :7, :] if a.ndim == 4 else a[..., :7], w) for a, w in zip(everything[1:], first[1:]))
+    err = max(err, rel_err(first[0], everything[0])) if everything[1].shape[2] == e - s else float("inf")
+    results.append(GateResult(key, "keep_frames=7 vs the first 7 of all", err, tol, f"window [{s}, {e})"))
+    whole = call(0, total, 0, **{k: empty for k in cache}, conv_state=np.zeros_like(conv))
+    err = rel_err(whole[0], reference(total, False)) if whole[1].shape[2] == 0 else float("inf")
+    results.append(GateResult(key, "velocity rel err", err, tol, f"whole sentence, {total} frames, keep_frames=0"))
     return results
