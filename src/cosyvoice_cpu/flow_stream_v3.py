@@ -26,7 +26,6 @@ x 2 rows = 3.6 MB per cached frame: a 100-frame prompt cache is 360 MB, a 50-fra
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -88,17 +87,18 @@ class PromptCacheV3:
             return cls(0, spks, [none] * steps, [none] * steps, [conv0] * steps)
         mu, spks = stage.encode(tokens, [], emb)
         feeds = {**guided_rows(mu[:, :, :frames], spks, feat[:, :, :frames], rows), "prompt_k": empty,
-                 "prompt_v": empty}  # fmt: skip
+                 "prompt_v": empty, "context_k": empty, "context_v": empty, "conv_state": conv0,
+                 "offset": np.array(0, np.int64), "keep_frames": np.array(frames, np.int64),
+                 "chunk_frames": np.array(stage.chunk_frames, np.int64)}  # fmt: skip
         x = stage.initial_noise(None, 1, frames)
         cache = cls(frames, spks, [], [], [])
         for t, dt in stage.schedule(steps):
-            feeds["t"] = np.full(rows, t, np.float32)
-            v, k, v_cache, states = window_step(sess, feeds, np.concatenate([x] * rows), 0, stage.chunk_frames,
-                                                empty, empty, conv0)  # fmt: skip
+            feeds.update(x=np.concatenate([x] * rows), t=np.full(rows, t, np.float32))
+            v, new_k, new_v, conv_in = sess.run(None, feeds)
             x = x + dt * guide(v, cfg_rate, 1)
-            cache.k.append(k.astype(dtype, copy=False))
-            cache.v.append(v_cache.astype(dtype, copy=False))
-            cache.conv.append(states[-1])
+            cache.k.append(new_k.astype(dtype, copy=False))
+            cache.v.append(new_v.astype(dtype, copy=False))
+            cache.conv.append(_next_state(conv0, conv_in, frames, hist))
         logger.debug("v3 prompt cache: %d of %d frames, %d steps, %.1f MB", frames, feat.shape[2], steps,
                      cache.nbytes / 1e6)  # fmt: skip
         return cache
@@ -153,7 +153,7 @@ class FlowStreamV3:
         if prompt_cache.frames > self.n_prompt:
             raise ConfigError("the prompt cache was built for a longer prompt (another voice)")
         self.prompt = prompt_cache
-        layers, width, _, _ = _layout(self.sess)
+        layers, width, _, self.hist = _layout(self.sess)
         self.kv_dtype = cache_dtype(self.sess, "prompt_k")  # what the graph takes and returns keys/values in
         self.ctx_k = [np.zeros((layers, self.rows, 0, width), self.kv_dtype) for _ in range(self.steps)]
         self.ctx_v = list(self.ctx_k)
@@ -203,70 +203,29 @@ class FlowStreamV3:
         return mel[:, :, start:]
 
     def _integrate(self, mu: np.ndarray, spks: np.ndarray, cond: np.ndarray, offset: int, n_commit: int) -> np.ndarray:
-        """Euler over the window frames on the caches; commits the first ``n_commit`` frames (whole chunks).
-        -> (1, 80, T)."""
+        """Euler over the window frames on the caches; commits the first ``n_commit`` frames. -> (1, 80, T)."""
         size = mu.shape[2]
-        feeds = guided_rows(mu, spks, cond, self.rows)
+        feeds = {**guided_rows(mu, spks, cond, self.rows), "offset": np.array(offset, np.int64),
+                 "keep_frames": np.array(n_commit, np.int64), "chunk_frames": np.array(self.chunk, np.int64)}
         x = self.stage.initial_noise(None, 1, size, offset=offset)
         for k, (t, dt) in enumerate(self.schedule):
-            feeds.update(t=np.full(self.rows, t, np.float32),
+            feeds.update(x=np.concatenate([x] * self.rows), t=np.full(self.rows, t, np.float32),
                          prompt_k=self.prompt.k[k].astype(self.kv_dtype, copy=False),
-                         prompt_v=self.prompt.v[k].astype(self.kv_dtype, copy=False))  # fmt: skip
-            base = self.ctx_k[k].shape[2]
-            v, ctx_k, ctx_v, states = window_step(self.sess, feeds, np.concatenate([x] * self.rows), offset,
-                                                  self.chunk, self.ctx_k[k], self.ctx_v[k], self.conv[k])  # fmt: skip
+                         prompt_v=self.prompt.v[k].astype(self.kv_dtype, copy=False), context_k=self.ctx_k[k],
+                         context_v=self.ctx_v[k], conv_state=self.conv[k])  # fmt: skip
+            v, new_k, new_v, conv_in = self.sess.run(None, feeds)
             x = x + dt * guide(v, self.cfg_rate, 1)
-            if n_commit:  # complete chunks past the commit (provisional mu) served this step only
-                end = base + n_commit
-                self.ctx_k[k] = self._trim(ctx_k if ctx_k.shape[2] == end else ctx_k[:, :, :end])
-                self.ctx_v[k] = self._trim(ctx_v if ctx_v.shape[2] == end else ctx_v[:, :, :end])
-                self.conv[k] = states[n_commit // self.chunk - 1]
+            if n_commit:
+                self.ctx_k[k] = self._trim(np.concatenate([self.ctx_k[k], new_k], axis=2))
+                self.ctx_v[k] = self._trim(np.concatenate([self.ctx_v[k], new_v], axis=2))
+                self.conv[k] = _next_state(self.conv[k], conv_in, n_commit, self.hist)
         return x
 
     def _trim(self, a: np.ndarray) -> np.ndarray:
-        """Keep the last ``context_tokens * ratio`` committed frames (axis 2), in an array of their own."""
-        if self.context_tokens is not None and a.shape[2] > self.context_tokens * self.ratio:
-            a = a[:, :, a.shape[2] - self.context_tokens * self.ratio :]
-        return a if a.base is None else np.ascontiguousarray(a)
-
-
-def window_step(sess: Any, feeds: dict[str, np.ndarray], x: np.ndarray, offset: int, chunk: int,
-                context_k: np.ndarray, context_v: np.ndarray,
-                conv: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:  # fmt: skip
-    """The velocity over the window ``[offset, offset + T)`` (``offset`` on a chunk boundary) at one Euler step.
-
-    The graph has no mask, so the window is cut at the chunk boundaries and the pieces run in order, one call
-    each: a piece sees the caches, every complete piece before it and itself, which is the official chunk-causal
-    mask. Each complete piece's keys/values join the context of the next (``keep_frames``); an open piece
-    returns none.
-
-    Args:
-        feeds: the step's ``t`` (R,), ``spks`` (R, 80), ``prompt_k``/``prompt_v`` (L, R, P, I) and the window's
-            ``mu``/``cond`` (R, 80, T); x: (R, 80, T) the window's state (R = CFG rows).
-        context_k, context_v: (L, R, C, I) committed context; conv: (R, 2D, K-1) conv state before ``offset``.
-    Returns:
-        velocity (R, 80, T); the context extended by every complete piece's keys/values (L, R, C + n, I); the
-        conv state after each complete piece (R, 2D, K-1).
-    """
-    size = x.shape[2]
-    cuts = [offset, *range((offset // chunk + 1) * chunk, offset + size, chunk), offset + size]
-    velocity, states = [], []
-    for a, b in itertools.pairwise(cuts):
-        keep = b - a if b % chunk == 0 else 0  # a complete chunk's keys/values, none of an open one's
-        part = slice(a - offset, b - offset)
-        window = {"x": x, "mu": feeds["mu"], "cond": feeds["cond"]}
-        if len(cuts) > 2:
-            window = {name: np.ascontiguousarray(arr[:, :, part]) for name, arr in window.items()}
-        v, new_k, new_v, conv_in = sess.run(None, {
-            **feeds, **window, "context_k": context_k, "context_v": context_v, "conv_state": conv,
-            "offset": np.array(a, np.int64), "keep_frames": np.array(keep, np.int64)})  # fmt: skip
-        velocity.append(v)
-        if keep:
-            context_k = np.concatenate([context_k, new_k], axis=2)
-            context_v = np.concatenate([context_v, new_v], axis=2)
-            conv = _next_state(conv, conv_in, keep, conv.shape[2])
-            states.append(conv)
-    return (velocity[0] if len(velocity) == 1 else np.concatenate(velocity, axis=2)), context_k, context_v, states
+        """Keep the last ``context_tokens * ratio`` committed frames (axis 2)."""
+        if self.context_tokens is None or a.shape[2] <= self.context_tokens * self.ratio:
+            return a
+        return np.ascontiguousarray(a[:, :, a.shape[2] - self.context_tokens * self.ratio :])
 
 
 def _next_state(state: np.ndarray, conv_in: np.ndarray, n: int, hist: int) -> np.ndarray:

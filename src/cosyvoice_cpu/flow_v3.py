@@ -34,7 +34,7 @@ STREAM_IO_V3 = (
     {"x": ("float", 3), "mu": ("float", 3), "t": ("float", 1), "spks": ("float", 2), "cond": ("float", 3),
      "prompt_k": ("float|float16", 4), "prompt_v": ("float|float16", 4), "context_k": ("float|float16", 4),
      "context_v": ("float|float16", 4), "conv_state": ("float", 3), "offset": ("int64", 0),
-     "keep_frames": ("int64", 0)},
+     "keep_frames": ("int64", 0), "chunk_frames": ("int64", 0)},
     ("velocity", ("new_k", "float|float16"), ("new_v", "float|float16"), "conv_in"),
 )  # fmt: skip
 
@@ -65,7 +65,7 @@ class FlowStageV3(FlowStage):
     """
 
     stream_io = STREAM_IO_V3
-    stream_serves_whole = True  # empty caches, offset 0 and keep_frames 0: the full-attention DiT (format 4)
+    stream_serves_whole = True  # empty caches, chunk_frames 0: the full-attention DiT (format 4)
 
     def __init__(
         self,
@@ -92,7 +92,8 @@ class FlowStageV3(FlowStage):
 
     def _whole_call(self, padded: bool, n: int) -> tuple[Any, dict[str, np.ndarray]]:
         """As :meth:`FlowStage._whole_call`, with the v3 stream graph's feeds: empty key/value caches, zero conv
-        state, ``offset`` 0 and ``keep_frames`` 0 (no key/value is returned: ~117 MB of float16 at 650 frames)."""
+        state, ``offset`` 0, ``chunk_frames`` 0 (full attention: ORT's flash kernel) and ``keep_frames`` 0 (no
+        key/value is returned: ~117 MB of float16 at 650 frames)."""
         if padded or not self.can_stream:
             return super()._whole_call(padded, n)
         sess = self.stream_estimator
@@ -101,7 +102,8 @@ class FlowStageV3(FlowStage):
         empty = np.zeros((layers, n, 0, width), cache_dtype(sess, "prompt_k"))
         conv = np.zeros((n, int(shapes["conv_state"][1]), int(shapes["conv_state"][2])), np.float32)
         return sess, {"prompt_k": empty, "prompt_v": empty, "context_k": empty, "context_v": empty,
-                      "conv_state": conv, "offset": np.array(0, np.int64), "keep_frames": np.array(0, np.int64)}
+                      "conv_state": conv, "offset": np.array(0, np.int64), "keep_frames": np.array(0, np.int64),
+                      "chunk_frames": np.array(0, np.int64)}
 
     @property
     def chunk_frames(self) -> int:

@@ -94,7 +94,8 @@ def test_artifact_contracts(flow, tmp_path: Path) -> None:
     layers, width = stream.attrs["cache_layers"], stream.attrs["cache_width"]
     assert (layers, width, stream.attrs["conv_state_frames"]) == (2, 64, 30)
     assert [s.name for s in stream.inputs] == ["x", "mu", "t", "spks", "cond", "prompt_k", "prompt_v", "context_k",
-                                               "context_v", "conv_state", "offset", "keep_frames"]  # fmt: skip
+                                               "context_v", "conv_state", "offset", "keep_frames",
+                                               "chunk_frames"]  # fmt: skip
     assert [(s.name, s.shape) for s in stream.outputs] == [
         ("velocity", ["batch", 80, "time"]), ("new_k", [layers, "batch", "kept", width]),
         ("new_v", [layers, "batch", "kept", width]), ("conv_in", ["batch", 128, "kept"]),

@@ -18,6 +18,7 @@ from cosyvoice_cpu.export.fused_ops import (
     KeyMaskedAttention,
     attention,
     export_forms,
+    unbiased_when_zero,
     unmasked_when_unpadded,
 )
 from cosyvoice_cpu.reference.flow_estimator import MASK_BIAS, SelfAttention, TransformerBlock
@@ -133,6 +134,63 @@ def test_masked_attention_takes_the_unmasked_kernel_only_when_nothing_is_padded(
         ref = _reference(q, k, v, heads, ((1 - m) * MASK_BIAS)[:, None, None, :])
         out = sess.run(None, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "m": m.numpy()})[0]
         assert np.abs(out - ref.numpy()).max() < 1e-5, padded
+
+
+def test_biased_attention_takes_the_flash_kernel_only_when_the_bias_is_zero(tmp_path: Path) -> None:
+    """The v3 stream DiT's form: a (1, 1, T, S) chunk-causal bias; an all-zero bias takes the bias-free node."""
+    heads, b, size, keys = 2, 2, 9, 13
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(b, n, heads * 16, generator=g) for n in (size, keys, keys))
+    probe, path = _Probe(heads, "bias"), tmp_path / "attn.onnx"
+    torch_export(probe, (q, k, v, torch.ones(b, keys), torch.zeros(1, 1, size, keys)), path,
+                 input_names=["q", "k", "v", "m", "bias"], output_names=["out"],
+                 dynamic_axes={"q": {1: "t"}, "k": {1: "s"}, "v": {1: "s"}, "bias": {2: "t", 3: "s"}})  # fmt: skip
+    assert unmasked_when_unpadded(path) == 0 and unbiased_when_zero(path) == 1
+    graph = onnx.load(str(path)).graph
+    ifs = [n for n in graph.node if n.op_type == "If"]
+    assert len(ifs) == 1 and "MultiHeadAttention" not in [n.op_type for n in graph.node]
+    branches = {a.name: [(n.op_type, len(n.input)) for n in a.g.node] for a in ifs[0].attribute}
+    assert branches == {"then_branch": [("MultiHeadAttention", 3)], "else_branch": [("MultiHeadAttention", 6)]}
+    sess = make_session(path, SessionConfig(threads=1))
+    causal = torch.where(torch.arange(keys)[None] <= torch.arange(size)[:, None] + 4, 0.0, MASK_BIAS)[None, None]
+    for bias in (torch.zeros(1, 1, size, keys), causal):
+        ref = _reference(q, k, v, heads, bias)
+        out = sess.run(None, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "bias": bias.numpy()})[0]
+        assert np.abs(out - ref.numpy()).max() < 1e-5
+
+
+def test_sort_nodes_counts_what_if_branches_read(tmp_path: Path) -> None:
+    """ORT's quantizer can put an ``If`` before the producer of a value its branches read; ``sort_nodes`` restores
+    an order the ONNX checker accepts, keeping the original order among ready nodes."""
+    from onnx import TensorProto, helper
+
+    from cosyvoice_cpu.export.quantize import sort_nodes
+
+    def branch(name: str, op: str) -> onnx.GraphProto:
+        out = helper.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, [3])
+        return helper.make_graph([helper.make_node(op, ["y"], [f"{name}_out"])], name, [], [out])
+
+    nodes = [
+        helper.make_node("If", ["c"], ["z"], "if", then_branch=branch("then", "Identity"),
+                         else_branch=branch("else", "Neg")),
+        helper.make_node("Relu", ["x"], ["r"], "relu"),
+        helper.make_node("ReduceMin", ["x"], ["m"], "min", keepdims=0),
+        helper.make_node("Exp", ["r"], ["y"], "exp"),
+        helper.make_node("Greater", ["m", "zero"], ["c"], "cond"),
+    ]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])
+    z = helper.make_tensor_value_info("z", TensorProto.FLOAT, [3])
+    graph = helper.make_graph(nodes, "g", [x], [z], [helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(onnx.checker.ValidationError, match="topologically sorted"):
+        onnx.checker.check_model(model)
+    sort_nodes(model.graph)
+    assert [n.name for n in model.graph.node] == ["relu", "min", "exp", "cond", "if"]
+    onnx.checker.check_model(model)
+    path = tmp_path / "sorted.onnx"
+    onnx.save(model, str(path))
+    out = make_session(path, SessionConfig(threads=1)).run(None, {"x": np.array([1.0, 2.0, 3.0], np.float32)})[0]
+    assert np.allclose(out, np.exp([1.0, 2.0, 3.0]))
 
 
 def test_fast_gelu_is_one_node_equal_to_tanh_gelu(tmp_path: Path) -> None:

@@ -1,13 +1,13 @@
 """The Fun-CosyVoice3 DiT as ONNX graphs: the official estimator and a streamed window on a key/value cache.
 
 Both graphs are built from :class:`~cosyvoice_cpu.reference.dit.DiT` modules by :class:`DiTRun`, which applies
-the DiT with fused attention (a key mask in the whole graph, none in the window), absolute RoPE positions and
-causal-conv states::
+the DiT with fused attention (a key mask in the whole graph, a chunk-causal bias in the window), absolute RoPE
+positions and causal-conv states::
 
     t (B,) -> t_emb (B, D);  cat[x, cond, mu, spks] (B, T, 320) -Linear-> h (B, T, D)
     conv position embedding: [state1 | h] -conv1, Mish-> c1;  [state2 | c1] -conv2, Mish-> c2;  h = h + c2
     L x AdaLN-zero block: q, k = RoPE(to_q/to_k(n), positions offset .. offset+T-1), v = to_v(n)
-                           keys = [past keys | k], every key visible (no mask)
+                           keys = [past keys | k] (all past visible), chunk-causal bias inside the window
     AdaLN final -> Linear(D, 80) -> (B, 80, T)
 
 ``flow_estimator_stream.onnx`` (v3 contract, format 4; batch = CFG rows and/or streams, all frames valid)::
@@ -19,21 +19,22 @@ causal-conv states::
                                                         frames before ``offset`` (zeros before frame 0)
     offset () int64                                     absolute position of the window's first frame
     keep_frames () int64                                how many of the window's first frames the cache
-                                                        outputs return (0 or T in practice)
+                                                        outputs return
+    chunk_frames () int64                               the attention chunk (50); 0 = full attention
     -> velocity (B, 80, T), new_k, new_v (L, B, K, I), conv_in (B, 2D, K) with K = min(keep_frames, T)
        (keys after RoPE, values, and h | c1 of the window's first K frames)
 
-Every window frame sees every cached key and every window key: the graph has no mask, so ORT runs its
-flash-attention kernel. The official streaming mask is chunk-causal over absolute frames (key j visible from
-query i iff ``j < (i // 50 + 1) * 50``), so the runtime (:mod:`cosyvoice_cpu.flow_stream_v3`) never lets a
-window cross a chunk boundary: it cuts a push at the boundaries and runs the pieces in order, each complete one's
-keys/values joining the context of the next. Every other part of the DiT is causal, so once a 50-frame chunk is
-complete its keys, values and conv inputs never change within an Euler step; the runtime caches them per step
-and CFG row, and with the whole past cached this equals the official prefix recompute exactly (gated below).
+The official streaming mask is chunk-causal over absolute frames (key j visible from query i iff
+``j < (i // 50 + 1) * 50``) and every other part of the DiT is causal, so once a 50-frame chunk is complete its
+keys, values and conv inputs never change within an Euler step. The runtime (:mod:`cosyvoice_cpu.flow_stream_v3`)
+caches them per step and CFG row and recomputes only the open chunk plus the new frames: with the whole past
+cached this equals the official prefix recompute exactly (gated below). Past keys are all visible; inside the
+window the chunk-causal bias applies. Each attention is ``If(bias all zero)`` (:func:`~cosyvoice_cpu.export.
+fused_ops.unbiased_when_zero`): a window inside one chunk, or ``chunk_frames`` 0, takes ORT's flash kernel.
 
-With empty caches, ``offset = 0`` and ``keep_frames = 0`` a call *is* the official whole-sentence estimator
-(``streaming=False``) on unpadded rows, returning no per-layer keys/values: a process that synthesizes whole
-sentences and streams holds one copy of the DiT's weights (:class:`~cosyvoice_cpu.flow_v3.FlowStageV3`).
+With empty caches, ``offset`` 0, ``chunk_frames`` 0 and ``keep_frames`` 0 a call *is* the official whole-sentence
+estimator (``streaming=False``) on unpadded rows, returning no per-layer keys/values: a process that synthesizes
+whole sentences and streams holds one copy of the DiT's weights (:class:`~cosyvoice_cpu.flow_v3.FlowStageV3`).
 """
 
 from __future__ import annotations
@@ -50,12 +51,12 @@ from cosyvoice_cpu.export import fused_ops
 from cosyvoice_cpu.export.common import GateResult, rel_err
 from cosyvoice_cpu.flow import cache_dtype
 from cosyvoice_cpu.reference.dit import TIME_FREQ_DIM, DiT, DiTBlock, apply_rope
-from cosyvoice_cpu.reference.flow_estimator import timestep_embedding
+from cosyvoice_cpu.reference.flow_estimator import MASK_BIAS, timestep_embedding
 
 logger = logging.getLogger(__name__)
 
 INPUTS = ["x", "mu", "t", "spks", "cond", "prompt_k", "prompt_v", "context_k", "context_v", "conv_state", "offset",
-          "keep_frames"]
+          "keep_frames", "chunk_frames"]
 OUTPUTS = ["velocity", "new_k", "new_v", "conv_in"]
 
 
@@ -137,7 +138,7 @@ class StreamEstimatorGraphV3(nn.Module):
     def forward(
         self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
         prompt_k: torch.Tensor, prompt_v: torch.Tensor, context_k: torch.Tensor, context_v: torch.Tensor,
-        conv_state: torch.Tensor, offset: torch.Tensor, keep_frames: torch.Tensor,
+        conv_state: torch.Tensor, offset: torch.Tensor, keep_frames: torch.Tensor, chunk_frames: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         run, size = self.run, x.size(2)
         # the first min(keep_frames, T) frames, traced as a Range (a Python slice would freeze the example's size)
@@ -146,6 +147,13 @@ class StreamEstimatorGraphV3(nn.Module):
         h, conv_in = run.embed(x, cond, mu, spks, conv_state)
         residual = h
         freqs = run.freqs(offset, size)
+        pos = torch.arange(size) + offset
+        chunk = torch.clamp(chunk_frames, min=1)
+        end = (torch.div(pos, chunk, rounding_mode="floor") + 1) * chunk
+        visible = (pos.unsqueeze(0) < end.unsqueeze(1)) | (chunk_frames <= 0)
+        inside = torch.where(visible, 0.0, MASK_BIAS)  # (T, T) chunk-causal, or all zero (full attention)
+        n_past = prompt_k.size(2) + context_k.size(2)
+        bias = torch.cat([torch.zeros(size, n_past), inside], dim=1)  # past keys: earlier chunks, all visible
         new_k: list[torch.Tensor] = []
         new_v: list[torch.Tensor] = []
         for i, block in enumerate(self.est.transformer_blocks):
@@ -157,7 +165,7 @@ class StreamEstimatorGraphV3(nn.Module):
                 new_v.append(v.index_select(1, keep))
                 keys = torch.cat([prompt_k[i], context_k[i], k], dim=1)
                 values = torch.cat([prompt_v[i], context_v[i], v], dim=1)
-                return a.to_out[0](run.attend(q, keys, values))
+                return a.to_out[0](run.attend(q, keys, values, bias=bias))
 
             h = run.block(block, h, t_emb, attention)
         return run.head(h, residual, t_emb), torch.stack(new_k), torch.stack(new_v), conv_in.index_select(2, keep)
@@ -179,6 +187,7 @@ def example_inputs(est: DiT, rng: np.random.Generator, b: int, size: int, n_prom
     out = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in feeds.items()}
     out["offset"] = np.array(offset, dtype=np.int64)
     out["keep_frames"] = np.array(size, dtype=np.int64)
+    out["chunk_frames"] = np.array(est.static_chunk_size, dtype=np.int64)
     return out
 
 
@@ -201,23 +210,25 @@ def export_stream_estimator(est: DiT, path: Any) -> None:
     args = tuple(torch.from_numpy(feeds[k]) for k in INPUTS)
     torch_export(StreamEstimatorGraphV3(est), args, path, input_names=INPUTS, output_names=OUTPUTS,
                  dynamic_axes=DYNAMIC_AXES)  # fmt: skip
+    fused_ops.unbiased_when_zero(path)
 
 
 @torch.inference_mode()
 def verify_stream_estimator(est: DiT, sess: Any, rng: np.random.Generator, tol: float, key: str) -> list[GateResult]:
     """The graph against the reference DiT at batch 2.
 
-    1. Windows as the runtime cuts them (chunk C = ``static_chunk_size``): a prompt pass over [0, C), the
-       complete chunk [C, 2C) on the prompt cache, the open chunk [2C, 2C + 23) on the prompt cache + the
-       committed [C, 2C); each window's velocity vs the reference (``streaming=True``, the official chunk mask)
-       over all frames up to the window's end.
+    1. Windows as the runtime makes them (chunk C = ``static_chunk_size``): a prompt pass over [0, C) (inside one
+       chunk: the flash branch), then [C, 2C + 23) on the prompt cache and [2C, 3C + 11) on the prompt cache +
+       the committed chunk [C, 2C) (across a boundary: the chunk-causal bias); each window's velocity vs the
+       reference (``streaming=True``, the official chunk mask) over all frames up to the window's end, the
+       window's first C frames committed (``keep_frames`` C).
     2. ``keep_frames``: 0 returns no keys/values/conv inputs, 7 the window's first 7, more than T all of it, the
        velocity the same.
-    3. A whole sentence (empty caches, ``keep_frames = 0``) vs the reference with full attention
-       (``streaming=False``).
+    3. A whole sentence (empty caches, ``chunk_frames`` 0, ``keep_frames`` 0) vs the reference with full
+       attention (``streaming=False``).
     """
     c = est.static_chunk_size
-    windows = [(0, c), (c, 2 * c), (2 * c, 2 * c + 23)]
+    windows = [(0, c), (c, 2 * c + 23), (2 * c, 3 * c + 11)]
     total, b = windows[-1][1], 2
     full = {k: rng.standard_normal((b, 80, total)).astype(np.float32) for k in ("x", "mu", "cond")}
     full["cond"][:, :, c + 7 :] = 0.0
@@ -229,10 +240,10 @@ def verify_stream_estimator(est: DiT, sess: Any, rng: np.random.Generator, tol: 
     cache = {"prompt_k": empty, "prompt_v": empty, "context_k": empty, "context_v": empty}
     conv = np.zeros((b, state, frames), np.float32)
 
-    def call(s: int, e: int, keep: int, **caches: np.ndarray) -> list[np.ndarray]:
+    def call(s: int, e: int, keep: int, chunk: int, **caches: np.ndarray) -> list[np.ndarray]:
         feeds = {"x": full["x"][:, :, s:e], "mu": full["mu"][:, :, s:e], "t": t, "spks": spks,
                  "cond": full["cond"][:, :, s:e], **caches, "offset": np.array(s, np.int64),
-                 "keep_frames": np.array(keep, np.int64)}  # fmt: skip
+                 "keep_frames": np.array(keep, np.int64), "chunk_frames": np.array(chunk, np.int64)}  # fmt: skip
         return sess.run(None, {k: np.ascontiguousarray(v) for k, v in feeds.items()})
 
     def reference(e: int, streaming: bool) -> np.ndarray:
@@ -242,23 +253,26 @@ def verify_stream_estimator(est: DiT, sess: Any, rng: np.random.Generator, tol: 
 
     results = []
     for i, (s, e) in enumerate(windows):
-        keep = e - s if e % c == 0 else 0  # a complete chunk is committed, the open one is not
-        velocity, new_k, new_v, conv_in = call(s, e, keep, **cache, conv_state=conv)
-        ok = new_k.dtype == new_v.dtype == wire and new_k.shape[2] == new_v.shape[2] == conv_in.shape[2] == keep
+        velocity, new_k, new_v, conv_in = call(s, e, c, c, **cache, conv_state=conv)
+        ok = new_k.dtype == new_v.dtype == wire and new_k.shape[2] == new_v.shape[2] == conv_in.shape[2] == c
         err = rel_err(velocity, reference(e, True)[:, :, s:]) if ok else float("inf")
         results.append(GateResult(key, "velocity rel err", err, tol, f"window [{s}, {e}) on {s} cached frames"))
-        if keep:
-            part = "prompt" if i == 0 else "context"
-            cache[f"{part}_k"] = np.concatenate([cache[f"{part}_k"], new_k], axis=2)
-            cache[f"{part}_v"] = np.concatenate([cache[f"{part}_v"], new_v], axis=2)
-            conv = np.concatenate([conv, conv_in], axis=2)[:, :, keep : keep + frames]
-    s, e = windows[-1]
-    everything = call(s, e, e - s + 5, **cache, conv_state=conv)
-    first = call(s, e, 7, **cache, conv_state=conv)
+        part = "prompt" if i == 0 else "context"  # commit the window's first complete chunk
+        cache[f"{part}_k"] = np.concatenate([cache[f"{part}_k"], new_k], axis=2)
+        cache[f"{part}_v"] = np.concatenate([cache[f"{part}_v"], new_v], axis=2)
+        conv = np.concatenate([conv, conv_in], axis=2)[:, :, c : c + frames]
+    s, e = windows[-1][0] + c, windows[-1][1] + 5
+    full = {k: np.concatenate([v, rng.standard_normal((b, 80, 5)).astype(np.float32)], axis=2) for k, v in full.items()}
+    everything = call(s, e, e - s + 5, c, **cache, conv_state=conv)
+    first = call(s, e, 7, c, **cache, conv_state=conv)
+    nothing = call(s, e, 0, c, **cache, conv_state=conv)
     err = max(rel_err(a[..., :7, :] if a.ndim == 4 else a[..., :7], w) for a, w in zip(everything[1:], first[1:]))
-    err = max(err, rel_err(first[0], everything[0])) if everything[1].shape[2] == e - s else float("inf")
-    results.append(GateResult(key, "keep_frames=7 vs the first 7 of all", err, tol, f"window [{s}, {e})"))
-    whole = call(0, total, 0, **{k: empty for k in cache}, conv_state=np.zeros_like(conv))
-    err = rel_err(whole[0], reference(total, False)) if whole[1].shape[2] == 0 else float("inf")
-    results.append(GateResult(key, "velocity rel err", err, tol, f"whole sentence, {total} frames, keep_frames=0"))
+    err = max(err, rel_err(first[0], everything[0]), rel_err(nothing[0], everything[0]))
+    shapes = [a.shape[-2 if a.ndim == 4 else -1] for run in (everything, nothing) for a in run[1:]]
+    results.append(GateResult(key, "keep_frames 7 vs the first 7 of all (0: none)",
+                              err if shapes == [e - s] * 3 + [0] * 3 else float("inf"), tol, f"window [{s}, {e})"))
+    whole = call(0, total, 0, 0, **{k: empty for k in cache}, conv_state=np.zeros_like(conv))
+    err = rel_err(whole[0], reference(total, False)[:, :, :total]) if whole[1].shape[2] == 0 else float("inf")
+    results.append(GateResult(key, "velocity rel err", err, tol,
+                              f"whole sentence, {total} frames, chunk_frames=0, keep_frames=0"))  # fmt: skip
     return results

@@ -171,6 +171,28 @@ def unmasked_when_unpadded(path: Path) -> int:
     subexpression elimination folds those into a single ``ReduceMin`` over the (B, T) mask per call (checked on
     the demo model's optimized graph). Weights stay in their external file.
     """
+    from onnx import TensorProto, helper
+
+    return _fast_branch_when(path, 4, helper.make_tensor("one", TensorProto.INT32, [], [1]), "unpadded")
+
+
+def unbiased_when_zero(path: Path) -> int:
+    """Rewrite every ``MultiHeadAttention`` with an additive attention bias (and no key mask) of the graph at
+    ``path`` as ``If(the bias is all zero)``: then the same node without the bias (ORT's flash-attention kernel),
+    else the node as it was. Returns the number of nodes rewritten.
+
+    For Fun-CosyVoice3's stream DiT: a whole sentence (``chunk_frames`` 0) and a window inside one chunk have a zero
+    bias and take the flash kernel; a window across a chunk boundary keeps its chunk-causal bias. The bias is
+    0 or -1e10, so "all zero" is ``ReduceMin(bias) == 0``, computed once per call for the blocks' shared bias.
+    """
+    from onnx import TensorProto, helper
+
+    return _fast_branch_when(path, 5, helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0]), "unbiased")
+
+
+def _fast_branch_when(path: Path, index: int, fast_min: Any, label: str) -> int:
+    """Wrap each ``MultiHeadAttention`` whose only optional input is input ``index`` (4: key mask, 5: attention
+    bias) in ``If(ReduceMin(that input) == fast_min)``: then the node on q, k, v alone, else the node as it was."""
     import onnx
     from onnx import TensorProto, helper
 
@@ -180,30 +202,34 @@ def unmasked_when_unpadded(path: Path) -> int:
     conds: dict[str, str] = {}
     rewritten = 0
     for node in graph.node:
-        if node.op_type != "MultiHeadAttention" or len(node.input) != 5 or not node.input[4]:  # key mask only
+        optional = [(i, name) for i, name in enumerate(node.input) if i >= 3 and name]
+        if node.op_type != "MultiHeadAttention" or [i for i, _ in optional] != [index]:
             nodes.append(node)
             continue
-        mask = node.input[4]
-        if mask not in conds:  # one test per distinct mask (each UNet resolution has its own)
-            low, cond = f"{mask}/min", f"{mask}/unpadded"
+        mask = node.input[index]
+        if mask not in conds:  # one test per distinct mask or bias (each UNet resolution has its own)
+            low, cond, ref = f"{mask}/min", f"{mask}/{label}", f"{mask}/{fast_min.name}"
             nodes += [helper.make_node("ReduceMin", [mask], [low], keepdims=0),
-                      helper.make_node("Equal", [low, f"{mask}/one"], [cond])]  # fmt: skip
-            graph.initializer.append(helper.make_tensor(f"{mask}/one", TensorProto.INT32, [], [1]))
+                      helper.make_node("Equal", [low, ref], [cond])]  # fmt: skip
+            constant = onnx.TensorProto()
+            constant.CopyFrom(fast_min)
+            constant.name = ref
+            graph.initializer.append(constant)
             conds[mask] = cond
         out = node.output[0]
         attrs = list(node.attribute)
-        branch_out = [helper.make_tensor_value_info(f"{out}/then", TensorProto.FLOAT, None)]
-        fast = helper.make_node("MultiHeadAttention", list(node.input[:3]), [f"{out}/then"], node.name + "/unmasked",
+        fast = helper.make_node("MultiHeadAttention", list(node.input[:3]), [f"{out}/then"], f"{node.name}/{label}",
                                 domain="com.microsoft")  # fmt: skip
         fast.attribute.extend(a for a in attrs if a.name != "mask_filter_value")
-        slow = helper.make_node("MultiHeadAttention", list(node.input), [f"{out}/else"], node.name + "/masked",
+        slow = helper.make_node("MultiHeadAttention", list(node.input), [f"{out}/else"], node.name + "/as_exported",
                                 domain="com.microsoft")  # fmt: skip
         slow.attribute.extend(attrs)
         nodes.append(helper.make_node(
-            "If", [conds[mask]], [out], node.name + "/if_unpadded",
-            then_branch=helper.make_graph([fast], "unmasked", [], branch_out),
-            else_branch=helper.make_graph(
-                [slow], "masked", [], [helper.make_tensor_value_info(f"{out}/else", TensorProto.FLOAT, None)]),
+            "If", [conds[mask]], [out], f"{node.name}/if_{label}",
+            then_branch=helper.make_graph([fast], label, [], [
+                helper.make_tensor_value_info(f"{out}/then", TensorProto.FLOAT, None)]),
+            else_branch=helper.make_graph([slow], "as_exported", [], [
+                helper.make_tensor_value_info(f"{out}/else", TensorProto.FLOAT, None)]),
         ))  # fmt: skip
         rewritten += 1
     del graph.node[:]

@@ -137,9 +137,60 @@ def quantize_int8_dynamic(
                 use_external_data_format=True,
                 extra_options={"MatMulConstBOnly": True},
             )
-            _save(onnx.load(str(out), load_external_data=True), Path(dst))
+            model = onnx.load(str(out), load_external_data=True)
+            sort_nodes(model.graph)
+            _save(model, Path(dst))
     finally:
         root.removeFilter(hush)
+
+
+def sort_nodes(graph: object) -> None:
+    """Put the nodes of ``graph`` in topological order (in place), counting the outer-scope values an ``If``'s
+    branches read as its inputs. Among ready nodes the original order wins.
+
+    ORT's quantizer re-sorts a graph without looking into subgraphs, so an ``If`` whose branches read a value
+    computed in the main graph (``fused_ops``' attention rewrites) can land before that value's producer. ORT
+    orders a graph itself when loading it, but the ONNX checker refuses it.
+    """
+    import heapq
+
+    nodes = list(graph.node)  # type: ignore[attr-defined]
+    produced = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    deps: list[set[int]] = []
+    for i, n in enumerate(nodes):
+        names = set(n.input) | _outer_inputs(n)
+        deps.append({produced[x] for x in names if x in produced and produced[x] != i})
+    users: dict[int, list[int]] = {}
+    for i, d in enumerate(deps):
+        for j in d:
+            users.setdefault(j, []).append(i)
+    waiting = [len(d) for d in deps]
+    ready = [i for i, w in enumerate(waiting) if w == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for u in users.get(i, []):
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, u)
+    if len(order) != len(nodes):
+        raise ValueError("the graph has a cycle; it cannot be ordered")
+    del graph.node[:]  # type: ignore[attr-defined]
+    graph.node.extend(nodes[i] for i in order)  # type: ignore[attr-defined]
+
+
+def _outer_inputs(node: object) -> set[str]:
+    """Names a node's subgraphs (``If`` branches, loop bodies) read without producing them."""
+    out: set[str] = set()
+    for attr in node.attribute:  # type: ignore[attr-defined]
+        for g in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+            local = {i.name for i in g.input} | {i.name for i in g.initializer}
+            for n in g.node:
+                out |= {x for x in set(n.input) | _outer_inputs(n) if x and x not in local}
+                local |= set(n.output)
+    return out
 
 
 class _DropMessage(logging.Filter):
