@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 MANIFEST_NAME = "cosyvoice_cpu.json"
 FORMAT_VERSION = 4  # 2: flow_estimator_stream.onnx (streamed chunks on cached activations) replaces _chunk;
 # 3: its keep_frames input (the v2 stream graph also runs whole sentences: one estimator in memory);
-# 4: the same for Fun-CosyVoice3 (its stream DiT without the in-window mask, plus keep_frames)
+# 4: the same for Fun-CosyVoice3 (its stream DiT takes chunk_frames, 0 = full attention, and keep_frames)
 OLDEST_READABLE = {"cosyvoice3": 4}  # per family; the others read format 3 directories unchanged (default 3)
 FAMILIES = ("cosyvoice2", "cosyvoice", "cosyvoice3")  # CosyVoice2-0.5B, CosyVoice-300M (+SFT, Instruct), CosyVoice3
 STAGE_SECTIONS = ("text", "lm", "sampling", "flow", "hift")
