@@ -3,10 +3,12 @@
     python bench/ort_profile.py MODEL_DIR/flow_estimator.onnx [--frames 650] [--batch 2] [--threads 2] [--runs 3]
     python bench/ort_profile.py MODEL_DIR/flow_estimator_stream.onnx --frames 20 --dim prompt_frames=150 \
         --dim context_frames=0    # a first streamed chunk on a 3 s voice
+    python bench/ort_profile.py V3_DIR/flow_estimator_stream.onnx --frames 70 --dim prompt_frames=100 \
+        --dim context_frames=0 --int offset=100 --int chunk_frames=50 --int keep_frames=50   # v3's first window
 
 Random float inputs; a dimension named ``batch`` gets ``--batch``, one named by ``--dim NAME=N`` gets N, every
 other named dimension ``--frames``; an input called ``mask`` is all ones (nothing padded: what the runtime
-feeds); integer inputs are zeros. Prints the
+feeds); integer inputs are zeros unless ``--int NAME=V`` sets them (scalars). Prints the
 median wall time per call (without profiling), then per-op-type kernel time per call, then the heaviest
 (op, output shape) pairs. An ``If`` node's time includes the nodes of the branch it ran, which are listed too
 (so shares overlap). This is how the flow estimator was profiled for docs/benchmarks.md.
@@ -26,7 +28,8 @@ import numpy as np
 import onnxruntime as ort
 
 
-def _feeds(sess: ort.InferenceSession, frames: int, batch: int, dims: dict[str, int]) -> dict[str, np.ndarray]:
+def _feeds(sess: ort.InferenceSession, frames: int, batch: int, dims: dict[str, int],
+           ints: dict[str, int]) -> dict[str, np.ndarray]:  # fmt: skip
     rng = np.random.default_rng(0)
     sizes = {"batch": batch, **dims}
     feeds = {}
@@ -36,7 +39,7 @@ def _feeds(sess: ort.InferenceSession, frames: int, batch: int, dims: dict[str, 
             value = np.ones(shape, np.float32) if i.name == "mask" else rng.standard_normal(shape, np.float32)
             feeds[i.name] = value.astype(np.float16) if i.type == "tensor(float16)" else value
         else:
-            feeds[i.name] = np.zeros(shape, np.int64 if "int64" in i.type else np.int32)
+            feeds[i.name] = np.full(shape, ints.get(i.name, 0), np.int64 if "int64" in i.type else np.int32)
     return feeds
 
 
@@ -49,11 +52,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--dim", action="append", default=[], metavar="NAME=N", help="size of a named input dimension")
+    ap.add_argument("--int", action="append", default=[], metavar="NAME=V", help="value of an integer input")
     args = ap.parse_args()
     try:
         dims = {k: int(v) for k, v in (d.split("=") for d in args.dim)}
+        ints = {k: int(v) for k, v in (d.split("=") for d in args.int)}
     except ValueError:
-        ap.error(f"--dim takes NAME=N (an integer size), got {args.dim}")
+        ap.error(f"--dim and --int take NAME=N (an integer), got {args.dim} {args.int}")
 
     def options(profile: str | None) -> ort.SessionOptions:
         so = ort.SessionOptions()
@@ -65,7 +70,7 @@ def main() -> None:
         return so
 
     sess = ort.InferenceSession(str(args.graph), options(None), providers=["CPUExecutionProvider"])
-    feeds = _feeds(sess, args.frames, args.batch, dims)
+    feeds = _feeds(sess, args.frames, args.batch, dims, ints)
     sess.run(None, feeds)
     walls = []
     for _ in range(args.runs):
