@@ -100,13 +100,17 @@ def test_memory_warnings_suggest_a_recipe_or_a_batch_size() -> None:
     assert roomy.memory_for_us == 4 << 30 and roomy.memory_warning(1 << 30) is None
 
 
-def test_memory_warnings_weigh_what_an_engine_keeps_in_memory(tiny_export_dir: Path) -> None:
-    """Not the text and speech embedding tables (read row by row), the speech tokenizer or (CosyVoice2, streaming
-    on) the unopened whole-sentence estimator: at full size 629 of the directory's 1262 MB."""
+@pytest.mark.parametrize(("fixture", "family"), [("tiny_export_dir", "cosyvoice2"),
+                                                  ("tiny_v3_export_dir", "cosyvoice3")])  # fmt: skip
+def test_memory_warnings_weigh_what_an_engine_keeps_in_memory(fixture: str, family: str,
+                                                              request: pytest.FixtureRequest) -> None:  # fmt: skip
+    """Not the text and speech embedding tables (read row by row), the speech tokenizer or (CosyVoice2 and
+    Fun-CosyVoice3, streaming on) the unopened whole-sentence estimator: at full size CosyVoice2 629 of the
+    directory's 1262 MB."""
     from cosyvoice_cpu.manifest import Manifest
 
-    m = Manifest.load(tiny_export_dir)
-    assert m.family == "cosyvoice2"
+    m = Manifest.load(request.getfixturevalue(fixture))
+    assert m.family == family
     size = {f.file: f.size for f in m.all_files()}
     whole = sum(size[f.file] for f in m.graphs["flow_estimator"].files())
     tables = size["lm_text_embedding.npy"] + size["lm_speech_embedding.npy"]
