@@ -35,7 +35,7 @@ import numpy as np
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.flow import _ids, cache_dtype, cache_storage, guidance_rows, guide, guided_rows
 from cosyvoice_cpu.flow_stream import _prompt_feat, chunk_ids
-from cosyvoice_cpu.flow_v3 import FlowStageV3
+from cosyvoice_cpu.flow_v3 import FlowStageV3, stream_layout_v3
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class PromptCacheV3:
         stable = max(0, tokens.shape[1] - s.pre_lookahead_len) * s.token_mel_ratio
         frames = stable // stage.chunk_frames * stage.chunk_frames
         rows = guidance_rows(cfg_rate)
-        layers, width, state, hist = _layout(sess)
+        layers, width, state, hist = stream_layout_v3(sess)
         empty = np.zeros((layers, rows, 0, width), wire)
         conv0 = np.zeros((rows, state, hist), np.float32)
         emb = np.asarray(embedding, dtype=np.float32)
@@ -153,7 +153,7 @@ class FlowStreamV3:
         if prompt_cache.frames > self.n_prompt:
             raise ConfigError("the prompt cache was built for a longer prompt (another voice)")
         self.prompt = prompt_cache
-        layers, width, _, self.hist = _layout(self.sess)
+        layers, width, _, self.hist = stream_layout_v3(self.sess)
         self.kv_dtype = cache_dtype(self.sess, "prompt_k")  # what the graph takes and returns keys/values in
         self.ctx_k = [np.zeros((layers, self.rows, 0, width), self.kv_dtype) for _ in range(self.steps)]
         self.ctx_v = list(self.ctx_k)
@@ -239,11 +239,3 @@ def _stream_session(stage: FlowStageV3) -> Any:
         raise ConfigError("streaming needs flow_estimator_stream.onnx: load the flow with streaming=True "
                           "(EngineConfig(streaming_estimator=True))")  # fmt: skip
     return stage.stream_estimator
-
-
-def _layout(sess: Any) -> tuple[int, int, int, int]:
-    """(L, I, 2D, K-1) from the stream estimator's input shapes (prompt_k (L, B, P, I), conv (B, 2D, K-1))."""
-    shapes = {i.name: i.shape for i in sess.get_inputs()}
-    return (int(shapes["prompt_k"][0]), int(shapes["prompt_k"][3]), int(shapes["conv_state"][1]),
-            int(shapes["conv_state"][2]))  # fmt: skip
-

@@ -39,6 +39,14 @@ STREAM_IO_V3 = (
 )  # fmt: skip
 
 
+def stream_layout_v3(sess: Any) -> tuple[int, int, int, int]:
+    """(L, I, 2D, K-1) of a v3 stream estimator from its input shapes (prompt_k (L, B, P, I), conv_state
+    (B, 2D, K-1))."""
+    shapes = {i.name: i.shape for i in sess.get_inputs()}
+    return (int(shapes["prompt_k"][0]), int(shapes["prompt_k"][3]), int(shapes["conv_state"][1]),
+            int(shapes["conv_state"][2]))  # fmt: skip
+
+
 @dataclass
 class FlowSettingsV3(FlowSettings):
     """:class:`FlowSettings` plus the DiT's streaming attention chunk (frames).
@@ -97,10 +105,9 @@ class FlowStageV3(FlowStage):
         if padded or not self.can_stream:
             return super()._whole_call(padded, n)
         sess = self.stream_estimator
-        shapes = {i.name: i.shape for i in sess.get_inputs()}
-        layers, width = int(shapes["prompt_k"][0]), int(shapes["prompt_k"][3])
+        layers, width, state, hist = stream_layout_v3(sess)
         empty = np.zeros((layers, n, 0, width), cache_dtype(sess, "prompt_k"))
-        conv = np.zeros((n, int(shapes["conv_state"][1]), int(shapes["conv_state"][2])), np.float32)
+        conv = np.zeros((n, state, hist), np.float32)
         return sess, {"prompt_k": empty, "prompt_v": empty, "context_k": empty, "context_v": empty,
                       "conv_state": conv, "offset": np.array(0, np.int64), "keep_frames": np.array(0, np.int64),
                       "chunk_frames": np.array(0, np.int64)}

@@ -71,9 +71,8 @@ class RowTable:
             self._fd = -1
 
     def __del__(self) -> None:
-        fd = getattr(self, "_fd", -1)
-        if fd >= 0:
-            os.close(fd)
+        if hasattr(self, "_fd"):  # not if __init__ failed before opening the file
+            self.close()
 
 
 def open_table(path: str | Path) -> Any:

@@ -171,9 +171,9 @@ def unmasked_when_unpadded(path: Path) -> int:
     subexpression elimination folds those into a single ``ReduceMin`` over the (B, T) mask per call (checked on
     the demo model's optimized graph). Weights stay in their external file.
     """
-    from onnx import TensorProto, helper
+    from onnx import TensorProto
 
-    return _fast_branch_when(path, 4, helper.make_tensor("one", TensorProto.INT32, [], [1]), "unpadded")
+    return _fast_branch_when(path, 4, TensorProto.INT32, 1, "unpadded")
 
 
 def unbiased_when_zero(path: Path) -> int:
@@ -185,14 +185,15 @@ def unbiased_when_zero(path: Path) -> int:
     bias and take the flash kernel; a window across a chunk boundary keeps its chunk-causal bias. The bias is
     0 or -1e10, so "all zero" is ``ReduceMin(bias) == 0``, computed once per call for the blocks' shared bias.
     """
-    from onnx import TensorProto, helper
+    from onnx import TensorProto
 
-    return _fast_branch_when(path, 5, helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0]), "unbiased")
+    return _fast_branch_when(path, 5, TensorProto.FLOAT, 0.0, "unbiased")
 
 
-def _fast_branch_when(path: Path, index: int, fast_min: Any, label: str) -> int:
+def _fast_branch_when(path: Path, index: int, dtype: int, fast_min: float, label: str) -> int:
     """Wrap each ``MultiHeadAttention`` whose only optional input is input ``index`` (4: key mask, 5: attention
-    bias) in ``If(ReduceMin(that input) == fast_min)``: then the node on q, k, v alone, else the node as it was."""
+    bias) in ``If(ReduceMin(that input) == fast_min)`` (a ``dtype`` scalar): then the node on q, k, v alone, else
+    the node as it was."""
     import onnx
     from onnx import TensorProto, helper
 
@@ -202,19 +203,16 @@ def _fast_branch_when(path: Path, index: int, fast_min: Any, label: str) -> int:
     conds: dict[str, str] = {}
     rewritten = 0
     for node in graph.node:
-        optional = [(i, name) for i, name in enumerate(node.input) if i >= 3 and name]
-        if node.op_type != "MultiHeadAttention" or [i for i, _ in optional] != [index]:
+        optional = [i for i, name in enumerate(node.input) if i >= 3 and name]
+        if node.op_type != "MultiHeadAttention" or optional != [index]:
             nodes.append(node)
             continue
         mask = node.input[index]
         if mask not in conds:  # one test per distinct mask or bias (each UNet resolution has its own)
-            low, cond, ref = f"{mask}/min", f"{mask}/{label}", f"{mask}/{fast_min.name}"
+            low, cond, ref = f"{mask}/min", f"{mask}/{label}", f"{mask}/{label}_min"
             nodes += [helper.make_node("ReduceMin", [mask], [low], keepdims=0),
                       helper.make_node("Equal", [low, ref], [cond])]  # fmt: skip
-            constant = onnx.TensorProto()
-            constant.CopyFrom(fast_min)
-            constant.name = ref
-            graph.initializer.append(constant)
+            graph.initializer.append(helper.make_tensor(ref, dtype, [], [fast_min]))
             conds[mask] = cond
         out = node.output[0]
         attrs = list(node.attribute)
