@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from cosyvoice_cpu.benchmark import TOKEN_RATE
+from cosyvoice_cpu.calibrate import Calibration
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,8 @@ def markdown(result: dict[str, Any], plots: list[str]) -> str:
         f"per sentence, a registered 3 s voice, medians of {result['runs']} runs after a warm-up.",
         f"Machine: {m['cpu']} ({m['isa']}), {m['usable_cores']} usable cores, {m['memory_gb']} GB; {m['threads']} "
         f"threads; onnxruntime {m['onnxruntime']}; load average before the run {m['load_avg_before'][0]:.2f}.",
+        *([f"Calibration (cosyvoice_cpu.calibrate): {Calibration.from_dict(m['calibration']).summary()}."]
+          if "calibration" in m else []),  # results from before the calibration have none
         "", "### Official PyTorch vs ours, stage by stage (same tokens, frames and threads)", "",
         "| stage | official (PyTorch) | our PyTorch reference | ours (ONNX Runtime) | ours vs official |",
         "|---|---|---|---|---|",

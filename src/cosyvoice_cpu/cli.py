@@ -132,6 +132,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_speed(threads: int) -> None:
+    """``doctor --speed``: this machine's kernel calibration next to the machines the docs were measured on."""
+    from cosyvoice_cpu.calibrate import REFERENCE_MACHINES, calibrate
+
+    print(f"speed        {calibrate(threads).summary()}")
+    for name, ref in REFERENCE_MACHINES.items():
+        print(f"  compare    {ref.summary()}: {name}")
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Report what this machine can run; exit 1 when something needs attention."""
     from cosyvoice_cpu.hardware import detect
@@ -162,6 +171,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         import onnxruntime as ort
 
         print(f"onnxruntime  {ort.__version__}, providers {', '.join(ort.get_available_providers())}")
+        if args.speed:
+            _print_speed(hw.threads())
     if args.model:
         from cosyvoice_cpu.manifest import Manifest
 
@@ -223,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     h = sub.add_parser("doctor", help="check this machine (CPU features, cores, memory) and optionally a model")
     h.add_argument("-m", "--model", type=Path, help="also check an exported model directory")
     h.add_argument("--quick", action="store_true", help="check the model's file sizes only, not their sha256")
+    h.add_argument("--speed", action="store_true",
+                   help="also time the kernels the engine spends its time on (~3 s) and compare with the "
+                        "machines docs/benchmarks.md was measured on")  # fmt: skip
     h.set_defaults(func=cmd_doctor)
 
     d = sub.add_parser("demo", help="synthesize a sentence with a small model and print stage timings")

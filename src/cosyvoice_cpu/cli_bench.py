@@ -110,8 +110,11 @@ def run_peers(official_dir: Path | None, names: list[str], threads: int, tokens:
 
 
 def machine_facts(threads: int) -> dict[str, Any]:
+    """CPU, cores, memory, versions, the load average and the kernel calibration (:mod:`cosyvoice_cpu.calibrate`)
+    of this machine: what a result must carry to be compared with one from another day or machine."""
     import onnxruntime as ort
 
+    from cosyvoice_cpu.calibrate import calibrate
     from cosyvoice_cpu.hardware import detect
 
     hw = detect()
@@ -122,7 +125,7 @@ def machine_facts(threads: int) -> dict[str, Any]:
         "logical_cpus": cpu.logical if cpu else None, "physical_cores": cpu.physical if cpu else None,
         "usable_cores": hw.usable_cores, "memory_gb": round(memory / 2**30, 1) if memory else None,
         "threads": threads, "onnxruntime": ort.__version__, "python": sys.version.split()[0],
-        "load_avg_before": os.getloadavg(),
+        "load_avg_before": os.getloadavg(), "calibration": calibrate(threads).as_dict(),
     }  # fmt: skip
 
 
