@@ -68,9 +68,9 @@ class Calibration:
 
 # Measured with `cosyvoice-cpu doctor --speed` on the machines docs/benchmarks.md was measured on, for comparison.
 REFERENCE_MACHINES: dict[str, Calibration] = {
-    # medians of 6 calibrations during the session (each value moved by up to ±30 % between them: shared host)
+    # medians of 5 calibrations during the session (each value moved by up to ±30 % between them: shared host)
     "Intel Xeon (Sapphire Rapids) VM, 2 cores, 2026-12-01: CosyVoice2 int8w e2e RTF 2.42": Calibration(
-        threads=2, copy_gb_s=17.6, sgemm_gflops=164.0, qgemm_gops=1279.0, attention_ms=13.7),
+        threads=2, copy_gb_s=19.1, sgemm_gflops=164.0, qgemm_gops=1279.0, attention_ms=13.7),
 }
 
 
