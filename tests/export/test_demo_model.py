@@ -32,4 +32,7 @@ def test_packaged_demo_model_matches_a_fresh_export(tmp_path: Path) -> None:
         voice = engine.make_voice(_tone_wav(), "Good morning everyone.", name="demo")
         waves.append(engine.synthesize_wav("Hello there.", voice, cfg))
     assert waves[0].shape == waves[1].shape
-    np.testing.assert_allclose(waves[0], waves[1], atol=1e-5)
+    # The export folds constants and quantizes on this CPU: the model shipped from the AMD EPYC development machine
+    # and one made on an Intel Xeon differ by up to 2.1e-5 in 0.4 % of the samples (a few int8 roundings flip). A
+    # stale demo model (another graph, recipe or fixture) differs by 1e-2 or more.
+    np.testing.assert_allclose(waves[0], waves[1], atol=1e-4)

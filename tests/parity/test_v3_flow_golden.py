@@ -26,7 +26,11 @@ from cosyvoice_cpu.reference.yamlconf import Tagged  # noqa: E402
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "v3_flow.npz"
 EST_TOL = 1e-6  # estimator (measured: 0, bitwise)
 FLOW_TOL = 1e-5  # flow inference, 10 Euler steps with CFG (measured: 0, bitwise)
-HIFT_TOL = 1e-6  # F0 (float64), source, wave (measured: 0, bitwise)
+HIFT_TOL = 1e-6  # F0 (float64), source (measured: 0, bitwise)
+# The wave after the float32 convolution stack depends on the CPU's convolution kernels: bitwise on the AMD EPYC
+# machine the golden arrays were checked on, 2.6e-6 (whole) and 3.4e-6 (streamed chunk) on an Intel Xeon
+# (Sapphire Rapids) with the same torch. A wrong padding, cache or iSTFT moves it by 1e-2 or more.
+HIFT_WAVE_TOL = 2e-5
 F0_FP32_TOL = 1e-5  # F0 predictor in float32 instead of float64 (measured ~1e-7 on F0, see docs/reference.md)
 
 
@@ -147,7 +151,7 @@ def test_hift_finalize(golden, hift: CausalHiFT) -> None:
     assert rel(f0, golden["hift_out/f0"]) <= HIFT_TOL
     wave, source = hift.inference(mel, pinned_noise(golden), finalize=True)
     assert rel(source, golden["hift_out/source"]) <= HIFT_TOL
-    assert rel(wave, golden["hift_out/wave"]) <= HIFT_TOL
+    assert rel(wave, golden["hift_out/wave"]) <= HIFT_WAVE_TOL
 
 
 def test_hift_streaming_chunk(golden, hift: CausalHiFT) -> None:
@@ -158,7 +162,7 @@ def test_hift_streaming_chunk(golden, hift: CausalHiFT) -> None:
     wave, source = hift.inference(mel, pinned_noise(golden), finalize=False)  # the table is longer: sliced
     assert source.shape[-1] == 13 * hift.frame_samples and wave.shape[-1] == 8 * hift.frame_samples
     assert rel(source, golden["hift_out/source_chunk"]) <= HIFT_TOL
-    assert rel(wave, golden["hift_out/wave_chunk"]) <= HIFT_TOL
+    assert rel(wave, golden["hift_out/wave_chunk"]) <= HIFT_WAVE_TOL
 
 
 def test_hift_weight_norm_formats(golden, hift: CausalHiFT) -> None:
