@@ -181,9 +181,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             size = sum(f.size for f in m.all_files())
             print(f"model        {args.model}: {m.family}, recipe {m.recipe['name']}, {size / 1e9:.2f} GB, files ok"
                   f"{'' if args.quick else ' (sha256 checked)'}")  # fmt: skip
-            warning = hw.memory_warning(m.resident_bytes())
-            if warning:
-                problems.append(warning)
+            problems += hw.model_warnings(m)
         except CosyVoiceCpuError as e:
             problems.append(str(e))
     for p in problems:

@@ -150,8 +150,7 @@ class Engine:
         }
         for note in hw.notes:
             logger.info("%s", note)
-        warning = hw.memory_warning(m.resident_bytes(config.streaming_estimator))
-        if warning:
+        for warning in hw.model_warnings(m, config.streaming_estimator):
             logger.warning("%s", warning)
         logger.info("loaded %s (%s, recipe %s) in %.2f s, %d threads", model_dir, m.family, m.recipe["name"],
                     time.perf_counter() - t0, threads)  # fmt: skip

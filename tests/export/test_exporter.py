@@ -181,3 +181,35 @@ def test_lm_block_128_recipe(tiny_model_dir: Path, tmp_path: Path) -> None:
              if n.op_type == "MatMulNBits"]  # fmt: skip
     blocks = {a.i for n in nodes for a in n.attribute if a.name == "block_size"}
     assert nodes and blocks == {128}
+
+
+def test_dynamic_int8_weights_have_7_bits_everywhere(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """``lm=int8`` and the estimators' int8 store weights in [-64, 64] (two u8 x s8 products sum to at most
+    2 * 255 * 64 = 32640, inside int16): full 8-bit weights saturate on CPUs without VNNI
+    (stages.INT8_WEIGHT_BITS). The manifest records the bits; an older 8-bit LM export gets a warning on such a
+    CPU."""
+    import onnx
+    from onnx import numpy_helper
+
+    from cosyvoice_cpu.hardware import CpuInfo, Hardware
+
+    dst = tmp_path / "m"
+    export_model(tiny_model_dir, dst, ExportOptions(recipe="lm=int8,flow_estimator=int8", max_len=128))
+    m = Manifest.load(dst)
+    assert all(g["passed"] for g in m.verification)
+    int8 = {k: g for k, g in m.graphs.items() if g.precision == "int8"}
+    assert set(int8) == {"lm", "flow_estimator", "flow_estimator_stream"}
+    for key, g in int8.items():
+        model = onnx.load(str(dst / g.file.file))
+        weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+        b = [weights[n.input[1]] for n in model.graph.node if n.op_type == "MatMulInteger" and n.input[1] in weights]
+        assert b and all(w.dtype == np.int8 and np.abs(w.astype(int)).max() <= 64 for w in b), key
+        assert g.attrs["int8_weight_bits"] == stages.INT8_WEIGHT_BITS == 7
+    avx2 = Hardware(CpuInfo("Zen 3", frozenset({"sse2", "avx2", "fma"}), 2, 2), 2, None, None, None, None)
+    vnni = Hardware(CpuInfo("Zen 4", frozenset({"sse2", "avx2", "fma", "avx512f", "avx512_vnni"}), 2, 2), 2, None,
+                    None, None, None)  # fmt: skip
+    assert avx2.model_warnings(m) == [] and vnni.model_warnings(m) == []
+    del m.graphs["lm"].attrs["int8_weight_bits"]  # as written before the 7-bit change
+    (warning,) = avx2.model_warnings(m)
+    assert warning.startswith("lm: int8 weights with 8 bits on a CPU without VNNI (Zen 3)") and "Re-export" in warning
+    assert vnni.model_warnings(m) == []

@@ -15,6 +15,7 @@ from cosyvoice_cpu.errors import ModelDirError
 from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.flow_graph import FILES, export_flow, verify_flow
 from cosyvoice_cpu.flow import FlowStage
+from cosyvoice_cpu.hardware import read_cpuinfo
 from cosyvoice_cpu.reference.model_dir import load_reference
 from cosyvoice_cpu.sessions import SessionConfig, make_session
 
@@ -226,7 +227,17 @@ def test_stage_rejects_bad_inputs_and_graphs(stage: FlowStage, flow_dir: Path) -
         FlowStage(flow_dir / "nope.onnx", flow_dir / FILES["flow_estimator"])
 
 
-@pytest.mark.parametrize("reduce_range", [False, True])
+_CPU = read_cpuinfo()
+# Without VNNI (an AVX2-only CPU such as a Zen 3 EPYC) ORT's u8s8 GEMM sums pairs of u8 x s8 products in int16
+# (vpmaddubsw), which saturates with full 8-bit weights: velocity 8.7-12 % there (0.6-3.6 % with VNNI). That is
+# why the recipe quantizes estimators with reduce_range (7-bit weights, exact on every ISA).
+_SATURATES = _CPU is not None and _CPU.avx2 and not _CPU.vnni
+
+
+@pytest.mark.parametrize("reduce_range", [
+    pytest.param(False, marks=pytest.mark.xfail(_SATURATES, strict=True, reason="u8s8 saturation without VNNI")),
+    True,
+])
 def test_estimators_survive_dynamic_int8_quantization(flow, flow_dir: Path, reduce_range: bool) -> None:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 

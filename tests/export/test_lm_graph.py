@@ -177,7 +177,7 @@ def test_quantizers_accept_the_graph(exported) -> None:
 
     lm, out, _ = exported
     quantize_dynamic(out / "lm.onnx", out / "lm.int8.onnx", op_types_to_quantize=["MatMul"], per_channel=True,
-                     weight_type=QuantType.QInt8, use_external_data_format=True)  # fmt: skip
+                     weight_type=QuantType.QInt8, reduce_range=True, use_external_data_format=True)  # fmt: skip
     q = MatMulNBitsQuantizer(onnx.load(str(out / "lm.onnx")), block_size=32, is_symmetric=True, accuracy_level=4)
     q.process()
     q.model.save_model_to_file(str(out / "lm.int4.onnx"), use_external_data_format=True)

@@ -7,14 +7,14 @@ quantized graphs again with looser, recorded tolerances. The measured quality an
 docs/quantization.md (``bench/quant_report.py``).
 
 Stage precisions:
-* ``lm``: ``fp32``; ``int8`` (MatMul weights int8 per output channel, activations quantized per call and per
-  tensor: ``DynamicQuantizeMatMul``; rows of a batch share one activation scale, so a row's output depends on its
-  neighbours); ``int8w`` (weight-only ``MatMulNBits``, 8 bits, block 32, int8 compute: rows independent);
-  ``int8w-b128`` (the same with blocks of 128: faster kernels, a small agreement cost); ``int4`` (4 bits,
-  block 32).
+* ``lm``: ``fp32``; ``int8`` (MatMul weights int8 per output channel with ``reduce_range``: 7-bit weights, like the
+  estimator's; activations quantized per call and per tensor: ``DynamicQuantizeMatMul``; rows of a batch share one
+  activation scale, so a row's output depends on its neighbours); ``int8w`` (weight-only ``MatMulNBits``, 8 bits,
+  block 32, int8 compute: rows independent); ``int8w-b128`` (the same with blocks of 128: faster kernels, a small
+  agreement cost); ``int4`` (4 bits, block 32).
 * ``flow_estimator``: ``fp32`` or ``int8`` (dynamic, per channel, ``reduce_range`` on: 7-bit weights, safe on
-  AVX2 machines without VNNI where u8s8 products can saturate; the int8 stream graph also takes its caches in
-  float16: ``export.flow_stream_graph.half_cache_io``).
+  AVX2 machines without VNNI where u8s8 products saturate: see ``export.stages.INT8_WEIGHT_BITS``; the int8
+  stream graph also takes its caches in float16: ``export.flow_stream_graph.half_cache_io``).
 * ``flow_encoder``: ``fp32`` or ``int8w`` (weight-only ``MatMulNBits``, 8 bits, block 32, fp32 compute: the
   encoder runs once per sentence or chunk, so this is for memory, 158 -> 62 MB at full size, not speed).
 * ``hift``: ``fp32`` or ``int8w`` (Conv weights stored int8 per output channel + ``DequantizeLinear``, fp32

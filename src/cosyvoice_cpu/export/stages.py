@@ -35,6 +35,14 @@ Step = Callable[[str], None]
 # near-flat distributions, so it is loose and KL is the real gate). MatMulNBits rows are independent: a batched row
 # equals the row alone exactly. Estimator int8 (reduce_range): velocity 1.4-3.6 %, whole-flow mel 1 %.
 # HiFT int8w: decode 6.9e-3, wave 1.2e-2.
+# Dynamic int8 (u8 activations x s8 weights) stores 7-bit weights (reduce_range) for every stage. Without VNNI (an
+# AVX2-only CPU: Zen 3 EPYC, Haswell..Comet Lake) ORT's u8s8 GEMM sums pairs of products in int16 (vpmaddubsw),
+# which saturates with full 8-bit weights: on a Zen 3 EPYC the tiny LM's next-token agreement with PyTorch over 150
+# teacher-forced steps was 0.65 with 8-bit weights and 0.97 with 7 (KL 6.3e-3 vs 1.6e-5), and the estimator's
+# velocity error 8.7-12 % with 8 bits (0.6-3.6 % with VNNI). 7 bits are exact on every ISA, so a model
+# directory behaves the same on the machine that exported it and on the gateway it is copied to. The manifest
+# records the bits (attrs int8_weight_bits); hardware.Hardware.int8_warning flags older 8-bit LM exports.
+INT8_WEIGHT_BITS = 7
 _LM_8BIT = {"logp": 0.02, "greedy_mismatch": 0.34, "decode_kl": 5e-4}
 QUANT_TOLERANCE: dict[str, dict[str, Any]] = {
     "lm:fp32": {"logp": 0.01, "greedy_mismatch": 0.23, "decode_kl": 1e-4},  # fp32 graph, fp16 embedding tables
@@ -72,8 +80,11 @@ def _quantize(art: GraphArtifact, precision: str, work: Path, out: Path) -> Grap
     _move(art, out, work)
     src, dst = work / art.file, out / art.file
     lm, estimator, hift = art.key.startswith("lm"), art.key.startswith("flow_estimator"), art.key == "hift_decode"
+    attrs = dict(art.attrs)
+    if precision == "int8":  # dynamic int8 anywhere: 7-bit weights (see INT8_WEIGHT_BITS)
+        attrs["int8_weight_bits"] = INT8_WEIGHT_BITS
     if lm and precision == "int8":
-        quantize_int8_dynamic(src, dst, reduce_range=False)
+        quantize_int8_dynamic(src, dst, reduce_range=True)
     elif lm and precision in ("int4", "int8w", "int8w-b128"):
         block = 128 if precision == "int8w-b128" else 32
         quantize_nbits(src, dst, bits=4 if precision == "int4" else 8, block_size=block, accuracy_level=4)
@@ -81,7 +92,6 @@ def _quantize(art: GraphArtifact, precision: str, work: Path, out: Path) -> Grap
         # fp32 compute (accuracy 1): full-size random weights, mu rel err 6.5e-3, +10 % per call (int8 compute: 1.1e-2)
         quantize_nbits(src, dst, bits=8, block_size=32, accuracy_level=1)
     elif estimator and precision == "int8":
-        # 7-bit weights: exact on every ISA (u8s8 products saturate on AVX2 without VNNI)
         quantize_int8_dynamic(src, dst, reduce_range=True)
         from cosyvoice_cpu.export.flow_stream_graph import cache_io, half_cache_io
 
@@ -96,7 +106,7 @@ def _quantize(art: GraphArtifact, precision: str, work: Path, out: Path) -> Grap
         raise ValueError(f"no quantizer for {art.key}={precision}")
     for name in (art.file, *art.data):
         (work / name).unlink(missing_ok=True)
-    return GraphArtifact.of(out, art.key, art.file, art.attrs, precision)
+    return GraphArtifact.of(out, art.key, art.file, attrs, precision)
 
 
 @dataclass(frozen=True)
