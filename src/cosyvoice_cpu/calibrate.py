@@ -71,6 +71,9 @@ REFERENCE_MACHINES: dict[str, Calibration] = {
     # medians of 5 calibrations during the session (each value moved by up to ±30 % between them: shared host)
     "Intel Xeon (Sapphire Rapids) VM, 2 cores, 2026-12-01: CosyVoice2 int8w e2e RTF 2.42": Calibration(
         threads=2, copy_gb_s=19.1, sgemm_gflops=164.0, qgemm_gops=1279.0, attention_ms=13.7),
+    # medians of 4 (three doctor --speed, the bench's own); AVX2 only: int8 GEMMs without VNNI
+    "AMD EPYC Zen 3 VM, 2 cores, 2026-12-01: CosyVoice2 int8w e2e RTF 3.96": Calibration(
+        threads=2, copy_gb_s=11.7, sgemm_gflops=124.0, qgemm_gops=252.0, attention_ms=17.0),
 }
 
 
