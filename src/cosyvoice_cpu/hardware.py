@@ -209,7 +209,6 @@ class Hardware:
             return f"memory allows about {batch} concurrent request(s); keep the server's batch size at {batch}"
         return None
 
-
     def int8_warning(self, graphs: dict[str, tuple[str, dict]]) -> str | None:
         """A warning when dynamic-int8 graphs with full 8-bit weights would run on a CPU without VNNI.
 
@@ -228,7 +227,6 @@ class Hardware:
             "int8 products saturate here and the output degrades (measured on a small LM: next-token agreement "
             "0.65 instead of 0.97). Re-export the model with this version (7-bit int8 weights) or with --quant int8w"
         )
-
 
     def model_warnings(self, manifest: Manifest, streaming_estimator: bool = True) -> list[str]:
         """:meth:`memory_warning` and :meth:`int8_warning` for a loaded model directory's manifest."""

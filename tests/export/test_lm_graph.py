@@ -181,7 +181,7 @@ def test_quantizers_accept_the_graph(exported) -> None:
     q = MatMulNBitsQuantizer(onnx.load(str(out / "lm.onnx")), block_size=32, is_symmetric=True, accuracy_level=4)
     q.process()
     q.model.save_model_to_file(str(out / "lm.int4.onnx"), use_external_data_format=True)
-    for graph, floor in (("lm.int8.onnx", 0.9), ("lm.int4.onnx", 0.6)):  # tiny measured: 0.985, 0.845
+    for graph, floor in (("lm.int8.onnx", 0.9), ("lm.int4.onnx", 0.6)):  # tiny measured: 0.985 (8-bit, VNNI), 0.845
         m = compare_lm(lm, out, graph, steps=24)
         assert m["agreement"] >= floor and m["mean_kl"] < 0.01, m
     results = verify_lm(lm, out, graph_file="lm.int8.onnx", tolerance={"logp": 0.05})
