@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from cosyvoice_cpu.errors import ConfigError, CosyVoiceCpuError
 
 if TYPE_CHECKING:
-    from cosyvoice_cpu.manifest import Manifest
+    from cosyvoice_cpu.manifest import GraphEntry, Manifest
 
 logger = logging.getLogger(__name__)
 
@@ -209,17 +209,17 @@ class Hardware:
             return f"memory allows about {batch} concurrent request(s); keep the server's batch size at {batch}"
         return None
 
-    def int8_warning(self, graphs: dict[str, tuple[str, dict]]) -> str | None:
+    def int8_warning(self, graphs: dict[str, GraphEntry]) -> str | None:
         """A warning when dynamic-int8 graphs with full 8-bit weights would run on a CPU without VNNI.
 
-        ``graphs`` maps a graph key to its ``(precision, attrs)`` from the manifest. Exports since the 7-bit
+        ``graphs`` is the manifest's (key -> entry with ``precision`` and ``attrs``). Exports since the 7-bit
         change record ``attrs["int8_weight_bits"]``; older ones quantized the flow estimator with 7 bits and the
         LM with 8 (export/stages.INT8_WEIGHT_BITS tells what saturation costs).
         """
         if self.cpu is None or self.cpu.vnni or not self.cpu.avx2:
             return None
-        full = sorted(key for key, (precision, attrs) in graphs.items() if precision == "int8"
-                      and attrs.get("int8_weight_bits", 8 if key.startswith("lm") else 7) == 8)  # fmt: skip
+        full = sorted(key for key, g in graphs.items() if g.precision == "int8"
+                      and g.attrs.get("int8_weight_bits", 8 if key.startswith("lm") else 7) == 8)  # fmt: skip
         if not full:
             return None
         return (
@@ -230,8 +230,8 @@ class Hardware:
 
     def model_warnings(self, manifest: Manifest, streaming_estimator: bool = True) -> list[str]:
         """:meth:`memory_warning` and :meth:`int8_warning` for a loaded model directory's manifest."""
-        graphs = {key: (g.precision, g.attrs) for key, g in manifest.graphs.items()}
-        found = (self.memory_warning(manifest.resident_bytes(streaming_estimator)), self.int8_warning(graphs))
+        found = (self.memory_warning(manifest.resident_bytes(streaming_estimator)),
+                 self.int8_warning(manifest.graphs))  # fmt: skip
         return [w for w in found if w]
 
 

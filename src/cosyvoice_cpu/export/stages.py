@@ -81,23 +81,20 @@ def _quantize(art: GraphArtifact, precision: str, work: Path, out: Path) -> Grap
     src, dst = work / art.file, out / art.file
     lm, estimator, hift = art.key.startswith("lm"), art.key.startswith("flow_estimator"), art.key == "hift_decode"
     attrs = dict(art.attrs)
-    if precision == "int8":  # dynamic int8 anywhere: 7-bit weights (see INT8_WEIGHT_BITS)
+    if (lm or estimator) and precision == "int8":
+        quantize_int8_dynamic(src, dst, reduce_range=True)  # 7-bit weights: INT8_WEIGHT_BITS
         attrs["int8_weight_bits"] = INT8_WEIGHT_BITS
-    if lm and precision == "int8":
-        quantize_int8_dynamic(src, dst, reduce_range=True)
+        from cosyvoice_cpu.export.flow_stream_graph import cache_io, half_cache_io
+
+        caches = cache_io({i.name for i in art.inputs}) if estimator else None
+        if caches:  # an estimator's stream graph: its caches in float16
+            half_cache_io(dst, *caches)
     elif lm and precision in ("int4", "int8w", "int8w-b128"):
         block = 128 if precision == "int8w-b128" else 32
         quantize_nbits(src, dst, bits=4 if precision == "int4" else 8, block_size=block, accuracy_level=4)
     elif art.key == "flow_encoder" and precision == "int8w":
         # fp32 compute (accuracy 1): full-size random weights, mu rel err 6.5e-3, +10 % per call (int8 compute: 1.1e-2)
         quantize_nbits(src, dst, bits=8, block_size=32, accuracy_level=1)
-    elif estimator and precision == "int8":
-        quantize_int8_dynamic(src, dst, reduce_range=True)
-        from cosyvoice_cpu.export.flow_stream_graph import cache_io, half_cache_io
-
-        caches = cache_io({i.name for i in art.inputs})
-        if caches:  # a stream graph: its caches in float16
-            half_cache_io(dst, *caches)
     elif hift and precision == "int8w":
         from cosyvoice_cpu.export.hift_graph import quantize_hift_weights_int8
 
