@@ -99,6 +99,8 @@ def zero_pages(shape: tuple[int, ...]) -> np.ndarray:
     if n == 0 or not hasattr(mmap, "MAP_PRIVATE"):  # no POSIX mmap flags (Windows): calloc'd zeros
         return np.zeros(shape, np.float32)
     buf = mmap.mmap(-1, n * 4, flags=mmap.MAP_PRIVATE)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # with transparent huge pages "always", the first write to a 2 MB
+        buf.madvise(mmap.MADV_NOHUGEPAGE)  # region would make all of it resident: 4 KB pages keep the promise
     return np.frombuffer(buf, np.float32).reshape(shape)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -9,16 +10,16 @@ import pytest
 
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.lm import KVCache, LMSpec, zero_pages
-from cosyvoice_cpu.pages import mappings
+from cosyvoice_cpu.pages import span_resident_bytes
 
 # the full-size CosyVoice2 LM's cache geometry: 4 rows x 24 layers x 2 KV heads x 2048 positions x 64 = 192 MB
 SPEC = LMSpec(max_len=2048, num_layers=24, kv_heads=2, head_dim=64, hidden=896, speech_vocab=6564, text_vocab=151936)
 
 
 def _resident_mb(arrays: list[np.ndarray]) -> float:
-    """Resident MB of the mappings that hold ``arrays`` (from /proc/self/smaps)."""
-    spans = [(a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays]
-    return sum(rss for lo, hi, _, rss in mappings() if any(s < hi and e > lo for s, e in spans)) / 2**20
+    """Resident MB of the pages that hold ``arrays`` (``mincore``; not smaps, whose merged mappings count
+    neighbours: CI once measured 17 MB "resident" in a cache nothing had written)."""
+    return sum(span_resident_bytes(a.ctypes.data, a.nbytes) for a in arrays) / 2**20
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
@@ -35,6 +36,33 @@ def test_cache_pages_are_resident_only_where_written() -> None:
     assert _resident_mb(cache.keys + cache.values) < written + 2  # not the 192 MB the cache spans
     assert all(k.flags.writeable and k.flags.c_contiguous for k in cache.keys)
     assert not cache.values[5][1:].any() and cache.values[5][0, :, :100].all()
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
+def test_zero_pages_refuse_huge_pages_and_are_measured_alone() -> None:
+    """A 2 MB transparent huge page would make a whole region resident at its first write (THP "always"), so
+    the cache's mapping opts out; and its residency is measured apart from the neighbours smaps merges in."""
+    filled = [np.frombuffer(mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE), np.uint8) for _ in range(3)]
+    for f in filled:
+        f[:] = 1  # resident anonymous mappings, of the same flags as a plain zero_pages mapping
+    a = zero_pages((16 << 18,))  # 16 MB
+    assert _resident_mb(filled) == 24 and _resident_mb([a]) == 0
+    flags = [line for lo, hi, line in _vm_flags() if lo <= a.ctypes.data < hi]
+    assert len(flags) == 1 and "nh" in flags[0].split(), flags  # MADV_NOHUGEPAGE
+    a[: 1 << 10] = 1.0  # 4 KB
+    assert _resident_mb([a]) == 4 / 1024
+
+
+def _vm_flags() -> list[tuple[int, int, str]]:
+    """``(start, end, "VmFlags: ...")`` for each mapping in /proc/self/smaps."""
+    out: list[tuple[int, int, str]] = []
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0] if line.strip() else ""
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+        elif head == "VmFlags:":
+            out.append((lo, hi, line))
+    return out
 
 
 def test_zero_pages_shapes_and_lifetime() -> None:
