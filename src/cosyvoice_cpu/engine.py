@@ -126,7 +126,9 @@ class Engine:
         model_dir = Path(model_dir)
         m = Manifest.load(model_dir, check_hashes=config.verify_hashes)
         sc = SessionConfig(threads=threads, spinning=config.spinning, release_weight_pages=config.release_weight_pages)
-        session = LMSession.from_dir(model_dir, m.graphs["lm"].attrs, threads=sc)
+        lm_entry = m.graphs["lm"]  # an int4 LM exported before its graph said min_rows=2 still needs it
+        session = LMSession.from_dir(model_dir, lm_entry.attrs, threads=sc,
+                                     min_rows=2 if lm_entry.precision == "int4" else None)  # fmt: skip
         if m.family == "cosyvoice":
             from cosyvoice_cpu.flow_v1 import FlowStageV1
             from cosyvoice_cpu.lm import TEXT_ENCODER_FILE

@@ -51,6 +51,7 @@ EMBEDDING_FILES = {
 SPECIALS = {"sos": 0, "task_id": 1}
 TEXT_ENCODER_FILE = "lm_text_encoder.onnx"  # v1 only: the Conformer text encoder (runtime: lm_prompt.TextEncoder)
 EXPORT_HINT = "re-export the model directory with `cosyvoice-cpu export`"
+MIN_ROWS_KEY = "min_rows"  # lm.onnx metadata: see LMSession's min_rows
 
 
 def past_names(i: int) -> tuple[str, str]:
@@ -117,19 +118,23 @@ class KVCache:
     positions into row 0 of a 4-row ``np.zeros`` cache made 98 of its 192 MB resident; 4 MB in one mapping.
     """
 
-    def __init__(self, spec: LMSpec, rows: int) -> None:
+    def __init__(self, spec: LMSpec, rows: int, spare: int = 0) -> None:
         if rows <= 0:
             raise ConfigError(f"a KV cache needs at least one row, got {rows}")
-        shape = (rows, spec.kv_heads, spec.max_len, spec.head_dim)
+        if spare < 0:
+            raise ConfigError(f"a KV cache's spare rows cannot be negative, got {spare}")
+        shape = (rows + spare, spec.kv_heads, spec.max_len, spec.head_dim)
         self.spec = spec
         layers = zero_pages((2, spec.num_layers, *shape))
         self.keys, self.values = list(layers[0]), list(layers[1])
-        self.lengths = np.zeros(rows, np.int64)
+        self.lengths = np.zeros(rows + spare, np.int64)  # spare rows last: padding only (LMSession.min_rows)
+        self._rows = rows
         self._bindings: dict[tuple[int, int, int], tuple[Any, Any]] = {}  # see LMSession._binding
 
     @property
     def rows(self) -> int:
-        return len(self.lengths)
+        """Rows a caller may use; ``keys[i]`` may hold ``spare`` more, which only pad a call's row range."""
+        return self._rows
 
     def reset(self, row: int) -> None:
         """Forget row ``row`` (its buffer is overwritten by the next prefill)."""
@@ -149,6 +154,11 @@ class LMSession:
         embeddings: paths of the ``text``, ``speech`` and ``special`` tables (see :data:`EMBEDDING_FILES`).
         attrs: the LM facts (:class:`LMSpec` fields); checked against the graph and the tables.
         threads: ONNX Runtime intra-op threads.
+        min_rows: the fewest rows a one-position call runs on; ``None`` reads the graph's ``min_rows`` metadata
+            (default 1). An ``int4`` graph has 2: ORT's AVX2 4-bit ``MatMulNBits`` kernel for one row rounds
+            differently from the one for several (which give every row the same bits however many there are),
+            so a row decoded alone would differ from the same row in the scheduler's batch. With 2 a lone row is
+            run beside an idle one (a spare cache row if need be), on the many-row kernel.
     """
 
     def __init__(
@@ -157,6 +167,7 @@ class LMSession:
         embeddings: Mapping[str, str | Path],
         attrs: Mapping[str, Any],
         threads: int | SessionConfig = 2,
+        min_rows: int | None = None,
     ) -> None:
         config = as_config(threads)
         self.spec = spec = LMSpec.from_attrs(attrs)
@@ -166,6 +177,16 @@ class LMSession:
         self.tables = {k: self._load_table(k, embeddings) for k in EMBEDDING_FILES}
         self.session = make_session(self.graph, config)
         self._check_graph()
+        if min_rows is None:
+            meta = self.session.get_modelmeta().custom_metadata_map
+            try:
+                min_rows = int(meta.get(MIN_ROWS_KEY, 1))
+            except ValueError as e:
+                raise ModelDirError(f"{self.graph} has metadata {MIN_ROWS_KEY}={meta[MIN_ROWS_KEY]!r}, not an "
+                                    f"integer; {EXPORT_HINT}") from e  # fmt: skip
+        if not 1 <= min_rows <= 2:
+            raise ConfigError(f"min_rows must be 1 or 2, got {min_rows}")
+        self.min_rows = min_rows
         logger.info("LM graph %s loaded (%d layers, max_len %d, %d threads)", self.graph, spec.num_layers,
                     spec.max_len, config.threads)  # fmt: skip
 
@@ -176,11 +197,12 @@ class LMSession:
         attrs: Mapping[str, Any],
         graph_file: str = GRAPH_FILE,
         threads: int | SessionConfig = 2,
+        min_rows: int | None = None,
     ) -> LMSession:
         """Open ``graph_file`` and the tables named in ``attrs["embeddings"]`` (default names) in model_dir."""
         model_dir = Path(model_dir)
         names = {**EMBEDDING_FILES, **dict(attrs.get("embeddings", {}))}
-        return cls(model_dir / graph_file, {k: model_dir / v for k, v in names.items()}, attrs, threads)
+        return cls(model_dir / graph_file, {k: model_dir / v for k, v in names.items()}, attrs, threads, min_rows)
 
     def _load_table(self, key: str, embeddings: Mapping[str, str | Path]) -> np.ndarray:
         s = self.spec
@@ -241,8 +263,9 @@ class LMSession:
     # ---- running ----------------------------------------------------------------------------------------------
 
     def new_cache(self, rows: int = 1) -> KVCache:
-        """A KV cache for ``rows`` sequences of up to ``max_len`` positions each."""
-        return KVCache(self.spec, rows)
+        """A KV cache for ``rows`` sequences of up to ``max_len`` positions each (and the spare row
+        ``min_rows`` may need)."""
+        return KVCache(self.spec, rows, spare=max(0, self.min_rows - rows))
 
     def prefill(self, cache: KVCache, row: int, embeds: np.ndarray) -> np.ndarray:
         """Append embeds (T, D) to row ``row`` (empty or not) and return logp (V,) after its last position."""
@@ -250,24 +273,36 @@ class LMSession:
         embeds = np.asarray(embeds, dtype=np.float32)
         if embeds.ndim != 2 or embeds.shape[0] == 0 or embeds.shape[1] != self.spec.hidden:
             raise ConfigError(f"prefill embeds must have shape (T>0, {self.spec.hidden}), got {embeds.shape}")
+        if len(embeds) < self.min_rows:  # one position: a step, padded like a decode
+            return self._step(cache, [row], embeds)[0]
         return self._run(cache, row, embeds[None], np.array([cache.lengths[row] + len(embeds)]))[0]
 
     def decode(self, cache: KVCache, rows: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
-        """Feed one speech token to each of ``rows``; return logp (len(rows), V) in the order of ``rows``.
-
-        The graph runs on the contiguous row range min(rows)..max(rows); rows in between that are not decoded
-        get a zero embedding written one past their end (their length does not change, and the next position
-        written to them overwrites it), so they cost compute but not correctness.
-        """
+        """Feed one speech token to each of ``rows``; return logp (len(rows), V) in the order of ``rows``."""
         rows = [int(r) for r in rows]
         if not rows or len(rows) != len(tokens) or len(set(rows)) != len(rows):
             raise ConfigError(f"decode needs distinct rows and one token per row, got rows {rows}, tokens {tokens}")
         for r in rows:
             cache._check_row(r)
+        return self._step(cache, rows, self.embed_speech(tokens))
+
+    def _step(self, cache: KVCache, rows: list[int], embeds: np.ndarray) -> np.ndarray:
+        """Append one position, embeds (len(rows), D), to each of ``rows``; return logp (len(rows), V).
+
+        The graph runs on the contiguous row range min(rows)..max(rows), widened to ``min_rows`` rows by a
+        neighbour (after the range if the cache has one, spare rows included, else before it); rows in the range
+        that are not stepped get a zero embedding written one past their end (their length does not change, and
+        the next position written to them overwrites it), so they cost compute but not correctness.
+        """
+        if len(cache.lengths) < self.min_rows:
+            raise ConfigError(f"this LM runs at least {self.min_rows} rows per call; make its cache with new_cache()")
         r0, r1 = min(rows), max(rows) + 1
+        while r1 - r0 < self.min_rows:
+            r1, r0 = (r1 + 1, r0) if r1 < len(cache.lengths) else (r1, r0 - 1)
         active = np.array(rows) - r0
-        embeds = np.zeros((r1 - r0, 1, self.spec.hidden), np.float32)
-        embeds[active, 0] = self.embed_speech(tokens)
+        padded = np.zeros((r1 - r0, 1, self.spec.hidden), np.float32)
+        padded[active, 0] = embeds
+        embeds = padded
         ends = cache.lengths[r0:r1] + 1  # idle rows: a scratch position just past their end
         idle = np.ones(r1 - r0, bool)
         idle[active] = False

@@ -157,6 +157,10 @@ def test_cli_export_with_a_recipe_spec(tiny_model_dir: Path, tmp_path: Path, cap
     assert m.graphs["hift_decode"].precision == "int8w" and m.graphs["flow_estimator"].precision == "fp32"
     # the graphs really are what the manifest says
     assert "MatMulNBits" in _ops(dst / "lm.onnx")
+    import onnx  # the int4 LM asks the runtime for two rows per call (lm.LMSession's min_rows)
+
+    meta = {p.key: p.value for p in onnx.load(str(dst / "lm.onnx"), load_external_data=False).metadata_props}
+    assert meta.get("min_rows") == "2"
     assert "DequantizeLinear" in _ops(dst / "hift_decode.onnx") and "DequantizeLinear" not in _ops(dst / "hift_f0.onnx")
     assert not {"MatMulNBits", "DynamicQuantizeLinear"} & _ops(dst / "flow_estimator.onnx")
     # a second export without --force is refused, with --force it replaces the directory

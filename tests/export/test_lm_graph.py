@@ -189,6 +189,54 @@ def test_quantizers_accept_the_graph(exported) -> None:
     assert {r.check: r.tolerance for r in results}["decode_logp"] == 0.05
 
 
+def test_int4_lone_rows_run_beside_an_idle_row(exported, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ``int4`` graph says ``min_rows=2``, so a lone row (decode or a 1-position prefill) runs in a 2-row call,
+    on the many-row 4-bit kernel, and gets the same bits alone as beside other rows. (AVX2's one-row kernel rounds
+    differently: the full-size int4 LM's batched rows differed from lone ones by 1.9e-3 on an AMD Zen 3.)"""
+    from cosyvoice_cpu.export.quantize import quantize_nbits
+    from cosyvoice_cpu.lm import MIN_ROWS_KEY, KVCache, LMSession
+
+    _, out, artifact = exported
+    quantize_nbits(out / "lm.onnx", out / "lm.q4.onnx", bits=4, metadata={MIN_ROWS_KEY: "2"})
+    s4 = LMSession.from_dir(out, artifact.attrs, graph_file="lm.q4.onnx", threads=2)
+    assert s4.min_rows == 2 and LMSession.from_dir(out, artifact.attrs, threads=1).min_rows == 1
+    calls: list[tuple[int, int]] = []
+    real = s4._run
+    monkeypatch.setattr(s4, "_run", lambda cache, r0, embeds, *a, **k: calls.append(embeds.shape[:2])
+                        or real(cache, r0, embeds, *a, **k))  # fmt: skip
+    rng = np.random.default_rng(5)
+    prompts = [rng.standard_normal((n, 64)).astype(np.float32) for n in (7, 12, 4)]
+    tokens = rng.integers(0, 6561, (5, 3))
+    alone = []
+    for r, p in enumerate(prompts):
+        cache = s4.new_cache(1)
+        assert cache.rows == 1 and len(cache.lengths) == 2  # one spare row to pad with
+        out_r = [s4.prefill(cache, 0, p[:1]), s4.prefill(cache, 0, p[1:])]
+        out_r += [s4.decode(cache, [0], [t])[0] for t in tokens[:, r]]
+        assert list(cache.lengths) == [len(p) + len(tokens), 0]
+        alone.append(np.stack(out_r))
+        with pytest.raises(ConfigError, match="row 1 is out of range"):
+            s4.decode(cache, [1], [0])
+    assert all(b * s >= 2 for b, s in calls) and (2, 1) in calls
+    cache = s4.new_cache(3)
+    got = [[s4.prefill(cache, r, p[:1]), s4.prefill(cache, r, p[1:])] for r, p in enumerate(prompts)]
+    for k in range(len(tokens)):
+        for r, lp in enumerate(s4.decode(cache, [0, 1, 2], tokens[k])):
+            got[r].append(lp)
+    for r in range(3):  # bit for bit
+        assert np.array_equal(np.stack(got[r]), alone[r]), float(np.abs(np.stack(got[r]) - alone[r]).max())
+    cache = s4.new_cache(3)  # a lone last row is padded with the row before it, which keeps its positions
+    s4.prefill(cache, 1, prompts[0])
+    s4.prefill(cache, 2, prompts[1][:1])
+    s4.prefill(cache, 2, prompts[1][1:])
+    before = [k[1, :, : len(prompts[0])].copy() for k in cache.keys]
+    assert np.array_equal(s4.decode(cache, [2], [int(tokens[0, 1])])[0], alone[1][2])
+    assert list(cache.lengths) == [0, len(prompts[0]), len(prompts[1]) + 1]
+    assert all(np.array_equal(k[1, :, : len(prompts[0])], b) for k, b in zip(cache.keys, before))
+    with pytest.raises(ConfigError, match="at least 2 rows per call"):
+        s4.decode(KVCache(s4.spec, 1), [0], [0])
+
+
 def test_fp16_tables_are_widened(exported, tmp_path: Path) -> None:
     from cosyvoice_cpu.lm import LMSession
 

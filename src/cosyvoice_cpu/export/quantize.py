@@ -205,9 +205,16 @@ class _DropMessage(logging.Filter):
 
 
 def quantize_nbits(
-    src: Path, dst: Path, bits: int = 4, block_size: int = 32, accuracy_level: int = 4, exclude: tuple[str, ...] = ()
+    src: Path,
+    dst: Path,
+    bits: int = 4,
+    block_size: int = 32,
+    accuracy_level: int = 4,
+    exclude: tuple[str, ...] = (),
+    metadata: dict[str, str] | None = None,
 ) -> None:
-    """Weight-only ``MatMulNBits`` (symmetric blocks of ``block_size``; accuracy 4 = int8 compute on x86)."""
+    """Weight-only ``MatMulNBits`` (symmetric blocks of ``block_size``; accuracy 4 = int8 compute on x86);
+    ``metadata`` entries are added to the written model's metadata (``metadata_props``)."""
     import onnx
 
     root = logging.getLogger()
@@ -228,7 +235,11 @@ def quantize_nbits(
         op_types_to_quantize=("MatMul",),
     )
     quant.process()
-    _save(quant.model.model, Path(dst))
+    out = quant.model.model
+    for key, value in (metadata or {}).items():
+        entry = next((p for p in out.metadata_props if p.key == key), None) or out.metadata_props.add(key=key)
+        entry.value = value
+    _save(out, Path(dst))
 
 
 def convert_embedding(src: Path, dst: Path, precision: str) -> None:

@@ -23,6 +23,7 @@ from cosyvoice_cpu.export.quantize import (
     quantize_int8_dynamic,
     quantize_nbits,
 )
+from cosyvoice_cpu.lm import MIN_ROWS_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,9 @@ def _quantize(art: GraphArtifact, precision: str, work: Path, out: Path) -> Grap
             half_cache_io(dst, *caches)
     elif lm and precision in ("int4", "int8w", "int8w-b128"):
         block = 128 if precision == "int8w-b128" else 32
-        quantize_nbits(src, dst, bits=4 if precision == "int4" else 8, block_size=block, accuracy_level=4)
+        four = precision == "int4"  # AVX2's one-row 4-bit kernel rounds apart from the many-row one: lm.LMSession
+        quantize_nbits(src, dst, bits=4 if four else 8, block_size=block, accuracy_level=4,
+                       metadata={MIN_ROWS_KEY: "2"} if four else None)  # fmt: skip
     elif art.key == "flow_encoder" and precision == "int8w":
         # fp32 compute (accuracy 1): full-size random weights, mu rel err 6.5e-3, +10 % per call (int8 compute: 1.1e-2)
         quantize_nbits(src, dst, bits=8, block_size=32, accuracy_level=1)
