@@ -54,6 +54,12 @@ def test_features_cores_quota_and_memory_of_a_container(tmp_path: Path) -> None:
     assert hw.mem_total == 16384000 * 1024 and hw.mem_limit == 4 << 30 and hw.memory_for_us == 4 << 30
     assert any("quota is 3 CPUs" in n for n in hw.notes) and any("memory limit is 4.0 GiB" in n for n in hw.notes)
     hw.check_cpu()  # AVX2 present: fine
+    assert not any("VNNI" in n for n in hw.notes)
+
+
+def test_a_cpu_without_vnni_is_pointed_to_int4(tmp_path: Path) -> None:
+    hw = detect(_root(tmp_path, {"proc/cpuinfo": _cpuinfo("fpu sse2 avx avx2 fma"), "proc/meminfo": MEMINFO}))
+    assert hw.cpu.isa == "avx2" and any("no VNNI" in n and "--quant int4" in n for n in hw.notes)
 
 
 def test_hyperthreads_count_as_half_a_core_and_v1_cgroups_are_read(tmp_path: Path) -> None:
