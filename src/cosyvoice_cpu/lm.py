@@ -108,8 +108,9 @@ def zero_pages(shape: tuple[int, ...]) -> np.ndarray:
 class KVCache:
     """Per-request decoding state: a preallocated cache for ``rows`` sequences and their lengths.
 
-    ``keys[i]`` / ``values[i]``: float32 (rows, Hkv, max_len, Dh) for layer i; ``lengths``: (rows,) int64 number
-    of valid positions per row.
+    ``keys[i]`` / ``values[i]``: float32 (rows + spare, Hkv, max_len, Dh) for layer i; ``lengths``: (rows + spare,)
+    int64 number of valid positions per row. Spare rows (last) are never a caller's: they only pad a lone row's
+    call (:class:`LMSession`'s ``min_rows``).
 
     All layers live in one anonymous private mapping (:func:`zero_pages`), so a page of the cache costs memory
     only once a position in it is written. ``np.zeros`` does not promise that: once glibc's dynamic mmap
@@ -127,7 +128,7 @@ class KVCache:
         self.spec = spec
         layers = zero_pages((2, spec.num_layers, *shape))
         self.keys, self.values = list(layers[0]), list(layers[1])
-        self.lengths = np.zeros(rows + spare, np.int64)  # spare rows last: padding only (LMSession.min_rows)
+        self.lengths = np.zeros(rows + spare, np.int64)
         self._rows = rows
         self._bindings: dict[tuple[int, int, int], tuple[Any, Any]] = {}  # see LMSession._binding
 

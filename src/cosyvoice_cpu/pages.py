@@ -52,8 +52,8 @@ def span_resident_bytes(start: int, length: int) -> int:
 
     Exact for one array, unlike :func:`mappings`: the kernel merges adjacent anonymous mappings with the same
     flags into one, so a mapping's ``Rss`` may count memory of its neighbours (a probe: a fresh 192 MB
-    :func:`~cosyvoice_cpu.lm.zero_pages` array shared its smaps entry with 40 MB of resident buffers mapped
-    before it). The range must be mapped.
+    anonymous mapping, as :func:`~cosyvoice_cpu.lm.zero_pages` made before it set ``MADV_NOHUGEPAGE``, shared
+    its smaps entry with 40 MB of resident buffers mapped before it). The range must be mapped.
     """
     if not sys.platform.startswith("linux") or length <= 0:
         return 0
