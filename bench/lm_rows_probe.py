@@ -2,11 +2,17 @@
 what ``int4`` gains over ``int8w``: one stream's prefill and decode on exported model directories, side by side.
 
     python bench/lm_rows_probe.py INT4_DIR INT8W_DIR [--runs 5] [--steps 50] [--threads 2]
+    python bench/lm_rows_probe.py INT4_DIR INT8W_DIR --stream [--runs 3]
 
 Opens the LM of each directory (the ``int4`` one twice: with ``min_rows`` 1 and 2), then per run and session in
 turn: a 166-position prefill (the bench's prompt length) and ``--steps`` decode steps of random speech tokens on a
 fresh cache. Prints medians of the prefill time and the decode ms per token, and the largest difference between a
 lone row's log-probabilities and the same row in a 2-row batch for each session (0 = the same bits).
+
+``--stream``: the three as whole engines instead (the bench's registered 3 s voice), each streaming the bench's
+10 s sentence (250 forced tokens) in turn, after a warm-up; the LM decodes in the scheduler's thread beside the
+flow of earlier chunks, so this shows what the padded row's compute costs when the two cores are shared. Prints
+the medians of the first audio and of the whole streamed RTF.
 """
 
 from __future__ import annotations
@@ -52,6 +58,22 @@ def _batch_gap(session, prompt: np.ndarray, tokens: np.ndarray) -> float:
     return float(np.abs(np.stack(alone) - np.stack(pair)).max())
 
 
+def _stream(args: argparse.Namespace) -> None:
+    from cosyvoice_cpu.benchmark import TEXT, alternate, first_audio, load
+
+    engines = {"int4, min_rows 1": load(args.int4_dir, args.threads), "int4, min_rows 2": load(args.int4_dir,
+               args.threads), "int8w": load(args.int8w_dir, args.threads)}  # fmt: skip
+    engines["int4, min_rows 1"][0].lm.session.min_rows = 1  # the scheduler's cache has rows to spare
+    results = alternate(engines, args.runs, lambda engine, voice: first_audio(engine, voice, TEXT, 250, 1))
+    print(f"{args.threads} threads, {args.runs} runs alternated, streamed 10 s sentence (250 tokens), medians")
+    print("| LM | first audio, s | whole streamed RTF | runs (RTF) |")
+    print("|---|---|---|---|")
+    for name, rs in results.items():
+        rtfs = [r["stream_rtf"] for r in rs]
+        print(f"| {name} | {statistics.median(r['first_audio_s'] for r in rs):.3f} | {statistics.median(rtfs):.3f} "
+              f"| {', '.join(f'{x:.3f}' for x in rtfs)} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("int4_dir", type=Path)
@@ -59,7 +81,11 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--stream", action="store_true", help="streamed sentences on whole engines instead")
     args = ap.parse_args()
+    if args.stream:
+        _stream(args)
+        return
     sessions = {
         "int4, min_rows 1": _open(args.int4_dir, args.threads, 1),
         "int4, min_rows 2": _open(args.int4_dir, args.threads, 2),
