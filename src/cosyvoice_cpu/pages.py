@@ -28,8 +28,9 @@ MADV_PAGEOUT = 21  # <asm-generic/mman-common.h>, Linux >= 5.4
 SMAPS = Path("/proc/self/smaps")
 
 
-def mappings(smaps: Path = SMAPS) -> list[tuple[int, int, str, int]]:
-    """This process's mappings: ``(start, end, path or "", resident bytes)`` each; [] off Linux."""
+def mappings(smaps: Path = SMAPS) -> list[tuple[int, int, str, int, frozenset[str]]]:
+    """This process's mappings: ``(start, end, path or "", resident bytes, VmFlags)`` each (flags such as
+    ``"nh"``, ``MADV_NOHUGEPAGE``); [] off Linux."""
     try:
         text = smaps.read_text()
     except OSError:
@@ -41,10 +42,12 @@ def mappings(smaps: Path = SMAPS) -> list[tuple[int, int, str, int]]:
             continue
         if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header: range perms offset dev inode path
             start, end = (int(x, 16) for x in fields[0].split("-"))
-            spans.append([start, end, fields[5] if len(fields) == 6 else "", 0])
+            spans.append([start, end, fields[5] if len(fields) == 6 else "", 0, frozenset()])
         elif fields[0] == "Rss:" and spans:
             spans[-1][3] = int(fields[1]) * 1024
-    return [(s, e, p, r) for s, e, p, r in spans]
+        elif fields[0] == "VmFlags:" and spans:
+            spans[-1][4] = frozenset(line.split()[1:])
+    return [(s, e, p, r, f) for s, e, p, r, f in spans]
 
 
 def span_resident_bytes(start: int, length: int) -> int:
@@ -73,7 +76,7 @@ def span_resident_bytes(start: int, length: int) -> int:
 def file_mappings(path: str | Path, smaps: Path = SMAPS) -> list[tuple[int, int, int]]:
     """This process's mappings of ``path``: ``(start, end, resident bytes)`` each; [] when none or off Linux."""
     target = os.path.realpath(path)
-    return [(s, e, r) for s, e, p, r in mappings(smaps) if p == target]
+    return [(s, e, r) for s, e, p, r, _ in mappings(smaps) if p == target]
 
 
 def resident_bytes(path: str | Path) -> int:

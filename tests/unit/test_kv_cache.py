@@ -10,7 +10,7 @@ import pytest
 
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.lm import KVCache, LMSpec, zero_pages
-from cosyvoice_cpu.pages import span_resident_bytes
+from cosyvoice_cpu.pages import mappings, span_resident_bytes
 
 # the full-size CosyVoice2 LM's cache geometry: 4 rows x 24 layers x 2 KV heads x 2048 positions x 64 = 192 MB
 SPEC = LMSpec(max_len=2048, num_layers=24, kv_heads=2, head_dim=64, hidden=896, speech_vocab=6564, text_vocab=151936)
@@ -47,22 +47,10 @@ def test_zero_pages_refuse_huge_pages_and_are_measured_alone() -> None:
         f[:] = 1  # resident anonymous mappings, of the same flags as a plain zero_pages mapping
     a = zero_pages((16 << 18,))  # 16 MB
     assert _resident_mb(filled) == 24 and _resident_mb([a]) == 0
-    flags = [line for lo, hi, line in _vm_flags() if lo <= a.ctypes.data < hi]
-    assert len(flags) == 1 and "nh" in flags[0].split(), flags  # MADV_NOHUGEPAGE
+    flags = [f for lo, hi, _, _, f in mappings() if lo <= a.ctypes.data < hi]
+    assert len(flags) == 1 and "nh" in flags[0], flags  # MADV_NOHUGEPAGE
     a[: mmap.PAGESIZE // 4] = 1.0  # one page (4 KB on x86, 16 KB on a Raspberry Pi 5)
     assert _resident_mb([a]) == mmap.PAGESIZE / 2**20
-
-
-def _vm_flags() -> list[tuple[int, int, str]]:
-    """``(start, end, "VmFlags: ...")`` for each mapping in /proc/self/smaps."""
-    out: list[tuple[int, int, str]] = []
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split(maxsplit=1)[0] if line.strip() else ""
-        if "-" in head and not head.endswith(":"):
-            lo, hi = (int(x, 16) for x in head.split("-"))
-        elif head == "VmFlags:":
-            out.append((lo, hi, line))
-    return out
 
 
 def test_zero_pages_shapes_and_lifetime() -> None:
