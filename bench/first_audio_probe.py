@@ -1,10 +1,14 @@
 """Where the first streamed chunk's time goes, for several first-chunk sizes.
 
-    python bench/first_audio_probe.py MODEL_DIR [--threads 2] [--sizes 15,10,8] [--runs 3]
+    python bench/first_audio_probe.py MODEL_DIR [--threads 2] [--sizes 15,10,8] [--runs 3] \
+        [--prefix-cache on|off|both]
 
 Same workload as ``cosyvoice-cpu bench`` (registered 3 s voice, the 8-character sentence forced to 50 tokens,
 prompt cache warm), the stages called directly: LM prefill + first token, the decode up to the chunk and its
 3 look-ahead tokens, the stream flow on the chunk, the first vocoder push. Medians of ``runs``.
+
+``--prefix-cache off`` keeps no LM prefix (the KV entries of the voice's transcript, :mod:`cosyvoice_cpu.lm_prefix`):
+every request prefills it again, as before the cache existed; ``both`` alternates the two in each run.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import numpy as np
 
 from cosyvoice_cpu.benchmark import SHORT_TEXT, load
 from cosyvoice_cpu.flow_stream import FlowStream
+from cosyvoice_cpu.lm_prefix import DEFAULT_BYTES, PrefixCache
 from cosyvoice_cpu.streaming import VocoderStream
 
 
@@ -27,32 +32,42 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sizes", default="15,10,8")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--prefix-cache", choices=("on", "off", "both"), default="on")
     args = ap.parse_args()
     engine, voice = load(args.model_dir, args.threads)
     prompt_ids, prompt_speech, _ = engine._lm_prompt(voice, None, False)
     text_ids = engine.tokenizer.encode(SHORT_TEXT)
     cache = engine.prompt_caches.get(voice, 10, 0.7)
-    print("| first chunk tokens | LM prefill s | LM decode s | flow s | vocoder s | first audio s |")
-    print("|---|---|---|---|---|---|")
+    modes = {"on": [True], "off": [False], "both": [False, True]}[args.prefix_cache]
+    caches = {on: PrefixCache(engine.lm.session, DEFAULT_BYTES if on else 0) for on in modes}
+    print("| first chunk tokens | LM prefix cache | LM prefill s | LM decode s | flow s | vocoder s | first audio s |")
+    print("|---|---|---|---|---|---|---|")
     for n in (int(s) for s in args.sizes.split(",")):
-        rows = []
+        rows: dict[bool, list[tuple[float, ...]]] = {on: [] for on in modes}
         for _ in range(args.runs):
-            t0 = time.perf_counter()
-            tokens = iter(engine.lm.request(text_ids, prompt_ids, prompt_speech, seed=0, budget=(50, 50)))
-            got = [next(tokens)]
-            t1 = time.perf_counter()
-            while len(got) < n + 3:
-                got.append(next(tokens))
-            t2 = time.perf_counter()
-            flow = FlowStream(engine.flow, voice.speech_tokens, voice.mel, voice.embedding, 10, 0.7, 25, cache)
-            mel = flow.push(got[:n], got[n : n + 3])
-            t3 = time.perf_counter()
-            VocoderStream(engine.vocoder, np.random.default_rng(0)).push(mel, final=False)
-            t4 = time.perf_counter()
-            rows.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0))
-        med = [statistics.median(r[k] for r in rows) for k in range(5)]
-        print(f"| {n} | " + " | ".join(f"{m:.3f}" for m in med) + " |", flush=True)
+            for on in modes:  # alternated, so both see the same machine
+                engine.lm.prefixes = caches[on]
+                rows[on].append(_first_chunk(engine, voice, text_ids, prompt_ids, prompt_speech, cache, n))
+        for on in modes:
+            med = [statistics.median(r[k] for r in rows[on]) for k in range(5)]
+            print(f"| {n} | {'on' if on else 'off'} | " + " | ".join(f"{m:.3f}" for m in med) + " |", flush=True)
 
+
+def _first_chunk(engine, voice, text_ids, prompt_ids, prompt_speech, cache, n: int) -> tuple[float, ...]:
+    """Seconds of (LM prefill + first token, decode to the chunk's end, flow, vocoder, first audio)."""
+    t0 = time.perf_counter()
+    tokens = iter(engine.lm.request(text_ids, prompt_ids, prompt_speech, seed=0, budget=(50, 50)))
+    got = [next(tokens)]
+    t1 = time.perf_counter()
+    while len(got) < n + 3:
+        got.append(next(tokens))
+    t2 = time.perf_counter()
+    flow = FlowStream(engine.flow, voice.speech_tokens, voice.mel, voice.embedding, 10, 0.7, 25, cache)
+    mel = flow.push(got[:n], got[n : n + 3])
+    t3 = time.perf_counter()
+    VocoderStream(engine.vocoder, np.random.default_rng(0)).push(mel, final=False)
+    t4 = time.perf_counter()
+    return t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0
 
 if __name__ == "__main__":
     main()

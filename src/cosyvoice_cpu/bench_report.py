@@ -111,6 +111,9 @@ def markdown(result: dict[str, Any], plots: list[str]) -> str:
               f"sentence) / {o['first_audio_long']['first_audio_s']:.2f} s ({_audio_s(result):.0f} s "
               "utterance), whole streamed RTF "
               f"{o['first_audio_long']['stream_rtf']:.3f}; prompt cache {o['prompt_cache_mb']:.0f} MB."]  # fmt: skip
+    if o.get("lm_prefix_positions"):  # results from before the LM prefix cache have none
+        lines.append(f"LM prefill: {o['lm_prefill_positions']} positions, the first {o['lm_prefix_positions']} (sos "
+                     "and the voice's transcript) copied from the LM prefix cache.")  # fmt: skip
     if result.get("concurrency"):
         lines += ["", "### Concurrent streams (threads sharing one engine)", "",
                   "| streams | sentences/s | aggregate RTF | peak RSS MB | J per sentence |", "|---|---|---|---|---|"]

@@ -140,7 +140,9 @@ def measure_lm(engine: Any, voice: Any, tokens: int, runs: int) -> dict[str, flo
             t1 = t2
     positions = len(engine.lm.prompt_embeddings(text_ids, prompt_ids, prompt_speech, speaker))
     step = statistics.median(steps[tokens - 1 :])  # the warm-up run's steps excluded
+    # the voice transcript's positions come from the LM prefix cache after the warm-up (lm_prefix)
     return {"lm_prefill_s": statistics.median(prefill[1:]), "lm_prefill_positions": positions,
+            "lm_prefix_positions": req.prefix[1] if req.prefix else 0,
             "lm_decode_ms": step * 1000, "lm_decode_tok_s": 1.0 / step}  # fmt: skip
 
 

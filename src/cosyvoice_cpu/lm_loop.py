@@ -10,9 +10,14 @@ The torch-free twin of ``Qwen2LM.inference`` (:mod:`cosyvoice_cpu.reference.lm`)
    stop id (not yielded) or after ``max_len = int(Tt * max_token_text_ratio)`` tokens, feeding each yielded token
    back (except the last one). v3 also needs ``<|endofprompt|>`` (``LMFacts.endofprompt_id``) in prompt_text ⊕ text.
 
+The prefill's first ``1 + Tp`` positions (sos and the prompt transcript) are prefilled in a call of their own and
+their KV entries kept for the next request with the same transcript (:mod:`cosyvoice_cpu.lm_prefix`; v2/v3 only:
+v1 encodes the transcript together with the text).
+
 :class:`SpeechTokenGenerator` holds only read-only things (the shared :class:`~cosyvoice_cpu.lm.LMSession`, the
-LM facts, the default sampling); every mutable thing (KV cache, random source, decoded tokens) lives in the
-:class:`TokenRequest` it hands out, so one generator serves concurrent requests from several threads.
+LM facts, the default sampling) and the thread-safe prefix cache; every mutable thing (KV cache, random source,
+decoded tokens) lives in the :class:`TokenRequest` it hands out, so one generator serves concurrent requests from
+several threads.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.lm import KVCache, LMSession
+from cosyvoice_cpu.lm_prefix import PrefixCache
 from cosyvoice_cpu.lm_prompt import TextEncoder, assemble
 from cosyvoice_cpu.sampling import Draw, RngDraw, SamplingConfig, sample_next
 
@@ -97,6 +103,7 @@ class SpeechTokenGenerator:
         self.facts = facts
         self.sampling = sampling or SamplingConfig()
         self.sampling.validate()
+        self.prefixes = PrefixCache(session)
         vocab = session.spec.speech_vocab
         if not facts.stop_ids or max(facts.stop_ids) >= vocab or not 0 <= facts.min_len_masked_id < vocab:
             raise ConfigError(
@@ -189,6 +196,9 @@ class SpeechTokenGenerator:
             cache._check_row(row)
         request = TokenRequest(self, embeds, min_len, max_len, sampling, draw or RngDraw(seed), cache, row)
         request.mask_stops = budget[0] is not None
+        prompt_text = _ids("prompt_text", prompt_text)
+        if self.text_encoder is None and prompt_text.size:  # [sos, prompt_text] is a prefix of its own
+            request.prefix = (prompt_text.tobytes(), 1 + prompt_text.size)
         return request
 
     def generate(self, text: Sequence[int] | np.ndarray, *args: Any, **kw: Any) -> Iterator[int]:
@@ -223,6 +233,7 @@ class TokenRequest:
         self.stop_reason: str | None = None
         self.stop_token: int | None = None
         self.mask_stops = False  # keep all stop ids (not only EOS) out while below min_len
+        self.prefix: tuple[bytes, int] | None = None  # (key, positions) of the cached leading positions
         self._started = False
 
     @property
@@ -238,8 +249,12 @@ class TokenRequest:
         """Reset the row and run the prompt through the LM; returns logp (V,) for the first token."""
         if self.cache is None:
             self.cache, self.row = self.gen.session.new_cache(1), 0
-        self.cache.reset(self.row)
-        return self.gen.session.prefill(self.cache, self.row, self.embeds)
+        if self.prefix is None:
+            self.cache.reset(self.row)
+            return self.gen.session.prefill(self.cache, self.row, self.embeds)
+        key, n = self.prefix
+        self.gen.prefixes.load(self.cache, self.row, key, self.embeds[:n])
+        return self.gen.session.prefill(self.cache, self.row, self.embeds[n:])
 
     def advance(self, logp: np.ndarray) -> int | None:
         """Sample the next token from ``logp`` (V,); None once the request is over (``stop_reason`` set).

@@ -53,13 +53,17 @@ def test_bench_command_writes_the_report(tiny_export_dir: Path, tmp_path: Path, 
     assert "### Targets (issue 5)" in md and "| end-to-end RTF, default quality |" in md
     assert "| LM decode, aggregate over 4 streams (batch API" in md
     assert "Energy counters:" in md
+    assert 1 < ours["lm_prefix_positions"] < ours["lm_prefill_positions"]  # sos + the voice's transcript
+    assert f"the first {ours['lm_prefix_positions']} (sos and the voice's transcript) copied from the LM" in md
     calibration = result["machine"]["calibration"]  # the machine's kernel speeds travel with the result
     assert calibration["threads"] >= 1 and calibration["sgemm_gflops"] > 0 and calibration["attention_ms"] > 0
     assert "Calibration (cosyvoice_cpu.calibrate): copy " in md
     from cosyvoice_cpu.bench_report import markdown
 
     del result["machine"]["calibration"]  # a result written before the calibration existed still renders
-    assert "Calibration (" not in markdown(result, []) and "### Targets (issue 5)" in markdown(result, [])
+    del result["ours"]["lm_prefix_positions"]  # ... or before the LM prefix cache
+    old = markdown(result, [])
+    assert "Calibration (" not in old and "LM prefill:" not in old and "### Targets (issue 5)" in old
     for png in ("stage_split.png", "memory_vs_streams.png", "rtf_vs_threads.png"):
         assert (out / png).stat().st_size > 1000
     assert "### Official PyTorch vs ours" in capsys.readouterr().out
