@@ -17,6 +17,7 @@ import argparse
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -53,7 +54,8 @@ def main() -> None:
             print(f"| {n} | {'on' if on else 'off'} | " + " | ".join(f"{m:.3f}" for m in med) + " |", flush=True)
 
 
-def _first_chunk(engine, voice, text_ids, prompt_ids, prompt_speech, cache, n: int) -> tuple[float, ...]:
+def _first_chunk(engine: Any, voice: Any, text_ids: list[int], prompt_ids: Any, prompt_speech: Any, cache: Any,
+                 n: int) -> tuple[float, ...]:  # fmt: skip
     """Seconds of (LM prefill + first token, decode to the chunk's end, flow, vocoder, first audio)."""
     t0 = time.perf_counter()
     tokens = iter(engine.lm.request(text_ids, prompt_ids, prompt_speech, seed=0, budget=(50, 50)))
@@ -68,6 +70,7 @@ def _first_chunk(engine, voice, text_ids, prompt_ids, prompt_speech, cache, n: i
     VocoderStream(engine.vocoder, np.random.default_rng(0)).push(mel, final=False)
     t4 = time.perf_counter()
     return t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0
+
 
 if __name__ == "__main__":
     main()
