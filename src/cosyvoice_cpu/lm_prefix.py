@@ -8,8 +8,9 @@ the transcript's token ids, and a later request copies them into its cache row i
 
 The split is done whether or not the prefix is cached, so a request's output never depends on what ran before
 it. With weight-only quantized or float32 graphs (each row's products are computed alone) the split also gives
-the very bits of one call; with the dynamic-int8 recipe, whose activations are quantized per call, the first
-call's scales differ (tests: ``tests/unit/test_lm_prefix.py``).
+the very bits of one call (measured on the full-size ``int8w`` and the tiny fp32 and ``int4`` LMs); with the
+dynamic-int8 recipe, whose activations are quantized per call, the first call's scales differ (tests:
+``tests/unit/test_lm_prefix.py``).
 
 Size: ``2 x layers x kv_heads x head_dim x 4`` bytes per position: 24 KB for CosyVoice2 (24 layers, 2 KV heads
 of 64), 0.7 MB for a 28-position transcript. The cache keeps the most recently used entries within
