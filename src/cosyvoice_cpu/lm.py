@@ -142,6 +142,22 @@ class KVCache:
         self._check_row(row)
         self.lengths[row] = 0
 
+    def read(self, row: int, n: int) -> np.ndarray:
+        """A copy of row ``row``'s first ``n`` positions: float32 (2, layers, Hkv, n, Dh), keys then values."""
+        self._check_row(row)
+        return np.stack([np.stack([layer[row, :, :n] for layer in part]) for part in (self.keys, self.values)])
+
+    def write(self, row: int, kv: np.ndarray) -> None:
+        """Make ``kv`` (as :meth:`read` returns it) the whole content of row ``row``."""
+        s, n = self.spec, kv.shape[3]
+        if kv.shape != (2, s.num_layers, s.kv_heads, n, s.head_dim) or n > s.max_len:
+            raise ConfigError(f"KV entries of shape {kv.shape} do not fit this LM's cache")
+        self._check_row(row)
+        for part, layers in zip((self.keys, self.values), kv):
+            for buf, entries in zip(part, layers):
+                buf[row, :, :n] = entries
+        self.lengths[row] = n
+
     def _check_row(self, row: int) -> None:
         if not 0 <= row < self.rows:
             raise ConfigError(f"row {row} is out of range for a KV cache of {self.rows} rows")

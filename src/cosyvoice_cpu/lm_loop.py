@@ -173,7 +173,7 @@ class SpeechTokenGenerator:
             speaker: (192,) x-vector the LM is conditioned on (CosyVoice-300M; None for CosyVoice2 and for v1's
                 instruct mode).
         """
-        text = _ids("text", text)
+        text, prompt_text = _ids("text", text), _ids("prompt_text", prompt_text)
         if text.size == 0:
             raise ConfigError("text is empty: give at least one text token to speak")
         sampling = sampling or self.sampling
@@ -196,7 +196,6 @@ class SpeechTokenGenerator:
             cache._check_row(row)
         request = TokenRequest(self, embeds, min_len, max_len, sampling, draw or RngDraw(seed), cache, row)
         request.mask_stops = budget[0] is not None
-        prompt_text = _ids("prompt_text", prompt_text)
         if self.text_encoder is None and prompt_text.size:  # [sos, prompt_text] is a prefix of its own
             request.prefix = (prompt_text.tobytes(), 1 + prompt_text.size)
         return request

@@ -33,24 +33,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_BYTES = 16 << 20
 
 
-def read_rows(cache: KVCache, row: int, n: int) -> np.ndarray:
-    """The first ``n`` positions of a cache row: float32 (2, layers, kv_heads, n, head_dim), keys then values."""
-    return np.stack([np.stack([layer[row, :, :n] for layer in part]) for part in (cache.keys, cache.values)])
-
-
-def write_rows(cache: KVCache, row: int, kv: np.ndarray) -> None:
-    """Make ``kv`` (as :func:`read_rows` returns) the whole content of cache row ``row``."""
-    n = kv.shape[3]
-    spec = cache.spec
-    if kv.shape != (2, spec.num_layers, spec.kv_heads, n, spec.head_dim) or n > spec.max_len:
-        raise ConfigError(f"KV entries of shape {kv.shape} do not fit this LM's cache")
-    cache._check_row(row)
-    for part, layers in zip((cache.keys, cache.values), kv):
-        for buf, entries in zip(part, layers):
-            buf[row, :, :n] = entries
-    cache.lengths[row] = n
-
-
 class PrefixCache:
     """Most recently used prompt-transcript KV entries of one :class:`LMSession`, within ``max_bytes``.
 
@@ -78,18 +60,19 @@ class PrefixCache:
 
     def load(self, cache: KVCache, row: int, key: bytes, embeds: np.ndarray) -> None:
         """Make row ``row`` of ``cache`` hold the prefix ``embeds`` (n, D), from the cache or by a prefill of its
-        own; ``key`` identifies the prefix (the transcript's token ids)."""
+        own (:meth:`KVCache.read` / :meth:`KVCache.write` copy the entries); ``key`` identifies the prefix (the
+        transcript's token ids)."""
         with self._lock:
             kv = self._entries.get(key)
             if kv is not None:
                 self._entries.move_to_end(key)
                 self.hits += 1
         if kv is not None:
-            write_rows(cache, row, kv)
+            cache.write(row, kv)
             return
         cache.reset(row)
         self.session.prefill(cache, row, embeds)
-        kv = read_rows(cache, row, len(embeds))
+        kv = cache.read(row, len(embeds))
         with self._lock:
             self.misses += 1
             self._put(key, kv)

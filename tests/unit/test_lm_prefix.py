@@ -11,7 +11,7 @@ from cosyvoice_cpu.cli_speech import DEMO_MODEL
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.lm import LMSession
 from cosyvoice_cpu.lm_loop import LMFacts, SpeechTokenGenerator
-from cosyvoice_cpu.lm_prefix import PrefixCache, read_rows, write_rows
+from cosyvoice_cpu.lm_prefix import PrefixCache
 from cosyvoice_cpu.manifest import Manifest
 
 PROMPT_TEXT = [11, 12, 13, 14, 15, 16]
@@ -120,12 +120,12 @@ def test_rows_round_trip_and_wrong_shapes_are_refused(gen) -> None:
     s = gen.session
     cache = s.new_cache(3)
     s.prefill(cache, 2, np.random.default_rng(1).standard_normal((5, s.spec.hidden)).astype(np.float32))
-    kv = read_rows(cache, 2, 5)
+    kv = cache.read(2, 5)
     assert kv.shape == (2, s.spec.num_layers, s.spec.kv_heads, 5, s.spec.head_dim) and np.abs(kv).max() > 0
-    write_rows(cache, 0, kv)
-    np.testing.assert_array_equal(read_rows(cache, 0, 5), kv)
+    cache.write(0, kv)
+    np.testing.assert_array_equal(cache.read(0, 5), kv)
     assert cache.lengths[0] == 5
     with pytest.raises(ConfigError, match="do not fit"):
-        write_rows(cache, 1, kv[:, :1])
+        cache.write(1, kv[:, :1])
     with pytest.raises(ConfigError, match="out of range"):
-        write_rows(cache, 3, kv)
+        cache.write(3, kv)
