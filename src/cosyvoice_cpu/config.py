@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.sessions import DEFAULT_SHRINK_FRAMES
+from cosyvoice_cpu.vocoder_window import DEFAULT_WINDOW_FRAMES, MIN_WINDOW_FRAMES
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,16 @@ class EngineConfig:
             that ORT touched while packing its own copies (``SessionConfig.release_weight_pages``): full-size
             CosyVoice2 int8w, the LM's 44 MB of block scales; peak 1097 -> 1057 MB for a process doing whole
             and streamed sentences (``bench/memory_steps.py``). False keeps them.
+        vocoder_window_frames: vocoder calls on more mel frames than this run in overlapping windows of at most
+            this many frames (:mod:`cosyvoice_cpu.vocoder_window`): the same samples up to float rounding, with
+            HiFT's activations bounded by the window instead of growing with the sentence (full-size
+            CosyVoice2: 155 MB at 500 frames, 815 MB at 3000, kept by ORT's arena for the process's life).
+            0 never splits; directories exported before windows existed are never split.
+        arena_shrink_frames: after a flow-encoder call on more mel frames than this (prompt included), ORT's
+            arena gives its unused memory back to the OS (:func:`~cosyvoice_cpu.sessions.shrink_after_run`).
+            The encoder's attention grows with the square of the length (full-size CosyVoice2: 163 MB at 650
+            frames, 745 MB at 1650, 2498 MB at 3150), and the arena would otherwise keep that for the life of
+            the process; the calls after a shrink fault their working memory in again. 0 never shrinks.
     """
 
     threads: int = 0
@@ -86,9 +98,15 @@ class EngineConfig:
     lm_batch_rows: int = DEFAULT_LM_BATCH_ROWS
     malloc_mmap_threshold_kb: int = 1024
     release_weight_pages: bool = True
+    vocoder_window_frames: int = DEFAULT_WINDOW_FRAMES
+    arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES
 
     def validate(self) -> EngineConfig:
-        _types(self, ("threads", "leave_cores", "prompt_cache_mb", "lm_batch_rows", "malloc_mmap_threshold_kb"), ())
+        _types(self, ("threads", "leave_cores", "prompt_cache_mb", "lm_batch_rows", "malloc_mmap_threshold_kb",
+                      "vocoder_window_frames", "arena_shrink_frames"), ())  # fmt: skip
+        need(self.arena_shrink_frames >= 0, "arena_shrink_frames", self.arena_shrink_frames, "0 (never) or more")
+        need(self.vocoder_window_frames == 0 or self.vocoder_window_frames >= MIN_WINDOW_FRAMES,
+             "vocoder_window_frames", self.vocoder_window_frames, f"0 (never split) or >= {MIN_WINDOW_FRAMES}")
         need(0 <= self.malloc_mmap_threshold_kb <= 32768, "malloc_mmap_threshold_kb", self.malloc_mmap_threshold_kb,
              "0 (leave malloc alone) to 32768")  # fmt: skip
         need(0 <= self.lm_batch_rows <= 256, "lm_batch_rows", self.lm_batch_rows, "0 (off) to 256")

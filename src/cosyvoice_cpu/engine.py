@@ -143,11 +143,13 @@ class Engine:
             lm = SpeechTokenGenerator.from_manifest(session, m)
             stage = FlowStageV3 if m.family == "cosyvoice3" else FlowStage
             flow = stage.from_dir(model_dir, m.flow, threads=sc, streaming=config.streaming_estimator)
+        flow.arena_shrink_frames = config.arena_shrink_frames
         parts = {
             "tokenizer": TextTokenizer.from_dir(model_dir),
             "lm": lm,
             "flow": flow,
-            "vocoder": Vocoder.from_dir(model_dir, m.graphs["hift_decode"].attrs, threads=sc),
+            "vocoder": Vocoder.from_dir(model_dir, m.graphs["hift_decode"].attrs, threads=sc,
+                                        window_frames=config.vocoder_window_frames),
             "frontend": Frontend(model_dir, m, sc),
         }
         for note in hw.notes:

@@ -22,7 +22,14 @@ from typing import Any, ClassVar
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
-from cosyvoice_cpu.sessions import SessionConfig, as_config, check_io, make_session
+from cosyvoice_cpu.sessions import (
+    DEFAULT_SHRINK_FRAMES,
+    SessionConfig,
+    as_config,
+    check_io,
+    make_session,
+    shrink_after_run,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +165,9 @@ class FlowStage:
     # whether that graph also runs whole sentences (v2: empty caches and keep_frames = 0 are the full-attention
     # estimator), so a process that does both modes holds one copy of the estimator's weights
     stream_serves_whole: ClassVar[bool] = True
+    # an encoder call on more mel frames than this shrinks the ORT arena after it (0: never); Engine.load sets it
+    # from EngineConfig.arena_shrink_frames
+    arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES
 
     def __init__(
         self,
@@ -270,8 +280,15 @@ class FlowStage:
             raise ConfigError(f"embedding must hold {self._emb_dim} values ((1, {self._emb_dim})), got {emb.shape}")
         emb = emb.reshape(1, self._emb_dim)
         chunk = np.array(self.settings.static_chunk_size if streaming else 0, dtype=np.int64)
-        mu, spks = self.encoder.run(None, {"token": token, "context": ctx, "embedding": emb, "chunk_size": chunk})
+        feeds = {"token": token, "context": ctx, "embedding": emb, "chunk_size": chunk}
+        frames = (token.shape[1] + ctx.shape[1]) * self.settings.token_mel_ratio
+        mu, spks = self.encoder.run(None, feeds, self.encoder_run_options(frames))
         return mu, spks
+
+    def encoder_run_options(self, frames: int) -> Any:
+        """ORT run options for an encoder call on ``frames`` mel frames: arena shrinkage after it when that
+        exceeds :attr:`arena_shrink_frames` (:func:`~cosyvoice_cpu.sessions.shrink_after_run`), else None."""
+        return shrink_after_run() if 0 < self.arena_shrink_frames < frames else None
 
     def solve(
         self,

@@ -126,6 +126,26 @@ def make_session(path: str | Path, config: SessionConfig | None = None) -> Any:
     return session
 
 
+# mel frames above which a flow-encoder call gives the arena memory it took back (EngineConfig.arena_shrink_frames)
+DEFAULT_SHRINK_FRAMES = 1000
+
+
+def shrink_after_run() -> Any:
+    """``RunOptions`` that have ORT give its CPU arena's unused regions back to the OS when the run ends
+    (``memory.enable_memory_arena_shrinkage``; with the shared arena, every session's free regions).
+
+    For calls whose activations far exceed the usual ones: the flow encoder's attention grows with the square of
+    the length (full-size CosyVoice2 int8w, 2 threads: the arena grew by 163 MB for 650 frames, 745 MB for 1650
+    and 2498 MB for 3150), and an arena keeps what it grew for the life of the process. Not for every call: the
+    next calls fault their pages in again (docs/benchmarks.md, "Memory").
+    """
+    import onnxruntime as ort
+
+    options = ort.RunOptions()
+    options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+    return options
+
+
 Spec = dict[str, tuple[str, "int | list[int | str]"]]  # name -> (ORT type such as "tensor(float)", rank or shape)
 
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.sessions import SessionConfig, as_config, check_io, make_session
+from cosyvoice_cpu.vocoder_window import DEFAULT_WINDOW_FRAMES, check_window, context_of, decode_windows, plan
 
 logger = logging.getLogger(__name__)
 
@@ -302,14 +303,24 @@ class Vocoder:
         decode_path: ``hift_decode.onnx``: ``mel (B, 80, T)``, ``source (B, 1, T*480)`` -> ``wave (B, T*480)``.
         attrs: the ``hift_decode`` artifact's attrs (:data:`REQUIRED_ATTRS`).
         threads: ORT intra-op threads per session.
+        window_frames: ``hift_decode`` calls longer than this many mel frames run in overlapping windows of
+            at most this length (:mod:`cosyvoice_cpu.vocoder_window`: the same samples, bounded activation
+            memory); 0 never splits. Directories exported without ``context_frames`` are never split.
     Raises:
         ModelDirError: a graph is missing, unloadable, or its inputs/outputs differ from the contract.
     """
 
     def __init__(
-        self, f0_path: str | Path, decode_path: str | Path, attrs: dict[str, Any], threads: int | SessionConfig = 1
+        self,
+        f0_path: str | Path,
+        decode_path: str | Path,
+        attrs: dict[str, Any],
+        threads: int | SessionConfig = 1,
+        window_frames: int = DEFAULT_WINDOW_FRAMES,
     ) -> None:
         self.source_cfg = SourceConfig.from_attrs(attrs)
+        self.window_frames = check_window(window_frames)
+        self.context = context_of(attrs)  # (left, right) mel frames a window needs around the samples it keeps
         self.in_channels = int(attrs["in_channels"])
         self.audio_limit = float(attrs["audio_limit"])
         self.attrs = dict(attrs)
@@ -330,23 +341,30 @@ class Vocoder:
         logger.debug("vocoder ready: %s, %s (%d threads)", paths[0].name, paths[1].name, config.threads)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, attrs: dict[str, Any], threads: int | SessionConfig = 1) -> Vocoder:
+    def from_dir(cls, model_dir: str | Path, attrs: dict[str, Any], threads: int | SessionConfig = 1,
+                 window_frames: int = DEFAULT_WINDOW_FRAMES) -> Vocoder:  # fmt: skip
         """The vocoder from the standard file names in an exported directory (``attrs``: ``hift_decode``'s)."""
         d = Path(model_dir)
-        return cls(d / F0_FILE, d / DECODE_FILE, attrs, threads)
+        return cls(d / F0_FILE, d / DECODE_FILE, attrs, threads, window_frames)
 
     def f0(self, mel: np.ndarray) -> np.ndarray:
         """``mel (B, 80, T)`` -> F0 in Hz ``(B, T)``."""
         return self.f0_sess.run(["f0"], {"mel": self._mel(mel)})[0]
 
     def decode(self, mel: np.ndarray, source: np.ndarray) -> np.ndarray:
-        """``mel (B, 80, T)``, ``source (B, 1, T * upsample)`` -> wave ``(B, T * upsample)`` in ±audio_limit."""
+        """``mel (B, 80, T)``, ``source (B, 1, T * upsample)`` -> wave ``(B, T * upsample)`` in ±audio_limit; in
+        windows when ``T`` exceeds :attr:`window_frames` (the same samples up to float rounding)."""
         mel = self._mel(mel)
         source = np.ascontiguousarray(source, dtype=_F32)
-        want = (mel.shape[0], 1, mel.shape[2] * self.source_cfg.upsample)
+        up = self.source_cfg.upsample
+        want = (mel.shape[0], 1, mel.shape[2] * up)
         if source.shape != want:
             raise ConfigError(f"hift decode expects source {want} for mel {mel.shape}, got {source.shape}")
-        return self.decode_sess.run(["wave"], {"mel": mel, "source": source})[0]
+
+        def run(m: np.ndarray, s: np.ndarray) -> np.ndarray:
+            return self.decode_sess.run(["wave"], {"mel": m, "source": s})[0]
+
+        return decode_windows(run, mel, source, up, plan(mel.shape[2], self.window_frames, self.context))
 
     def __call__(
         self,

@@ -22,6 +22,7 @@ from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.hift_graph import (
     DECODE_FILE,
     F0_FILE,
+    decode_context,
     export_hift,
     hift_attrs,
     quantize_hift_weights_int8,
@@ -73,9 +74,10 @@ def test_export_contract_and_gates(hift: HiFT, tmp_path: Path) -> None:
     assert [(s.name, s.dtype, s.shape) for s in dec.outputs] == [("wave", "float32", ["batch", "samples"])]
     assert set(V.REQUIRED_ATTRS) <= set(dec.attrs)
     assert dec.attrs["upsample"] == 480 and dec.attrs["sine_type"] == "v2" and len(dec.attrs["l_linear_weight"]) == 9
+    assert dec.attrs["context_frames"] == decode_context(hift) and min(dec.attrs["context_frames"]) >= 2
     json.dumps([dataclasses.asdict(a) for a in artifacts])  # manifest-ready
     gates = verify_hift(hift, tmp_path)
-    assert [g.check.split()[0] for g in gates] == ["f0", "source", "decode", "wave"]
+    assert [g.check.split()[0] for g in gates] == ["f0", "source", "decode", "wave", "window"]
     assert all(g.passed for g in gates), "\n".join(map(str, gates))
 
 

@@ -87,7 +87,7 @@ def test_export_contract_and_gates(hift: CausalHiFT, tmp_path: Path) -> None:
     size = sum((tmp_path / n).stat().st_size for a in artifacts for n in (a.file, *a.data))
     assert size < 4 * sum(p.numel() * 4 for p in hift.parameters()) + 2_000_000
     gates = verify_hift(hift, tmp_path)
-    assert [g.check.split()[0] for g in gates] == ["f0", "source", "decode", "wave", "stream"]
+    assert [g.check.split()[0] for g in gates] == ["f0", "source", "decode", "wave", "stream", "window"]
     assert all(g.passed for g in gates), "\n".join(map(str, gates))
 
 

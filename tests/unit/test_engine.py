@@ -200,3 +200,25 @@ def test_one_flow_estimator_serves_both_modes(tiny_export_dir: Path) -> None:
     other = whole_only.synthesize_wav("Hello.", voice, SynthesisConfig(seed=1))
     assert set(whole_only.flow._sessions) == {"whole"}
     assert other.shape == wav.shape and np.abs(other - wav).max() < 1e-4 * np.abs(wav).max()
+
+
+def test_long_vocoder_calls_run_in_windows_with_the_same_samples(engine: Engine, voice: Voice,
+                                                                   tiny_export_dir: Path) -> None:  # fmt: skip
+    """A sentence's HiFT call in windows of 20 frames (several windows here) gives the samples of one call;
+    the export measured the context the windows need. Windows too thin for it do not (the test can fail)."""
+    from cosyvoice_cpu.vocoder_window import plan
+
+    assert engine.vocoder.context is not None and min(engine.vocoder.context) >= 2
+    text, cfg = "Hello world. How are you today?", SynthesisConfig(seed=5, flow_steps=2)
+    whole = engine.synthesize_wav(text, voice, cfg)
+    windowed = Engine.load(tiny_export_dir, EngineConfig(vocoder_window_frames=20))
+    got = windowed.synthesize_wav(text, voice, cfg)
+    assert len(plan(len(whole) // 480, 20, windowed.vocoder.context)) >= 3
+    assert got.shape == whole.shape and np.abs(got - whole).max() <= 1e-5 * np.abs(whole).max()
+    windowed.vocoder.context = (1, 1)
+    thin = windowed.synthesize_wav(text, voice, cfg)
+    assert np.abs(thin - whole).max() > 1e-3 * np.abs(whole).max()
+    with pytest.raises(ConfigError, match="vocoder_window_frames"):
+        EngineConfig(vocoder_window_frames=5).validate()
+    with pytest.raises(ConfigError, match="arena_shrink_frames"):
+        EngineConfig(arena_shrink_frames=-1).validate()

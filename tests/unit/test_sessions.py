@@ -60,3 +60,41 @@ def test_sessions_run_one_after_the_other_share_their_activation_memory(tmp_path
     # serves b from what a freed (199 MB)
     assert separate >= 300, separate
     assert separate - shared >= 150, (separate, shared)
+
+
+SHRINK_PROBE = """
+import json, sys
+import numpy as np
+from cosyvoice_cpu.cli_speech import DEMO_MODEL
+from cosyvoice_cpu.config import EngineConfig
+from cosyvoice_cpu.engine import Engine
+
+def rss_mb():
+    return int(dict(l.split(":", 1) for l in open("/proc/self/status"))["VmRSS"].split()[0]) // 1024
+
+engine = Engine.load(DEMO_MODEL, EngineConfig(threads=1, arena_shrink_frames=int(sys.argv[1])))
+tokens = np.random.default_rng(0).integers(0, 100, 1000)
+engine.flow.encode(tokens[:50], [], np.zeros(192, np.float32))  # the arena's usual size
+before = rss_mb()
+mu, _ = engine.flow.encode(tokens, [], np.zeros(192, np.float32))  # 2000 frames: attention ~T**2
+print(json.dumps({"frames": mu.shape[2], "kept_mb": rss_mb() - before}))
+"""
+
+
+def _kept_after_long_encode(shrink_frames: int) -> dict:
+    r = subprocess.run([sys.executable, "-c", SHRINK_PROBE, str(shrink_frames)], capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_a_long_flow_encoder_call_gives_its_memory_back() -> None:
+    """The demo model's encoder on 1000 tokens (2000 mel frames): the arena grows by ~160 MB for its attention
+    and keeps it unless the engine shrinks it after calls longer than ``arena_shrink_frames`` (default 1000)."""
+    from cosyvoice_cpu.config import EngineConfig
+
+    assert EngineConfig().arena_shrink_frames == 1000
+    kept, shrunk = _kept_after_long_encode(0), _kept_after_long_encode(1000)
+    assert kept["frames"] == shrunk["frames"] == 2000
+    assert kept["kept_mb"] >= 100, kept  # measured 162 MB
+    assert shrunk["kept_mb"] <= 40, shrunk  # measured 6 MB

@@ -51,7 +51,8 @@ logger = logging.getLogger(__name__)
 # on the tiny and full-size fixtures, as released (F0 ~0.15 Hz) and with F0 moved to ~120 Hz (voiced), seeds 0-3:
 # f0 3.1e-6 (full, unvoiced: the abs of a nearly cancelled sum), source 2.6e-7, decode 1.2e-6, wave 2.9e-5 (tiny,
 # voiced: the graph's ulp-level F0 difference integrated into the phase over 64 frames).
-TOLERANCE = {"f0": 3e-5, "source": 3e-6, "decode": 1e-5, "wave": 3e-4}
+# window: hift_decode in windows (cosyvoice_cpu.vocoder_window) vs one call, the conv's float rounding only.
+TOLERANCE = {"f0": 3e-5, "source": 3e-6, "decode": 1e-5, "wave": 3e-4, "window": 1e-5}
 # fixed (not learned) conv weights of the decode graph: the DFT kernels, never quantized
 FIXED_WEIGHTS = ("stft_weight", "istft_weight", "window_sq")
 
@@ -147,6 +148,63 @@ def hift_attrs(hift: HiFT) -> dict[str, Any]:
 
 
 @torch.no_grad()
+def decode_context(hift: Any, frames: int = 96, seed: int = 0) -> list[int] | None:
+    """``[left, right]``: mel frames around a window's own that ``hift_decode`` reads for its samples, measured on
+    the decode graph by perturbation (:mod:`cosyvoice_cpu.vocoder_window` windows long calls with it).
+
+    A mel frame and a frame's source samples near the middle of a ``frames``-long call are changed (two places
+    each); the farthest output samples that move give the reach, rounded out to whole frames, plus one frame of
+    margin: samples after the change read it from their left (``left``), samples before it from their right.
+    The reach is fixed by the convolutions (not by the weights' values), and ``verify_hift`` checks the windowed
+    call against one call. None when a change reaches the ends of the call (not a local graph): such a graph is
+    never windowed. Full-size CosyVoice2: [16, 16]; the tiny fixture's Fun-CosyVoice3 (causal): [30, 6].
+    """
+    graph = _DecodeGraph(hift).eval()
+    up, gen = hift.cfg.upsample, torch.Generator().manual_seed(seed)
+    mel = torch.randn(1, hift.cfg.in_channels, frames, generator=gen) * 2 - 5
+    source = torch.rand(1, 1, frames * up, generator=gen) * 2 - 1
+    base = graph(mel, source)
+    left = right = 0
+    for k in (frames // 2, frames // 2 + 1):
+        for which in ("mel", "source"):
+            m, s = mel.clone(), source.clone()
+            if which == "mel":
+                m[:, :, k] += 1.0
+            else:
+                s[:, :, k * up : (k + 1) * up] *= -0.5
+            moved = torch.nonzero((graph(m, s) - base)[0] != 0).flatten()
+            if moved.numel():  # frame k reaches forward to the samples that read it from the left, and back
+                left = max(left, int(moved.max()) // up - k)
+                right = max(right, k - int(moved.min()) // up)
+    if left >= frames // 2 - 2 or right >= frames // 2 - 3:
+        return None
+    return [left + 1, right + 1]
+
+
+def window_error(voc: Any, context: list[int] | None, mel: np.ndarray, source: np.ndarray) -> float:
+    """Max relative error of ``voc.decode`` in windows of :data:`~cosyvoice_cpu.vocoder_window.MIN_WINDOW_FRAMES`
+    frames with ``context`` against one call (0.0 when ``context`` is None: nothing is windowed)."""
+    from cosyvoice_cpu.vocoder_window import MIN_WINDOW_FRAMES
+
+    if context is None:
+        return 0.0
+    whole = voc.decode(mel, source)
+    voc.window_frames, voc.context = MIN_WINDOW_FRAMES, (int(context[0]), int(context[1]))
+    try:
+        return rel_err(voc.decode(mel, source), whole)
+    finally:
+        voc.window_frames, voc.context = 0, None
+
+
+def window_gate(voc: Any, hift: Any, gen: torch.Generator, frames: int = 64) -> tuple[float, str]:
+    """The ``window`` gate of ``verify_hift``: (:func:`window_error` on a random B=2 call, where)."""
+    context = decode_context(hift)
+    mel = (torch.randn(2, hift.cfg.in_channels, frames, generator=gen) * 2 - 5).numpy()
+    source = (torch.rand(2, 1, frames * hift.cfg.upsample, generator=gen) * 2 - 1).numpy()
+    return window_error(voc, context, mel, source), f"B=2 T={frames}, context_frames {context}"
+
+
+@torch.no_grad()
 def write_graphs(f0_graph: nn.Module, hift: Any, out_dir: Path) -> None:
     """Trace ``f0_graph`` (mel -> f0) and the decode graph of ``hift`` (mel, source -> wave) to ``hift_f0.onnx`` and
     ``hift_decode.onnx`` in ``out_dir``, batch and time dynamic (shared by the v1/v2 and the causal v3 HiFT)."""
@@ -176,7 +234,8 @@ def export_hift(hift: HiFT, out_dir: Path) -> list[GraphArtifact]:
     write_graphs(_F0Graph(hift), hift, out_dir)
     artifacts = [
         GraphArtifact.of(out_dir, "hift_f0", F0_FILE, {"in_channels": cfg.in_channels}),
-        GraphArtifact.of(out_dir, "hift_decode", DECODE_FILE, hift_attrs(hift)),
+        GraphArtifact.of(out_dir, "hift_decode", DECODE_FILE,
+                         {**hift_attrs(hift), "context_frames": decode_context(hift)}),
     ]
     logger.info("exported hift graphs to %s", out_dir)
     return artifacts
@@ -195,8 +254,9 @@ def verify_hift(
     Gates (max relative error over the cases): ``f0`` graph vs ``HiFT.f0``; ``source``: NumPy source vs
     ``HiFT.source`` from the reference F0 and the same :class:`SourceNoise`; ``decode`` graph vs ``HiFT.decode``
     for the same source; ``wave``: the whole :class:`~cosyvoice_cpu.vocoder.Vocoder` vs ``HiFT.inference`` with
-    the same noise and a ``cache_source``. ``files`` maps ``hift_f0``/``hift_decode`` to other file names in
-    ``out_dir`` (e.g. quantized graphs); ``tolerance`` overrides entries of :data:`TOLERANCE`.
+    the same noise and a ``cache_source``; ``window``: ``decode`` in windows with the context
+    :func:`decode_context` measures (what the export writes) vs one call. ``files`` maps ``hift_f0``/``hift_decode``
+    to other file names in ``out_dir`` (e.g. quantized graphs); ``tolerance`` overrides entries of :data:`TOLERANCE`.
     """
     from cosyvoice_cpu.vocoder import SourceNoise as ArrayNoise
     from cosyvoice_cpu.vocoder import Vocoder, harmonic_source
@@ -232,8 +292,10 @@ def verify_hift(
         for key, value in errors.items():
             if not value <= worst[key][0]:  # also keeps NaN
                 worst[key] = (value, f"B={batch} T={frames}")
+    worst["window"] = window_gate(voc, hift, gen)
     # graph keys as in the manifest; "hift_source" is the NumPy source, "hift" the whole chain
-    graphs = {"f0": "hift_f0", "source": "hift_source", "decode": "hift_decode", "wave": "hift"}
+    graphs = {"f0": "hift_f0", "source": "hift_source", "decode": "hift_decode", "wave": "hift",
+              "window": "hift_decode"}  # fmt: skip
     results = [
         GateResult(graphs[k], f"{k} max rel err", v, tol[k], f"worst at {where}") for k, (v, where) in worst.items()
     ]

@@ -48,7 +48,7 @@ from torch import nn
 
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import GateResult, GraphArtifact, rel_err
-from cosyvoice_cpu.export.hift_graph import hift_attrs, write_graphs
+from cosyvoice_cpu.export.hift_graph import decode_context, hift_attrs, window_gate, write_graphs
 from cosyvoice_cpu.reference.hift_source import SourceNoise
 from cosyvoice_cpu.reference.hift_v3 import F0_LOOK_RIGHT, CausalHiFT, CausalHiFTConfig
 from cosyvoice_cpu.vocoder import DECODE_FILE, F0_FILE
@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 # (as released: unvoiced, and with F0 at ~120 Hz; seeds 0-3) and the released sizes (random weights, F0 ~180 Hz,
 # 10 s): f0 0 (the float64 graph rounds to the reference's float32 F0 exactly), source 1.9e-7 (sin/tanh rounding),
 # decode 1.4e-6, wave 1.4e-6, stream vs the one-shot Vocoder 9e-7 (ulp-level: conv rounding of other windows).
-TOLERANCE = {"f0": 2e-6, "source": 3e-6, "decode": 2e-5, "wave": 3e-5, "stream": 1e-5}
+TOLERANCE = {"f0": 2e-6, "source": 3e-6, "decode": 2e-5, "wave": 3e-5, "stream": 1e-5, "window": 1e-5}
 STREAM_HOLD_FRAMES = 5  # output frame t needs mel frames up to t + 5 (conv_pre of frame t + 1 looks 4 right)
 
 
@@ -153,7 +153,8 @@ def export_hift(hift: CausalHiFT, out_dir: Path, f0_precision: str = "fp64") -> 
     write_graphs(_F0Graph(hift, torch.float64 if f0_precision == "fp64" else torch.float32), hift, out_dir)
     artifacts = [
         GraphArtifact.of(out_dir, "hift_f0", F0_FILE, {"in_channels": cfg.in_channels, "precision": f0_precision}),
-        GraphArtifact.of(out_dir, "hift_decode", DECODE_FILE, hift_v3_attrs(hift, f0_precision)),
+        GraphArtifact.of(out_dir, "hift_decode", DECODE_FILE,
+                         {**hift_v3_attrs(hift, f0_precision), "context_frames": decode_context(hift)}),
     ]
     logger.info("exported v3 hift graphs to %s (F0 %s)", out_dir, f0_precision)
     return artifacts
@@ -174,7 +175,7 @@ def verify_hift(
     vs ``decode`` (finalize) for the same source; ``wave`` the whole :class:`~cosyvoice_cpu.vocoder.Vocoder` vs
     ``inference`` with ``finalize`` True and False; ``stream``: :class:`~cosyvoice_cpu.vocoder_stream_v3.
     CausalVocoderStream` fed uneven chunks vs the one-shot ``Vocoder`` on the same graphs (a check of the
-    streaming logic, independent of the graphs' precision). ``files``/``tolerance`` as v2's.
+    streaming logic, independent of the graphs' precision); ``window`` as v2's. ``files``/``tolerance`` as v2's.
     """
     from cosyvoice_cpu.vocoder import SourceNoise as ArrayNoise
     from cosyvoice_cpu.vocoder import Vocoder, harmonic_source
@@ -223,7 +224,9 @@ def verify_hift(
         for key, value in errors.items():
             if not value <= worst[key][0]:  # also keeps NaN
                 worst[key] = (value, f"B={batch} T={frames}")
-    graphs = {"f0": "hift_f0", "source": "hift_source", "decode": "hift_decode", "wave": "hift", "stream": "hift"}
+    worst["window"] = window_gate(voc, hift, gen)
+    graphs = {"f0": "hift_f0", "source": "hift_source", "decode": "hift_decode", "wave": "hift", "stream": "hift",
+              "window": "hift_decode"}  # fmt: skip
     results = [
         GateResult(graphs[k], f"{k} max rel err", v, tol[k], f"worst at {where}") for k, (v, where) in worst.items()
     ]
