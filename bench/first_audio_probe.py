@@ -1,7 +1,7 @@
 """Where the first streamed chunk's time goes, for several first-chunk sizes.
 
     python bench/first_audio_probe.py MODEL_DIR [--threads 2] [--sizes 15,10,8] [--runs 3] \
-        [--prefix-cache on|off|both]
+        [--prefix-cache on|off|both] [--lm-only]
 
 Same workload as ``cosyvoice-cpu bench`` (registered 3 s voice, the 8-character sentence forced to 50 tokens,
 prompt cache warm), the stages called directly: LM prefill + first token, the decode up to the chunk and its
@@ -9,6 +9,8 @@ prompt cache warm), the stages called directly: LM prefill + first token, the de
 
 ``--prefix-cache off`` keeps no LM prefix (the KV entries of the voice's transcript, :mod:`cosyvoice_cpu.lm_prefix`):
 every request prefills it again, as before the cache existed; ``both`` alternates the two in each run.
+``--lm-only`` times the LM prefill + first token alone (any family, CosyVoice-300M included: its prompt has the
+speaker row), with the 10 s bench sentence's text too.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from cosyvoice_cpu.benchmark import SHORT_TEXT, load
+from cosyvoice_cpu.benchmark import SHORT_TEXT, TEXT, load
 from cosyvoice_cpu.flow_stream import FlowStream
 from cosyvoice_cpu.lm_prefix import DEFAULT_BYTES, PrefixCache
 from cosyvoice_cpu.streaming import VocoderStream
@@ -34,13 +36,32 @@ def main() -> None:
     ap.add_argument("--sizes", default="15,10,8")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--prefix-cache", choices=("on", "off", "both"), default="on")
+    ap.add_argument("--lm-only", action="store_true", help="time the LM prefill + first token only")
     args = ap.parse_args()
     engine, voice = load(args.model_dir, args.threads)
-    prompt_ids, prompt_speech, _ = engine._lm_prompt(voice, None, False)
-    text_ids = engine.tokenizer.encode(SHORT_TEXT)
-    cache = engine.prompt_caches.get(voice, 10, 0.7)
+    prompt_ids, prompt_speech, speaker = engine._lm_prompt(voice, None, False)
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.prefix_cache]
     caches = {on: PrefixCache(engine.lm.session, DEFAULT_BYTES if on else 0) for on in modes}
+    if args.lm_only:
+        print("| sentence | prefill positions | of them the prefix | LM prefix cache | LM prefill + first token s |")
+        print("|---|---|---|---|---|")
+        for label, text in (("8 characters", SHORT_TEXT), ("10 s", TEXT)):
+            ids = engine.tokenizer.encode(text)
+            times: dict[bool, list[float]] = {on: [] for on in modes}
+            for _ in range(args.runs):
+                for on in modes:
+                    engine.lm.prefixes = caches[on]
+                    t0 = time.perf_counter()
+                    req = engine.lm.request(ids, prompt_ids, prompt_speech, seed=0, budget=(50, 50), speaker=speaker)
+                    next(iter(req))
+                    times[on].append(time.perf_counter() - t0)
+            prefix = req.prefix[1] if req.prefix else 0
+            for on in modes:
+                print(f"| {label} | {len(req.embeds)} | {prefix} | {'on' if on else 'off'} | "
+                      f"{statistics.median(times[on]):.3f} |", flush=True)  # fmt: skip
+        return
+    text_ids = engine.tokenizer.encode(SHORT_TEXT)
+    cache = engine.prompt_caches.get(voice, 10, 0.7)
     print("| first chunk tokens | LM prefix cache | LM prefill s | LM decode s | flow s | vocoder s | first audio s |")
     print("|---|---|---|---|---|---|---|")
     for n in (int(s) for s in args.sizes.split(",")):

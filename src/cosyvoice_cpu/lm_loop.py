@@ -10,9 +10,9 @@ The torch-free twin of ``Qwen2LM.inference`` (:mod:`cosyvoice_cpu.reference.lm`)
    stop id (not yielded) or after ``max_len = int(Tt * max_token_text_ratio)`` tokens, feeding each yielded token
    back (except the last one). v3 also needs ``<|endofprompt|>`` (``LMFacts.endofprompt_id``) in prompt_text ⊕ text.
 
-The prefill's first ``1 + Tp`` positions (sos and the prompt transcript) are prefilled in a call of their own and
-their KV entries kept for the next request with the same transcript (:mod:`cosyvoice_cpu.lm_prefix`; v2/v3 only:
-v1 encodes the transcript together with the text).
+The prefill's first ``1 + Tp`` positions (sos and the prompt transcript; v1: ``2 + Tp`` with the speaker row) are
+prefilled in a call of their own and their KV entries kept for the next request with the same transcript (and v1
+x-vector): :mod:`cosyvoice_cpu.lm_prefix`.
 
 :class:`SpeechTokenGenerator` holds only read-only things (the shared :class:`~cosyvoice_cpu.lm.LMSession`, the
 LM facts, the default sampling) and the thread-safe prefix cache; every mutable thing (KV cache, random source,
@@ -31,7 +31,7 @@ import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.lm import KVCache, LMSession
-from cosyvoice_cpu.lm_prefix import PrefixCache
+from cosyvoice_cpu.lm_prefix import PrefixCache, prefix_key
 from cosyvoice_cpu.lm_prompt import TextEncoder, assemble
 from cosyvoice_cpu.sampling import Draw, RngDraw, SamplingConfig, sample_next
 
@@ -141,7 +141,8 @@ class SpeechTokenGenerator:
                 f"prompt speech tokens must lie in [0, {self.facts.speech_token_size}), got "
                 f"{prompt_speech.min()}..{prompt_speech.max()}; pass the speech tokenizer's output unchanged"
             )
-        return assemble(self.session, np.concatenate([prompt_text, text]), prompt_speech, self.text_encoder, speaker)
+        return assemble(self.session, np.concatenate([prompt_text, text]), prompt_speech, self.text_encoder, speaker,
+                        own_rows=prompt_text.size)  # fmt: skip
 
     def request(
         self,
@@ -196,8 +197,8 @@ class SpeechTokenGenerator:
             cache._check_row(row)
         request = TokenRequest(self, embeds, min_len, max_len, sampling, draw or RngDraw(seed), cache, row)
         request.mask_stops = budget[0] is not None
-        if self.text_encoder is None and prompt_text.size:  # [sos, prompt_text] is a prefix of its own
-            request.prefix = (prompt_text.tobytes(), 1 + prompt_text.size)
+        if prompt_text.size:  # [sos, (v1: speaker,) prompt_text] is a prefix of its own
+            request.prefix = prefix_key(prompt_text, speaker if self.text_encoder is not None else None)
         return request
 
     def generate(self, text: Sequence[int] | np.ndarray, *args: Any, **kw: Any) -> Iterator[int]:

@@ -1,10 +1,14 @@
-"""The LM's KV-cache entries of a prompt transcript, kept between requests (CosyVoice2 and Fun-CosyVoice3).
+"""The LM's KV-cache entries of a prompt transcript, kept between requests.
 
 A CosyVoice2/3 prefill is ``[sos, text_emb(prompt_text ⊕ text), task_id, speech_emb(prompt_speech)]``. Attention
 is causal, so the keys and values of its first ``1 + len(prompt_text)`` positions depend on the prompt transcript
 alone: every request with the same voice (or the same instruction) starts with the same ones. A request prefills
 them in a call of their own and the rest after them (:meth:`PrefixCache.load`); the entries are kept, keyed by
 the transcript's token ids, and a later request copies them into its cache row instead of recomputing them.
+CosyVoice-300M's prefill is ``[sos, speaker, encode(text_emb(prompt_text ⊕ text)), ...]``: its text encoder is
+causal too, so the prefix is ``2 + len(prompt_text)`` positions keyed by the transcript and the x-vector, with the
+transcript's rows encoded on their own (``lm_prompt.assemble(own_rows=...)``: equal to the whole encoding's up to
+float rounding, and then a function of the key alone).
 
 The split is done whether or not the prefix is cached, so a request's output never depends on what ran before
 it. With weight-only quantized or float32 graphs (each row's products are computed alone) the split also gives
@@ -31,6 +35,15 @@ from cosyvoice_cpu.lm import KVCache, LMSession
 logger = logging.getLogger(__name__)
 
 DEFAULT_BYTES = 16 << 20
+
+
+def prefix_key(prompt_text: np.ndarray, speaker: np.ndarray | None = None) -> tuple[bytes, int]:
+    """(key, positions) of the prefix ``[sos, (speaker,) prompt_text]``: ``prompt_text`` int64 ids, ``speaker``
+    the (192,) x-vector of a CosyVoice-300M request whose prefill has a speaker row (None otherwise)."""
+    ids = np.ascontiguousarray(prompt_text, np.int64)
+    if speaker is None:
+        return ids.tobytes(), 1 + ids.size
+    return ids.tobytes() + b"|speaker|" + np.ascontiguousarray(speaker, np.float32).tobytes(), 2 + ids.size
 
 
 class PrefixCache:

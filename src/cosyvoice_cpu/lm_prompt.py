@@ -57,11 +57,16 @@ def assemble(
     prompt_speech: np.ndarray,
     encoder: TextEncoder | None = None,
     speaker: np.ndarray | None = None,
+    own_rows: int = 0,
 ) -> np.ndarray:
     """The prefill embeddings (T, D) for ``text_ids`` (prompt transcript ⊕ text, int64) and prompt speech tokens.
 
     ``encoder`` is given for CosyVoice-300M (then ``speaker``, a (192,) x-vector or None, adds its row); CosyVoice2
-    takes neither (a speaker is refused: its LM has no speaker input).
+    takes neither (a speaker is refused: its LM has no speaker input). ``own_rows`` (CosyVoice-300M): the first
+    that many text rows are encoded on their own. The text encoder is causal, so they equal the rows of the whole
+    encoding (bitwise on the tiny fixture's int8w export, where the rows did not depend on the length; at worst
+    float rounding), and they are then a function of those ids alone, whatever kernel paths another length
+    takes: the LM prefix cache (:mod:`cosyvoice_cpu.lm_prefix`) keys them by the prompt transcript.
     """
     text = session.embed_text(text_ids)
     if encoder is None:
@@ -70,5 +75,7 @@ def assemble(
         parts = [session.special("sos")[None], text]
     else:
         encoded, spk = encoder(text, speaker)
+        if own_rows:
+            encoded[:own_rows] = encoder(text[:own_rows], speaker)[0]
         parts = [session.special("sos")[None]] + ([] if speaker is None else [spk[None]]) + [encoded]
     return np.concatenate(parts + [session.special("task_id")[None], session.embed_speech(prompt_speech)])

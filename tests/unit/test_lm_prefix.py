@@ -129,3 +129,38 @@ def test_rows_round_trip_and_wrong_shapes_are_refused(gen) -> None:
         cache.write(1, kv[:, :1])
     with pytest.raises(ConfigError, match="out of range"):
         cache.write(3, kv)
+
+
+@pytest.fixture(scope="module")
+def gen_v1(tiny_v1_export_dir: Path) -> SpeechTokenGenerator:
+    """The tiny CosyVoice-300M generator (int8w): a causal text encoder and a speaker row after sos."""
+    from cosyvoice_cpu.lm import TEXT_ENCODER_FILE
+    from cosyvoice_cpu.lm_prompt import TextEncoder
+
+    m = Manifest.load(tiny_v1_export_dir)
+    session = LMSession.from_dir(tiny_v1_export_dir, m.graphs["lm"].attrs, threads=2)
+    encoder = TextEncoder(tiny_v1_export_dir / TEXT_ENCODER_FILE, (session.spec.text_dim, session.spec.hidden), 2)
+    return SpeechTokenGenerator.from_manifest(session, m, encoder)
+
+
+def test_v1_prefix_holds_the_speaker_row_and_is_keyed_by_the_x_vector(gen_v1) -> None:
+    from cosyvoice_cpu.lm_prompt import assemble
+
+    gen, rng = gen_v1, np.random.default_rng(0)
+    alice, bob = rng.standard_normal((2, 192)).astype(np.float32)
+    gen.prefixes = PrefixCache(gen.session)
+    req = gen.request(TEXT, PROMPT_TEXT, PROMPT_SPEECH, seed=5, speaker=alice)
+    assert req.prefix is not None and req.prefix[1] == 2 + len(PROMPT_TEXT)  # sos, speaker, transcript
+    cold = list(req)
+    warm = list(gen.request(TEXT, PROMPT_TEXT, PROMPT_SPEECH, seed=5, speaker=alice))
+    assert cold == warm and len(cold) > 5 and (gen.prefixes.hits, gen.prefixes.misses) == (1, 1)
+    list(gen.request(TEXT, PROMPT_TEXT, PROMPT_SPEECH, seed=5, speaker=bob))  # another voice: its own entry
+    assert (gen.prefixes.hits, gen.prefixes.misses, len(gen.prefixes)) == (1, 2, 2)
+    gen.prefixes = PrefixCache(gen.session, max_bytes=0)
+    assert list(gen.request(TEXT, PROMPT_TEXT, PROMPT_SPEECH, seed=5, speaker=alice)) == cold
+    assert gen.request(TEXT, PROMPT_TEXT, PROMPT_SPEECH, seed=5).prefix[1] == 1 + len(PROMPT_TEXT)  # no speaker row
+    # the transcript's rows encoded on their own equal the whole encoding's (causal encoder) up to float rounding
+    ids = np.array(PROMPT_TEXT + TEXT, np.int64)
+    whole = assemble(gen.session, ids, np.array(PROMPT_SPEECH), gen.text_encoder, alice)
+    split = gen.prompt_embeddings(TEXT, PROMPT_TEXT, PROMPT_SPEECH, alice)
+    assert split.shape == whole.shape and np.abs(split - whole).max() <= 1e-5 * np.abs(whole).max()
