@@ -83,9 +83,10 @@ class EngineConfig:
             0 never splits; directories exported before windows existed are never split.
         arena_shrink_frames: after a flow-encoder call on more mel frames than this (prompt included), ORT's
             arena gives its unused memory back to the OS (:func:`~cosyvoice_cpu.sessions.shrink_after_run`).
-            The encoder's attention grows with the square of the length (full-size CosyVoice2: 163 MB at 650
-            frames, 745 MB at 1650, 2498 MB at 3150), and the arena would otherwise keep that for the life of
-            the process; the calls after a shrink fault their working memory in again. 0 never shrinks.
+            The encoder's attention grows with the square of the length (full-size CosyVoice2 int8w, its query
+            rows in 4 blocks: 102-111 MB at 650 frames, 242 MB at 1650, 450 MB at 3150), and the arena would
+            otherwise keep that for the life of the process; the calls after a shrink fault their working
+            memory in again. 0 never shrinks.
     """
 
     threads: int = 0

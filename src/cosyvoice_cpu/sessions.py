@@ -135,9 +135,10 @@ def shrink_after_run() -> Any:
     (``memory.enable_memory_arena_shrinkage``; with the shared arena, every session's free regions).
 
     For calls whose activations far exceed the usual ones: the flow encoder's attention grows with the square of
-    the length (full-size CosyVoice2 int8w, 2 threads: the arena grew by 163 MB for 650 frames, 745 MB for 1650
-    and 2498 MB for 3150), and an arena keeps what it grew for the life of the process. Not for every call: the
-    next calls fault their pages in again (docs/benchmarks.md, "Memory").
+    the length (full-size CosyVoice2 int8w, 2 threads, query rows in 4 blocks: the arena grew by 102-111 MB for
+    650 frames, 242 MB for 1650 and 450 MB for 3150; 159, 746 and 2490 MB in one block), and an arena keeps what
+    it grew for the life of the process. Not for every call: the next calls fault their pages in again
+    (docs/benchmarks.md, "Memory").
     """
     import onnxruntime as ort
 

@@ -163,6 +163,34 @@ def test_encoder_relative_shift_is_a_strided_view(flow, flow_dir: Path, stage: F
         assert mu.shape == (1, 80, 2 * size) and rel_err(mu, ref_mu.numpy()) < RTOL, size
 
 
+def test_encoder_attention_in_query_blocks_is_the_same_attention(flow_dir: Path) -> None:
+    """Query rows in blocks (what the export traces: ENCODER_QUERY_BLOCKS) give the attention of all rows at once,
+    for lengths below the block count (empty blocks) and above, with the full and the chunk-causal masks."""
+    import onnx
+
+    from cosyvoice_cpu.export.flow_graph import ENCODER_QUERY_BLOCKS
+    from cosyvoice_cpu.reference.flow_encoder import RelPositionAttention, chunk_mask, relative_position_encoding
+
+    gen = torch.Generator().manual_seed(0)
+    att = RelPositionAttention(4, 32).eval()
+    with torch.no_grad():
+        att.pos_bias_u.normal_(generator=gen), att.pos_bias_v.normal_(generator=gen)
+    for size in (1, 3, 4, 9, 33):
+        x, pos = torch.randn(2, size, 32, generator=gen), relative_position_encoding(size, 32)
+        keys = torch.ones(2, 1, size, dtype=torch.bool)
+        keys[1, 0, -1] = size == 1  # a padded key in row 1 (none to hide with one position)
+        for mask in (keys, keys & chunk_mask(size, 2).unsqueeze(0)):
+            with torch.no_grad():
+                want = att(x, mask, pos)
+                att.query_blocks = ENCODER_QUERY_BLOCKS
+                got = att(x, mask, pos)
+                att.query_blocks = 1
+            assert torch.allclose(got, want, rtol=0, atol=1e-6), size
+    graph = onnx.load(str(flow_dir / FILES["flow_encoder"]), load_external_data=False).graph
+    softmax = sum(n.op_type == "Softmax" for n in graph.node)  # one per block and layer: the export is blocked
+    assert ENCODER_QUERY_BLOCKS > 1 and softmax % ENCODER_QUERY_BLOCKS == 0 and softmax >= 2 * ENCODER_QUERY_BLOCKS
+
+
 @pytest.mark.parametrize("n_timesteps,cfg_rate", [(10, 0.7), (4, 0.0)])
 @pytest.mark.parametrize("finalize", [True, False])
 def test_stage_inference_matches_reference(flow, stage: FlowStage, n_timesteps, cfg_rate, finalize) -> None:

@@ -33,9 +33,11 @@ from torch import nn
 
 from cosyvoice_cpu.export.common import GateResult, GraphArtifact, gate, torch_export, verify_setup
 from cosyvoice_cpu.export.flow_graph import (
+    ENCODER_QUERY_BLOCKS,
     _estimator_inputs,
     _pin_output_shape,
     export_estimator,
+    query_blocks,
     rel_position_encoding,
 )
 from cosyvoice_cpu.export.fused_ops import export_forms
@@ -160,10 +162,11 @@ def export_flow(flow: FlowV1, out_dir: Path) -> list[GraphArtifact]:
         torch.randn(1, cfg.spk_embed_dim),
         torch.from_numpy(stretch_matrix(n_prompt, n_new, mel_len1, mel_len2, cfg.input_frame_rate)),
     )
-    torch_export(EncoderGraphV1(flow), enc_args, out_dir / FILES["flow_encoder"],
-                 input_names=["token", "embedding", "stretch"], output_names=["mu", "spks"],
-                 dynamic_axes={"token": {1: "tokens"}, "stretch": {0: "tokens", 1: "frames"},
-                               "mu": {2: "frames"}})  # fmt: skip
+    with query_blocks(flow.encoder, ENCODER_QUERY_BLOCKS):  # as CosyVoice2's (export.flow_graph)
+        torch_export(EncoderGraphV1(flow), enc_args, out_dir / FILES["flow_encoder"],
+                     input_names=["token", "embedding", "stretch"], output_names=["mu", "spks"],
+                     dynamic_axes={"token": {1: "tokens"}, "stretch": {0: "tokens", 1: "frames"},
+                                   "mu": {2: "frames"}})  # fmt: skip
     _pin_output_shape(out_dir / FILES["flow_encoder"], "mu", [1, cfg.output_size, "frames"])
     with export_forms(flow.decoder.estimator) as est:  # fused attention, one-Exp Mish (fused_ops.py)
         export_estimator(EstimatorGraphV1(est), out_dir / FILES["flow_estimator"])

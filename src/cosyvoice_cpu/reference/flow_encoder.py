@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -92,19 +93,27 @@ def pad_rel_rows(p: torch.Tensor) -> torch.Tensor:
     return torch.cat([p, torch.zeros_like(p[..., :1, :])], dim=-2)
 
 
-def rel_shift(scores: torch.Tensor) -> torch.Tensor:
-    """Relative shift: (B, H, T, 2T) scores against the encodings of relative positions T-1 .. -(T-1) plus one
-    zero row (:func:`pad_rel_rows`) -> (B, H, T, T) with ``out[..., i, j] = scores[..., i, T-1-i+j]`` (the encoding
-    of ``i - j``).
+def rel_shift(scores: torch.Tensor, size: Any = None) -> torch.Tensor:
+    """Relative shift: (B, H, Q, T+Q) scores of the Q query rows ``[a, a+Q)`` against the ``T+Q-1`` encodings of
+    the relative positions they need (``a+Q-1`` down to ``a-(T-1)``) plus one zero row (:func:`block_encodings`)
+    -> (B, H, Q, T), ``out[..., r, j]`` the score against the encoding of ``(a + r) - j``. ``size`` is T
+    (default Q: all rows, the (B, H, T, 2T) scores against :func:`pad_rel_rows`).
 
-    Row-major, that element sits at flat offset ``i*2T + T-1-i+j = T-1 + i*(2T-1) + j`` of each (T, 2T) matrix, so
-    the shift is a view with row stride 2T-1 starting at T-1: one contiguous slice, a reshape and a column slice.
-    The exported graph copies ~1.5 score matrices instead of building an expanded (B, H, T, T) int64 index for a
-    ``GatherElements`` (27 MB and ~14 ms per layer at 650 frames, full-size CosyVoice2).
+    Row-major, that element sits at flat offset ``r*(T+Q) + Q-1-r+j = Q-1 + r*(T+Q-1) + j`` of each (Q, T+Q)
+    matrix, so the shift is a view with row stride T+Q-1 starting at Q-1: one contiguous slice, a reshape and a
+    column slice. The exported graph copies ~1.5 score matrices instead of building an expanded (B, H, Q, T)
+    int64 index for a ``GatherElements`` (27 MB and ~14 ms per layer at 650 frames, full-size CosyVoice2).
     """
-    b, h, size = scores.size(0), scores.size(1), scores.size(2)
-    flat = scores.reshape(b, h, -1)[:, :, size - 1 : size - 1 + size * (2 * size - 1)]
-    return flat.reshape(b, h, size, 2 * size - 1)[..., :size]
+    b, h, rows = scores.size(0), scores.size(1), scores.size(2)
+    size = rows if size is None else size
+    flat = scores.reshape(b, h, -1)[:, :, rows - 1 : rows - 1 + rows * (size + rows - 1)]
+    return flat.reshape(b, h, rows, size + rows - 1)[..., :size]
+
+
+def block_encodings(p: torch.Tensor, size: Any, a: Any, b: Any) -> torch.Tensor:
+    """The projected encodings (..., 2T, d) (:func:`pad_rel_rows`: relative positions T-1 .. -(T-1), then a zero
+    row) that the query rows ``[a, b)`` read, with the zero row: (..., T + b - a, d), for :func:`rel_shift`."""
+    return torch.cat([p[..., size - b : 2 * size - 1 - a, :], p[..., -1:, :]], dim=-2)
 
 
 class RelPositionAttention(nn.Module):
@@ -113,6 +122,9 @@ class RelPositionAttention(nn.Module):
     def __init__(self, n_head: int, n_feat: int) -> None:
         super().__init__()
         self.h, self.d_k = n_head, n_feat // n_head
+        # query rows in this many blocks, one after the other: the same numbers (each row's products and softmax
+        # are its own), with score tensors of T/blocks rows (the export sets it: see export.flow_graph)
+        self.query_blocks = 1
         self.linear_q = nn.Linear(n_feat, n_feat)
         self.linear_k = nn.Linear(n_feat, n_feat)
         self.linear_v = nn.Linear(n_feat, n_feat)
@@ -130,14 +142,27 @@ class RelPositionAttention(nn.Module):
         q = self._heads(self.linear_q(x))
         k = self._heads(self.linear_k(x)).transpose(1, 2)
         v = self._heads(self.linear_v(x)).transpose(1, 2)
-        p = self._heads(self.linear_pos(pos_emb)).transpose(1, 2)  # (1, H, 2T-1, d_k)
-        content = torch.matmul((q + self.pos_bias_u).transpose(1, 2), k.transpose(-2, -1))  # (B, H, T, T)
-        position = rel_shift(torch.matmul((q + self.pos_bias_v).transpose(1, 2), pad_rel_rows(p).transpose(-2, -1)))
-        scores = (content + position) / math.sqrt(self.d_k)
-        hidden = ~mask.unsqueeze(1)  # (B, 1, 1|T, T)
-        attn = torch.softmax(scores.masked_fill(hidden, -float("inf")), dim=-1).masked_fill(hidden, 0.0)
-        out = torch.matmul(attn, v).transpose(1, 2).reshape(x.size(0), size, self.h * self.d_k)
-        return self.linear_out(out)
+        p = pad_rel_rows(self._heads(self.linear_pos(pos_emb)).transpose(1, 2))  # (1, H, 2T, d_k)
+        qu, qv = (q + self.pos_bias_u).transpose(1, 2), (q + self.pos_bias_v).transpose(1, 2)  # (B, H, T, d_k)
+        n = self.query_blocks
+        parts = []
+        for i in range(n):
+            # block i's rows [a, b) are computed as rows [lo, hi), which hold them and are never empty (an empty
+            # block would need zero-size reshapes, which ONNX's Reshape reads as "copy the input's dimension"):
+            # lo <= a and lo <= T - 1; hi = b + 1 <= T before the last block. Extra work: <= 2 rows per block.
+            a, b, lo, hi = 0, size, 0, size
+            if n > 1:
+                a, b, lo = size * i // n, size * (i + 1) // n, (size - 1) * i // n
+                hi = size if i == n - 1 else b + 1
+            content = torch.matmul(qu[:, :, lo:hi], k.transpose(-2, -1))  # (B, H, hi-lo, T)
+            position = torch.matmul(qv[:, :, lo:hi], block_encodings(p, size, lo, hi).transpose(-2, -1))
+            scores = (content + rel_shift(position, size)) / math.sqrt(self.d_k)
+            hidden = ~(mask if mask.size(1) == 1 else mask[:, lo:hi]).unsqueeze(1)  # (B, 1, 1|hi-lo, T)
+            attn = torch.softmax(scores.masked_fill(hidden, -float("inf")), dim=-1).masked_fill(hidden, 0.0)
+            out = torch.matmul(attn, v)
+            parts.append(out if n == 1 else out[:, :, a - lo : b - lo])
+        out = parts[0] if n == 1 else torch.cat(parts, dim=2)
+        return self.linear_out(out.transpose(1, 2).reshape(x.size(0), size, self.h * self.d_k))
 
 
 class FeedForward(nn.Module):
