@@ -11,7 +11,7 @@ block their products by length), ~1e-7 relative.
 Why: ORT's CPU arena never returns memory, and HiFT's activations grow with the length: full-size CosyVoice2,
 2 threads, the arena grew by 155 MB for a 500-frame (10 s) call and 815 MB for 3000 frames (60 s), kept for the
 life of the process. In windows of at most :data:`DEFAULT_WINDOW_FRAMES` frames a call of any length needs what
-one window needs; the cost is the margins, computed twice (2 x 15 frames per seam for CosyVoice2).
+one window needs; the cost is the margins, computed twice (2 x 16 frames per seam for CosyVoice2).
 """
 
 from __future__ import annotations
