@@ -81,8 +81,10 @@ class EngineConfig:
             HiFT's activations bounded by the window instead of growing with the sentence (full-size
             CosyVoice2: 155 MB at 500 frames, 815 MB at 3000, kept by ORT's arena for the process's life).
             0 never splits; directories exported before windows existed are never split.
-        arena_shrink_frames: after a flow-encoder call on more mel frames than this (prompt included), ORT's
-            arena gives its unused memory back to the OS (:func:`~cosyvoice_cpu.sessions.shrink_after_run`).
+        arena_shrink_frames: after a flow-encoder call for more mel frames of new speech than this (the voice
+            prompt's not counted: a long prompt makes every call of its voice big, and those calls reuse the
+            memory), ORT's arena gives its unused memory back to the OS
+            (:func:`~cosyvoice_cpu.sessions.shrink_after_run`).
             The encoder's attention grows with the square of the length (full-size CosyVoice2 int8w, its query
             rows in 4 blocks: 102-111 MB at 650 frames, 242 MB at 1650, 450 MB at 3150), and the arena would
             otherwise keep that for the life of the process; the calls after a shrink fault their working

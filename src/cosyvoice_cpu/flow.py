@@ -268,7 +268,8 @@ class FlowStage:
         Returns:
             mu (1, 80, 2 (T_p + T)) float32, spks (1, 80) float32.
         """
-        token = np.concatenate([_ids(prompt_tokens, "prompt_tokens"), _ids(tokens, "tokens")], axis=1)
+        new = _ids(tokens, "tokens")
+        token = np.concatenate([_ids(prompt_tokens, "prompt_tokens"), new], axis=1)
         ctx = np.zeros((1, 0), np.int64) if context is None else _ids(context, "context")
         if ctx.shape[1] > self.settings.pre_lookahead_len:
             raise ConfigError(f"context has {ctx.shape[1]} tokens, at most pre_lookahead_len = "
@@ -281,13 +282,15 @@ class FlowStage:
         emb = emb.reshape(1, self._emb_dim)
         chunk = np.array(self.settings.static_chunk_size if streaming else 0, dtype=np.int64)
         feeds = {"token": token, "context": ctx, "embedding": emb, "chunk_size": chunk}
-        frames = (token.shape[1] + ctx.shape[1]) * self.settings.token_mel_ratio
+        frames = (new.shape[1] + ctx.shape[1]) * self.settings.token_mel_ratio
         mu, spks = self.encoder.run(None, feeds, self.encoder_run_options(frames))
         return mu, spks
 
     def encoder_run_options(self, frames: int) -> Any:
-        """ORT run options for an encoder call on ``frames`` mel frames: arena shrinkage after it when that
-        exceeds :attr:`arena_shrink_frames` (:func:`~cosyvoice_cpu.sessions.shrink_after_run`), else None."""
+        """ORT run options for an encoder call for ``frames`` mel frames of new speech (the voice prompt's not
+        counted: a long prompt makes every call of that voice big, and those calls reuse the arena's memory;
+        shrinking after each would fault it in again per streamed chunk): arena shrinkage after the call when
+        that exceeds :attr:`arena_shrink_frames` (:func:`~cosyvoice_cpu.sessions.shrink_after_run`), else None."""
         return shrink_after_run() if 0 < self.arena_shrink_frames < frames else None
 
     def solve(

@@ -98,3 +98,27 @@ def test_a_long_flow_encoder_call_gives_its_memory_back() -> None:
     assert kept["frames"] == shrunk["frames"] == 4000
     assert kept["kept_mb"] >= 100, kept  # measured 170 MB (162 MB at 2000 frames before the query blocks)
     assert shrunk["kept_mb"] <= 40, shrunk  # measured 5 MB
+
+
+def test_only_new_speech_counts_toward_the_shrink() -> None:
+    """A long voice prompt makes every call of its voice big (streamed chunks too) and those calls reuse the
+    arena, so its frames do not count: 600 prompt tokens + 20 new do not shrink, 600 new tokens do."""
+    import numpy as np
+
+    from cosyvoice_cpu.cli_speech import DEMO_MODEL
+    from cosyvoice_cpu.config import EngineConfig
+    from cosyvoice_cpu.engine import Engine
+
+    engine = Engine.load(DEMO_MODEL, EngineConfig(threads=1))
+    real, shrunk = engine.flow.encoder, []
+
+    class Spy:
+        def run(self, names, feeds, options=None):  # type: ignore[no-untyped-def]
+            shrunk.append(options is not None)
+            return real.run(names, feeds, options)
+
+    engine.flow.encoder = Spy()
+    tokens, emb = np.random.default_rng(0).integers(0, 100, 600), np.zeros(192, np.float32)
+    engine.flow.encode(tokens[:20], tokens, emb)
+    engine.flow.encode(tokens, tokens[:20], emb)
+    assert shrunk == [False, True]
