@@ -188,12 +188,14 @@ def window_error(voc: Any, context: list[int] | None, mel: np.ndarray, source: n
 
     if context is None:
         return 0.0
-    whole = voc.decode(mel, source)
-    voc.window_frames, voc.context = MIN_WINDOW_FRAMES, (int(context[0]), int(context[1]))
+    before = voc.window_frames, voc.context
+    voc.window_frames, voc.context = 0, None
     try:
+        whole = voc.decode(mel, source)
+        voc.window_frames, voc.context = MIN_WINDOW_FRAMES, (int(context[0]), int(context[1]))
         return rel_err(voc.decode(mel, source), whole)
     finally:
-        voc.window_frames, voc.context = 0, None
+        voc.window_frames, voc.context = before
 
 
 def window_gate(voc: Any, hift: Any, gen: torch.Generator, frames: int = 64) -> tuple[float, str]:
