@@ -51,9 +51,10 @@ def _median_ms(fn, repeat: int) -> float:
 def probe(model_dir: Path, threads: int, size: str) -> dict:
     sys.modules["torch"] = None  # type: ignore[assignment]  # the runtime must not need it
     from cosyvoice_cpu.flow import FlowStage
+    from cosyvoice_cpu.harmonic_source import SourceNoise
     from cosyvoice_cpu.lm import LMSession
     from cosyvoice_cpu.manifest import Manifest
-    from cosyvoice_cpu.vocoder import SourceNoise, Vocoder
+    from cosyvoice_cpu.vocoder import Vocoder
 
     shapes = SHAPES[size]
     t0 = time.perf_counter()

@@ -111,7 +111,8 @@ def flow_and_vocoder_quality(dirs: dict[str, Path], size: str, threads: int) -> 
     """mel L1 and wave SNR of each recipe vs fp32 on the same tokens, prompt, flow noise and source noise."""
     from cosyvoice_cpu.export.common import rel_err
     from cosyvoice_cpu.flow import FlowStage
-    from cosyvoice_cpu.vocoder import SourceNoise, Vocoder
+    from cosyvoice_cpu.harmonic_source import SourceNoise
+    from cosyvoice_cpu.vocoder import Vocoder
 
     rng = np.random.default_rng(0)
     cases = []

@@ -165,7 +165,8 @@ class FlowStage:
     # whether that graph also runs whole sentences (v2: empty caches and keep_frames = 0 are the full-attention
     # estimator), so a process that does both modes holds one copy of the estimator's weights
     stream_serves_whole: ClassVar[bool] = True
-    # an encoder call on more mel frames than this shrinks the ORT arena after it (0: never); Engine.load sets it
+    # an encoder call for more mel frames of new speech (the voice prompt not counted) than this shrinks the ORT
+    # arena after it (0: never); Engine.load sets it
     # from EngineConfig.arena_shrink_frames
     arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES
 

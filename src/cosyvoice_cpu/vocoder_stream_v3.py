@@ -12,7 +12,7 @@ call over the whole utterance; but a sentence costs O(n^2) vocoder work.
 mel chunk ``(1, 80, n)`` --append--> mel buffer (absolute frame index)
   -> ``hift_f0.onnx`` on frames ``[f0_done - 8, T)`` (the predictor's 4 causal k=3 convs see 8 frames back; its
      first conv 3 ahead) -> F0 of frames ``[f0_done, T - 3)``, exact
-  -> :func:`~cosyvoice_cpu.vocoder.source_v3` from the carried float64 phase sum -> their source samples
+  -> :func:`~cosyvoice_cpu.harmonic_source.source_v3` from the carried float64 phase sum -> their source samples
      (noise rows at absolute positions: an upstream-style table, or fresh uniform draws from ``rng``)
   -> ``hift_decode.onnx`` on frames ``[emitted - C, T)`` with ``C = stream_context_frames`` (the graph's left
      receptive field, 30 at the released sizes) and the not-yet-known last 3 frames of source zero
@@ -33,7 +33,8 @@ import logging
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.vocoder import SourceNoise, Vocoder, source_v3
+from cosyvoice_cpu.harmonic_source import SourceNoise, source_v3
+from cosyvoice_cpu.vocoder import Vocoder
 
 logger = logging.getLogger(__name__)
 

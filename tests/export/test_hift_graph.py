@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from cosyvoice_cpu import harmonic_source as S
 from cosyvoice_cpu import vocoder as V
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.export.common import rel_err
@@ -72,7 +73,7 @@ def test_export_contract_and_gates(hift: HiFT, tmp_path: Path) -> None:
         ("source", "float32", ["batch", 1, "samples"]),
     ]
     assert [(s.name, s.dtype, s.shape) for s in dec.outputs] == [("wave", "float32", ["batch", "samples"])]
-    assert set(V.REQUIRED_ATTRS) <= set(dec.attrs)
+    assert set(S.REQUIRED_ATTRS) <= set(dec.attrs)
     assert dec.attrs["upsample"] == 480 and dec.attrs["sine_type"] == "v2" and len(dec.attrs["l_linear_weight"]) == 9
     assert dec.attrs["context_frames"] == decode_context(hift) and min(dec.attrs["context_frames"]) >= 2
     json.dumps([dataclasses.asdict(a) for a in artifacts])  # manifest-ready
@@ -103,20 +104,20 @@ def test_numpy_source_matches_reference(hift: HiFT, sine_type: str) -> None:
         with torch.no_grad():
             hift.m_source.l_linear.weight.normal_(generator=torch.Generator().manual_seed(1))
     assert hift.cfg.sine_type == sine_type
-    cfg = V.SourceConfig.from_attrs(hift_attrs(hift))
+    cfg = S.SourceConfig.from_attrs(hift_attrs(hift))
     f0 = _f0_ramp(2, 300)  # 6 s at 24 kHz: phases up to ~3e5 rad, where one float32 ulp is 0.03 rad
     gen = torch.Generator().manual_seed(5)
     noise = SourceNoise.draw(2, 300 * hift.cfg.upsample, 9, sine_type, generator=gen)
     with torch.no_grad():
         want = hift.source(f0, noise).numpy()
-    arrays = V.SourceNoise(noise.initial_phase.numpy(), noise.sine_noise.numpy())
-    got = V.harmonic_source(f0.numpy(), cfg, arrays)  # 144,000 samples: 6 blocks of 24,000
+    arrays = S.SourceNoise(noise.initial_phase.numpy(), noise.sine_noise.numpy())
+    got = S.harmonic_source(f0.numpy(), cfg, arrays)  # 144,000 samples: 6 blocks of 24,000
     assert got.shape == want.shape == (2, 1, 300 * hift.cfg.upsample) and got.dtype == np.float32
     assert np.abs(got - want).max() <= SOURCE_ATOL
     for block in (997, 144_000, 10**6):  # block by block, the same bits (v1: its running sum carried over)
-        assert np.array_equal(V.harmonic_source(f0.numpy(), cfg, arrays, block=block), got), block
+        assert np.array_equal(S.harmonic_source(f0.numpy(), cfg, arrays, block=block), got), block
     with pytest.raises(ConfigError, match="block"):
-        V.harmonic_source(f0.numpy(), cfg, arrays, block=0)
+        S.harmonic_source(f0.numpy(), cfg, arrays, block=0)
 
 
 def test_vocoder_matches_inference_with_cache_source(voiced) -> None:
@@ -127,7 +128,7 @@ def test_vocoder_matches_inference_with_cache_source(voiced) -> None:
     noise = SourceNoise.draw(2, 41 * 480, 9, generator=gen)
     cache = torch.rand(1, 1, 960, generator=gen) * 2 - 1
     want_wave, want_source = model.inference(mel, noise, cache)
-    arrays = V.SourceNoise(noise.initial_phase.numpy(), noise.sine_noise.numpy())
+    arrays = S.SourceNoise(noise.initial_phase.numpy(), noise.sine_noise.numpy())
     wave, source = voc(mel.numpy(), noise=arrays, cache_source=cache.numpy())
     assert wave.shape == (2, 41 * 480) and source.shape == (2, 1, 41 * 480)
     np.testing.assert_array_equal(source[:, :, :960], np.broadcast_to(cache.numpy(), (2, 1, 960)))
@@ -149,7 +150,7 @@ def test_vocoder_errors(voiced, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cache_source"):
         voc(np.zeros((1, 80, 2), np.float32), cache_source=np.zeros((1, 1, 961), np.float32))
     with pytest.raises(ConfigError, match="SourceNoise"):
-        voc(np.zeros((1, 80, 2), np.float32), noise=V.SourceNoise(np.zeros((1, 9)), np.zeros((1, 10, 9))))
+        voc(np.zeros((1, 80, 2), np.float32), noise=S.SourceNoise(np.zeros((1, 9)), np.zeros((1, 10, 9))))
     with pytest.raises(ModelDirError, match="l_linear_bias"):
         V.Vocoder(out / F0_FILE, out / DECODE_FILE, {k: v for k, v in attrs.items() if k != "l_linear_bias"})
     with pytest.raises(ModelDirError, match="missing input source"):

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from cosyvoice_cpu import harmonic_source as S
 from cosyvoice_cpu import vocoder as V
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import rel_err
@@ -55,11 +56,11 @@ def voiced(hift: CausalHiFT, tmp_path_factory: pytest.TempPathFactory) -> tuple[
     return model, out, export_hift(model, out)
 
 
-def _noise(frames: int, seed: int = 0) -> tuple[SourceNoise, V.SourceNoise]:
+def _noise(frames: int, seed: int = 0) -> tuple[SourceNoise, S.SourceNoise]:
     """An upstream-style table (batch 1, longer than needed) for the reference and the runtime."""
     gen = torch.Generator().manual_seed(seed)
     ref = SourceNoise(torch.rand(1, 9, generator=gen), torch.rand(1, frames * 480 + 4800, 9, generator=gen))
-    return ref, V.SourceNoise(ref.initial_phase.numpy(), ref.sine_noise.numpy())
+    return ref, S.SourceNoise(ref.initial_phase.numpy(), ref.sine_noise.numpy())
 
 
 def _mel(frames: int, seed: int = 1) -> np.ndarray:
@@ -78,7 +79,7 @@ def test_export_contract_and_gates(hift: CausalHiFT, tmp_path: Path) -> None:
         ("source", "float32", ["batch", 1, "samples"]),
     ]
     assert [(s.name, s.dtype, s.shape) for s in dec.outputs] == [("wave", "float32", ["batch", "samples"])]
-    assert set(V.REQUIRED_ATTRS) <= set(dec.attrs) and dec.attrs["sine_type"] == "v3"
+    assert set(S.REQUIRED_ATTRS) <= set(dec.attrs) and dec.attrs["sine_type"] == "v3"
     assert dec.attrs["causal"] and (dec.attrs["f0_look_right"], dec.attrs["conv_pre_look_right"]) == (3, 4)
     assert dec.attrs["stream_context_frames"] == receptive_field_frames(hift.cfg) == 30
     assert dec.attrs["f0_precision"] == "fp64"
@@ -101,20 +102,20 @@ def test_gates_voiced(voiced, seed: int) -> None:
 
 def test_numpy_source_chunked_equals_whole(voiced) -> None:
     model, _, artifacts = voiced
-    cfg = V.SourceConfig.from_attrs(artifacts[1].attrs)
+    cfg = S.SourceConfig.from_attrs(artifacts[1].attrs)
     with torch.no_grad():
         f0 = model.f0(torch.from_numpy(_mel(50))).numpy()
     ref_noise, noise = _noise(50)
-    whole = V.harmonic_source(f0, cfg, noise)
+    whole = S.harmonic_source(f0, cfg, noise)
     with torch.no_grad():
         want = model.source(torch.from_numpy(f0), ref_noise).numpy()
     assert rel_err(whole, want) < 1e-6  # sin/tanh rounding only
     for block in (997, 24_000):  # the sample-rate gather and merge block by block: the same bits
-        assert np.array_equal(V.harmonic_source(f0, cfg, noise, block=block), whole), block
+        assert np.array_equal(S.harmonic_source(f0, cfg, noise, block=block), whole), block
     parts, carry, start = [], None, 0
     for n in (1, 7, 20, 22):
-        rows = V.SourceNoise(noise.initial_phase, noise.sine_noise[:, start * 480 :])
-        part, carry = V.source_v3(f0[:, start : start + n], cfg, rows, start, carry)
+        rows = S.SourceNoise(noise.initial_phase, noise.sine_noise[:, start * 480 :])
+        part, carry = S.source_v3(f0[:, start : start + n], cfg, rows, start, carry)
         parts.append(part)
         start += n
     np.testing.assert_array_equal(np.concatenate(parts, axis=2), whole)

@@ -16,12 +16,12 @@ from cosyvoice_cpu.engine import SYSTEM_PROMPT_V3, Engine
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.exporter import ExportOptions, export_model
+from cosyvoice_cpu.harmonic_source import SourceNoise
 from cosyvoice_cpu.manifest import Manifest
 from cosyvoice_cpu.reference.hift_source import SourceNoise as TorchNoise
 from cosyvoice_cpu.reference.model_dir import load_reference
 from cosyvoice_cpu.sampling import RngDraw
 from cosyvoice_cpu.silence import drop_long_silences
-from cosyvoice_cpu.vocoder import SourceNoise
 
 WAVE_RTOL = 1e-3  # as the v1/v2 engine parity; measured here: see the printed values
 TEXT = "Hello there, how are you today?"

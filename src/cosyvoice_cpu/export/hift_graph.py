@@ -260,8 +260,9 @@ def verify_hift(
     :func:`decode_context` measures (what the export writes) vs one call. ``files`` maps ``hift_f0``/``hift_decode``
     to other file names in ``out_dir`` (e.g. quantized graphs); ``tolerance`` overrides entries of :data:`TOLERANCE`.
     """
-    from cosyvoice_cpu.vocoder import SourceNoise as ArrayNoise
-    from cosyvoice_cpu.vocoder import Vocoder, harmonic_source
+    from cosyvoice_cpu.harmonic_source import SourceNoise as ArrayNoise
+    from cosyvoice_cpu.harmonic_source import harmonic_source
+    from cosyvoice_cpu.vocoder import Vocoder
 
     out_dir = Path(out_dir)
     unknown = sorted(set(tolerance or {}) - set(TOLERANCE)) + sorted(set(files or {}) - {"hift_f0", "hift_decode"})

@@ -10,7 +10,7 @@ Same files and contracts as v2 (:mod:`.hift_graph`), so :class:`~cosyvoice_cpu.v
 * ``hift_decode.onnx``: ``mel (B, 80, T)``, ``source (B, 1, T*480) -> wave (B, T*480)``: ``CausalHiFT.decode``
   with ``finalize=True`` (``conv_pre`` zero-pads 4 frames right), the v2 STFT/iSTFT convolutions, nearest-repeat
   + causal-conv upsampling (``Resize`` + ``Conv``). No random table is in any graph: the v3 source (uniform
-  noise, phase held per frame) runs in NumPy (:func:`cosyvoice_cpu.vocoder.source_v3`).
+  noise, phase held per frame) runs in NumPy (:func:`cosyvoice_cpu.harmonic_source.source_v3`).
 
 Non-final streaming calls need no second graph. Everything but the F0 predictor's first conv and ``conv_pre`` is
 causal, so a finalize run over a mel equals the upstream ``finalize=False`` run on every frame whose look-ahead
@@ -177,8 +177,9 @@ def verify_hift(
     CausalVocoderStream` fed uneven chunks vs the one-shot ``Vocoder`` on the same graphs (a check of the
     streaming logic, independent of the graphs' precision); ``window`` as v2's. ``files``/``tolerance`` as v2's.
     """
-    from cosyvoice_cpu.vocoder import SourceNoise as ArrayNoise
-    from cosyvoice_cpu.vocoder import Vocoder, harmonic_source
+    from cosyvoice_cpu.harmonic_source import SourceNoise as ArrayNoise
+    from cosyvoice_cpu.harmonic_source import harmonic_source
+    from cosyvoice_cpu.vocoder import Vocoder
     from cosyvoice_cpu.vocoder_stream_v3 import CausalVocoderStream
 
     out_dir = Path(out_dir)
