@@ -74,6 +74,9 @@ REFERENCE_MACHINES: dict[str, Calibration] = {
     # medians of 4 (three doctor --speed, the bench's own); AVX2 only: int8 GEMMs without VNNI
     "AMD EPYC Zen 3 VM, 2 cores, 2026-12-01: CosyVoice2 int8w e2e RTF 3.96": Calibration(
         threads=2, copy_gb_s=11.7, sgemm_gflops=124.0, qgemm_gops=252.0, attention_ms=17.0),
+    # medians of 4 (three doctor --speed, the bench's own); AVX-512 VNNI on 256-bit units, decode DRAM-bound
+    "AMD EPYC Zen 4 VM, 2 cores, 2026-12-02: CosyVoice2 int8w e2e RTF 2.18": Calibration(
+        threads=2, copy_gb_s=23.9, sgemm_gflops=184.0, qgemm_gops=743.0, attention_ms=10.7),
 }
 
 
