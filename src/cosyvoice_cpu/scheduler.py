@@ -31,6 +31,7 @@ import numpy as np
 
 from cosyvoice_cpu.config import need
 from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.lm import KEEP_POSITIONS
 from cosyvoice_cpu.lm_loop import SpeechTokenGenerator, TokenRequest
 
 logger = logging.getLogger(__name__)
@@ -139,13 +140,19 @@ class LMScheduler:
     Args:
         generator: the engine's :class:`SpeechTokenGenerator` (its session runs the batched calls).
         max_rows: KV-cache rows, i.e. requests decoded at once; more wait in line (FIFO) for a free row.
+        keep_positions: KV-cache positions a freed row keeps resident; a longer request's pages beyond them are
+            given back when it leaves its row (:meth:`~cosyvoice_cpu.lm.KVCache.release`).
     """
 
-    def __init__(self, generator: SpeechTokenGenerator, max_rows: int = 8) -> None:
+    def __init__(self, generator: SpeechTokenGenerator, max_rows: int = 8,
+                 keep_positions: int = KEEP_POSITIONS) -> None:  # fmt: skip
         need(isinstance(max_rows, int) and 1 <= max_rows <= 256, "max_rows", max_rows,
              "1 to 256 requests decoded at once")  # fmt: skip
+        need(isinstance(keep_positions, int) and keep_positions >= 0, "keep_positions", keep_positions,
+             "KV-cache positions (>= 0) a freed row keeps")  # fmt: skip
         self.generator = generator
         self.max_rows = max_rows
+        self.keep_positions = keep_positions
         self.stats = SchedulerStats()
         self._cache = generator.session.new_cache(max_rows)
         self._waiting: deque[_Job] = deque()
@@ -246,7 +253,7 @@ class LMScheduler:
         for row, job in list(self._active.items()):
             if job.cancelled.is_set():
                 logger.debug("row %d cancelled", row)
-                del self._active[row]
+                self._vacate(row)
         for job in admit:
             if job.cancelled.is_set():
                 continue
@@ -292,11 +299,20 @@ class LMScheduler:
         if token is not None:
             self.stats.tokens += 1
         if not self._active[row].deliver(token):
-            del self._active[row]
+            self._vacate(row)
+
+    def _vacate(self, row: int) -> _Job | None:
+        """Take the job off ``row`` and give the row's memory past the usual working size back (KVCache.release:
+        the cache lives as long as the engine, and one long sentence would otherwise keep its pages)."""
+        job = self._active.pop(row, None)
+        released = self._cache.release(row, self.keep_positions)
+        if released:
+            logger.debug("row %d: %.1f MB of KV cache released", row, released / 2**20)
+        return job
 
     def _fail(self, rows: list[int], error: Exception) -> None:
         logger.warning("LM failed for %d request(s): %s", len(rows), error)
         for row in rows:
-            job = self._active.pop(row, None)
+            job = self._vacate(row)
             if job is not None:
                 job.out.put(error)

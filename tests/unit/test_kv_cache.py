@@ -63,3 +63,34 @@ def test_zero_pages_shapes_and_lifetime() -> None:
     assert zero_pages((0, 4)).shape == (0, 4)
     with pytest.raises(ConfigError, match="at least one row"):
         KVCache(SPEC, rows=0)
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_DONTNEED"), reason="needs madvise")
+def test_release_gives_a_long_rows_pages_back_and_keeps_the_rest() -> None:
+    cache = KVCache(SPEC, rows=2)
+    layers = cache.keys + cache.values
+    for layer in layers:  # row 1: a 1900-position sentence; row 0: a short one
+        layer[1, :, :1900] = 1.0
+        layer[0, :, :100] = 2.0
+    cache.lengths[:] = (100, 1900)
+    per_position = 48 * 2 * 64 * 4  # bytes of one position of one row over every layer: 24 KB
+
+    def row_mb(row: int, lo: int, hi: int) -> float:
+        return sum(span_resident_bytes(a[row, h, lo:hi].ctypes.data, a[row, h, lo:hi].nbytes)
+                   for a in layers for h in range(2)) / 2**20  # fmt: skip
+
+    assert row_mb(1, 512, 2048) == pytest.approx((1900 - 512) * per_position / 2**20, abs=0.5)
+    released = cache.release(1, keep=512)
+    assert released == (2048 - 512) * per_position  # 512 positions are whole pages here (64 floats = 256 B)
+    assert row_mb(1, 512, 2048) == 0 and cache.lengths[1] == 512
+    assert all(a[1, :, :512].all() and not a[1, :, 512:].any() for a in layers)  # kept as written; zeros after
+    assert row_mb(0, 0, 100) > 0 and all(a[0, :, :100].all() for a in layers)  # another row is not touched
+    assert cache.release(0, keep=512) == 0 and cache.lengths[0] == 100  # a short row: nothing to give back
+    assert cache.release(1, keep=100) > 0 and cache.lengths[1] == 100
+    for layer in layers:
+        layer[1, :, :1000] = 3.0  # a released row takes writes again
+    assert all(a[1, :, 999].all() for a in layers)
+    with pytest.raises(ConfigError, match="keep"):
+        cache.release(0, keep=-1)
+    with pytest.raises(ConfigError, match="out of range"):
+        cache.release(2)

@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from cosyvoice_cpu.cli_speech import DEMO_MODEL, _tone_wav
 from cosyvoice_cpu.config import EngineConfig, SynthesisConfig
 from cosyvoice_cpu.engine import Engine
 from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.pages import span_resident_bytes
 from cosyvoice_cpu.sampling import RngDraw
 from cosyvoice_cpu.scheduler import Hold, LMScheduler
 
@@ -226,3 +228,29 @@ def test_by_default_a_streamed_request_decodes_ahead_while_its_consumer_is_busy(
         chunks.close()
     finally:
         default.close()
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize("keep", [64, 512])
+def test_a_finished_long_request_gives_its_rows_kv_pages_back(engine: Engine, keep: int) -> None:
+    """The scheduler's cache lives as long as the engine; a long sentence's pages past ``keep_positions`` are
+    released when it leaves its row (the demo LM's max_len is 512: keep=512 releases nothing, the control)."""
+    scheduler = LMScheduler(engine.lm, max_rows=1, keep_positions=keep)
+    try:
+        ids = engine.tokenizer.encode(TEXT)
+        assert len(list(scheduler.submit(ids, budget=(300, 300)))) == 300
+        t0 = time.perf_counter()
+        while scheduler.active and time.perf_counter() - t0 < 5:
+            time.sleep(0.01)
+        cache = scheduler._cache
+        tail = [a[0, h, 64:] for a in cache.keys + cache.values for h in range(a.shape[1])]
+        resident = sum(span_resident_bytes(t.ctypes.data, t.nbytes) for t in tail)
+        if keep == 64:
+            assert resident == 0 and cache.lengths[0] == 64
+        else:
+            assert resident > 0 and cache.lengths[0] > 300  # what stays without the release
+        assert len(list(scheduler.submit(ids, budget=(20, 20)))) == 20  # the row serves the next request
+    finally:
+        scheduler.close()
+    with pytest.raises(ConfigError, match="keep_positions"):
+        LMScheduler(engine.lm, keep_positions=-1)
