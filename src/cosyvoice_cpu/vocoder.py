@@ -24,7 +24,7 @@ import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.harmonic_source import SourceConfig, SourceNoise, harmonic_source
-from cosyvoice_cpu.sessions import SessionConfig, as_config, check_io, make_session
+from cosyvoice_cpu.sessions import SessionConfig, as_config, check_io, make_session, shrink_after_run
 from cosyvoice_cpu.vocoder_window import DEFAULT_WINDOW_FRAMES, check_window, context_of, decode_windows, plan
 
 logger = logging.getLogger(__name__)
@@ -100,10 +100,17 @@ class Vocoder:
         if source.shape != want:
             raise ConfigError(f"hift decode expects source {want} for mel {mel.shape}, got {source.shape}")
 
-        def run(m: np.ndarray, s: np.ndarray) -> np.ndarray:
-            return self.decode_sess.run(["wave"], {"mel": m, "source": s})[0]
+        pieces = plan(mel.shape[2], self.window_frames, self.context)
+        left = [len(pieces)]
 
-        return decode_windows(run, mel, source, up, plan(mel.shape[2], self.window_frames, self.context))
+        def run(m: np.ndarray, s: np.ndarray) -> np.ndarray:
+            left[0] -= 1
+            # the last window of a call long enough to be split gives the shared ORT arena's free memory back:
+            # ORT keeps what a run grew it to, and a long sentence grows it past the usual (LM, flow, vocoder)
+            options = shrink_after_run() if len(pieces) > 1 and left[0] == 0 else None
+            return self.decode_sess.run(["wave"], {"mel": m, "source": s}, options)[0]
+
+        return decode_windows(run, mel, source, up, pieces)
 
     def __call__(
         self,

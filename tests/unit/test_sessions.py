@@ -122,3 +122,30 @@ def test_only_new_speech_counts_toward_the_shrink() -> None:
     engine.flow.encode(tokens[:20], tokens, emb)
     engine.flow.encode(tokens, tokens[:20], emb)
     assert shrunk == [False, True]
+
+
+
+def test_a_vocoder_call_split_in_windows_shrinks_the_arena_after_its_last_window() -> None:
+    """A call long enough to run in windows is a long sentence: its last window gives the shared arena's free
+    memory back (the LM's, the estimator's and HiFT's growth); a one-window call does not shrink."""
+    import numpy as np
+
+    from cosyvoice_cpu.cli_speech import DEMO_MODEL
+    from cosyvoice_cpu.config import EngineConfig
+    from cosyvoice_cpu.engine import Engine
+
+    engine = Engine.load(DEMO_MODEL, EngineConfig(threads=1, vocoder_window_frames=20))
+    real, shrunk = engine.vocoder.decode_sess, []
+
+    class Spy:
+        def run(self, names, feeds, options=None):  # type: ignore[no-untyped-def]
+            shrunk.append(options is not None)
+            return real.run(names, feeds, options)
+
+    engine.vocoder.decode_sess = Spy()
+    mel = np.random.default_rng(0).standard_normal((1, 80, 50)).astype(np.float32)
+    engine.vocoder(mel, rng=np.random.default_rng(0))
+    assert len(shrunk) >= 3 and shrunk[-1] and not any(shrunk[:-1])
+    shrunk.clear()
+    engine.vocoder(mel[:, :, :20], rng=np.random.default_rng(0))
+    assert shrunk == [False]
