@@ -80,6 +80,26 @@ REFERENCE_MACHINES: dict[str, Calibration] = {
 }
 
 
+# The copy rate (read + written) below which the LM's decode was bound by memory bandwidth on every machine
+# measured: the Xeon (19.1 GB/s), the Zen 4 (23.9) and the Zen 3 (11.7-15.4) decoded int8w at 24-40 tokens/s, and
+# int4 weights decoded 1.19-1.28x faster there; the Zen 5 (~36 GB/s by another measure) decoded at 82 tokens/s,
+# near its kernels' ceiling.
+DRAM_BOUND_GB_S = 30.0
+
+
+def speed_notes(cal: Calibration) -> list[str]:
+    """What the calibration says a user should know (``doctor --speed``): [] when nothing stands out."""
+    notes = []
+    if cal.copy_gb_s < DRAM_BOUND_GB_S:
+        notes.append(
+            f"memory copies at {cal.copy_gb_s:.0f} GB/s: the LM reads ~0.4 GB of int8w weights per decoded token, "
+            f"so expect its decode bound by memory bandwidth (24-40 tokens/s on the machines measured at 12-26 "
+            f"GB/s; 25 is real time). An LM exported with --quant int4 decoded 1.19-1.28x faster on them, at an "
+            f"agreement cost (docs/quantization.md)"
+        )
+    return notes
+
+
 def best_seconds(fn: Callable[[], object], budget_s: float, warmup: int = 2, min_runs: int = 3) -> float:
     """The fastest of repeated calls of ``fn`` after ``warmup`` untimed ones, running at least ``min_runs``
     and until ``budget_s`` seconds have been spent timing."""

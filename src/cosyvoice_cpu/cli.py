@@ -134,11 +134,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def _print_speed(threads: int) -> None:
     """``doctor --speed``: this machine's kernel calibration next to the machines the docs were measured on."""
-    from cosyvoice_cpu.calibrate import REFERENCE_MACHINES, calibrate
+    from cosyvoice_cpu.calibrate import REFERENCE_MACHINES, calibrate, speed_notes
 
-    print(f"speed        {calibrate(threads).summary()}")
+    cal = calibrate(threads)
+    print(f"speed        {cal.summary()}")
     for name, ref in REFERENCE_MACHINES.items():
         print(f"  compare    {ref.summary()}: {name}")
+    for note in speed_notes(cal):
+        print(f"note         {note}")
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

@@ -80,4 +80,9 @@ def test_doctor_speed_prints_this_machine_and_the_reference_machines(capsys, mon
     out = capsys.readouterr().out
     assert f"speed        {fixed.summary()}" in out
     assert REFERENCE_MACHINES and all(name in out for name in REFERENCE_MACHINES)
+    assert "note         memory copies at 15 GB/s" in out and "--quant int4" in out  # as the Xeon, Zen 3, Zen 4
+    fast = Calibration(threads=2, copy_gb_s=36.0, sgemm_gflops=350.0, qgemm_gops=1500.0, attention_ms=5.0)
+    monkeypatch.setattr(cal, "calibrate", lambda threads, **kw: fast)
+    assert main(["doctor", "--speed"]) in (0, 1)
+    assert "memory copies at" not in capsys.readouterr().out  # (a CPU without VNNI has a hardware note of its own)
     assert "speed " not in (main(["doctor"]), capsys.readouterr().out)[1]
