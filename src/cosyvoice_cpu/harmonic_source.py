@@ -31,6 +31,29 @@ REQUIRED_ATTRS = ("in_channels", "sampling_rate", "upsample", "nb_harmonics", "n
                   "l_linear_weight", "l_linear_bias")  # fmt: skip
 
 
+class NoiseStream:
+    """One row of sine noise drawn from a generator block by block, as the source reads it (in order from sample
+    0): the numbers of one ``(1, length, H)`` draw (NumPy fills an array in order, so consecutive draws continue
+    one sequence), without holding them all: 36 bytes per sample, 52 MB for 60 s at 24 kHz."""
+
+    def __init__(self, rng: np.random.Generator, length: int, harmonics: int, uniform: bool) -> None:
+        self.rng, self.length, self.harmonics, self.uniform = rng, length, harmonics, uniform
+        self._next = 0
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (1, self.length, self.harmonics)
+
+    def take(self, a: int, b: int) -> np.ndarray:
+        """Samples ``[a, b)``: ``(1, b - a, H)`` float32; ``a`` must be where the previous call ended."""
+        if a != self._next or not a <= b <= self.length:
+            raise ConfigError(f"streamed source noise is read in order: samples [{a}, {b}) asked after {self._next} "
+                              f"of {self.length}")  # fmt: skip
+        self._next = b
+        shape = (1, b - a, self.harmonics)
+        return self.rng.random(shape, dtype=_F32) if self.uniform else self.rng.standard_normal(shape, dtype=_F32)
+
+
 @dataclass
 class SourceNoise:
     """The random draws of one source computation (NumPy twin of ``reference.hift_source.SourceNoise``).
@@ -38,11 +61,12 @@ class SourceNoise:
     Attributes:
         initial_phase: ``(B, H)`` float32 uniform in ``[0, 1)``, ``H = nb_harmonics + 1``; column 0 is ignored.
         sine_noise: ``(B, L, H)`` float32 standard normal, ``L = T * upsample``; ``"v3"``: uniform in ``[0, 1)``, and
-            ``(1 or B, >= L, H)`` (upstream's fixed table: rows ``[0, L)`` are used, batch 1 is shared).
+            ``(1 or B, >= L, H)`` (upstream's fixed table: rows ``[0, L)`` are used, batch 1 is shared). Or a
+            :class:`NoiseStream` (:meth:`stream`), read once.
     """
 
     initial_phase: np.ndarray
-    sine_noise: np.ndarray
+    sine_noise: np.ndarray | NoiseStream
 
     @classmethod
     def draw(
@@ -55,6 +79,22 @@ class SourceNoise:
             return cls(phase, rng.random((batch, length, harmonics), dtype=_F32))
         noise = rng.standard_normal((batch, length, harmonics), dtype=_F32)
         return cls(phase, noise)
+
+    @classmethod
+    def stream(
+        cls, rng: np.random.Generator, batch: int, length: int, harmonics: int, sine_type: str = "v2"
+    ) -> SourceNoise:
+        """As :meth:`draw`, the same numbers, but one row's sine noise is drawn as the source reads it (a
+        :class:`NoiseStream`: its memory does not grow with the length); several rows are drawn at once."""
+        if batch != 1:  # a (B, L, H) draw fills row by row, which block-wise draws could not reproduce
+            return cls.draw(rng, batch, length, harmonics, sine_type)
+        phase = rng.random((batch, harmonics), dtype=_F32)
+        return cls(phase, NoiseStream(rng, length, harmonics, uniform=sine_type == "v3"))
+
+
+def _noise_rows(noise: np.ndarray | NoiseStream, a: int, b: int) -> np.ndarray:
+    """Samples ``[a, b)`` of sine noise held as an array ``(B, >= b, H)`` or drawn by a :class:`NoiseStream`."""
+    return noise.take(a, b) if isinstance(noise, NoiseStream) else noise[:, a:b]
 
 
 @dataclass(frozen=True)
@@ -200,7 +240,9 @@ def harmonic_source(f0: np.ndarray, cfg: SourceConfig, noise: SourceNoise, block
     f0_up = upsample_nearest(f0, cfg.upsample)
     batch, length = f0_up.shape
     phase0 = np.asarray(noise.initial_phase, dtype=_F32)
-    sine_noise = np.asarray(noise.sine_noise, dtype=_F32)
+    sine_noise = noise.sine_noise
+    if not isinstance(sine_noise, NoiseStream):
+        sine_noise = np.asarray(sine_noise, dtype=_F32)
     if phase0.shape != (batch, cfg.harmonics) or sine_noise.shape != (batch, length, cfg.harmonics):
         raise ConfigError(
             f"SourceNoise shapes {phase0.shape}/{sine_noise.shape} do not match "
@@ -216,7 +258,7 @@ def harmonic_source(f0: np.ndarray, cfg: SourceConfig, noise: SourceNoise, block
         else:
             phase, carry = sine_phase_v1(f0_up[:, a:b], phase0, cfg.sampling_rate, carry)
         sines = (np.sin(phase) * _F32(cfg.sine_amp)).transpose(0, 2, 1)  # (B, b - a, H)
-        out[:, :, a:b] = _merge(f0_up[:, a:b], sines, sine_noise[:, a:b], cfg)
+        out[:, :, a:b] = _merge(f0_up[:, a:b], sines, _noise_rows(sine_noise, a, b), cfg)
     return out
 
 
@@ -243,8 +285,15 @@ def source_v3(
     batch, frames = f0.shape
     up, harmonics = cfg.upsample, cfg.harmonics
     length = frames * up
-    table = np.asarray(noise.sine_noise, dtype=_F32)
-    if table.ndim != 3 or table.shape[0] not in (1, batch) or table.shape[1] < length or table.shape[2] != harmonics:
+    table = noise.sine_noise
+    if not isinstance(table, NoiseStream):
+        table = np.asarray(table, dtype=_F32)
+    if (
+        len(table.shape) != 3
+        or table.shape[0] not in (1, batch)
+        or table.shape[1] < length
+        or table.shape[2] != harmonics
+    ):
         raise ConfigError(f"v3 SourceNoise.sine_noise {table.shape} must be (1 or {batch}, >= {length}, {harmonics})")
     k = np.arange(1, harmonics + 1, dtype=_F32)
     i0, i1, w0, w1 = _linear_taps((start + frames) * up, 1 / up, start, start + frames)  # absolute sample indices
@@ -268,8 +317,8 @@ def source_v3(
     source = np.empty((batch, 1, length), _F32)
     for a in range(0, length, block):  # the sample-rate gather and merge, block samples at a time
         at = fr[a : a + block]
-        source[:, :, a : a + len(at)] = _merge(f0[:, at], sines[:, :, at].transpose(0, 2, 1), table[:, a : a + len(at)],
-                                               cfg)  # fmt: skip
+        rows = _noise_rows(table, a, a + len(at))
+        source[:, :, a : a + len(at)] = _merge(f0[:, at], sines[:, :, at].transpose(0, 2, 1), rows, cfg)
     return source, total[:, :, -1]
 
 

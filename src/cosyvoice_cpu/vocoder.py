@@ -143,7 +143,7 @@ class Vocoder:
             f0, mel = f0[:, : frames - self.f0_look_right], mel[:, :, : frames - self.f0_look_right]
         if noise is None:
             rng = rng if rng is not None else np.random.default_rng()
-            noise = SourceNoise.draw(rng, mel.shape[0], mel.shape[2] * cfg.upsample, cfg.harmonics, cfg.sine_type)
+            noise = SourceNoise.stream(rng, mel.shape[0], mel.shape[2] * cfg.upsample, cfg.harmonics, cfg.sine_type)
         source = harmonic_source(f0, cfg, noise)
         if cache_source is not None and np.shape(cache_source)[-1] != 0:
             cache = np.asarray(cache_source, dtype=_F32)
