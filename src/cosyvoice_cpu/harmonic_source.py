@@ -92,6 +92,11 @@ class SourceNoise:
         return cls(phase, NoiseStream(rng, length, harmonics, uniform=sine_type == "v3"))
 
 
+def _noise_table(noise: Any) -> np.ndarray | NoiseStream:
+    """``sine_noise`` as float32 array, or the :class:`NoiseStream` itself."""
+    return noise if isinstance(noise, NoiseStream) else np.asarray(noise, dtype=_F32)
+
+
 def _noise_rows(noise: np.ndarray | NoiseStream, a: int, b: int) -> np.ndarray:
     """Samples ``[a, b)`` of sine noise held as an array ``(B, >= b, H)`` or drawn by a :class:`NoiseStream`."""
     return noise.take(a, b) if isinstance(noise, NoiseStream) else noise[:, a:b]
@@ -240,9 +245,7 @@ def harmonic_source(f0: np.ndarray, cfg: SourceConfig, noise: SourceNoise, block
     f0_up = upsample_nearest(f0, cfg.upsample)
     batch, length = f0_up.shape
     phase0 = np.asarray(noise.initial_phase, dtype=_F32)
-    sine_noise = noise.sine_noise
-    if not isinstance(sine_noise, NoiseStream):
-        sine_noise = np.asarray(sine_noise, dtype=_F32)
+    sine_noise = _noise_table(noise.sine_noise)
     if phase0.shape != (batch, cfg.harmonics) or sine_noise.shape != (batch, length, cfg.harmonics):
         raise ConfigError(
             f"SourceNoise shapes {phase0.shape}/{sine_noise.shape} do not match "
@@ -285,9 +288,7 @@ def source_v3(
     batch, frames = f0.shape
     up, harmonics = cfg.upsample, cfg.harmonics
     length = frames * up
-    table = noise.sine_noise
-    if not isinstance(table, NoiseStream):
-        table = np.asarray(table, dtype=_F32)
+    table = _noise_table(noise.sine_noise)
     if (
         len(table.shape) != 3
         or table.shape[0] not in (1, batch)

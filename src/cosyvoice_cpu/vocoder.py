@@ -100,17 +100,13 @@ class Vocoder:
         if source.shape != want:
             raise ConfigError(f"hift decode expects source {want} for mel {mel.shape}, got {source.shape}")
 
-        pieces = plan(mel.shape[2], self.window_frames, self.context)
-        left = [len(pieces)]
-
-        def run(m: np.ndarray, s: np.ndarray) -> np.ndarray:
-            left[0] -= 1
-            # the last window of a call long enough to be split gives the shared ORT arena's free memory back:
-            # ORT keeps what a run grew it to, and a long sentence grows it past the usual (LM, flow, vocoder)
-            options = shrink_after_run() if len(pieces) > 1 and left[0] == 0 else None
+        def run(m: np.ndarray, s: np.ndarray, options: Any = None) -> np.ndarray:
             return self.decode_sess.run(["wave"], {"mel": m, "source": s}, options)[0]
 
-        return decode_windows(run, mel, source, up, pieces)
+        # the last window of a call long enough to be split gives the shared ORT arena's free memory back: ORT
+        # keeps what a run grew it to, and a long sentence grows it past the usual (LM, flow, vocoder)
+        return decode_windows(run, mel, source, up, plan(mel.shape[2], self.window_frames, self.context),
+                              run_last=lambda m, s: run(m, s, shrink_after_run()))  # fmt: skip
 
     def __call__(
         self,

@@ -72,14 +72,17 @@ def decode_windows(
     source: np.ndarray,
     upsample: int,
     pieces: list[tuple[int, int, int, int]],
+    run_last: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
 ) -> np.ndarray:
     """``run(mel (B, C, n), source (B, 1, n * upsample)) -> (B, n * upsample)`` over the ``pieces`` of
-    :func:`plan`, joined: ``mel (B, C, T)``, ``source (B, 1, T * upsample)`` -> wave ``(B, T * upsample)``."""
+    :func:`plan`, joined: ``mel (B, C, T)``, ``source (B, 1, T * upsample)`` -> wave ``(B, T * upsample)``.
+    ``run_last`` (default ``run``) runs the last window of a call split in several."""
     if len(pieces) == 1:
         return run(mel, source)
     out = np.empty((mel.shape[0], mel.shape[2] * upsample), np.float32)
-    for lo, hi, a, b in pieces:
+    for i, (lo, hi, a, b) in enumerate(pieces):
         piece_source = np.ascontiguousarray(source[:, :, lo * upsample : hi * upsample])
-        part = run(np.ascontiguousarray(mel[:, :, lo:hi]), piece_source)
+        call = run_last if run_last is not None and i == len(pieces) - 1 else run
+        part = call(np.ascontiguousarray(mel[:, :, lo:hi]), piece_source)
         out[:, a * upsample : b * upsample] = part[:, (a - lo) * upsample : (b - lo) * upsample]
     return out

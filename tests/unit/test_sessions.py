@@ -100,6 +100,18 @@ def test_a_long_flow_encoder_call_gives_its_memory_back() -> None:
     assert shrunk["kept_mb"] <= 40, shrunk  # measured 5 MB
 
 
+def _shrink_spy(session):  # type: ignore[no-untyped-def]
+    """A stand-in for an ORT session that records, per run, whether it was given run options (the shrink)."""
+    shrunk: list[bool] = []
+
+    class Spy:
+        def run(self, names, feeds, options=None):  # type: ignore[no-untyped-def]
+            shrunk.append(options is not None)
+            return session.run(names, feeds, options)
+
+    return Spy(), shrunk
+
+
 def test_only_new_speech_counts_toward_the_shrink() -> None:
     """A long voice prompt makes every call of its voice big (streamed chunks too) and those calls reuse the
     arena, so its frames do not count: 600 prompt tokens + 20 new do not shrink, 600 new tokens do."""
@@ -110,19 +122,11 @@ def test_only_new_speech_counts_toward_the_shrink() -> None:
     from cosyvoice_cpu.engine import Engine
 
     engine = Engine.load(DEMO_MODEL, EngineConfig(threads=1))
-    real, shrunk = engine.flow.encoder, []
-
-    class Spy:
-        def run(self, names, feeds, options=None):  # type: ignore[no-untyped-def]
-            shrunk.append(options is not None)
-            return real.run(names, feeds, options)
-
-    engine.flow.encoder = Spy()
+    engine.flow.encoder, shrunk = _shrink_spy(engine.flow.encoder)
     tokens, emb = np.random.default_rng(0).integers(0, 100, 600), np.zeros(192, np.float32)
     engine.flow.encode(tokens[:20], tokens, emb)
     engine.flow.encode(tokens, tokens[:20], emb)
     assert shrunk == [False, True]
-
 
 
 def test_a_vocoder_call_split_in_windows_shrinks_the_arena_after_its_last_window() -> None:
@@ -135,14 +139,7 @@ def test_a_vocoder_call_split_in_windows_shrinks_the_arena_after_its_last_window
     from cosyvoice_cpu.engine import Engine
 
     engine = Engine.load(DEMO_MODEL, EngineConfig(threads=1, vocoder_window_frames=20))
-    real, shrunk = engine.vocoder.decode_sess, []
-
-    class Spy:
-        def run(self, names, feeds, options=None):  # type: ignore[no-untyped-def]
-            shrunk.append(options is not None)
-            return real.run(names, feeds, options)
-
-    engine.vocoder.decode_sess = Spy()
+    engine.vocoder.decode_sess, shrunk = _shrink_spy(engine.vocoder.decode_sess)
     mel = np.random.default_rng(0).standard_normal((1, 80, 50)).astype(np.float32)
     engine.vocoder(mel, rng=np.random.default_rng(0))
     assert len(shrunk) >= 3 and shrunk[-1] and not any(shrunk[:-1])
