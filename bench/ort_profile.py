@@ -4,7 +4,8 @@
     python bench/ort_profile.py MODEL_DIR/flow_estimator_stream.onnx --frames 20 --dim prompt_frames=150 \
         --dim context_frames=0    # a first streamed chunk on a 3 s voice
     python bench/ort_profile.py V3_DIR/flow_estimator_stream.onnx --frames 70 --dim prompt_frames=100 \
-        --dim context_frames=0 --int offset=100 --int chunk_frames=50 --int keep_frames=50   # v3's first window
+        --dim time_rows=1 --dim context_frames=0 --int offset=100 --int chunk_frames=50 \
+        --int keep_frames=50   # v3's first window
 
 Random float inputs; a dimension named ``batch`` gets ``--batch``, one named by ``--dim NAME=N`` gets N, every
 other named dimension ``--frames``; an input called ``mask`` is all ones (nothing padded: what the runtime

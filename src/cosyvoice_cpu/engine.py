@@ -143,6 +143,8 @@ class Engine:
             lm = SpeechTokenGenerator.from_manifest(session, m)
             stage = FlowStageV3 if m.family == "cosyvoice3" else FlowStage
             flow = stage.from_dir(model_dir, m.flow, threads=sc, streaming=config.streaming_estimator)
+            if isinstance(flow, FlowStageV3) and flow.can_stream:  # the DiT's time table for the default steps
+                flow.time_table(flow.schedule(flow.settings.n_timesteps))  # now, while little else is in memory
         flow.arena_shrink_frames = config.arena_shrink_frames
         parts = {
             "tokenizer": TextTokenizer.from_dir(model_dir),

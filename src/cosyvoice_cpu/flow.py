@@ -330,9 +330,10 @@ class FlowStage:
         if "keep_frames" not in feeds:
             feeds["mask"] = np.concatenate([mask] * rows)
         x = self.initial_noise(noise, b, size)
-        for t, dt in self.schedule(n_timesteps):
+        schedule = self.schedule(n_timesteps)
+        for (_, dt), time_feed in zip(schedule, self.time_feeds(estimator, schedule, rows * b)):
             feeds["x"] = np.concatenate([x] * rows) if rows > 1 else x
-            feeds["t"] = np.full(rows * b, t, dtype=np.float32)
+            feeds.update(time_feed)
             v = estimator.run(None, feeds)[0]
             x = x + dt * guide(v, cfg_rate, b)
         return x
@@ -357,6 +358,12 @@ class FlowStage:
             if step < n_timesteps:
                 dt = np.float32(span[step + 1] - t)
         return steps
+
+    def time_feeds(self, sess: Any, schedule: list[tuple[np.float32, np.float32]],
+                   rows: int) -> list[dict[str, np.ndarray]]:  # fmt: skip
+        """Per Euler step of ``schedule``, the estimator ``sess``'s time input for ``rows`` rows: ``t`` (rows,)
+        (Fun-CosyVoice3's stream graph takes its time table instead: :class:`~cosyvoice_cpu.flow_v3.FlowStageV3`)."""
+        return [{"t": np.full(rows, t, dtype=np.float32)} for t, _ in schedule]
 
     def initial_noise(self, noise: np.ndarray | None, b: int, size: int, offset: int = 0) -> np.ndarray:
         """x_0 (b, 80, size) float32: frames ``offset:offset+size`` of the caller noise or the official table."""

@@ -92,8 +92,9 @@ class PromptCacheV3:
                  "chunk_frames": np.array(stage.chunk_frames, np.int64)}  # fmt: skip
         x = stage.initial_noise(None, 1, frames)
         cache = cls(frames, spks, [], [], [])
-        for t, dt in stage.schedule(steps):
-            feeds.update(x=np.concatenate([x] * rows), t=np.full(rows, t, np.float32))
+        schedule = stage.schedule(steps)
+        for (_, dt), time_feed in zip(schedule, stage.time_feeds(sess, schedule, rows)):
+            feeds.update(x=np.concatenate([x] * rows), **time_feed)
             v, new_k, new_v, conv_in = sess.run(None, feeds)
             x = x + dt * guide(v, cfg_rate, 1)
             cache.k.append(new_k.astype(dtype, copy=False))
@@ -208,8 +209,9 @@ class FlowStreamV3:
         feeds = {**guided_rows(mu, spks, cond, self.rows), "offset": np.array(offset, np.int64),
                  "keep_frames": np.array(n_commit, np.int64), "chunk_frames": np.array(self.chunk, np.int64)}
         x = self.stage.initial_noise(None, 1, size, offset=offset)
-        for k, (t, dt) in enumerate(self.schedule):
-            feeds.update(x=np.concatenate([x] * self.rows), t=np.full(self.rows, t, np.float32),
+        times = self.stage.time_feeds(self.sess, self.schedule, self.rows)
+        for k, (_, dt) in enumerate(self.schedule):
+            feeds.update(x=np.concatenate([x] * self.rows), **times[k],
                          prompt_k=self.prompt.k[k].astype(self.kv_dtype, copy=False),
                          prompt_v=self.prompt.v[k].astype(self.kv_dtype, copy=False), context_k=self.ctx_k[k],
                          context_v=self.ctx_v[k], conv_state=self.conv[k])  # fmt: skip

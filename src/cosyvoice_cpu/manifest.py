@@ -20,10 +20,11 @@ from cosyvoice_cpu.errors import ModelDirError
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "cosyvoice_cpu.json"
-FORMAT_VERSION = 4  # 2: flow_estimator_stream.onnx (streamed chunks on cached activations) replaces _chunk;
+FORMAT_VERSION = 5  # 2: flow_estimator_stream.onnx (streamed chunks on cached activations) replaces _chunk;
 # 3: its keep_frames input (the v2 stream graph also runs whole sentences: one estimator in memory);
-# 4: the same for Fun-CosyVoice3 (its stream DiT takes chunk_frames, 0 = full attention, and keep_frames)
-OLDEST_READABLE = {"cosyvoice3": 4}  # per family; the others read format 3 directories unchanged (default 3)
+# 4: the same for Fun-CosyVoice3 (its stream DiT takes chunk_frames, 0 = full attention, and keep_frames);
+# 5: Fun-CosyVoice3's stream DiT takes its time table (modulation) from flow_time.onnx instead of t
+OLDEST_READABLE = {"cosyvoice3": 5}  # per family; the others read format 3 directories unchanged (default 3)
 FAMILIES = ("cosyvoice2", "cosyvoice", "cosyvoice3")  # CosyVoice2-0.5B, CosyVoice-300M (+SFT, Instruct), CosyVoice3
 STAGE_SECTIONS = ("text", "lm", "sampling", "flow", "hift")
 
@@ -208,12 +209,15 @@ class Manifest:
         but the speech tokenizer (opened only to make voices), the text and speech embedding tables (read row by
         row, never mapped: ``row_table``; 544 and 23 MB at full size) and, on CosyVoice2 and Fun-CosyVoice3 with
         the stream graph loaded, ``flow_estimator.onnx`` (whole sentences run on the stream graph; it opens only
-        for padded batches; 94 / 344 MB at full size int8)."""
+        for padded batches; 94 / 344 MB at full size int8) and Fun-CosyVoice3's ``flow_time.onnx`` (opened once
+        per Euler schedule and closed, :meth:`~cosyvoice_cpu.flow_v3.FlowStageV3.time_table`)."""
         from cosyvoice_cpu.lm import EMBEDDING_FILES  # the runtime's table names (lm.py is light to import)
 
         skip = {EMBEDDING_FILES["text"], EMBEDDING_FILES["speech"]}
         if self.family != "cosyvoice" and streaming_estimator and "flow_estimator_stream" in self.graphs:
             skip.update(f.file for f in self.graphs["flow_estimator"].files())
+        if "flow_time" in self.graphs:
+            skip.update(f.file for f in self.graphs["flow_time"].files())
         return sum(f.size for f in self.all_files() if f.file not in skip and not f.file.startswith("speech_tokenizer"))
 
     def check_files(self, model_dir: Path, check_hashes: bool = False) -> None:

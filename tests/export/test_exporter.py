@@ -42,7 +42,7 @@ def test_progress_is_reported_stage_by_stage(tiny_model_dir: Path, tmp_path: Pat
 
 def test_model_directory_is_complete_and_self_describing(exported: Path, tiny_model_dir: Path) -> None:
     m = Manifest.load(exported, check_hashes=True)
-    assert m.family == "cosyvoice2" and m.format_version == FORMAT_VERSION == 4
+    assert m.family == "cosyvoice2" and m.format_version == FORMAT_VERSION == 5
     assert m.recipe["name"] == DEFAULT_RECIPE and m.recipe["stages"] == RECIPES[DEFAULT_RECIPE].stages()
     assert set(m.graphs) == GRAPHS
     assert m.graphs["lm"].precision == RECIPES[DEFAULT_RECIPE].lm
@@ -114,10 +114,10 @@ def test_manifest_catches_missing_altered_and_foreign_directories(exported: Path
     (d / MANIFEST_NAME).write_text(json.dumps({**data, "format_version": 1}))
     with pytest.raises(ModelDirError, match=r"format_version 1, from an older.*export the model directory again"):
         Manifest.load(d)
-    # format 4 changed only Fun-CosyVoice3's stream graph: a CosyVoice2 directory of format 3 still loads
+    # formats 4 and 5 changed only Fun-CosyVoice3's graphs: a CosyVoice2 directory of format 3 still loads
     assert Manifest.from_json({**data, "format_version": 3}, d / MANIFEST_NAME).format_version == 3
-    with pytest.raises(ModelDirError, match=r"format_version 3, from an older.*export the model directory again"):
-        Manifest.from_json({**data, "family": "cosyvoice3", "format_version": 3}, d / MANIFEST_NAME)
+    with pytest.raises(ModelDirError, match=r"format_version 4, from an older.*export the model directory again"):
+        Manifest.from_json({**data, "family": "cosyvoice3", "format_version": 4}, d / MANIFEST_NAME)
     (d / MANIFEST_NAME).write_text("{not json")
     with pytest.raises(ModelDirError, match="not readable JSON"):
         Manifest.load(d)

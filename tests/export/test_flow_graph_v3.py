@@ -36,7 +36,7 @@ def flow(tmp_path_factory: pytest.TempPathFactory):
 def flow_dir(flow, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("flow_v3_onnx")
     artifacts = export_flow(flow, out)
-    assert [a.key for a in artifacts] == ["flow_encoder", "flow_estimator", "flow_estimator_stream"]
+    assert [a.key for a in artifacts] == ["flow_encoder", "flow_estimator", "flow_estimator_stream", "flow_time"]
     assert all((out / a.file).is_file() and all((out / d).is_file() for d in a.data) for a in artifacts)
     assert (out / FILES["flow_noise"]).is_file()
     return out
@@ -58,7 +58,7 @@ def _inputs(flow, n_prompt: int, n_tok: int, seed: int = 0):
 
 def test_all_verification_gates_pass(flow, flow_dir: Path) -> None:
     results = verify_flow(flow, flow_dir, seed=3, threads=2)
-    assert len(results) == 14
+    assert len(results) == 15
     assert all(r.passed for r in results), "\n".join(str(r) for r in results)
 
 
@@ -67,7 +67,8 @@ def test_int8_estimators_pass_the_recipe_gate(flow, flow_dir: Path, tmp_path: Pa
     from cosyvoice_cpu.export.quantize import quantize_int8_dynamic
     from cosyvoice_cpu.export.stages import QUANT_TOLERANCE
 
-    for name in ("flow_encoder.onnx", "flow_encoder.onnx.data", "flow_noise.npy"):
+    for name in ("flow_encoder.onnx", "flow_encoder.onnx.data", "flow_noise.npy", "flow_time.onnx",
+                 "flow_time.onnx.data"):  # fmt: skip
         if (flow_dir / name).exists():
             shutil.copy(flow_dir / name, tmp_path / name)
     for key in ("flow_estimator", "flow_estimator_stream"):
@@ -93,9 +94,15 @@ def test_artifact_contracts(flow, tmp_path: Path) -> None:
     stream = artifacts["flow_estimator_stream"]
     layers, width = stream.attrs["cache_layers"], stream.attrs["cache_width"]
     assert (layers, width, stream.attrs["conv_state_frames"]) == (2, 64, 30)
-    assert [s.name for s in stream.inputs] == ["x", "mu", "t", "spks", "cond", "prompt_k", "prompt_v", "context_k",
-                                               "context_v", "conv_state", "offset", "keep_frames",
+    assert [s.name for s in stream.inputs] == ["x", "mu", "modulation", "spks", "cond", "prompt_k", "prompt_v",
+                                               "context_k", "context_v", "conv_state", "offset", "keep_frames",
                                                "chunk_frames"]  # fmt: skip
+    columns = (6 * layers + 2) * flow.decoder.estimator.cfg.dim
+    assert next(s.shape for s in stream.inputs if s.name == "modulation") == ["time_rows", columns]
+    time_graph = artifacts["flow_time"]
+    assert [(s.name, s.shape) for s in time_graph.inputs] == [("t", ["steps"])]
+    assert [(s.name, s.shape) for s in time_graph.outputs] == [("modulation", ["steps", columns])]
+    assert time_graph.attrs["columns"] == columns
     assert [(s.name, s.shape) for s in stream.outputs] == [
         ("velocity", ["batch", 80, "time"]), ("new_k", [layers, "batch", "kept", width]),
         ("new_v", [layers, "batch", "kept", width]), ("conv_in", ["batch", 128, "kept"]),
@@ -137,6 +144,35 @@ def test_whole_sentences_run_on_the_stream_graph(flow, flow_dir: Path) -> None:
     assert set(stage._sessions) == {"stream", "whole"}
     alone = stage.solve(mu, spks, cond[:1])
     assert rel_err(padded[:1], alone) < RTOL
+
+
+def test_the_time_table_is_made_once_per_schedule_and_its_graph_closed(flow, flow_dir: Path, monkeypatch) -> None:
+    """``flow_time.onnx`` runs once per Euler schedule (the table is kept, equal to the reference's time table)
+    and its session is dropped at once: a synthesizing process never holds those weights."""
+    import weakref
+
+    from cosyvoice_cpu import flow_v3
+    from cosyvoice_cpu.export.flow_stream_graph_v3 import DiTRun
+
+    opened: list[weakref.ref] = []
+
+    def spy(path, *args):
+        sess = real(path, *args)
+        opened.append(weakref.ref(sess))
+        return sess
+
+    real = flow_v3._open
+    monkeypatch.setattr(flow_v3, "_open", spy)
+    stage = FlowStageV3.from_dir(flow_dir, settings=settings_of(flow), threads=2)
+    prompt, tokens, emb, feat = _inputs(flow, 23, 41, seed=5)
+    for steps in (10, 4, 10):
+        stage.inference(tokens.numpy(), prompt.numpy(), feat.numpy(), emb.numpy(), n_timesteps=steps)
+    assert len(opened) == 2 and all(ref() is None for ref in opened)  # 10 steps, then 4; both closed
+    schedule = stage.schedule(10)
+    t = torch.tensor([float(t) for t, _ in schedule])
+    ref = DiTRun(flow.decoder.estimator).time_table(t).detach().numpy()
+    assert stage.time_table(schedule).shape == ref.shape and rel_err(stage.time_table(schedule), ref) < RTOL
+    assert len(opened) == 2
 
 
 def _official_stream(flow, prompt, tokens, emb, feat, cuts, look=3) -> list[np.ndarray]:
@@ -232,6 +268,12 @@ def test_stream_errors(flow, stage: FlowStageV3, flow_dir: Path) -> None:
         FlowStreamV3(plain, prompt.numpy()[0], feat.numpy()[0], emb.numpy())
     with pytest.raises(ConfigError, match="chunk_frames"):
         FlowStageV3.from_dir(flow_dir, settings={"chunk_frames": 25})
+    from cosyvoice_cpu.errors import ModelDirError
+
+    paths = [flow_dir / FILES[k] for k in ("flow_encoder", "flow_estimator", "flow_estimator_stream", "flow_noise")]
+    with pytest.raises(ModelDirError, match=r"flow_time\.onnx is missing.*export the model directory again"):
+        FlowStageV3(*paths, settings=settings_of(flow), time_graph=flow_dir / "nowhere" / "flow_time.onnx")
+    FlowStageV3(*paths[:2], None, paths[3], settings=settings_of(flow))  # whole sentences only: not needed
 
 
 def test_v3_flow_runs_without_torch(flow, flow_dir: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import soundfile as sf
 import torch
@@ -58,8 +59,12 @@ def test_export_writes_a_v3_model_directory(v3_int8w: Path) -> None:
     assert m.lm["stop_ids"] == list(range(6561, 6761)) and m.lm["eos_id"] == 6562
     assert (m.lm["min_len_masked_id"], m.lm["endofprompt_id"]) == (6561, 151646)
     assert m.text["special_ids"][MARK] == 151646 and m.flow["chunk_frames"] == 50
-    assert {"lm", "flow_encoder", "flow_estimator", "flow_estimator_stream", "hift_f0", "hift_decode"} <= set(m.graphs)
+    graphs = {"lm", "flow_encoder", "flow_estimator", "flow_estimator_stream", "flow_time", "hift_f0", "hift_decode"}
+    assert graphs <= set(m.graphs)
     assert m.graphs["lm"].precision == "int8w" and m.graphs["flow_estimator"].precision == "int8"
+    assert m.graphs["flow_time"].precision == "int8"  # weight-only 8-bit: run once per Euler schedule
+    ops = [n.op_type for n in onnx.load(v3_int8w / "flow_time.onnx", load_external_data=False).graph.node]
+    assert ops.count("MatMulNBits") == m.graphs["flow_time"].attrs["depth"] + 1  # every AdaLN linear
     assert m.graphs["hift_decode"].attrs["sine_type"] == "v3" and m.graphs["hift_decode"].attrs["causal"]
     assert all(g["passed"] for g in m.verification) and m.graphs["flow_encoder"].precision == "int8w"
     assert {"fp32", "int8, flow_encoder int8w"} < {g["phase"] for g in m.verification}

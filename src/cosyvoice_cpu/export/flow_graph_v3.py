@@ -15,7 +15,8 @@ Graphs (``export_flow``; runtime :class:`cosyvoice_cpu.flow_v3.FlowStageV3`, who
     -> estimator_out (B, 80, T): the DiT, full attention over the frames where mask = 1, zero on padded frames
     (the official output there is unused garbage; every other frame equals the row alone: all convs are causal)
 ``flow_estimator_stream.onnx``: a window of frames on cached keys/values (v3 contract:
-    :mod:`cosyvoice_cpu.export.flow_stream_graph_v3`; runtime :mod:`cosyvoice_cpu.flow_stream_v3`).
+    :mod:`cosyvoice_cpu.export.flow_stream_graph_v3`; runtime :mod:`cosyvoice_cpu.flow_stream_v3`); it takes the
+    DiT's time table of the step's t, which ``flow_time.onnx`` computes (t (N,) -> modulation (N, L x 6D + 2D)).
 ``flow_noise.npy``: the official fixed noise ``randn(1, 80, 15000)`` after seed 0 (the same table as v2).
 """
 
@@ -36,8 +37,10 @@ from cosyvoice_cpu.export.flow_graph import _estimator_inputs, _pin_output_shape
 from cosyvoice_cpu.export.flow_stream_graph_v3 import (
     DiTRun,
     export_stream_estimator,
+    export_time_graph,
     stream_layout,
     verify_stream_estimator,
+    verify_time_graph,
 )
 from cosyvoice_cpu.export.fused_ops import export_forms
 from cosyvoice_cpu.flow_v3 import FILES_V3 as FILES
@@ -94,20 +97,20 @@ class EstimatorGraphV3(nn.Module):
     ) -> torch.Tensor:  # fmt: skip
         """The official ONNX estimator contract; shapes as :meth:`DiT.forward`."""
         run = self.run
-        t_emb = run.time(t)
+        table = run.time_table(t)
         h, _ = run.embed(x, cond, mu, spks, None)
         residual = h
         freqs = run.freqs(torch.zeros((), dtype=torch.int64), x.size(2))
         visible = mask[:, 0]  # (B, T): padded keys hidden
         keep = mask.transpose(1, 2)  # (B, T, 1): attention output zeroed on padded frames (as upstream)
-        for block in self.est.transformer_blocks:
+        for i, block in enumerate(self.est.transformer_blocks):
 
             def attention(n: torch.Tensor, a: nn.Module = block.attn) -> torch.Tensor:
                 q, k = apply_rope(a.to_q(n), freqs), apply_rope(a.to_k(n), freqs)
                 return a.to_out[0](run.attend(q, k, a.to_v(n), key_mask=visible)) * keep
 
-            h = run.block(block, h, t_emb, attention)
-        return run.head(h, residual, t_emb) * mask
+            h = run.block(block, h, run.block_mods(table, i), attention)
+        return run.head(h, residual, table) * mask
 
 
 def settings_of(flow: FlowV3) -> dict[str, Any]:
@@ -130,8 +133,8 @@ def _artifact(out_dir: Path, key: str, attrs: dict[str, Any]) -> GraphArtifact:
 
 @torch.inference_mode()
 def export_flow(flow: FlowV3, out_dir: Path) -> list[GraphArtifact]:
-    """Write ``flow_encoder.onnx``, ``flow_estimator.onnx``, ``flow_estimator_stream.onnx`` (each with its
-    ``.data``) and ``flow_noise.npy`` into ``out_dir``; return the three graph artifacts."""
+    """Write ``flow_encoder.onnx``, ``flow_estimator.onnx``, ``flow_estimator_stream.onnx``, ``flow_time.onnx``
+    (each with its ``.data``) and ``flow_noise.npy`` into ``out_dir``; return the four graph artifacts."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     flow = flow.eval()
@@ -142,6 +145,7 @@ def export_flow(flow: FlowV3, out_dir: Path) -> list[GraphArtifact]:
     with export_forms(est):  # one-Exp Mish in the conv position embedding (fused_ops.py)
         export_estimator(EstimatorGraphV3(est), out_dir / FILES["flow_estimator"])
         export_stream_estimator(est, out_dir / FILES["flow_estimator_stream"])
+    export_time_graph(est, out_dir / FILES["flow_time"])
     layers, width, state, hist = stream_layout(est)
     for name in ("new_k", "new_v"):  # the tracer names the key width after a Concat
         _pin_output_shape(out_dir / FILES["flow_estimator_stream"], name, [layers, "batch", "kept", width])
@@ -162,6 +166,8 @@ def export_flow(flow: FlowV3, out_dir: Path) -> list[GraphArtifact]:
         _artifact(out_dir, "flow_encoder", encoder),
         _artifact(out_dir, "flow_estimator", {"attention": "full", **solver}),
         _artifact(out_dir, "flow_estimator_stream", stream),
+        _artifact(out_dir, "flow_time", {"depth": est.cfg.depth, "dim": est.cfg.dim,
+                                         "columns": (6 * est.cfg.depth + 2) * est.cfg.dim}),
     ]
 
 
@@ -180,12 +186,13 @@ def verify_flow(
 ) -> list[GateResult]:
     """ONNX Runtime vs the PyTorch reference on random inputs (max relative errors).
 
-    Gates (14): encoder mu (final; non-final with look-ahead context) and spks; the estimator at batch 2 with a
+    Gates (15): encoder mu (final; non-final with look-ahead context) and spks; the estimator at batch 2 with a
     padded row (valid frames) and the padded row vs the row alone; the stream estimator on three windows vs
     the reference DiT with the official chunk mask, its ``keep_frames`` and a whole sentence on it (full
-    attention); the whole flow (:class:`~cosyvoice_cpu.flow_v3.FlowStageV3`, on the stream graph, 10 steps,
-    CFG 0.7) vs ``FlowV3.inference``; :class:`~cosyvoice_cpu.flow_stream_v3.FlowStreamV3` in three
-    chunks vs the official prefix recompute (``FlowV3.inference(streaming=True, finalize=...)`` per chunk).
+    attention), given the exact time table; ``flow_time.onnx``'s table; the whole flow
+    (:class:`~cosyvoice_cpu.flow_v3.FlowStageV3`, on the stream graph, 10 steps, CFG 0.7) vs ``FlowV3.inference``;
+    :class:`~cosyvoice_cpu.flow_stream_v3.FlowStreamV3` in three chunks vs the official prefix recompute
+    (``FlowV3.inference(streaming=True, finalize=...)`` per chunk).
 
     Args:
         files: overrides of the file names by key (relative to ``out_dir``), e.g. a quantized estimator.
@@ -200,7 +207,8 @@ def verify_flow(
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     stage = FlowStageV3(paths["flow_encoder"], paths["flow_estimator"], paths["flow_estimator_stream"],
-                        paths["flow_noise"], settings=settings_of(flow), threads=threads)  # fmt: skip
+                        paths["flow_noise"], settings=settings_of(flow), threads=threads,
+                        time_graph=paths["flow_time"])  # fmt: skip
     n_prompt, n_tok, look = 40, 60, cfg.pre_lookahead_len
     prompt = torch.randint(0, cfg.vocab_size, (1, n_prompt), generator=gen)
     tokens = torch.randint(0, cfg.vocab_size, (1, n_tok), generator=gen)
@@ -233,6 +241,8 @@ def verify_flow(
     for r in verify_stream_estimator(est, stream_sess, rng, tol["estimator"], "flow_estimator_stream"):
         logger.info("%s", r)
         results.append(r)
+    time_sess = make_session(paths["flow_time"], SessionConfig(threads=threads))
+    results.append(verify_time_graph(est, time_sess, rng, tol["estimator"]))
 
     ref, _ = flow.inference(tokens, torch.tensor([n_tok]), prompt, torch.tensor([n_prompt]), feat, None, emb)
     mel = stage.inference(tokens.numpy(), prompt.numpy(), feat.numpy(), emb.numpy())

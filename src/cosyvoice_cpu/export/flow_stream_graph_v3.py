@@ -4,15 +4,22 @@ Both graphs are built from :class:`~cosyvoice_cpu.reference.dit.DiT` modules by 
 the DiT with fused attention (a key mask in the whole graph, a chunk-causal bias in the window), absolute RoPE
 positions and causal-conv states::
 
-    t (B,) -> t_emb (B, D);  cat[x, cond, mu, spks] (B, T, 320) -Linear-> h (B, T, D)
+    t (B,) -> t_emb (B, D) -> time table (B, L x 6D + 2D)  (in the stream graph: its ``modulation`` input)
+    cat[x, cond, mu, spks] (B, T, 320) -Linear-> h (B, T, D)
     conv position embedding: [state1 | h] -conv1, Mish-> c1;  [state2 | c1] -conv2, Mish-> c2;  h = h + c2
-    L x AdaLN-zero block: q, k = RoPE(to_q/to_k(n), positions offset .. offset+T-1), v = to_v(n)
-                           keys = [past keys | k] (all past visible), chunk-causal bias inside the window
-    AdaLN final -> Linear(D, 80) -> (B, 80, T)
+    L x AdaLN-zero block (its 6D of the table): q, k = RoPE(to_q/to_k(n), positions offset .. offset+T-1),
+                           v = to_v(n); keys = [past keys | k] (all past visible), chunk-causal bias in the window
+    AdaLN final (the table's last 2D) -> Linear(D, 80) -> (B, 80, T)
 
-``flow_estimator_stream.onnx`` (v3 contract, format 4; batch = CFG rows and/or streams, all frames valid)::
+``flow_time.onnx`` (format 5): everything in the DiT that depends on the flow time alone::
 
-    x, mu, cond (B, 80, T)  t (B,)  spks (B, 80)       the window's frames (absolute positions offset ..)
+    t (N,) -> modulation (N, L * 6D + 2D)   per block Linear(SiLU(t_emb)) (shift, scale, gate of attention and
+                                            feed-forward), then the final AdaLN's (scale, shift)
+
+``flow_estimator_stream.onnx`` (v3 contract, format 5; batch = CFG rows and/or streams, all frames valid)::
+
+    x, mu, cond (B, 80, T)  spks (B, 80)               the window's frames (absolute positions offset ..)
+    modulation (1 or B, L * 6D + 2D)                   ``flow_time.onnx`` at the step's t (one row: every row's)
     prompt_k, prompt_v (L, B, P, I)                     cached keys (after RoPE) / values of the prompt frames
     context_k, context_v (L, B, C, I)                   ... of the committed generated frames (P, C may be 0)
     conv_state (B, 2D, 30)                              the conv position embedding's inputs (h | c1) on the 30
@@ -35,6 +42,10 @@ fused_ops.unbiased_when_zero`): a window inside one chunk, or ``chunk_frames`` 0
 With empty caches, ``offset`` 0, ``chunk_frames`` 0 and ``keep_frames`` 0 a call *is* the official whole-sentence
 estimator (``streaming=False``) on unpadded rows, returning no per-layer keys/values: a process that synthesizes
 whole sentences and streams holds one copy of the DiT's weights (:class:`~cosyvoice_cpu.flow_v3.FlowStageV3`).
+
+The time graph is split off because its weights are 42 % of the DiT's (22 x 1024 x 6144 of 327 M at full size)
+yet an Euler schedule asks it for a handful of ``t`` values: the runtime computes a schedule's table once, keeps
+it (0.55 MB per step) and never holds those weights while it synthesizes.
 """
 
 from __future__ import annotations
@@ -55,8 +66,8 @@ from cosyvoice_cpu.reference.flow_estimator import MASK_BIAS, timestep_embedding
 
 logger = logging.getLogger(__name__)
 
-INPUTS = ["x", "mu", "t", "spks", "cond", "prompt_k", "prompt_v", "context_k", "context_v", "conv_state", "offset",
-          "keep_frames", "chunk_frames"]
+INPUTS = ["x", "mu", "modulation", "spks", "cond", "prompt_k", "prompt_v", "context_k", "context_v", "conv_state",
+          "offset", "keep_frames", "chunk_frames"]
 OUTPUTS = ["velocity", "new_k", "new_v", "conv_in"]
 
 
@@ -106,23 +117,36 @@ class DiTRun:
         bias = None if bias is None else bias[None, None]
         return fused_ops.attention(q, k, v, self.heads, self.scale, key_mask=key_mask, bias=bias)
 
-    def block(self, block: DiTBlock, x: torch.Tensor, t_emb: torch.Tensor, attention: Any) -> torch.Tensor:
-        """One AdaLN-zero block; ``attention(n) -> (B, T, D)`` is the attention on the modulated input."""
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.attn_norm.modulation(t_emb)
+    def block(self, block: DiTBlock, x: torch.Tensor, mods: torch.Tensor, attention: Any) -> torch.Tensor:
+        """One AdaLN-zero block on its slice of the time table, ``mods`` (B, 6D) (:meth:`block_mods`);
+        ``attention(n) -> (B, T, D)`` is the attention on the modulated input."""
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods.chunk(6, dim=1)
         n = block.attn_norm.norm(x) * (1 + scale_msa[:, None]) + shift_msa[:, None]
         x = x + gate_msa.unsqueeze(1) * attention(n)
         n = block.ff_norm(x) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
         return x + gate_mlp.unsqueeze(1) * block.ff.ff(n)
 
-    def time(self, t: torch.Tensor) -> torch.Tensor:
-        return self.est.time_embed.time_mlp(timestep_embedding(t, TIME_FREQ_DIM))
+    def time_table(self, t: torch.Tensor) -> torch.Tensor:
+        """t (N,) -> (N, L * 6D + 2D): every block's ``attn_norm.modulation`` and the final ``norm_out``'s, as
+        one row per t (what ``flow_time.onnx`` returns and the stream graph takes as ``modulation``)."""
+        est = self.est
+        # (N, 1, D): a Linear on 3-D input is traced as MatMul (Gemm on 2-D), which the recipe's quantizer takes
+        t_emb = F.silu(est.time_embed.time_mlp(timestep_embedding(t, TIME_FREQ_DIM)))[:, None]
+        parts = [b.attn_norm.linear(t_emb) for b in est.transformer_blocks]
+        return torch.cat([*parts, est.norm_out.linear(t_emb)], dim=2)[:, 0]
 
-    def head(self, h: torch.Tensor, residual: torch.Tensor, t_emb: torch.Tensor) -> torch.Tensor:
-        """Long skip (if any), final AdaLN (scale then shift), projection -> (B, 80, T)."""
+    def block_mods(self, table: torch.Tensor, i: int) -> torch.Tensor:
+        """Block ``i``'s (B, 6D) slice of a time table (B, L * 6D + 2D)."""
+        width = 6 * self.est.cfg.dim
+        return table[:, i * width : (i + 1) * width]
+
+    def head(self, h: torch.Tensor, residual: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """Long skip (if any), final AdaLN (scale then shift, the table's last 2D columns), projection ->
+        (B, 80, T)."""
         est = self.est
         if est.long_skip_connection is not None:
             h = est.long_skip_connection(torch.cat((h, residual), dim=-1))
-        scale, shift = est.norm_out.modulation(t_emb)
+        scale, shift = table[:, len(est.transformer_blocks) * 6 * est.cfg.dim :].chunk(2, dim=1)
         h = est.norm_out.norm(h) * (1 + scale)[:, None, :] + shift[:, None, :]
         return est.proj_out(h).transpose(1, 2)
 
@@ -136,14 +160,13 @@ class StreamEstimatorGraphV3(nn.Module):
         self.run = DiTRun(est)
 
     def forward(
-        self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
+        self, x: torch.Tensor, mu: torch.Tensor, modulation: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
         prompt_k: torch.Tensor, prompt_v: torch.Tensor, context_k: torch.Tensor, context_v: torch.Tensor,
         conv_state: torch.Tensor, offset: torch.Tensor, keep_frames: torch.Tensor, chunk_frames: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         run, size = self.run, x.size(2)
         # the first min(keep_frames, T) frames, traced as a Range (a Python slice would freeze the example's size)
         keep = torch.arange(size - torch.clamp(size - keep_frames, min=0))
-        t_emb = run.time(t)
         h, conv_in = run.embed(x, cond, mu, spks, conv_state)
         residual = h
         freqs = run.freqs(offset, size)
@@ -167,16 +190,47 @@ class StreamEstimatorGraphV3(nn.Module):
                 values = torch.cat([prompt_v[i], context_v[i], v], dim=1)
                 return a.to_out[0](run.attend(q, keys, values, bias=bias))
 
-            h = run.block(block, h, t_emb, attention)
-        return run.head(h, residual, t_emb), torch.stack(new_k), torch.stack(new_v), conv_in.index_select(2, keep)
+            h = run.block(block, h, run.block_mods(modulation, i), attention)
+        return run.head(h, residual, modulation), torch.stack(new_k), torch.stack(new_v), conv_in.index_select(2, keep)
+
+
+class TimeGraphV3(nn.Module):
+    """``flow_time.onnx``: t (N,) -> modulation (N, L * 6D + 2D) (:meth:`DiTRun.time_table`)."""
+
+    def __init__(self, est: DiT) -> None:
+        super().__init__()
+        self.est = est  # registered, so the tracer sees its weights as parameters
+        self.run = DiTRun(est)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return self.run.time_table(t)
+
+
+def export_time_graph(est: DiT, path: Any) -> None:
+    """Write the v3 ``flow_time.onnx`` (+ ``.data``) at ``path``."""
+    from cosyvoice_cpu.export.common import torch_export
+
+    t = torch.tensor([0.0, 0.25, 0.7], dtype=torch.float32)
+    torch_export(TimeGraphV3(est), (t,), path, input_names=["t"], output_names=["modulation"],
+                 dynamic_axes={"t": {0: "steps"}, "modulation": {0: "steps"}})  # fmt: skip
+
+
+def verify_time_graph(est: DiT, sess: Any, rng: np.random.Generator, tol: float) -> GateResult:
+    """``flow_time.onnx`` vs :meth:`DiTRun.time_table` on 10 random times."""
+    t = rng.uniform(0, 1, 10).astype(np.float32)
+    ours = sess.run(None, {"t": t})[0]
+    ref = DiTRun(est).time_table(torch.from_numpy(t)).numpy()
+    return GateResult("flow_time", "modulation rel err", rel_err(ours, ref), tol, "10 random t")
 
 
 def example_inputs(est: DiT, rng: np.random.Generator, b: int, size: int, n_prompt: int, n_ctx: int,
                    offset: int) -> dict[str, np.ndarray]:  # fmt: skip
     """Random feeds for a window of ``size`` frames at ``offset`` after ``n_prompt`` + ``n_ctx`` cached frames."""
     layers, width, state, frames = stream_layout(est)
+    t = torch.from_numpy(rng.uniform(0, 1, b).astype(np.float32))
     feeds: dict[str, Any] = {
-        "x": rng.standard_normal((b, 80, size)), "mu": rng.standard_normal((b, 80, size)), "t": rng.uniform(0, 1, b),
+        "x": rng.standard_normal((b, 80, size)), "mu": rng.standard_normal((b, 80, size)),
+        "modulation": DiTRun(est).time_table(t).detach().numpy(),
         "spks": rng.standard_normal((b, 80)), "cond": np.zeros((b, 80, size)),
         "prompt_k": rng.standard_normal((layers, b, n_prompt, width)),
         "prompt_v": rng.standard_normal((layers, b, n_prompt, width)),
@@ -193,7 +247,7 @@ def example_inputs(est: DiT, rng: np.random.Generator, b: int, size: int, n_prom
 
 DYNAMIC_AXES = {
     "x": {0: "batch", 2: "time"}, "mu": {0: "batch", 2: "time"}, "cond": {0: "batch", 2: "time"},
-    "t": {0: "batch"}, "spks": {0: "batch"}, "conv_state": {0: "batch"},
+    "modulation": {0: "time_rows"}, "spks": {0: "batch"}, "conv_state": {0: "batch"},
     "prompt_k": {1: "batch", 2: "prompt_frames"}, "prompt_v": {1: "batch", 2: "prompt_frames"},
     "context_k": {1: "batch", 2: "context_frames"}, "context_v": {1: "batch", 2: "context_frames"},
     "velocity": {0: "batch", 2: "time"}, "new_k": {1: "batch", 2: "kept"}, "new_v": {1: "batch", 2: "kept"},
@@ -233,6 +287,7 @@ def verify_stream_estimator(est: DiT, sess: Any, rng: np.random.Generator, tol: 
     full = {k: rng.standard_normal((b, 80, total)).astype(np.float32) for k in ("x", "mu", "cond")}
     full["cond"][:, :, c + 7 :] = 0.0
     t = rng.uniform(0, 1, b).astype(np.float32)
+    table = DiTRun(est).time_table(torch.from_numpy(t)).numpy()  # exact: this gate is the stream graph's alone
     spks = rng.standard_normal((b, 80)).astype(np.float32)
     layers, width, state, frames = stream_layout(est)
     wire = cache_dtype(sess, "prompt_k")  # float16 keys/values in the int8 graph (half_cache_io)
@@ -241,7 +296,7 @@ def verify_stream_estimator(est: DiT, sess: Any, rng: np.random.Generator, tol: 
     conv = np.zeros((b, state, frames), np.float32)
 
     def call(s: int, e: int, keep: int, chunk: int, **caches: np.ndarray) -> list[np.ndarray]:
-        feeds = {"x": full["x"][:, :, s:e], "mu": full["mu"][:, :, s:e], "t": t, "spks": spks,
+        feeds = {"x": full["x"][:, :, s:e], "mu": full["mu"][:, :, s:e], "modulation": table, "spks": spks,
                  "cond": full["cond"][:, :, s:e], **caches, "offset": np.array(s, np.int64),
                  "keep_frames": np.array(keep, np.int64), "chunk_frames": np.array(chunk, np.int64)}  # fmt: skip
         return sess.run(None, {k: np.ascontiguousarray(v) for k, v in feeds.items()})
