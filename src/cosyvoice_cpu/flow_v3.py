@@ -122,7 +122,7 @@ class FlowStageV3(FlowStage):
         """(steps, L x 6D + 2D) float32: ``flow_time.onnx`` at the schedule's t values (row k for step k).
 
         Computed once per schedule and kept (the last :data:`TIME_TABLES`); the graph is opened for it and closed
-        again, so its weights (138 MB at full size int8) are held for ~0.3 s, not while synthesizing.
+        again, so its weights (164 MB at full size int8) are held for ~0.3 s, not while synthesizing.
         """
         key = tuple(float(t) for t, _ in schedule)
         with self._tables_lock:  # concurrent requests wait for one computation instead of each running it

@@ -16,7 +16,7 @@ Stage precisions:
   AVX2 machines without VNNI where u8s8 products saturate: see ``export.stages.INT8_WEIGHT_BITS``; the int8
   stream graph also takes its caches in float16: ``export.flow_stream_graph.half_cache_io``). Fun-CosyVoice3's
   time graph (``flow_time.onnx``, run once per Euler schedule) takes the same field: ``int8`` makes it
-  weight-only ``MatMulNBits`` 8-bit, block 32 (138 MB at full size instead of 552).
+  weight-only ``MatMulNBits`` 8-bit, block 32 (164 MB on disk at full size instead of 568).
 * ``flow_encoder``: ``fp32`` or ``int8w`` (weight-only ``MatMulNBits``, 8 bits, block 32, fp32 compute: the
   encoder runs once per sentence or chunk, so this is for memory, 158 -> 62 MB at full size, not speed).
 * ``hift``: ``fp32`` or ``int8w`` (Conv weights stored int8 per output channel + ``DequantizeLinear``, fp32

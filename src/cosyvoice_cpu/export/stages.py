@@ -96,8 +96,8 @@ def _quantize(art: GraphArtifact, precision: str, work: Path, out: Path) -> Grap
         quantize_nbits(src, dst, bits=4 if four else 8, block_size=block, accuracy_level=4,
                        metadata={MIN_ROWS_KEY: "2"} if four else None)  # fmt: skip
     elif art.key == "flow_time" and precision == "int8":
-        # run once per Euler schedule, so weight-only 8-bit (MatMulNBits, int8 compute): 138 MB at full size,
-        # opened for ~0.3 s with +200 MB (fp32 compute, accuracy 1, dequantized every weight: +400 MB)
+        # run once per Euler schedule, so weight-only 8-bit (MatMulNBits, int8 compute): 164 MB on disk at full
+        # size, opened for ~0.3 s with ~+190 MB (fp32 compute, accuracy 1, dequantized every weight: +400 MB)
         quantize_nbits(src, dst, bits=8, block_size=32, accuracy_level=4)
     elif art.key == "flow_encoder" and precision == "int8w":
         # fp32 compute (accuracy 1): full-size random weights, mu rel err 6.5e-3, +10 % per call (int8 compute: 1.1e-2)
