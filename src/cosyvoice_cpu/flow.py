@@ -256,8 +256,9 @@ class FlowStage:
                       "keep_frames": np.array(0, np.int64)}  # fmt: skip
 
     def encode(
-        self, tokens: Any, prompt_tokens: Any, embedding: np.ndarray, context: Any = None, streaming: bool = False
-    ) -> tuple[np.ndarray, np.ndarray]:
+        self, tokens: Any, prompt_tokens: Any, embedding: np.ndarray, context: Any = None, streaming: bool = False,
+        shrink: bool | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
         """Encode prompt + tokens.
 
         Args:
@@ -266,6 +267,8 @@ class FlowStage:
             context: None for a final chunk, else the 1..pre_lookahead_len look-ahead ids after ``tokens``
                 (the official ``finalize=False`` call with those ids appended to ``tokens``).
             streaming: chunk-causal encoder attention (``static_chunk_size`` tokens).
+            shrink: give the ORT arena's free memory back after the call (None: when the call is long,
+                :meth:`encoder_run_options`).
         Returns:
             mu (1, 80, 2 (T_p + T)) float32, spks (1, 80) float32.
         """
@@ -284,7 +287,8 @@ class FlowStage:
         chunk = np.array(self.settings.static_chunk_size if streaming else 0, dtype=np.int64)
         feeds = {"token": token, "context": ctx, "embedding": emb, "chunk_size": chunk}
         frames = (new.shape[1] + ctx.shape[1]) * self.settings.token_mel_ratio
-        mu, spks = self.encoder.run(None, feeds, self.encoder_run_options(frames))
+        options = self.encoder_run_options(frames) if shrink is None else (shrink_after_run() if shrink else None)
+        mu, spks = self.encoder.run(None, feeds, options)
         return mu, spks
 
     def encoder_run_options(self, frames: int) -> Any:

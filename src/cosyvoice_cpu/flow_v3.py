@@ -34,7 +34,7 @@ import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.flow import FILES, FlowSettings, FlowStage, _open, cache_dtype
-from cosyvoice_cpu.sessions import SessionConfig, shrink_after_run
+from cosyvoice_cpu.sessions import SessionConfig
 
 logger = logging.getLogger(__name__)
 
@@ -150,9 +150,7 @@ class FlowStageV3(FlowStage):
         the arena gave back instead of on top of it (a new schedule right after a whole sentence, full-size
         int8w: the process peak 1234 MB without this, 1129 with it, 1048 for the sentence itself). The next calls
         fault their arena pages in again, once per new schedule."""
-        ids = {"token": np.zeros((1, 1), np.int64), "context": np.zeros((1, 0), np.int64)}
-        feeds = {**ids, "embedding": np.zeros((1, self._emb_dim), np.float32), "chunk_size": np.array(0, np.int64)}
-        self.encoder.run(None, feeds, shrink_after_run())
+        self.encode(np.zeros(1, np.int64), [], np.zeros(self._emb_dim, np.float32), shrink=True)
 
     def time_feeds(self, sess: Any, schedule: list[tuple[np.float32, np.float32]],
                    rows: int) -> list[dict[str, np.ndarray]]:  # fmt: skip
