@@ -16,7 +16,7 @@ import argparse
 import statistics
 from pathlib import Path
 
-from cosyvoice_cpu.benchmark import alternate, load, measure_e2e
+from cosyvoice_cpu.benchmark.tasks import alternate, load, measure_e2e
 
 
 def main() -> None:
@@ -25,15 +25,20 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=4)
     args = ap.parse_args()
-    engines = {label: load(args.model_dir, args.threads, streaming_estimator=streaming)
-               for label, streaming in (("stream graph (default)", True), ("flow_estimator.onnx", False))}
+    engines = {
+        label: load(args.model_dir, args.threads, streaming_estimator=streaming)
+        for label, streaming in (("stream graph (default)", True), ("flow_estimator.onnx", False))
+    }
     # alternately; each measurement after its own warm-up run
     results = alternate(engines, args.runs, lambda engine, voice: measure_e2e(engine, voice, 250, 1))
     sessions = {label: sorted(engine.flow._sessions) for label, (engine, _) in engines.items()}
     for label, rs in results.items():
         steps, rtf = [r["flow_ms_per_step"] for r in rs], statistics.median(r["rtf"] for r in rs)
-        print(f"{label:24s} flow {statistics.median(steps):.1f} ms/step, RTF {rtf:.3f}"
-              f"  (runs: {', '.join(f'{x:.0f}' for x in steps)}; estimator sessions opened {sessions[label]})")
+        print(
+            f"{label:24s} flow {statistics.median(steps):.1f} ms/step, RTF {rtf:.3f}"
+            f"  (runs: {', '.join(f'{x:.0f}' for x in steps)}; estimator sessions opened {sessions[label]})"
+        )
+
 
 if __name__ == "__main__":
     main()

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
+from cosyvoice_cpu.backends.base import SessionConfig
+from cosyvoice_cpu.backends.onnxruntime import make_session
 from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.quantize import quantize_int8_dynamic, quantize_nbits
-from cosyvoice_cpu.sessions import SessionConfig, make_session
 
 
 def main() -> None:

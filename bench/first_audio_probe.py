@@ -7,7 +7,7 @@ Same workload as ``cosyvoice-cpu bench`` (registered 3 s voice, the 8-character 
 prompt cache warm), the stages called directly: LM prefill + first token, the decode up to the chunk and its
 3 look-ahead tokens, the stream flow on the chunk, the first vocoder push. Medians of ``runs``.
 
-``--prefix-cache off`` keeps no LM prefix (the KV entries of the voice's transcript, :mod:`cosyvoice_cpu.lm_prefix`):
+``--prefix-cache off`` keeps no LM prefix (the KV entries of the voice's transcript, :mod:`cosyvoice_cpu.lm.prefix`):
 every request prefills it again, as before the cache existed; ``both`` alternates the two in each run.
 ``--lm-only`` times the LM prefill + first token alone (any family, CosyVoice-300M included: its prompt has the
 speaker row), with the 10 s bench sentence's text too.
@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from cosyvoice_cpu.benchmark import SHORT_TEXT, TEXT, load
-from cosyvoice_cpu.flow_stream import FlowStream
-from cosyvoice_cpu.lm_prefix import DEFAULT_BYTES, PrefixCache
-from cosyvoice_cpu.streaming import VocoderStream
+from cosyvoice_cpu.benchmark.tasks import SHORT_TEXT, TEXT, load
+from cosyvoice_cpu.flow.stream import FlowStream
+from cosyvoice_cpu.lm.prefix import DEFAULT_BYTES, PrefixCache
+from cosyvoice_cpu.vocoder.overlap_stream import VocoderStream
 
 
 def main() -> None:
@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--lm-only", action="store_true", help="time the LM prefill + first token only")
     args = ap.parse_args()
     engine, voice = load(args.model_dir, args.threads)
-    prompt_ids, prompt_speech, speaker = engine._lm_prompt(voice, None, False)
+    prompt_ids, prompt_speech, speaker = engine.lm_prompt(voice, None, False)
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.prefix_cache]
     caches = {on: PrefixCache(engine.lm.session, DEFAULT_BYTES if on else 0) for on in modes}
     if args.lm_only:

@@ -26,10 +26,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--runs", type=int, default=5)
     args = ap.parse_args()
-    from cosyvoice_cpu.cli import cache_dir
-    from cosyvoice_cpu.export.fixture import FixtureSpec, write_fixture
+    from cosyvoice_cpu.cli.main import cache_dir
     from cosyvoice_cpu.export.lm_graph import _open, compare_lm, export_lm
     from cosyvoice_cpu.export.quantize import quantize_nbits
+    from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
     from cosyvoice_cpu.reference.model_dir import load_reference
 
     src = cache_dir() / "fixtures" / f"cosyvoice2-{args.size}-seed0"

@@ -28,7 +28,7 @@ PROMPT = 166
 
 
 def _open(model_dir: Path, threads: int, min_rows: int | None):  # -> LMSession
-    from cosyvoice_cpu.lm import LMSession
+    from cosyvoice_cpu.lm.session import LMSession
     from cosyvoice_cpu.manifest import Manifest
 
     return LMSession.from_dir(model_dir, Manifest.load(model_dir).graphs["lm"].attrs, threads=threads,
@@ -59,7 +59,7 @@ def _batch_gap(session, prompt: np.ndarray, tokens: np.ndarray) -> float:
 
 
 def _stream(args: argparse.Namespace) -> None:
-    from cosyvoice_cpu.benchmark import TEXT, alternate, first_audio, load
+    from cosyvoice_cpu.benchmark.tasks import TEXT, alternate, first_audio, load
 
     engines = {"int4, min_rows 1": load(args.int4_dir, args.threads), "int4, min_rows 2": load(args.int4_dir,
                args.threads), "int8w": load(args.int8w_dir, args.threads)}  # fmt: skip
@@ -70,8 +70,10 @@ def _stream(args: argparse.Namespace) -> None:
     print("|---|---|---|---|")
     for name, rs in results.items():
         rtfs = [r["stream_rtf"] for r in rs]
-        print(f"| {name} | {statistics.median(r['first_audio_s'] for r in rs):.3f} | {statistics.median(rtfs):.3f} "
-              f"| {', '.join(f'{x:.3f}' for x in rtfs)} |")
+        print(
+            f"| {name} | {statistics.median(r['first_audio_s'] for r in rs):.3f} | {statistics.median(rtfs):.3f} "
+            f"| {', '.join(f'{x:.3f}' for x in rtfs)} |"
+        )
 
 
 def main() -> None:

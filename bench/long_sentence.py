@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from cosyvoice_cpu.benchmark import TEXT, _config, load, peak_rss_mb, status_mb
+from cosyvoice_cpu.benchmark.tasks import TEXT, _config, load, peak_rss_mb, status_mb
 from cosyvoice_cpu.engine import Timings
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cosyvoice_cpu.benchmark import (
+from cosyvoice_cpu.benchmark.tasks import (
     SHORT_TEXT,
     TEXT,
     first_audio,
@@ -29,7 +29,7 @@ from cosyvoice_cpu.benchmark import (
     peak_rss_mb,
     status_mb,
 )
-from cosyvoice_cpu.hardware import malloc_free_bytes
+from cosyvoice_cpu.hardware.cpu import malloc_free_bytes
 
 
 def main() -> None:
@@ -39,10 +39,17 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=250)
     ap.add_argument("--short-tokens", type=int, default=50)
-    ap.add_argument("--mmap-threshold-kb", type=int, default=None,
-                    help="EngineConfig.malloc_mmap_threshold_kb (default: the engine's; 0 leaves malloc alone)")
-    ap.add_argument("--keep-weight-pages", action="store_true",
-                    help="EngineConfig.release_weight_pages=False: keep the weight-file pages ORT touched at load")
+    ap.add_argument(
+        "--mmap-threshold-kb",
+        type=int,
+        default=None,
+        help="EngineConfig.malloc_mmap_threshold_kb (default: the engine's; 0 leaves malloc alone)",
+    )
+    ap.add_argument(
+        "--keep-weight-pages",
+        action="store_true",
+        help="EngineConfig.release_weight_pages=False: keep the weight-file pages ORT touched at load",
+    )
     args = ap.parse_args()
     n, runs = args.tokens, args.runs
     state: dict[str, Any] = {}
@@ -61,8 +68,10 @@ def main() -> None:
         ("LM, 4 rows", lambda: measure_lm_batched(state["engine"], state["voice"], 4)),
         ("whole sentence", lambda: measure_e2e(state["engine"], state["voice"], n, runs)),
         ("fast preset", lambda: measure_e2e(state["engine"], state["voice"], n, runs, flow_steps=5)),
-        ("streamed, 8 characters",
-         lambda: first_audio(state["engine"], state["voice"], SHORT_TEXT, args.short_tokens, runs)),
+        (
+            "streamed, 8 characters",
+            lambda: first_audio(state["engine"], state["voice"], SHORT_TEXT, args.short_tokens, runs),
+        ),
         ("streamed, 10 s", lambda: first_audio(state["engine"], state["voice"], TEXT, n, runs)),
     ]
     print(f"{'step':24s} {'RSS MB':>8s} {'peak MB':>8s} {'+peak':>6s} {'malloc free MB':>15s}")

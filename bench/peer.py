@@ -158,6 +158,7 @@ def build_official(model_dir: Path) -> Peer:
         return (int(t) for t in gen)
 
     vocab = llm.text_embedding.num_embeddings if v1 else llm.llm.model.model.embed_tokens.num_embeddings
+
     def vocode(mel: Any) -> Any:
         return hift.inference(speech_feat=mel, cache_source=torch.zeros(1, 1, 0))[0]
 

@@ -16,7 +16,7 @@ import argparse
 import statistics
 from pathlib import Path
 
-from cosyvoice_cpu.benchmark import SHORT_TEXT, TEXT, alternate, first_audio, load
+from cosyvoice_cpu.benchmark.tasks import SHORT_TEXT, TEXT, alternate, first_audio, load
 
 
 def main() -> None:
@@ -34,8 +34,11 @@ def main() -> None:
         label = "LM in the caller's thread (lm_batch_rows=0)" if rows == 0 else "LM ahead in its thread (default)"
         firsts = [r["first_audio_s"] for r in rs]
         rtfs = [r["stream_rtf"] for r in rs]
-        print(f"{label:45s} first audio {statistics.median(firsts):.3f} s, streamed RTF {statistics.median(rtfs):.3f}"
-              f"  (runs: {', '.join(f'{x:.3f}' for x in rtfs)})")
+        print(
+            f"{label:45s} first audio {statistics.median(firsts):.3f} s, streamed RTF {statistics.median(rtfs):.3f}"
+            f"  (runs: {', '.join(f'{x:.3f}' for x in rtfs)})"
+        )
+
 
 if __name__ == "__main__":
     main()

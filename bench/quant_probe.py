@@ -50,11 +50,11 @@ def _median_ms(fn, repeat: int) -> float:
 
 def probe(model_dir: Path, threads: int, size: str) -> dict:
     sys.modules["torch"] = None  # type: ignore[assignment]  # the runtime must not need it
-    from cosyvoice_cpu.flow import FlowStage
-    from cosyvoice_cpu.harmonic_source import SourceNoise
-    from cosyvoice_cpu.lm import LMSession
+    from cosyvoice_cpu.flow.stage import FlowStage
+    from cosyvoice_cpu.lm.session import LMSession
     from cosyvoice_cpu.manifest import Manifest
-    from cosyvoice_cpu.vocoder import Vocoder
+    from cosyvoice_cpu.vocoder.hift import Vocoder
+    from cosyvoice_cpu.vocoder.source import SourceNoise
 
     shapes = SHAPES[size]
     t0 = time.perf_counter()

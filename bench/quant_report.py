@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from quant_probe import estimator_feeds, probe_runtime  # noqa: E402
 
-from cosyvoice_cpu.cli import cache_dir  # noqa: E402
+from cosyvoice_cpu.cli.main import cache_dir  # noqa: E402
 from cosyvoice_cpu.export.quantize import RECIPES  # noqa: E402
 
 UTTERANCES = {"tiny": 4, "full": 3}
@@ -58,9 +58,10 @@ def reduce_range_check(fp32_dir: Path, size: str, threads: int) -> dict:
     """The fp32 estimator quantized to dynamic int8 with and without reduce_range: error vs fp32 and speed."""
     import tempfile
 
+    from cosyvoice_cpu.backends.base import SessionConfig
+    from cosyvoice_cpu.backends.onnxruntime import make_session
     from cosyvoice_cpu.export.common import rel_err
     from cosyvoice_cpu.export.quantize import quantize_int8_dynamic
-    from cosyvoice_cpu.sessions import SessionConfig, make_session
 
     feeds = estimator_feeds(np.random.default_rng(7), 650 if size == "full" else 200)
     out: dict[str, float] = {}
@@ -110,9 +111,9 @@ def dir_sizes(d: Path) -> dict:
 def flow_and_vocoder_quality(dirs: dict[str, Path], size: str, threads: int) -> dict[str, dict]:
     """mel L1 and wave SNR of each recipe vs fp32 on the same tokens, prompt, flow noise and source noise."""
     from cosyvoice_cpu.export.common import rel_err
-    from cosyvoice_cpu.flow import FlowStage
-    from cosyvoice_cpu.harmonic_source import SourceNoise
-    from cosyvoice_cpu.vocoder import Vocoder
+    from cosyvoice_cpu.flow.stage import FlowStage
+    from cosyvoice_cpu.vocoder.hift import Vocoder
+    from cosyvoice_cpu.vocoder.source import SourceNoise
 
     rng = np.random.default_rng(0)
     cases = []
@@ -199,9 +200,13 @@ def markdown(results: dict[str, dict], size: str, meta: dict) -> str:
             ("load s", "load_s"), ("RSS MB", "runtime_peak_rss_mb"), ("size MB", "size_total_mb"),
             ("export s", "export_s"), ("export RSS MB", "export_peak_rss_mb")]  # fmt: skip
     rr = meta.get("estimator_reduce_range")
-    note = "" if not rr else (
-        f" Estimator dynamic int8 vs fp32, one call: reduce_range on {rr['on_rel_err']:.3g} rel. err "
-        f"({rr['on_ms']:.0f} ms), off {rr['off_rel_err']:.3g} ({rr['off_ms']:.0f} ms), fp32 {rr['fp32_ms']:.0f} ms."
+    note = (
+        ""
+        if not rr
+        else (
+            f" Estimator dynamic int8 vs fp32, one call: reduce_range on {rr['on_rel_err']:.3g} rel. err "
+            f"({rr['on_ms']:.0f} ms), off {rr['off_rel_err']:.3g} ({rr['off_ms']:.0f} ms), fp32 {rr['fp32_ms']:.0f} ms."
+        )
     )
     lines = [f"Measured {meta['date']} on {meta['machine']}, {meta['threads']} threads, onnxruntime "
              f"{meta.get('onnxruntime', '?')}, code {meta.get('code', '?')}: `{meta['command']}`.{note}", "",
@@ -244,7 +249,7 @@ def main() -> None:
         plot(saved["results"], args.size, ROOT / "docs" / "img" / f"quant_mel_error_{args.size}.png")
         return
     recipes = ["fp32"] + [r for r in args.recipes.split(",") if r != "fp32"]
-    from cosyvoice_cpu.export.fixture import FixtureSpec, write_fixture
+    from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
 
     src = cache_dir() / "fixtures" / f"cosyvoice2-{args.size}-seed0"
     if not (src / "cosyvoice2.yaml").is_file():

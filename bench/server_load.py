@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from cosyvoice_cpu.cli_speech import DEMO_MODEL, _tone_wav
+from cosyvoice_cpu.cli.speech import DEMO_MODEL, _tone_wav
 from cosyvoice_cpu.server.process import ServerProcess
 
 TEXT = "Warning: line three is overheating. Check the pump."
@@ -102,8 +102,10 @@ def batching(args: argparse.Namespace) -> dict:
         out["runs"][label] = rows
         for row in rows:
             cores = f", server {row['server_cores']:.2f} cores" if "server_cores" in row else ""
-            print(f"{label:13s} {row['concurrency']:2d} in flight: {row['sentences_per_s']:6.2f} sentences/s "
-                  f"({row['vs_serial']:.2f}x serial), median first audio {row['median_first_audio_s']:.3f} s{cores}")
+            print(
+                f"{label:13s} {row['concurrency']:2d} in flight: {row['sentences_per_s']:6.2f} sentences/s "
+                f"({row['vs_serial']:.2f}x serial), median first audio {row['median_first_audio_s']:.3f} s{cores}"
+            )
     return out
 
 
@@ -132,8 +134,16 @@ def soak(args: argparse.Namespace) -> dict:
     growth = (curve[-1][1] - warm) / warm
     print(f"RSS after warm-up {warm:.1f} MB, at the end {curve[-1][1]:.1f} MB: growth {growth * 100:+.2f} %; "
           f"{errors} failed requests")  # fmt: skip
-    return {"model": str(args.model), "requests": args.requests, "concurrency": args.concurrency, "errors": errors,
-            "rss_after_warmup_mb": warm, "rss_end_mb": curve[-1][1], "growth": round(growth, 4), "curve": curve}
+    return {
+        "model": str(args.model),
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "errors": errors,
+        "rss_after_warmup_mb": warm,
+        "rss_end_mb": curve[-1][1],
+        "growth": round(growth, 4),
+        "curve": curve,
+    }
 
 
 def _safe(url: str, seed: int) -> dict | None:

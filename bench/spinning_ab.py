@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cosyvoice_cpu.benchmark import TEXT, _config, alternate, first_audio, load, measure_e2e, measure_lm
+from cosyvoice_cpu.benchmark.tasks import TEXT, _config, alternate, first_audio, load, measure_e2e, measure_lm
 
 
 def four_at_once(engine: Any, voice: Any, tokens: int) -> float:
@@ -46,8 +46,12 @@ def lm_spinning(engine: Any, model_dir: Path, threads: int, spin_us: int) -> Non
 
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
-    for key, value in (("session.intra_op.allow_spinning", "1"), ("session.inter_op.allow_spinning", "0"),
-                       ("session.intra_op.spin_duration_us", str(spin_us)), ("session.use_env_allocators", "1")):
+    for key, value in (
+        ("session.intra_op.allow_spinning", "1"),
+        ("session.inter_op.allow_spinning", "0"),
+        ("session.intra_op.spin_duration_us", str(spin_us)),
+        ("session.use_env_allocators", "1"),
+    ):
         so.add_session_config_entry(key, value)
     engine.lm.session.session = ort.InferenceSession(str(model_dir / "lm.onnx"), so, providers=["CPUExecutionProvider"])
 

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-from cosyvoice_cpu.flow import FlowStage
-from cosyvoice_cpu.flow_stream import FlowStream, PromptCache
+from cosyvoice_cpu.flow.stage import FlowStage
+from cosyvoice_cpu.flow.stream import FlowStream, PromptCache
 from cosyvoice_cpu.manifest import Manifest
-from cosyvoice_cpu.streaming import ChunkPlan
+from cosyvoice_cpu.sentence import ChunkPlan
 
 
 def _inputs(n_prompt: int, n_tok: int) -> tuple[np.ndarray, ...]:
@@ -68,8 +68,9 @@ def run_official(stage: FlowStage, inputs: tuple[np.ndarray, ...]) -> tuple[np.n
     mels, times = [], []
     for a, b, final in _chunks(len(toks), look):
         t0 = time.perf_counter()
-        mel = stage.inference(toks[:b], prompt, feat, emb, context=None if final else toks[b : b + look],
-                              streaming=True)  # fmt: skip (chunk-causal encoder, full-attention estimator)
+        mel = stage.inference(
+            toks[:b], prompt, feat, emb, context=None if final else toks[b : b + look], streaming=True
+        )  # fmt: skip (chunk-causal encoder, full-attention estimator)
         mels.append(mel[:, :, 2 * a :])
         times.append(time.perf_counter() - t0)
     return np.concatenate(mels, axis=2), times

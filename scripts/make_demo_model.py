@@ -23,7 +23,7 @@ SOURCE = "cosyvoice-cpu fixture --family cosyvoice2 --size demo --seed 0 (random
 def build(out: Path) -> Path:
     """Write the demo fixture and export it to ``out`` (replaced)."""
     from cosyvoice_cpu.export.exporter import ExportOptions, export_model
-    from cosyvoice_cpu.export.fixture import FixtureSpec, write_fixture
+    from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
     from cosyvoice_cpu.manifest import MANIFEST_NAME
 
     with tempfile.TemporaryDirectory() as tmp:

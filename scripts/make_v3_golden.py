@@ -50,7 +50,7 @@ def injected_draws(seed: int):
     """Replace ``torch.Tensor.multinomial`` by an inverse CDF over ``default_rng(seed).random()``."""
     import torch
 
-    from cosyvoice_cpu.sampling import inverse_cdf
+    from cosyvoice_cpu.lm.sampling import inverse_cdf
 
     rng = np.random.default_rng(seed)
     saved = torch.Tensor.multinomial
@@ -170,7 +170,7 @@ def main() -> None:
     import torch
     import transformers
 
-    from cosyvoice_cpu.export.fixture_v3 import write_cosyvoice3_lm_files
+    from cosyvoice_cpu.fixtures.weights_v3 import write_cosyvoice3_lm_files
 
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="v3golden."))
@@ -233,7 +233,7 @@ def main() -> None:
         "cross_lingual": CROSS_LINGUAL,
         "zs_min_len": int(min_len),
         "zs_max_len": int(max_len),
-        "draws": "Tensor.multinomial -> inverse CDF (cosyvoice_cpu.sampling.inverse_cdf) at "
+        "draws": "Tensor.multinomial -> inverse CDF (cosyvoice_cpu.lm.sampling.inverse_cdf) at "
         "numpy default_rng(draw_seed).random(); <case>_decode_<i> uses draw seed decode_seeds[<case>][i]",
         "decode_seeds": {
             c: [int(k.split("_")[1]) for k in decodes if k.startswith(c + "_") and "first" not in k]

@@ -10,7 +10,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny CosyVoice2 fixture (seed 0), written once per test session."""
-    from cosyvoice_cpu.export.fixture import FixtureSpec, write_fixture
+    from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
 
     return write_fixture(FixtureSpec("cosyvoice2", "tiny", 0), tmp_path_factory.mktemp("fixtures") / "tiny")
 
@@ -18,7 +18,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_v1_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny CosyVoice-300M (v1) fixture (seed 0), written once per test session."""
-    from cosyvoice_cpu.export.fixture import FixtureSpec, write_fixture
+    from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
 
     return write_fixture(FixtureSpec("cosyvoice", "tiny", 0), tmp_path_factory.mktemp("fixtures") / "tiny-v1")
 
@@ -26,7 +26,7 @@ def tiny_v1_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def full_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The full-size CosyVoice2 fixture (random weights, real shapes; ~2.5 GB, about a minute to write)."""
-    from cosyvoice_cpu.export.fixture import FixtureSpec, write_fixture
+    from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
 
     return write_fixture(FixtureSpec("cosyvoice2", "full", 0), tmp_path_factory.mktemp("fixtures") / "full")
 
@@ -54,7 +54,7 @@ def tiny_v1_export_dir(tiny_v1_model_dir: Path, tmp_path_factory: pytest.TempPat
 @pytest.fixture(scope="session")
 def tiny_v3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Fun-CosyVoice3 fixture (seed 0), written once per test session."""
-    from cosyvoice_cpu.export.fixture import FixtureSpec, write_fixture
+    from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
 
     return write_fixture(FixtureSpec("cosyvoice3", "tiny", 0), tmp_path_factory.mktemp("fixtures") / "tiny-v3")
 

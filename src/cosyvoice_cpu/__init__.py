@@ -13,7 +13,7 @@ _PUBLIC = {
     "EngineConfig": "cosyvoice_cpu.config",
     "SynthesisConfig": "cosyvoice_cpu.config",
     "AudioChunk": "cosyvoice_cpu.config",
-    "Voice": "cosyvoice_cpu.voice",
+    "Voice": "cosyvoice_cpu.voices.voice",
 }
 
 

@@ -1,5 +1,5 @@
 """``python -m cosyvoice_cpu`` runs the command-line interface."""
 
-from cosyvoice_cpu.cli import main
+from cosyvoice_cpu.cli.main import main
 
 raise SystemExit(main())

@@ -7,14 +7,16 @@ parameters fail before any work (and a server can answer 4xx with the message).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from cosyvoice_cpu.backends.base import DEFAULT_SHRINK_FRAMES
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.sessions import DEFAULT_SHRINK_FRAMES
-from cosyvoice_cpu.vocoder_window import DEFAULT_WINDOW_FRAMES, MIN_WINDOW_FRAMES
+from cosyvoice_cpu.vocoder.windows import DEFAULT_WINDOW_FRAMES, MIN_WINDOW_FRAMES
 
 logger = logging.getLogger(__name__)
 
@@ -53,42 +55,41 @@ class EngineConfig:
         verify_hashes: recompute every file's sha256 at load (seconds per GB).
         streaming_estimator: load the streaming flow estimator (needed for ``stream=True``). On CosyVoice2 it
             also runs whole sentences, so one estimator is in memory for both modes; False loads only
-            ``flow_estimator.onnx`` (whole sentences only, ~1-3 % faster per flow step: its q/k/v share one
-            activation quantization).
+            ``flow_estimator.onnx`` (whole sentences only, marginally faster per flow step: its q/k/v share one
+            activation quantization; measured: docs/benchmarks-log.md, "Where the time goes").
         prompt_cache_mb: memory for per-voice streaming caches (the prompt's flow activations: full size, 3 s
             voice, 87 MB for CosyVoice2 and 185 MB for Fun-CosyVoice3 with the int8 recipes, whose stream
             graphs take float16 caches; twice that with fp32 graphs); 0 rebuilds them for every streamed request.
         prompt_cache_fp16: with an fp32 stream graph, store those caches in float16 anyway: half the memory for a
-            streamed-mel rel. error of 2.6e-3 and ~5 ms more per stream-estimator call (NumPy widens the cache
-            back to float32). The int8 recipes' graphs take float16 caches themselves (no widening); there this
-            setting changes nothing.
-        lm_batch_rows: decode the LM in a background thread (:class:`~cosyvoice_cpu.scheduler.LMScheduler`),
+            streamed-mel rel. error of 2.6e-3 and a little more time per stream-estimator call (NumPy widens the
+            cache back to float32; measured: docs/benchmarks-log.md, "Memory"). The int8 recipes' graphs take
+            float16 caches themselves (no widening); there this setting changes nothing.
+        lm_batch_rows: decode the LM in a background thread (:class:`~cosyvoice_cpu.lm.scheduler.LMScheduler`),
             up to this many concurrent requests in one batched call per step. A streamed request's LM then
-            decodes its next chunk while the flow renders the current one (full-size CosyVoice2, 2 cores: ~10 %
-            faster streaming, docs/benchmarks.md); requests beyond N wait for a free row. 0 = the LM runs in the
+            decodes its next chunk while the flow renders the current one (faster streaming; measured:
+            docs/benchmarks-log.md, "First audio"); requests beyond N wait for a free row. 0 = the LM runs in the
             caller's thread, each request alone. Servers set it to the number of requests run at once.
         malloc_mmap_threshold_kb: on glibc, blocks of at least this many KiB get their own mapping and go back to
             the OS when freed, and glibc stops raising that threshold as big buffers are freed
-            (:func:`~cosyvoice_cpu.hardware.fix_mmap_threshold`). Process-wide, set by ``Engine.load``: full-size
-            CosyVoice2, one process doing whole and streamed sentences, peak 1128 -> 1103 MB (docs/benchmarks.md).
+            (:func:`~cosyvoice_cpu.hardware.cpu.fix_mmap_threshold`). Process-wide, set by ``Engine.load``: it lowers
+            the peak of a process doing whole and streamed sentences (measured: docs/benchmarks-log.md, "Memory").
             0 leaves malloc alone; ``MALLOC_MMAP_THRESHOLD_`` in the environment wins.
         release_weight_pages: after opening each graph, have the kernel reclaim the pages of its weight file
             that ORT touched while packing its own copies (``SessionConfig.release_weight_pages``): full-size
-            CosyVoice2 int8w, the LM's 44 MB of block scales; peak 1097 -> 1057 MB for a process doing whole
-            and streamed sentences (``bench/memory_steps.py``). False keeps them.
+            CosyVoice2 int8w, the LM's 44 MB of block scales; a lower peak for a process doing whole and streamed
+            sentences (``bench/memory_steps.py``; measured: docs/benchmarks-log.md, "Memory"). False keeps them.
         vocoder_window_frames: vocoder calls on more mel frames than this run in overlapping windows of at most
-            this many frames (:mod:`cosyvoice_cpu.vocoder_window`): the same samples up to float rounding, with
-            HiFT's activations bounded by the window instead of growing with the sentence (full-size
-            CosyVoice2: 155 MB at 500 frames, 815 MB at 3000, kept by ORT's arena for the process's life).
+            this many frames (:mod:`cosyvoice_cpu.vocoder.windows`): the same samples up to float rounding, with
+            HiFT's activations bounded by the window instead of growing with the sentence, which ORT's arena
+            would keep for the process's life (measured: docs/benchmarks-log.md, "Memory").
             0 never splits; directories exported before windows existed are never split.
         arena_shrink_frames: after a flow-encoder call for more mel frames of new speech than this (the voice
             prompt's not counted: a long prompt makes every call of its voice big, and those calls reuse the
             memory), ORT's arena gives its unused memory back to the OS
-            (:func:`~cosyvoice_cpu.sessions.shrink_after_run`).
-            The encoder's attention grows with the square of the length (full-size CosyVoice2 int8w, its query
-            rows in 4 blocks: 102-111 MB at 650 frames, 242 MB at 1650, 450 MB at 3150), and the arena would
-            otherwise keep that for the life of the process; the calls after a shrink fault their working
-            memory in again. 0 never shrinks.
+            (:func:`~cosyvoice_cpu.backends.onnxruntime.shrink_after_run`).
+            The encoder's attention grows with the square of the length (even with its query rows in 4 blocks;
+            measured: docs/benchmarks-log.md, "Memory"), and the arena would otherwise keep that for the life of
+            the process; the calls after a shrink fault their working memory in again. 0 never shrinks.
     """
 
     threads: int = 0
@@ -108,8 +109,12 @@ class EngineConfig:
         _types(self, ("threads", "leave_cores", "prompt_cache_mb", "lm_batch_rows", "malloc_mmap_threshold_kb",
                       "vocoder_window_frames", "arena_shrink_frames"), ())  # fmt: skip
         need(self.arena_shrink_frames >= 0, "arena_shrink_frames", self.arena_shrink_frames, "0 (never) or more")
-        need(self.vocoder_window_frames == 0 or self.vocoder_window_frames >= MIN_WINDOW_FRAMES,
-             "vocoder_window_frames", self.vocoder_window_frames, f"0 (never split) or >= {MIN_WINDOW_FRAMES}")
+        need(
+            self.vocoder_window_frames == 0 or self.vocoder_window_frames >= MIN_WINDOW_FRAMES,
+            "vocoder_window_frames",
+            self.vocoder_window_frames,
+            f"0 (never split) or >= {MIN_WINDOW_FRAMES}",
+        )
         need(0 <= self.malloc_mmap_threshold_kb <= 32768, "malloc_mmap_threshold_kb", self.malloc_mmap_threshold_kb,
              "0 (leave malloc alone) to 32768")  # fmt: skip
         need(0 <= self.lm_batch_rows <= 256, "lm_batch_rows", self.lm_batch_rows, "0 (off) to 256")
@@ -158,17 +163,33 @@ class SynthesisConfig:
     max_tokens: int | None = None
 
     def validate(self) -> SynthesisConfig:
-        _types(self, ("seed", "flow_steps", "first_chunk_tokens", "chunk_tokens", "context_tokens", "top_k",
-                      "win_size", "min_tokens", "max_tokens"),
-               ("cfg_rate", "speed", "top_p", "tau_r"),
-               optional=("seed", "top_p", "top_k", "win_size", "tau_r", "min_tokens", "max_tokens"))
+        _types(
+            self,
+            (
+                "seed",
+                "flow_steps",
+                "first_chunk_tokens",
+                "chunk_tokens",
+                "context_tokens",
+                "top_k",
+                "win_size",
+                "min_tokens",
+                "max_tokens",
+            ),
+            ("cfg_rate", "speed", "top_p", "tau_r"),
+            optional=("seed", "top_p", "top_k", "win_size", "tau_r", "min_tokens", "max_tokens"),
+        )
         need(self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "0 to 2**63-1, or None")
         need(1 <= self.flow_steps <= 100, "flow_steps", self.flow_steps, "1 to 100 (official 10)")
         need(0.0 <= self.cfg_rate <= 10.0, "cfg_rate", self.cfg_rate, "0 to 10 (official 0.7)")
         need(0.5 <= self.speed <= 2.0, "speed", self.speed, "0.5 to 2.0")
         need(5 <= self.first_chunk_tokens <= 500, "first_chunk_tokens", self.first_chunk_tokens, "5 to 500")
-        need(self.first_chunk_tokens <= self.chunk_tokens <= 1000, "chunk_tokens", self.chunk_tokens,
-              f"first_chunk_tokens ({self.first_chunk_tokens}) to 1000")
+        need(
+            self.first_chunk_tokens <= self.chunk_tokens <= 1000,
+            "chunk_tokens",
+            self.chunk_tokens,
+            f"first_chunk_tokens ({self.first_chunk_tokens}) to 1000",
+        )
         need(0 <= self.context_tokens <= 1000, "context_tokens", self.context_tokens, "0 to 1000")
         need(self.top_p is None or 0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
         need(self.top_k is None or 1 <= self.top_k <= 6561, "top_k", self.top_k, "1 to 6561")
@@ -177,8 +198,12 @@ class SynthesisConfig:
         need(self.min_tokens is None or 0 <= self.min_tokens <= 5000, "min_tokens", self.min_tokens, "0 to 5000")
         need(self.max_tokens is None or 1 <= self.max_tokens <= 5000, "max_tokens", self.max_tokens, "1 to 5000")
         if self.min_tokens is not None and self.max_tokens is not None:
-            need(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
-                  f"at most max_tokens ({self.max_tokens})")
+            need(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                self.min_tokens,
+                f"at most max_tokens ({self.max_tokens})",
+            )
         return self
 
     def with_(self, **changes: Any) -> SynthesisConfig:
@@ -217,3 +242,10 @@ class AudioChunk:
     def pcm16(self) -> bytes:
         """Little-endian 16-bit PCM bytes of the samples (clipped)."""
         return (np.clip(self.samples, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+
+
+def cache_dir() -> Path:
+    """Where cosyvoice-cpu keeps generated files (fixtures, bench exports, compiled OpenVINO shapes):
+    ``$COSYVOICE_CPU_CACHE`` or ``~/.cache/cosyvoice-cpu``."""
+    env = os.environ.get("COSYVOICE_CPU_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "cosyvoice-cpu"

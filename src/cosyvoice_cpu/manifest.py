@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from cosyvoice_cpu.errors import ModelDirError
+from cosyvoice_cpu.families.facts import FAMILIES, facts
+from cosyvoice_cpu.lm.session import EMBEDDING_FILES
 
 logger = logging.getLogger(__name__)
 
@@ -24,8 +26,6 @@ FORMAT_VERSION = 5  # 2: flow_estimator_stream.onnx (streamed chunks on cached a
 # 3: its keep_frames input (the v2 stream graph also runs whole sentences: one estimator in memory);
 # 4: the same for Fun-CosyVoice3 (its stream DiT takes chunk_frames, 0 = full attention, and keep_frames);
 # 5: Fun-CosyVoice3's stream DiT takes its time table (modulation) from flow_time.onnx instead of t
-OLDEST_READABLE = {"cosyvoice3": 5}  # per family; the others read format 3 directories unchanged (default 3)
-FAMILIES = ("cosyvoice2", "cosyvoice", "cosyvoice3")  # CosyVoice2-0.5B, CosyVoice-300M (+SFT, Instruct), CosyVoice3
 STAGE_SECTIONS = ("text", "lm", "sampling", "flow", "hift")
 
 
@@ -145,7 +145,7 @@ class Manifest:
             )
         if d.get("family") not in FAMILIES:
             raise ModelDirError(f"{where}: family {d.get('family')!r} is not supported (supported: {FAMILIES})")
-        if version < OLDEST_READABLE.get(d["family"], 3):
+        if version < facts(d["family"]).oldest_readable:
             raise ModelDirError(
                 f"{where} has format_version {version}, from an older cosyvoice-cpu (this one writes "
                 f"{FORMAT_VERSION}): export the model directory again with `cosyvoice-cpu export`"
@@ -210,11 +210,10 @@ class Manifest:
         row, never mapped: ``row_table``; 544 and 23 MB at full size) and, on CosyVoice2 and Fun-CosyVoice3 with
         the stream graph loaded, ``flow_estimator.onnx`` (whole sentences run on the stream graph; it opens only
         for padded batches; 94 / 344 MB at full size int8) and Fun-CosyVoice3's ``flow_time.onnx`` (opened once
-        per Euler schedule and closed, :meth:`~cosyvoice_cpu.flow_v3.FlowStageV3.time_table`)."""
-        from cosyvoice_cpu.lm import EMBEDDING_FILES  # the runtime's table names (lm.py is light to import)
+        per Euler schedule and closed, :meth:`~cosyvoice_cpu.flow.stage_v3.FlowStageV3.time_table`)."""
 
         skip = {EMBEDDING_FILES["text"], EMBEDDING_FILES["speech"]}
-        if self.family != "cosyvoice" and streaming_estimator and "flow_estimator_stream" in self.graphs:
+        if streaming_estimator and "flow_estimator_stream" in self.graphs:  # whole sentences run on it too
             skip.update(f.file for f in self.graphs["flow_estimator"].files())
         if "flow_time" in self.graphs:
             skip.update(f.file for f in self.graphs["flow_time"].files())

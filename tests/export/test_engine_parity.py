@@ -18,11 +18,11 @@ from cosyvoice_cpu.config import SynthesisConfig
 from cosyvoice_cpu.engine import Engine
 from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.exporter import ExportOptions, export_model
-from cosyvoice_cpu.harmonic_source import SourceNoise
+from cosyvoice_cpu.lm.sampling import RngDraw
 from cosyvoice_cpu.reference.hift_source import SourceNoise as TorchNoise
 from cosyvoice_cpu.reference.model_dir import load_reference
 from cosyvoice_cpu.reference.tokenizer import CosyVoice2Tokenizer
-from cosyvoice_cpu.sampling import RngDraw
+from cosyvoice_cpu.vocoder.source import SourceNoise
 
 WAVE_RTOL = 1e-3
 
@@ -71,7 +71,7 @@ def test_engine_equals_reference_with_the_same_draws(
 def test_speed_resamples_the_mel_like_the_official_interpolate() -> None:
     import torch.nn.functional as F
 
-    from cosyvoice_cpu.engine import _change_speed
+    from cosyvoice_cpu.sentence import change_speed as _change_speed
 
     mel = np.random.default_rng(0).standard_normal((1, 80, 101)).astype(np.float32)
     for speed in (0.5, 0.7, 1.3, 2.0):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cosyvoice_cpu.cli import main
+from cosyvoice_cpu.cli.main import main
 from cosyvoice_cpu.errors import ConfigError, MissingExtraError, ModelDirError
 from cosyvoice_cpu.export import exporter
 from cosyvoice_cpu.export.exporter import ExportError, ExportOptions, export_model
@@ -55,8 +55,14 @@ def _no_leftovers(parent: Path) -> None:
             r"missing speech_tokenizer_v3\.onnx",
         ),
     ],
-    ids=["missing-checkpoint", "missing-tokenizer-file", "corrupt-checkpoint", "corrupt-onnx", "wrong-onnx",
-         "wrong-family"],
+    ids=[
+        "missing-checkpoint",
+        "missing-tokenizer-file",
+        "corrupt-checkpoint",
+        "corrupt-onnx",
+        "wrong-onnx",
+        "wrong-family",
+    ],
 )
 def test_broken_sources_fail_precisely_and_leave_nothing(
     tiny_model_dir: Path, tmp_path: Path, breakage, error, message

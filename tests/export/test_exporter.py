@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cosyvoice_cpu.cli import main
+from cosyvoice_cpu.cli.main import main
 from cosyvoice_cpu.errors import ModelDirError
 from cosyvoice_cpu.export import stages
 from cosyvoice_cpu.export.common import GateResult
@@ -151,8 +151,13 @@ def test_cli_export_with_a_recipe_spec(tiny_model_dir: Path, tmp_path: Path, cap
     out = capsys.readouterr().out
     assert "HiFT: numerics gate (int8w vs PyTorch)" in out and "done:" in out
     m = Manifest.load(dst)
-    assert m.recipe["stages"] == {"lm": "int4", "flow_estimator": "fp32", "flow_encoder": "fp32", "hift": "int8w",
-                                   "embedding": "fp16"}
+    assert m.recipe["stages"] == {
+        "lm": "int4",
+        "flow_estimator": "fp32",
+        "flow_encoder": "fp32",
+        "hift": "int8w",
+        "embedding": "fp16",
+    }
     assert np.load(dst / "lm_text_embedding.npy", mmap_mode="r").dtype == np.float16
     assert m.graphs["hift_decode"].precision == "int8w" and m.graphs["flow_estimator"].precision == "fp32"
     # the graphs really are what the manifest says
@@ -195,7 +200,7 @@ def test_dynamic_int8_weights_have_7_bits_everywhere(tiny_model_dir: Path, tmp_p
     import onnx
     from onnx import numpy_helper
 
-    from cosyvoice_cpu.hardware import CpuInfo, Hardware
+    from cosyvoice_cpu.hardware.cpu import CpuInfo, Hardware
 
     dst = tmp_path / "m"
     export_model(tiny_model_dir, dst, ExportOptions(recipe="lm=int8,flow_estimator=int8", max_len=128))

@@ -1,4 +1,4 @@
-"""Flow ONNX export (``export.flow_graph``) and the torch-free flow stage (``cosyvoice_cpu.flow``) on the tiny
+"""Flow ONNX export (``export.flow_graph``) and the torch-free flow stage (``cosyvoice_cpu.flow.stage``) on the tiny
 fixture: every verification gate, dynamic batch/time, padding, streaming look-ahead context, whole-flow parity."""
 
 from __future__ import annotations
@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 import torch
 
+from cosyvoice_cpu.backends.base import SessionConfig
+from cosyvoice_cpu.backends.onnxruntime import make_session
 from cosyvoice_cpu.errors import ModelDirError
 from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.flow_graph import FILES, export_flow, verify_flow
-from cosyvoice_cpu.flow import FlowStage
-from cosyvoice_cpu.hardware import read_cpuinfo
+from cosyvoice_cpu.flow.stage import FlowStage
+from cosyvoice_cpu.hardware.cpu import read_cpuinfo
 from cosyvoice_cpu.reference.model_dir import load_reference
-from cosyvoice_cpu.sessions import SessionConfig, make_session
 
 RTOL = 1e-5  # measured 2e-7 .. 1e-6 (fp32 ORT vs torch)
 
@@ -262,10 +263,13 @@ _CPU = read_cpuinfo()
 _SATURATES = _CPU is not None and _CPU.avx2 and not _CPU.vnni
 
 
-@pytest.mark.parametrize("reduce_range", [
-    pytest.param(False, marks=pytest.mark.xfail(_SATURATES, strict=True, reason="u8s8 saturation without VNNI")),
-    True,
-])
+@pytest.mark.parametrize(
+    "reduce_range",
+    [
+        pytest.param(False, marks=pytest.mark.xfail(_SATURATES, strict=True, reason="u8s8 saturation without VNNI")),
+        True,
+    ],
+)
 def test_estimators_survive_dynamic_int8_quantization(flow, flow_dir: Path, reduce_range: bool) -> None:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -282,7 +286,7 @@ def test_estimators_survive_dynamic_int8_quantization(flow, flow_dir: Path, redu
 
 
 def test_flow_stage_imports_without_torch() -> None:
-    code = ("import sys; sys.modules['torch'] = None\nimport cosyvoice_cpu.flow\n"
+    code = ("import sys; sys.modules['torch'] = None\nimport cosyvoice_cpu.flow.stage\n"
             "assert 'onnx' not in sys.modules, 'the runtime must not need the onnx package'\n")  # fmt: skip
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -16,9 +16,9 @@ import torch
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.flow_graph_v3 import FILES, export_flow, settings_of, verify_flow
-from cosyvoice_cpu.flow import FlowStage
-from cosyvoice_cpu.flow_stream_v3 import FlowStreamV3, PromptCacheV3
-from cosyvoice_cpu.flow_v3 import FlowStageV3
+from cosyvoice_cpu.flow.stage import FlowStage
+from cosyvoice_cpu.flow.stage_v3 import FlowStageV3
+from cosyvoice_cpu.flow.stream_v3 import FlowStreamV3, PromptCacheV3
 from cosyvoice_cpu.reference.model_dir import load_reference
 
 RTOL = 1e-5  # measured 2.8e-7 .. 5e-7 (fp32 ORT vs torch, whole and streamed flow)
@@ -26,7 +26,7 @@ RTOL = 1e-5  # measured 2.8e-7 .. 5e-7 (fp32 ORT vs torch, whole and streamed fl
 
 @pytest.fixture(scope="module")
 def flow(tmp_path_factory: pytest.TempPathFactory):
-    from cosyvoice_cpu.export.fixture import FixtureSpec, write_fixture
+    from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
 
     src = write_fixture(FixtureSpec("cosyvoice3", "tiny", 0), tmp_path_factory.mktemp("fixtures") / "tiny-v3")
     return load_reference(src, stages=("flow",)).flow
@@ -151,8 +151,8 @@ def test_the_time_table_is_made_once_per_schedule_and_its_graph_closed(flow, flo
     and its session is dropped at once: a synthesizing process never holds those weights."""
     import weakref
 
-    from cosyvoice_cpu import flow_v3
     from cosyvoice_cpu.export.flow_stream_graph_v3 import DiTRun
+    from cosyvoice_cpu.flow import stage_v3 as flow_v3
 
     opened: list[weakref.ref] = []
 
@@ -280,8 +280,8 @@ def test_v3_flow_runs_without_torch(flow, flow_dir: Path) -> None:
     code = f"""
 import sys; sys.modules['torch'] = None
 import numpy as np
-from cosyvoice_cpu.flow_v3 import FlowStageV3
-from cosyvoice_cpu.flow_stream_v3 import FlowStreamV3
+from cosyvoice_cpu.flow.stage_v3 import FlowStageV3
+from cosyvoice_cpu.flow.stream_v3 import FlowStreamV3
 assert 'onnx' not in sys.modules, 'the runtime must not need the onnx package'
 stage = FlowStageV3.from_dir({str(flow_dir)!r}, settings={settings_of(flow)!r})
 emb, feat = np.ones(192, np.float32), np.zeros((20, 80), np.float32)

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.flow_graph_v1 import export_flow, settings_of, verify_flow
-from cosyvoice_cpu.flow_stream_v1 import FlowStreamV1
-from cosyvoice_cpu.flow_v1 import FILES, FlowStageV1, frames_for_tokens, interpolation_matrix, stretch_matrix
+from cosyvoice_cpu.flow.stage_v1 import FILES, FlowStageV1, frames_for_tokens, interpolation_matrix, stretch_matrix
+from cosyvoice_cpu.flow.stream_v1 import FlowStreamV1
 from cosyvoice_cpu.reference import length_regulator
 from cosyvoice_cpu.reference.model_dir import load_reference
 
@@ -141,27 +141,29 @@ def test_inference_matches_reference(flow, stage, inputs, n_new: int, n_prompt: 
     tok, prompt = inputs["tokens"][:n_new], inputs["prompt"][:n_prompt]
     noise = np.random.default_rng(n_new).standard_normal((1, 80, len(feat) + frames_for_tokens(n_new)), np.float32)
     ref_mel, ref_cache = _ref(flow, tok, prompt, feat, inputs["emb"], noise)
-    mel, cache = stage.inference(tok, prompt, feat, inputs["emb"], noise=noise)
+    mel, cache = stage.inference_cached(tok, prompt, feat, inputs["emb"], noise=noise)
     assert mel.shape == ref_mel.shape == (1, 80, frames_for_tokens(n_new)) and cache.shape == ref_cache.shape
     assert rel_err(mel, ref_mel) <= RTOL and rel_err(cache, ref_cache) <= RTOL
     # the second window of a stream, on this cache
     tok2 = inputs["tokens"][n_new - 20 : 2 * n_new]
     noise2 = np.random.default_rng(99).standard_normal((1, 80, len(feat) + frames_for_tokens(len(tok2))), np.float32)
     ref2, ref_cache2 = _ref(flow, tok2, prompt, feat, inputs["emb"], noise2, ref_cache)
-    mel2, cache2 = stage.inference(tok2, prompt, feat, inputs["emb"], noise=noise2, flow_cache=cache)
+    mel2, cache2 = stage.inference_cached(tok2, prompt, feat, inputs["emb"], noise=noise2, flow_cache=cache)
     assert rel_err(mel2, ref2) <= RTOL and rel_err(cache2, ref_cache2) <= RTOL
 
 
 def test_fresh_noise_per_call_reproducible_per_seed(stage, inputs) -> None:
     args = (inputs["tokens"][:30], [], np.zeros((0, 80), np.float32), inputs["emb"])
-    a, _ = stage.inference(*args, rng=np.random.default_rng(1))
-    b, _ = stage.inference(*args, rng=np.random.default_rng(1))
+    a = stage.inference(*args, rng=np.random.default_rng(1))
+    b, _ = stage.inference_cached(*args, rng=np.random.default_rng(1))  # the same mel, with the stream's cache
     rng = np.random.default_rng(2)
-    c, _ = stage.inference(*args, rng=rng)
-    d, _ = stage.inference(*args, rng=rng)
+    c = stage.inference(*args, rng=rng)
+    d = stage.inference(*args, rng=rng)
     assert np.array_equal(a, b) and rel_err(a, c) > 1e-2 and rel_err(c, d) > 1e-2
     with pytest.raises(ConfigError, match="rng="):
         stage.inference(*args)
+    with pytest.raises(ConfigError, match="no context tokens"):  # every flow stage has one signature
+        stage.inference(*args, rng=rng, context=[1, 2, 3])
 
 
 def _official_windows(n_tokens: int, hop: int = 100, overlap: int = 20) -> list[tuple[int, int, bool]]:
@@ -240,12 +242,12 @@ RUNTIME = """
 import json, sys
 sys.modules["torch"] = None
 import numpy as np
-from cosyvoice_cpu.flow_v1 import FlowStageV1, stretch_matrix
-from cosyvoice_cpu.flow_stream_v1 import FlowStreamV1
+from cosyvoice_cpu.flow.stage_v1 import FlowStageV1, stretch_matrix
+from cosyvoice_cpu.flow.stream_v1 import FlowStreamV1
 stage = FlowStageV1.from_dir(sys.argv[1])
 rng = np.random.default_rng(0)
 emb = rng.standard_normal((1, 192)).astype(np.float32)
-mel, cache = stage.inference(rng.integers(0, 4096, 57), [], np.zeros((0, 80), np.float32), emb, rng=rng)
+mel, cache = stage.inference_cached(rng.integers(0, 4096, 57), [], np.zeros((0, 80), np.float32), emb, rng=rng)
 fs = FlowStreamV1(stage, rng.integers(0, 4096, 9), rng.standard_normal((16, 80)).astype(np.float32), emb, rng=rng)
 toks = rng.integers(0, 4096, 150)
 out = [fs.push(toks[:120], False), fs.push(toks[100:], True)]

@@ -14,7 +14,7 @@ PROBE = """
 import sys, json
 sys.modules["torch"] = None
 import numpy as np
-from cosyvoice_cpu.lm import LMSession
+from cosyvoice_cpu.lm.session import LMSession
 from cosyvoice_cpu.manifest import Manifest
 d = sys.argv[1]
 m = Manifest.load(d)

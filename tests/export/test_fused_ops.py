@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cosyvoice_cpu.backends.base import SessionConfig
+from cosyvoice_cpu.backends.onnxruntime import make_session
 from cosyvoice_cpu.export.common import torch_export
 from cosyvoice_cpu.export.fused_ops import (
     ExpMish,
@@ -22,7 +24,6 @@ from cosyvoice_cpu.export.fused_ops import (
     unmasked_when_unpadded,
 )
 from cosyvoice_cpu.reference.flow_estimator import MASK_BIAS, SelfAttention, TransformerBlock
-from cosyvoice_cpu.sessions import SessionConfig, make_session
 
 
 def test_exp_mish_equals_mish_everywhere() -> None:
@@ -171,8 +172,9 @@ def test_sort_nodes_counts_what_if_branches_read(tmp_path: Path) -> None:
         return helper.make_graph([helper.make_node(op, ["y"], [f"{name}_out"])], name, [], [out])
 
     nodes = [
-        helper.make_node("If", ["c"], ["z"], "if", then_branch=branch("then", "Identity"),
-                         else_branch=branch("else", "Neg")),
+        helper.make_node(
+            "If", ["c"], ["z"], "if", then_branch=branch("then", "Identity"), else_branch=branch("else", "Neg")
+        ),
         helper.make_node("Relu", ["x"], ["r"], "relu"),
         helper.make_node("ReduceMin", ["x"], ["m"], "min", keepdims=0),
         helper.make_node("Exp", ["r"], ["y"], "exp"),

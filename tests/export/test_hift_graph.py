@@ -1,4 +1,4 @@
-"""HiFT ONNX export (``export.hift_graph``) and the torch-free vocoder (``cosyvoice_cpu.vocoder``) on the tiny
+"""HiFT ONNX export (``export.hift_graph``) and the torch-free vocoder (``cosyvoice_cpu.vocoder.hift``) on the tiny
 fixture: graph contracts, every verification gate (as released, and with F0 moved into the voiced range), the
 NumPy sine source (v2 and v1) against the reference, the whole vocoder with ``cache_source``, error messages,
 the weight-only int8 variant, and the import wall (no torch, no onnx)."""
@@ -16,8 +16,6 @@ import numpy as np
 import pytest
 import torch
 
-from cosyvoice_cpu import harmonic_source as S
-from cosyvoice_cpu import vocoder as V
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.hift_graph import (
@@ -32,6 +30,8 @@ from cosyvoice_cpu.export.hift_graph import (
 from cosyvoice_cpu.reference.hift import HiFT, HiFTConfig
 from cosyvoice_cpu.reference.hift_source import SourceNoise
 from cosyvoice_cpu.reference.model_dir import load_reference
+from cosyvoice_cpu.vocoder import hift as V
+from cosyvoice_cpu.vocoder import source as S
 
 SOURCE_ATOL = 1e-6  # measured 1.2e-7 (v2, v1; sin and the H -> 1 merge round differently, the phase is bitwise)
 WAVE_RTOL = 3e-4  # measured 3e-5 (voiced; graph F0 ulps integrated into the phase)
@@ -178,7 +178,7 @@ def test_vocoder_runs_without_torch_or_onnx(voiced) -> None:
     _, out, artifacts = voiced
     code = (
         "import sys, json\nsys.modules['torch'] = None\nsys.modules['onnx'] = None\n"
-        "import numpy as np\nfrom cosyvoice_cpu.vocoder import Vocoder\n"
+        "import numpy as np\nfrom cosyvoice_cpu.vocoder.hift import Vocoder\n"
         f"v = Vocoder(r'{out / F0_FILE}', r'{out / DECODE_FILE}', json.loads(sys.stdin.read()))\n"
         "wave, source = v(np.full((1, 80, 7), -5, np.float32), rng=np.random.default_rng(0))\n"
         "assert wave.shape == (1, 3360) and source.shape == (1, 1, 3360)\n"

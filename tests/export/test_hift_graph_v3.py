@@ -15,8 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-from cosyvoice_cpu import harmonic_source as S
-from cosyvoice_cpu import vocoder as V
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.hift_graph import quantize_hift_weights_int8
@@ -24,7 +22,9 @@ from cosyvoice_cpu.export.hift_graph_v3 import export_hift, receptive_field_fram
 from cosyvoice_cpu.export.stages import QUANT_TOLERANCE
 from cosyvoice_cpu.reference.hift_source import SourceNoise
 from cosyvoice_cpu.reference.hift_v3 import CausalHiFT
-from cosyvoice_cpu.vocoder_stream_v3 import CausalVocoderStream
+from cosyvoice_cpu.vocoder import hift as V
+from cosyvoice_cpu.vocoder import source as S
+from cosyvoice_cpu.vocoder.causal_stream import CausalVocoderStream
 
 WAVE_RTOL = 3e-5  # measured 1.3e-6 (graph conv rounding; F0 is bitwise thanks to the float64 graph)
 CHUNKINGS = ([1, 2, 3, 5, 8, 13, 20], [9], [10, 10, 10], [25, 0, 40], [70])  # mel frames per push (+ final rest)
@@ -42,7 +42,7 @@ def _voiced(hift: CausalHiFT) -> CausalHiFT:
 
 @pytest.fixture(scope="module")
 def hift(tmp_path_factory: pytest.TempPathFactory) -> CausalHiFT:
-    from cosyvoice_cpu.export.fixture import FixtureSpec, write_fixture
+    from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
     from cosyvoice_cpu.reference.model_dir import load_reference
 
     src = write_fixture(FixtureSpec("cosyvoice3", "tiny", 0), tmp_path_factory.mktemp("fixtures") / "tiny-v3")
@@ -216,8 +216,8 @@ def test_runs_without_torch_or_onnx(voiced) -> None:
     _, out, artifacts = voiced
     code = (
         "import sys, json\nsys.modules['torch'] = None\nsys.modules['onnx'] = None\n"
-        "import numpy as np\nfrom cosyvoice_cpu.vocoder import Vocoder\n"
-        "from cosyvoice_cpu.vocoder_stream_v3 import CausalVocoderStream\n"
+        "import numpy as np\nfrom cosyvoice_cpu.vocoder.hift import Vocoder\n"
+        "from cosyvoice_cpu.vocoder.causal_stream import CausalVocoderStream\n"
         f"v = Vocoder.from_dir(r'{out}', json.loads(sys.stdin.read()))\n"
         "mel = np.full((1, 80, 20), -5, np.float32)\n"
         "wave, source = v(mel, rng=np.random.default_rng(0), finalize=False)\n"

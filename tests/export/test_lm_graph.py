@@ -1,4 +1,4 @@
-"""The LM graph (GroupQueryAttention, shared KV cache) and its torch-free driver ``cosyvoice_cpu.lm``."""
+"""The LM graph (GroupQueryAttention, shared KV cache) and its torch-free driver ``cosyvoice_cpu.lm.session``."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def exported(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def session(exported):
-    from cosyvoice_cpu.lm import LMSession
+    from cosyvoice_cpu.lm.session import LMSession
 
     _, out, artifact = exported
     return LMSession.from_dir(out, artifact.attrs, threads=1)
@@ -148,7 +148,7 @@ def test_mismatched_graph_is_refused(exported, tmp_path: Path) -> None:
     import onnx
     from onnx import TensorProto, helper
 
-    from cosyvoice_cpu.lm import LMSession
+    from cosyvoice_cpu.lm.session import LMSession
 
     _, out, artifact = exported
     with pytest.raises(ModelDirError, match=r"missing input past_key_2.*cosyvoice-cpu export"):
@@ -194,7 +194,7 @@ def test_int4_lone_rows_run_beside_an_idle_row(exported, monkeypatch: pytest.Mon
     on the many-row 4-bit kernel, and gets the same bits alone as beside other rows. (AVX2's one-row kernel rounds
     differently: the full-size int4 LM's batched rows differed from lone ones by 1.9e-3 on an AMD Zen 3.)"""
     from cosyvoice_cpu.export.quantize import quantize_nbits
-    from cosyvoice_cpu.lm import MIN_ROWS_KEY, KVCache, LMSession
+    from cosyvoice_cpu.lm.session import MIN_ROWS_KEY, KVCache, LMSession
 
     _, out, artifact = exported
     quantize_nbits(out / "lm.onnx", out / "lm.q4.onnx", bits=4, metadata={MIN_ROWS_KEY: "2"})
@@ -238,7 +238,7 @@ def test_int4_lone_rows_run_beside_an_idle_row(exported, monkeypatch: pytest.Mon
 
 
 def test_fp16_tables_are_widened(exported, tmp_path: Path) -> None:
-    from cosyvoice_cpu.lm import LMSession
+    from cosyvoice_cpu.lm.session import LMSession
 
     _, out, artifact = exported
     tables = {}
@@ -256,7 +256,7 @@ def test_runtime_runs_without_torch(exported) -> None:
     code = (
         "import sys, json; sys.modules['torch'] = None\n"
         "import numpy as np\n"
-        "from cosyvoice_cpu.lm import LMSession\n"
+        "from cosyvoice_cpu.lm.session import LMSession\n"
         f"s = LMSession.from_dir(r'{out}', json.loads(sys.argv[1]), threads=1)\n"
         "c = s.new_cache(1)\n"
         "e = np.concatenate([s.special('sos')[None], s.embed_text([1, 2, 3]), s.special('task_id')[None]])\n"

@@ -19,7 +19,7 @@ S = 6561  # speech tokens; sos S, eos S + 1, task_id S + 2; 200 specials in all
 @pytest.fixture(scope="module")
 def v3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The LM part of the tiny v3 fixture (yaml, CosyVoice-BlankEN, llm.pt), seed 0."""
-    from cosyvoice_cpu.export.fixture_v3 import write_cosyvoice3_lm_files
+    from cosyvoice_cpu.fixtures.weights_v3 import write_cosyvoice3_lm_files
 
     d = tmp_path_factory.mktemp("v3") / "tiny-v3-lm"
     write_cosyvoice3_lm_files(d, "tiny", 0)
@@ -40,7 +40,7 @@ def exported(v3_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def session(exported):
-    from cosyvoice_cpu.lm import LMSession
+    from cosyvoice_cpu.lm.session import LMSession
 
     _, out, artifact = exported
     return LMSession.from_dir(out, artifact.attrs, threads=1)
@@ -138,8 +138,8 @@ PROMPT_SPEECH = [int(t) for t in RNG.integers(0, S, 10)]
 def _both(lm, session, seed: int, lift_row: int | None = None, lift: float = 0.0, facts: dict | None = None):
     """(runtime tokens, the runtime TokenRequest, reference tokens) for the same prompt and RngDraw(seed) uniforms."""
     from cosyvoice_cpu.export.lm_graph_v3 import lm_facts_v3
-    from cosyvoice_cpu.lm_loop import LMFacts, SpeechTokenGenerator
-    from cosyvoice_cpu.sampling import RngDraw
+    from cosyvoice_cpu.lm.generate import LMFacts, SpeechTokenGenerator
+    from cosyvoice_cpu.lm.sampling import RngDraw
 
     add = np.zeros(S + 200, np.float32)
     if lift_row is not None:
@@ -162,8 +162,8 @@ def _both(lm, session, seed: int, lift_row: int | None = None, lift: float = 0.0
 def test_tokens_equal_the_reference(exported, session, seed: int) -> None:
     """Random weights put ~3 % of the mass on the 200 specials: these decodes end on non-eos specials (seed 5
     after 7 tokens, below min_len 12: only 6561 is masked there)."""
-    from cosyvoice_cpu.sampling import RngDraw
-    from cosyvoice_cpu.silence import SilentRunFilter
+    from cosyvoice_cpu.lm.sampling import RngDraw
+    from cosyvoice_cpu.lm.silence import SilentRunFilter
 
     lm = exported[0]
     ours, req, ref = _both(lm, session, seed)
@@ -200,7 +200,7 @@ def test_sos_is_masked_until_min_len(exported, session, seed: int) -> None:
 
 def test_facts_defaults_and_the_endofprompt_rule(exported, session) -> None:
     from cosyvoice_cpu.export.lm_graph_v3 import lm_facts_v3
-    from cosyvoice_cpu.lm_loop import LMFacts, SpeechTokenGenerator
+    from cosyvoice_cpu.lm.generate import LMFacts, SpeechTokenGenerator
 
     v2 = {"speech_token_size": S, "eos_id": S, "stop_ids": [S, S + 1, S + 2], "min_token_text_ratio": 2,
           "max_token_text_ratio": 20}  # fmt: skip
@@ -223,8 +223,8 @@ def test_facts_defaults_and_the_endofprompt_rule(exported, session) -> None:
 
 
 def test_silence_filter_equals_the_reference() -> None:
+    from cosyvoice_cpu.lm.silence import MAX_SILENT_RUN, SILENT_TOKENS, SilentRunFilter, drop_long_silences
     from cosyvoice_cpu.reference import lm_v3
-    from cosyvoice_cpu.silence import MAX_SILENT_RUN, SILENT_TOKENS, SilentRunFilter, drop_long_silences
 
     assert (SILENT_TOKENS, MAX_SILENT_RUN) == (lm_v3.SILENT_TOKENS, lm_v3.MAX_SILENT_RUN)
     rng = np.random.default_rng(0)

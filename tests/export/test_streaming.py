@@ -23,9 +23,10 @@ from cosyvoice_cpu.config import EngineConfig, SynthesisConfig
 from cosyvoice_cpu.engine import Engine
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.exporter import ExportOptions, export_model
-from cosyvoice_cpu.flow import FlowStage
-from cosyvoice_cpu.flow_stream import FlowStream
-from cosyvoice_cpu.streaming import ChunkPlan, VocoderStream, crossfade_weights
+from cosyvoice_cpu.flow.stage import FlowStage
+from cosyvoice_cpu.flow.stream import FlowStream
+from cosyvoice_cpu.sentence import ChunkPlan
+from cosyvoice_cpu.vocoder.overlap_stream import VocoderStream, crossfade_weights
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +91,14 @@ def test_incremental_flow_equals_the_one_shot_chunk_causal_solve(engine: Engine,
     ids = np.concatenate([np.zeros(n_prompt, np.int64), *[np.full(2 * n, i + 1) for i, n in enumerate(sizes)]])
     decoder = load_reference(tiny_model_dir, ("flow",)).flow.decoder
     with torch.inference_mode():
-        one_shot = decoder(torch.from_numpy(mu), torch.ones(1, 1, mu.shape[2]), torch.from_numpy(fs.prompt.spks),
-                           torch.from_numpy(cond), streaming=True, chunk_id=torch.from_numpy(ids)[None]).numpy()
+        one_shot = decoder(
+            torch.from_numpy(mu),
+            torch.ones(1, 1, mu.shape[2]),
+            torch.from_numpy(fs.prompt.spks),
+            torch.from_numpy(cond),
+            streaming=True,
+            chunk_id=torch.from_numpy(ids)[None],
+        ).numpy()
     one_shot = one_shot[:, :, n_prompt:]
     assert mel.shape == one_shot.shape == (1, 80, 340)
     err = np.abs(mel - one_shot).max() / np.abs(one_shot).max()
@@ -133,7 +140,7 @@ def test_int8_stream_graph_takes_float16_caches(fp32_dir: Path, tmp_path: Path) 
 
     from cosyvoice_cpu.export.flow_stream_graph import half_cache_io
     from cosyvoice_cpu.export.quantize import quantize_int8_dynamic
-    from cosyvoice_cpu.flow import FILES, cache_dtype
+    from cosyvoice_cpu.flow.stage import FILES, cache_dtype
 
     src = fp32_dir / FILES["flow_estimator_stream"]
     wide, half = tmp_path / "wide.onnx", tmp_path / "half.onnx"

@@ -20,11 +20,11 @@ from cosyvoice_cpu.engine import Engine
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.exporter import ExportOptions, export_model
-from cosyvoice_cpu.harmonic_source import SourceNoise
+from cosyvoice_cpu.lm.sampling import RngDraw
 from cosyvoice_cpu.manifest import Manifest
 from cosyvoice_cpu.reference.hift_source import SourceNoise as TorchNoise
 from cosyvoice_cpu.reference.model_dir import load_reference, load_speakers
-from cosyvoice_cpu.sampling import RngDraw
+from cosyvoice_cpu.vocoder.source import SourceNoise
 
 WAVE_RTOL = 1e-3  # the v2 engine parity bound; measured here: see the printed values
 TEXT = "你好，今天天气很好。Hello there, how are you today?"
@@ -118,9 +118,9 @@ def test_modes_streaming_and_bad_input(v1_int8w: Path, tmp_path: Path) -> None:
     whole = engine.synthesize_wav("Hello there.", sft, config)
     assert len(whole) == int(150 / 50 * 22050 / 256) * 256 and np.isfinite(whole).all() and np.abs(whole).max() > 0
     # instruct: the LM sees the instruction, not the speaker (official frontend_instruct drops llm_embedding)
-    ids, speech, speaker = engine._lm_prompt(sft, "A calm voice.")
+    ids, speech, speaker = engine.lm_prompt(sft, "A calm voice.")
     assert ids == engine.tokenizer.encode("A calm voice.<endofprompt>") and len(speech) == 0 and speaker is None
-    assert engine._lm_prompt(sft, None)[2] is sft.embedding  # SFT: the x-vector conditions the LM too
+    assert engine.lm_prompt(sft, None)[2] is sft.embedding  # SFT: the x-vector conditions the LM too
     instructed = engine.synthesize_wav("Hello there.", sft, config, instruct="A calm voice.")
     assert len(instructed) == len(whole) and not np.array_equal(instructed, whole)
     # streaming: the official overlapping windows; first window after 41 tokens, then hops doubling
@@ -172,7 +172,7 @@ def test_say_with_a_builtin_speaker_and_serve_it(v1_int8w: Path, tmp_path: Path)
 
 def test_base_variant_has_no_builtin_speakers(tmp_path: Path) -> None:
     """`fixture --variant base` mimics the base CosyVoice-300M download: no spk2info.pt, so no built-in voices."""
-    from cosyvoice_cpu.export.fixture import FixtureSpec, write_fixture
+    from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
 
     src = write_fixture(FixtureSpec("cosyvoice", "tiny", 0, "base"), tmp_path / "base")
     assert not (src / "spk2info.pt").exists()

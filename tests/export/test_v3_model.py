@@ -13,17 +13,19 @@ import soundfile as sf
 import torch
 
 from cosyvoice_cpu.config import SynthesisConfig
-from cosyvoice_cpu.engine import SYSTEM_PROMPT_V3, Engine
+from cosyvoice_cpu.engine import Engine
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.exporter import ExportOptions, export_model
-from cosyvoice_cpu.harmonic_source import SourceNoise
+from cosyvoice_cpu.families.facts import facts
+from cosyvoice_cpu.lm.sampling import RngDraw
+from cosyvoice_cpu.lm.silence import drop_long_silences
 from cosyvoice_cpu.manifest import Manifest
 from cosyvoice_cpu.reference.hift_source import SourceNoise as TorchNoise
 from cosyvoice_cpu.reference.model_dir import load_reference
-from cosyvoice_cpu.sampling import RngDraw
-from cosyvoice_cpu.silence import drop_long_silences
+from cosyvoice_cpu.vocoder.source import SourceNoise
 
+SYSTEM_PROMPT_V3 = facts("cosyvoice3").system_prompt
 WAVE_RTOL = 1e-3  # as the v1/v2 engine parity; measured here: see the printed values
 TEXT = "Hello there, how are you today?"
 MARK = "<|endofprompt|>"
@@ -85,7 +87,7 @@ def test_engine_equals_reference_with_the_same_draws(
 
     ref = load_reference(v3_src)
     ids = engine.tokenizer.encode(TEXT)
-    prompt_ids = engine._lm_prompt(voice, None, normalize=False)[0]  # the system prompt + marker (+ transcript)
+    prompt_ids = engine.lm_prompt(voice, None, normalize=False)[0]  # the system prompt + marker (+ transcript)
     lm_rng, vocoder_rng = SynthesisConfig(seed=seed).rngs()
     draw = RngDraw(lm_rng)
     prompt_tokens = torch.as_tensor(voice.speech_tokens, dtype=torch.long)[None]
@@ -112,13 +114,13 @@ def test_prompt_rules_streaming_and_bad_input(v3_int8w: Path, tmp_path: Path) ->
     enc = engine.tokenizer.encode
     voice = engine.make_voice(_prompt_wav(tmp_path / "p.wav"), "今天天气很好。", "p")
     # the LM needs <|endofprompt|>: the official examples' system prompt is put in front when it is missing
-    assert engine._lm_prompt(voice, None, normalize=False)[0] == enc(f"{SYSTEM_PROMPT_V3}{MARK}今天天气很好。")
+    assert engine.lm_prompt(voice, None, normalize=False)[0] == enc(f"{SYSTEM_PROMPT_V3}{MARK}今天天气很好。")
     marked = voice.__class__("m", f"Speak slowly.{MARK}今天天气很好。", voice.speech_tokens, voice.mel,
                              voice.embedding, family="cosyvoice3")  # fmt: skip
-    assert engine._lm_prompt(marked, None, normalize=False)[0] == enc(f"Speak slowly.{MARK}今天天气很好。")
+    assert engine.lm_prompt(marked, None, normalize=False)[0] == enc(f"Speak slowly.{MARK}今天天气很好。")
     cross = voice.__class__("c", "", voice.speech_tokens, voice.mel, voice.embedding, family="cosyvoice3")
-    assert engine._lm_prompt(cross, None)[0] == enc(f"{SYSTEM_PROMPT_V3}{MARK}")
-    ids, speech, speaker = engine._lm_prompt(voice, "请用广东话表达。")
+    assert engine.lm_prompt(cross, None)[0] == enc(f"{SYSTEM_PROMPT_V3}{MARK}")
+    ids, speech, speaker = engine.lm_prompt(voice, "请用广东话表达。")
     assert ids == enc(f"{SYSTEM_PROMPT_V3} 请用广东话表达。{MARK}") and len(speech) == 0 and speaker is None
     # the runtime LM itself refuses a prompt without the marker, as the official assert does
     with pytest.raises(ConfigError, match="endofprompt"):

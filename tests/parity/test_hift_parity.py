@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
-from cosyvoice_cpu.export.fixture_yaml import FlowHiftSizes, render_cosyvoice2_yaml
+from cosyvoice_cpu.fixtures.yaml_v2 import FlowHiftSizes, render_cosyvoice2_yaml
 from cosyvoice_cpu.reference.hift import HiFT, HiFTConfig
 from cosyvoice_cpu.reference.hift_source import SourceNoise
 from cosyvoice_cpu.reference.yamlconf import load_yaml_data

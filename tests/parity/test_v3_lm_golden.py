@@ -33,7 +33,7 @@ def golden() -> dict:
 @pytest.fixture(scope="module")
 def ours(golden, tmp_path_factory):
     """(our CosyVoice3LM, our CosyVoice3Tokenizer) on the fixture the golden arrays were made on."""
-    from cosyvoice_cpu.export.fixture_v3 import write_cosyvoice3_lm_files
+    from cosyvoice_cpu.fixtures.weights_v3 import write_cosyvoice3_lm_files
     from cosyvoice_cpu.reference.model_dir import load_reference
     from cosyvoice_cpu.reference.tokenizer import CosyVoice3Tokenizer
 
@@ -94,7 +94,7 @@ def test_prompt_embeddings_and_logps(golden, ours) -> None:
 
 @pytest.mark.parametrize("case", ["zs", "cl"])
 def test_whole_decode_identical_tokens(golden, ours, case) -> None:
-    from cosyvoice_cpu.sampling import inverse_cdf
+    from cosyvoice_cpu.lm.sampling import inverse_cdf
 
     lm, _ = ours
     empty = torch.zeros(1, 0, dtype=torch.long)

@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cosyvoice_cpu.cli import main
+from cosyvoice_cpu.cli.main import main
 from cosyvoice_cpu.config import SynthesisConfig
 from cosyvoice_cpu.errors import ConfigError
 
 
 def test_forced_token_count_gives_exact_lengths(tiny_export_dir: Path, tmp_path: Path) -> None:
-    from cosyvoice_cpu.benchmark import TEXT, load
+    from cosyvoice_cpu.benchmark.tasks import TEXT, load
 
     engine, voice = load(tiny_export_dir, threads=1)
     for n in (7, 37):
@@ -57,8 +57,8 @@ def test_bench_command_writes_the_report(tiny_export_dir: Path, tmp_path: Path, 
     assert f"the first {ours['lm_prefix_positions']} (sos and the voice's transcript) copied from the LM" in md
     calibration = result["machine"]["calibration"]  # the machine's kernel speeds travel with the result
     assert calibration["threads"] >= 1 and calibration["sgemm_gflops"] > 0 and calibration["attention_ms"] > 0
-    assert "Calibration (cosyvoice_cpu.calibrate): copy " in md
-    from cosyvoice_cpu.bench_report import markdown
+    assert "Calibration (cosyvoice_cpu.hardware.calibrate): copy " in md
+    from cosyvoice_cpu.benchmark.report import markdown
 
     del result["machine"]["calibration"]  # a result written before the calibration existed still renders
     del result["ours"]["lm_prefix_positions"]  # ... or before the LM prefix cache
@@ -89,7 +89,7 @@ def test_bench_runs_the_pytorch_peer_in_the_same_report(tiny_export_dir: Path, t
 def test_a_cached_export_from_other_exporter_code_or_recipe_is_stale(tiny_export_dir: Path, tmp_path: Path) -> None:
     import shutil
 
-    from cosyvoice_cpu.cli_bench import cached_export_is_fresh
+    from cosyvoice_cpu.cli.bench import cached_export_is_fresh
     from cosyvoice_cpu.export.quantize import DEFAULT_RECIPE
 
     assert cached_export_is_fresh(tiny_export_dir, DEFAULT_RECIPE)

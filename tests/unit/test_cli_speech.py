@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from cosyvoice_cpu.cli import main
+from cosyvoice_cpu.cli.main import main
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_say_errors_are_one_line(tiny_export_dir: Path, prompt: Path, tmp_path: 
 
 def test_say_runs_with_torch_blocked_and_streams_pcm(tiny_export_dir: Path, prompt: Path) -> None:
     code = ("import sys; sys.modules['torch'] = None\n"
-            "from cosyvoice_cpu.cli import main\n"
+            "from cosyvoice_cpu.cli.main import main\n"
             "raise SystemExit(main(sys.argv[1:]))\n")  # fmt: skip
     argv = ["say", "-m", str(tiny_export_dir), "--prompt-wav", str(prompt), "--prompt-text", "Good morning.",
             "--seed", "2", "--flow-steps", "2", "-o", "-"]  # fmt: skip
@@ -79,7 +79,7 @@ def test_say_stream_with_torch_blocked_gives_the_same_length_as_whole_sentences(
     tiny_export_dir: Path, prompt: Path
 ) -> None:
     code = ("import sys; sys.modules['torch'] = None\n"
-            "from cosyvoice_cpu.cli import main\n"
+            "from cosyvoice_cpu.cli.main import main\n"
             "raise SystemExit(main(sys.argv[1:]))\n")  # fmt: skip
     argv = ["say", "-m", str(tiny_export_dir), "--prompt-wav", str(prompt), "--prompt-text", "Good morning.",
             "--seed", "5", "--flow-steps", "2", "-o", "-", "Streaming from the command line works."]  # fmt: skip

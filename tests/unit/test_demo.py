@@ -8,7 +8,7 @@ from pathlib import Path
 
 import soundfile as sf
 
-from cosyvoice_cpu.cli_speech import DEMO_MODEL
+from cosyvoice_cpu.cli.speech import DEMO_MODEL
 from cosyvoice_cpu.manifest import Manifest
 
 
@@ -21,7 +21,7 @@ def test_the_demo_model_is_packaged_and_intact() -> None:
 
 def test_demo_runs_with_torch_blocked(tmp_path: Path) -> None:
     code = ("import sys; sys.modules['torch'] = None\n"
-            "from cosyvoice_cpu.cli import main\n"
+            "from cosyvoice_cpu.cli.main import main\n"
             "raise SystemExit(main(sys.argv[1:]))\n")  # fmt: skip
     out = tmp_path / "demo.wav"
     r = subprocess.run([sys.executable, "-c", code, "demo", "-o", str(out), "--flow-steps", "2", "--text", "Hello."],

@@ -13,7 +13,7 @@ import soundfile as sf
 from cosyvoice_cpu.config import EngineConfig, SynthesisConfig
 from cosyvoice_cpu.engine import Engine, Timings
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.voice import Voice, VoiceError
+from cosyvoice_cpu.voices.voice import Voice, VoiceError
 
 
 def _prompt_wav(path: Path, seconds: float = 3.0, sr: int = 44100) -> Path:
@@ -81,19 +81,19 @@ def test_modes_and_saved_voices(engine: Engine, voice: Voice, tmp_path: Path) ->
 def test_lm_prompt_per_mode(engine: Engine, voice: Voice) -> None:
     """What the LM sees: the official frontend's composition for each mode."""
     enc = engine.tokenizer.encode
-    ids, speech, speaker = engine._lm_prompt(voice, "Speak slowly.")
+    ids, speech, speaker = engine.lm_prompt(voice, "Speak slowly.")
     assert ids == enc("Speak slowly.<|endofprompt|>") and len(speech) == 0  # instruct: no prompt speech
     assert speaker is None
-    assert engine._lm_prompt(voice, "Speak slowly.<|endofprompt|>")[0] == ids  # the marker is not doubled
+    assert engine.lm_prompt(voice, "Speak slowly.<|endofprompt|>")[0] == ids  # the marker is not doubled
     numbered = Voice("n", "I paid 5 dollars.", voice.speech_tokens, voice.mel, voice.embedding)
-    ids, speech, speaker = engine._lm_prompt(numbered, None)
+    ids, speech, speaker = engine.lm_prompt(numbered, None)
     assert speaker is None  # CosyVoice2's LM takes no x-vector
     assert ids == enc("I paid five dollars.") and np.array_equal(speech, voice.speech_tokens)  # normalized
-    assert engine._lm_prompt(numbered, None, normalize=False)[0] == enc("I paid 5 dollars.")
+    assert engine.lm_prompt(numbered, None, normalize=False)[0] == enc("I paid 5 dollars.")
     cross = Voice("c", "", voice.speech_tokens, voice.mel, voice.embedding)
-    ids, speech, _ = engine._lm_prompt(cross, None)
+    ids, speech, _ = engine.lm_prompt(cross, None)
     assert ids == [] and len(speech) == 0
-    assert engine._sampling(SynthesisConfig(tau_r=0.0, top_k=5)).tau_r == 0.0  # 0 is an override, not "unset"
+    assert engine.sampling_for(SynthesisConfig(tau_r=0.0, top_k=5)).tau_r == 0.0  # 0 is an override, not "unset"
 
 
 def test_chunks_stream_per_sentence_and_the_engine_is_shared_by_threads(engine: Engine, voice: Voice) -> None:
@@ -106,6 +106,7 @@ def test_chunks_stream_per_sentence_and_the_engine_is_shared_by_threads(engine: 
     assert not first.final and first.span[0] == 0  # yielded before the later sentences are synthesized
     rest = list(chunks)
     assert rest and rest[-1].final and rest[-1].span[1] == len(text)
+
     def say(seed: int) -> np.ndarray:
         return engine.synthesize_wav("Hello there.", voice, cfg.with_(seed=seed))
 
@@ -127,8 +128,9 @@ def test_bad_input_is_refused_clearly(engine: Engine, voice: Voice, tmp_path: Pa
         engine.synthesize("Hi.", "alice")
     with pytest.raises(ConfigError, match="speed = 9"):
         engine.synthesize("Hi.", voice, SynthesisConfig(speed=9))
-    foreign = Voice("v1", "", voice.speech_tokens % 4096, voice.mel, voice.embedding, family="cosyvoice",
-                    sample_rate=22050)
+    foreign = Voice(
+        "v1", "", voice.speech_tokens % 4096, voice.mel, voice.embedding, family="cosyvoice", sample_rate=22050
+    )
     with pytest.raises(VoiceError, match="made for cosyvoice at 22050 Hz"):
         engine.synthesize("Hi.", foreign)
     silent = tmp_path / "silent.wav"
@@ -206,7 +208,7 @@ def test_long_vocoder_calls_run_in_windows_with_the_same_samples(engine: Engine,
                                                                    tiny_export_dir: Path) -> None:  # fmt: skip
     """A sentence's HiFT call in windows of 20 frames (several windows here) gives the samples of one call;
     the export measured the context the windows need. Windows too thin for it do not (the test can fail)."""
-    from cosyvoice_cpu.vocoder_window import plan
+    from cosyvoice_cpu.vocoder.windows import plan
 
     assert engine.vocoder.context is not None and min(engine.vocoder.context) >= 2
     text, cfg = "Hello world. How are you today?", SynthesisConfig(seed=5, flow_steps=2)

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosyvoice_cpu.cli import main
+from cosyvoice_cpu.cli.main import main
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.export import fixture as fx
+from cosyvoice_cpu.fixtures import writer as fx
 
 
 def test_same_seed_same_weights_other_seed_other_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -39,13 +39,26 @@ def test_refuses_to_overwrite_and_bad_specs(tiny_model_dir: Path) -> None:
         fx.FixtureSpec(family="cosyvoice9").validate()
     with pytest.raises(ConfigError, match="size"):
         fx.FixtureSpec(size="huge").validate()
+    with pytest.raises(ConfigError, match="not made for cosyvoice3"):
+        fx.FixtureSpec(family="cosyvoice3", size="demo").validate()
+    with pytest.raises(ConfigError, match="cosyvoice2 has none"):
+        fx.FixtureSpec(variant="base").validate()
+    fx.FixtureSpec(family="cosyvoice", variant="instruct").validate()
+
+
+def test_one_fixture_writer_per_family_of_the_facts_table() -> None:
+    from cosyvoice_cpu.families.facts import FAMILIES
+
+    assert fx.FAMILIES == FAMILIES and set(fx.WRITERS) == set(FAMILIES)
 
 
 def test_failed_write_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*_a, **_k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(fx, "write_campplus_standin", boom)
+    from cosyvoice_cpu.fixtures import weights_v2
+
+    monkeypatch.setattr(weights_v2, "write_campplus_standin", boom)
     with pytest.raises(OSError, match="disk full"):
         fx.write_fixture(fx.FixtureSpec(), tmp_path / "out")
     assert list(tmp_path.iterdir()) == []

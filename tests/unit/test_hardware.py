@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from cosyvoice_cpu.cli import main
+from cosyvoice_cpu.cli.main import main
 from cosyvoice_cpu.config import EngineConfig
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.hardware import (
+from cosyvoice_cpu.hardware.cpu import (
     SKIP_CHECK_ENV,
     Hardware,
     UnsupportedCpuError,
@@ -130,7 +130,7 @@ def test_memory_warnings_weigh_what_an_engine_keeps_in_memory(fixture: str, fami
 _HEAP_PROBE = """
 import sys
 import numpy as np
-from cosyvoice_cpu.hardware import fix_mmap_threshold, malloc_free_bytes
+from cosyvoice_cpu.hardware.cpu import fix_mmap_threshold, malloc_free_bytes
 if sys.argv[1] == "fixed":
     assert fix_mmap_threshold(1 << 20)
 big = np.ones(16 << 18, np.float32)  # 16 MB, mapped; freeing it raises glibc's dynamic threshold to 16 MB

@@ -8,10 +8,10 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from cosyvoice_cpu.cli_speech import DEMO_MODEL
+from cosyvoice_cpu.cli.speech import DEMO_MODEL
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.harmonic_source import NoiseStream, SourceConfig, SourceNoise, harmonic_source
 from cosyvoice_cpu.manifest import Manifest
+from cosyvoice_cpu.vocoder.source import NoiseStream, SourceConfig, SourceNoise, harmonic_source
 
 FRAMES = 1000  # 20 s at the demo's 480 samples per frame: 41 blocks of SOURCE_BLOCK
 
@@ -65,7 +65,7 @@ def test_a_noise_stream_is_read_once_in_order_and_rows_draw_at_once() -> None:
 
 
 def test_the_vocoder_streams_its_noise_with_the_numbers_of_one_draw(monkeypatch) -> None:
-    from cosyvoice_cpu.vocoder import Vocoder
+    from cosyvoice_cpu.vocoder.hift import Vocoder
 
     attrs = Manifest.load(DEMO_MODEL).graphs["hift_decode"].attrs
     voc = Vocoder.from_dir(DEMO_MODEL, attrs, threads=1)

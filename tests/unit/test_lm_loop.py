@@ -12,11 +12,8 @@ import pytest
 import torch
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.lm import LMSession
-from cosyvoice_cpu.lm_loop import LMFacts, SpeechTokenGenerator
-from cosyvoice_cpu.manifest import Manifest
-from cosyvoice_cpu.reference import sampling as ref_sampling
-from cosyvoice_cpu.sampling import (
+from cosyvoice_cpu.lm.generate import LMFacts, SpeechTokenGenerator
+from cosyvoice_cpu.lm.sampling import (
     DegenerateOutputError,
     RngDraw,
     SamplingConfig,
@@ -25,6 +22,9 @@ from cosyvoice_cpu.sampling import (
     ras_sample,
     sample_next,
 )
+from cosyvoice_cpu.lm.session import LMSession
+from cosyvoice_cpu.manifest import Manifest
+from cosyvoice_cpu.reference import sampling as ref_sampling
 
 EOS, V = 6561, 6564
 
@@ -270,14 +270,14 @@ def test_request_errors(gen) -> None:
 
 def test_runtime_modules_import_without_torch() -> None:
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import cosyvoice_cpu.sampling, cosyvoice_cpu.lm_loop\n"
+            "import cosyvoice_cpu.lm.sampling, cosyvoice_cpu.lm.generate\n"
             "assert 'torch' not in {m for m in sys.modules if sys.modules[m] is not None}\n")  # fmt: skip
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
 
 
 def test_top_k_order_is_the_head_of_a_stable_descending_sort() -> None:
-    from cosyvoice_cpu.sampling import top_k_order
+    from cosyvoice_cpu.lm.sampling import top_k_order
 
     rng = np.random.default_rng(1)
     for trial in range(2000):

@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cosyvoice_cpu.cli_speech import DEMO_MODEL
+from cosyvoice_cpu.cli.speech import DEMO_MODEL
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.lm import LMSession
-from cosyvoice_cpu.lm_loop import LMFacts, SpeechTokenGenerator
-from cosyvoice_cpu.lm_prefix import PrefixCache
+from cosyvoice_cpu.lm.generate import LMFacts, SpeechTokenGenerator
+from cosyvoice_cpu.lm.prefix import PrefixCache
+from cosyvoice_cpu.lm.session import LMSession
 from cosyvoice_cpu.manifest import Manifest
 
 PROMPT_TEXT = [11, 12, 13, 14, 15, 16]
@@ -134,8 +134,8 @@ def test_rows_round_trip_and_wrong_shapes_are_refused(gen) -> None:
 @pytest.fixture(scope="module")
 def gen_v1(tiny_v1_export_dir: Path) -> SpeechTokenGenerator:
     """The tiny CosyVoice-300M generator (int8w): a causal text encoder and a speaker row after sos."""
-    from cosyvoice_cpu.lm import TEXT_ENCODER_FILE
-    from cosyvoice_cpu.lm_prompt import TextEncoder
+    from cosyvoice_cpu.lm.prompt import TextEncoder
+    from cosyvoice_cpu.lm.session import TEXT_ENCODER_FILE
 
     m = Manifest.load(tiny_v1_export_dir)
     session = LMSession.from_dir(tiny_v1_export_dir, m.graphs["lm"].attrs, threads=2)
@@ -144,7 +144,7 @@ def gen_v1(tiny_v1_export_dir: Path) -> SpeechTokenGenerator:
 
 
 def test_v1_prefix_holds_the_speaker_row_and_is_keyed_by_the_x_vector(gen_v1) -> None:
-    from cosyvoice_cpu.lm_prompt import assemble
+    from cosyvoice_cpu.lm.prompt import assemble
 
     gen, rng = gen_v1, np.random.default_rng(0)
     alice, bob = rng.standard_normal((2, 192)).astype(np.float32)

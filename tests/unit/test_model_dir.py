@@ -93,3 +93,18 @@ def test_hift_checkpoint_mismatch_is_a_model_dir_error(tiny_model_dir: Path, tmp
     torch.save(state, d / "hift.pt")
     with pytest.raises(ModelDirError, match=r"conv_post\.bias"):
         load_reference(d, stages=("hift",))
+
+
+def test_one_loader_per_family_with_the_released_mel_defaults() -> None:
+    """LOADERS is keyed by the facts table; a yaml without ``feat_extractor`` gets the family's released values."""
+    from cosyvoice_cpu.families.facts import FAMILIES, facts
+    from cosyvoice_cpu.reference.model_dir import LOADERS, MelConfig
+
+    assert set(LOADERS) == set(FAMILIES)
+    released = {"cosyvoice": (1024, 22050, 256, 1024, 8000.0), "cosyvoice2": (1920, 24000, 480, 1920, 8000.0),
+                "cosyvoice3": (1920, 24000, 480, 1920, None)}  # fmt: skip
+    for name in FAMILIES:
+        f = facts(name)
+        mel = MelConfig.from_yaml(None, MelConfig(sampling_rate=f.sample_rate, hop_size=f.mel_hop, **LOADERS[name].mel))
+        assert (mel.n_fft, mel.sampling_rate, mel.hop_size, mel.win_size, mel.fmax) == released[name]
+        assert (mel.num_mels, mel.fmin) == (80, 0.0)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cosyvoice_cpu.pages import file_mappings, release_file_pages, resident_bytes
+from cosyvoice_cpu.hardware.pages import file_mappings, release_file_pages, resident_bytes
 
 
 def _kernel() -> tuple[int, ...]:
@@ -89,8 +89,9 @@ K, N = 4096, 512  # 8-bit blocks of 32: 2 MB of weights, 256 KB of block scales
 PROBE = """
 import json, sys
 import numpy as np
-from cosyvoice_cpu.pages import resident_bytes
-from cosyvoice_cpu.sessions import SessionConfig, make_session
+from cosyvoice_cpu.hardware.pages import resident_bytes
+from cosyvoice_cpu.backends.base import SessionConfig
+from cosyvoice_cpu.backends.onnxruntime import make_session
 
 path = sys.argv[1]
 s = make_session(path, SessionConfig(threads=1, release_weight_pages=sys.argv[2] == "1"))
@@ -112,8 +113,13 @@ def _matmul_nbits(path: Path) -> Path:
     scales = numpy_helper.from_array((rng.random(N * K // 32, dtype=np.float32) + 0.5) / 128, "scales")
     node = helper.make_node("MatMulNBits", ["a", "b", "scales"], ["y"], domain="com.microsoft", K=K, N=N, bits=8,
                             block_size=32, accuracy_level=4)  # fmt: skip
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["m", K])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", N])], [b, scales])
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["m", K])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", N])],
+        [b, scales],
+    )
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
     model = helper.make_model(graph, opset_imports=opsets)
     onnx.save_model(model, str(path), save_as_external_data=True, location=path.name + ".data", size_threshold=1024)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from cosyvoice_cpu.errors import ModelDirError
-from cosyvoice_cpu.lm import EMBEDDING_FILES, LMSession
-from cosyvoice_cpu.pages import file_mappings
-from cosyvoice_cpu.row_table import RowTable, open_table
+from cosyvoice_cpu.hardware.pages import file_mappings
+from cosyvoice_cpu.lm.row_table import RowTable, open_table
+from cosyvoice_cpu.lm.session import EMBEDDING_FILES, LMSession
 
 pread = pytest.mark.skipif(not hasattr(os, "preadv"), reason="os.preadv is POSIX-only (elsewhere: a memory map)")
 
@@ -53,7 +53,7 @@ def test_bad_tables_are_refused(tmp_path: Path) -> None:
 
 
 def test_the_lm_reads_its_tables_without_mapping_them(tmp_path: Path) -> None:
-    from cosyvoice_cpu.cli_speech import DEMO_MODEL
+    from cosyvoice_cpu.cli.speech import DEMO_MODEL
     from cosyvoice_cpu.manifest import Manifest
 
     attrs = Manifest.load(DEMO_MODEL).graphs["lm"].attrs

@@ -55,4 +55,3 @@ def test_config_validation() -> None:
     for bad in (dict(top_p=0), dict(top_k=0), dict(eos_policy="never"), dict(win_size=-1)):
         with pytest.raises(ConfigError):
             SamplingConfig(**bad).validate()
-

@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cosyvoice_cpu.cli_speech import DEMO_MODEL, _tone_wav
+from cosyvoice_cpu.cli.speech import DEMO_MODEL, _tone_wav
 from cosyvoice_cpu.config import EngineConfig, SynthesisConfig
 from cosyvoice_cpu.engine import Engine
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.pages import span_resident_bytes
-from cosyvoice_cpu.sampling import RngDraw
-from cosyvoice_cpu.scheduler import Hold, LMScheduler
+from cosyvoice_cpu.hardware.pages import span_resident_bytes
+from cosyvoice_cpu.lm.sampling import RngDraw
+from cosyvoice_cpu.lm.scheduler import Hold, LMScheduler
 
 TEXT = "Warning: the temperature on line three is too high."
 
@@ -141,7 +141,7 @@ def test_a_held_request_waits_at_its_first_chunk_until_released(engine: Engine) 
 def test_a_scheduler_whose_rows_are_all_held_sleeps_until_a_release_or_a_cancel(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import cosyvoice_cpu.scheduler as sched
+    import cosyvoice_cpu.lm.scheduler as sched
 
     monkeypatch.setattr(sched, "IDLE_CHECK_S", 60.0)  # only a wake-up can make progress within the test
     scheduler = LMScheduler(engine.lm, max_rows=1)
@@ -195,7 +195,7 @@ def test_hold_rejects_a_negative_count() -> None:
 def test_the_scheduler_thread_ends_when_idle_and_restarts_on_the_next_request(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import cosyvoice_cpu.scheduler as sched
+    import cosyvoice_cpu.lm.scheduler as sched
 
     monkeypatch.setattr(sched, "IDLE_EXIT_S", 0.05)
     scheduler = LMScheduler(engine.lm, max_rows=2)

@@ -16,7 +16,8 @@ N = 25_000_000  # 100 MB of float32 per intermediate
 PROBE = """
 import json, sys
 import numpy as np
-from cosyvoice_cpu.sessions import SessionConfig, make_session
+from cosyvoice_cpu.backends.base import SessionConfig
+from cosyvoice_cpu.backends.onnxruntime import make_session
 
 def hwm_mb():
     return int(dict(l.split(":", 1) for l in open("/proc/self/status"))["VmHWM"].split()[0]) // 1024
@@ -65,7 +66,7 @@ def test_sessions_run_one_after_the_other_share_their_activation_memory(tmp_path
 SHRINK_PROBE = """
 import json, sys
 import numpy as np
-from cosyvoice_cpu.cli_speech import DEMO_MODEL
+from cosyvoice_cpu.cli.speech import DEMO_MODEL
 from cosyvoice_cpu.config import EngineConfig
 from cosyvoice_cpu.engine import Engine
 
@@ -117,7 +118,7 @@ def test_only_new_speech_counts_toward_the_shrink() -> None:
     arena, so its frames do not count: 600 prompt tokens + 20 new do not shrink, 600 new tokens do."""
     import numpy as np
 
-    from cosyvoice_cpu.cli_speech import DEMO_MODEL
+    from cosyvoice_cpu.cli.speech import DEMO_MODEL
     from cosyvoice_cpu.config import EngineConfig
     from cosyvoice_cpu.engine import Engine
 
@@ -134,7 +135,7 @@ def test_a_vocoder_call_split_in_windows_shrinks_the_arena_after_its_last_window
     memory back (the LM's, the estimator's and HiFT's growth); a one-window call does not shrink."""
     import numpy as np
 
-    from cosyvoice_cpu.cli_speech import DEMO_MODEL
+    from cosyvoice_cpu.cli.speech import DEMO_MODEL
     from cosyvoice_cpu.config import EngineConfig
     from cosyvoice_cpu.engine import Engine
 

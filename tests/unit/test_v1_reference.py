@@ -34,7 +34,7 @@ def test_fixture_loads_strictly_with_v1_config(tiny_v1_model_dir: Path) -> None:
 def test_full_size_yaml_gives_the_released_shapes(tmp_path: Path) -> None:
     """The full-size fixture yaml reads back as the released configuration; parameter counts as documented
     (310.7 M LM, 104.9 M flow of which 81.9 M estimator), built on the meta device (no memory)."""
-    from cosyvoice_cpu.export.fixture_yaml_v1 import V1Sizes, render_cosyvoice_yaml
+    from cosyvoice_cpu.fixtures.yaml_v1 import V1Sizes, render_cosyvoice_yaml
     from cosyvoice_cpu.reference.flow_v1 import FlowV1, FlowV1Config
     from cosyvoice_cpu.reference.lm_v1 import TransformerLM, TransformerLMConfig
     from cosyvoice_cpu.reference.model_dir import read_model_config
@@ -126,8 +126,8 @@ def test_yaml_choices_we_do_not_implement_are_refused(tiny_v1_model_dir: Path, t
 
 
 def test_fixture_cli_determinism_and_family_sizes(tiny_v1_model_dir: Path, tmp_path: Path) -> None:
-    from cosyvoice_cpu.cli import main
-    from cosyvoice_cpu.export import fixture as fx
+    from cosyvoice_cpu.cli.main import main
+    from cosyvoice_cpu.fixtures import writer as fx
 
     assert main(["fixture", "--family", "cosyvoice", "--out", str(tmp_path / "again")]) == 0
     for name in ("llm.pt", "flow.pt", "hift.pt", "spk2info.pt"):

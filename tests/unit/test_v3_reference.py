@@ -15,7 +15,7 @@ from cosyvoice_cpu.errors import ConfigError, ModelDirError
 @pytest.fixture(scope="module")
 def v3_lm_dir(tmp_path_factory) -> Path:
     """The LM part of a tiny v3 fixture (yaml, BlankEN, llm.pt), seed 0."""
-    from cosyvoice_cpu.export.fixture_v3 import write_cosyvoice3_lm_files
+    from cosyvoice_cpu.fixtures.weights_v3 import write_cosyvoice3_lm_files
 
     d = tmp_path_factory.mktemp("v3") / "tiny-v3-lm"
     write_cosyvoice3_lm_files(d, "tiny", 0)
@@ -123,7 +123,7 @@ def test_a_yaml_mixing_families_is_a_precise_error(v3_lm_dir: Path, tmp_path: Pa
 
 
 def test_whole_tiny_fixture_writes_and_loads(tmp_path: Path) -> None:
-    from cosyvoice_cpu.export.fixture import FixtureSpec, write_fixture
+    from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
     from cosyvoice_cpu.reference.model_dir import load_reference
 
     d = write_fixture(FixtureSpec("cosyvoice3", "tiny", 0), tmp_path / "v3")

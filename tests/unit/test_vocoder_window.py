@@ -1,4 +1,4 @@
-"""Planning the windows of a long vocoder call (``cosyvoice_cpu.vocoder_window``) and reading their context."""
+"""Planning the windows of a long vocoder call (``cosyvoice_cpu.vocoder.windows``) and reading their context."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
-from cosyvoice_cpu.vocoder_window import check_window, context_of, decode_windows, plan
+from cosyvoice_cpu.vocoder.windows import check_window, context_of, decode_windows, plan
 
 
 def test_a_call_that_fits_or_has_no_context_is_one_piece() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cosyvoice_cpu.voice import Voice, VoiceError, check_name
+from cosyvoice_cpu.voices.voice import Voice, VoiceError, check_name
 
 
 def _voice(name: str = "alice", frames: int = 100) -> Voice:

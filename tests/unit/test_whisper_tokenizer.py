@@ -10,7 +10,7 @@ import pytest
 
 from cosyvoice_cpu.errors import ExportError
 from cosyvoice_cpu.export import tokenizer_whisper as tw
-from cosyvoice_cpu.export.fixture_tokenizer import write_fixture_tiktoken
+from cosyvoice_cpu.fixtures.tokenizer import write_fixture_tiktoken
 from cosyvoice_cpu.text.tokenizer import TextTokenizer
 
 MIXED = [

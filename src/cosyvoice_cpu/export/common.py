@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.families.facts import FamilyFacts
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +80,24 @@ class GateResult:
         mark = "ok" if self.passed else "FAILED"
         what = f"{self.graph} [{self.phase}]: {self.check} = {self.value:.3g} (tolerance {self.tolerance:.3g})"
         return f"{what} {mark} {self.detail}".rstrip()
+
+
+@dataclass(frozen=True)
+class LMGate:
+    """What the LM numerics gate (:func:`cosyvoice_cpu.export.lm_graph.verify_lm`) needs of a family's graph, given
+    by its graph module (``GATE`` of ``lm_graph``, ``lm_graph_v1``, ``lm_graph_v3``), not sniffed from the LM.
+
+    Attributes:
+        facts: the family's facts (``lm_speaker``: the prompt holds an x-vector row).
+        attrs: ``(lm, max_len) -> attrs`` of the written ``lm`` artifact (v3: its own head size and stop facts).
+        text_vocab: ``lm -> n``, the text ids the LM's text table holds (prompt text ids are drawn below n).
+        text_encoder: prompt text passes through the ``lm_text_encoder`` graph (v1).
+    """
+
+    facts: FamilyFacts
+    attrs: Callable[[Any, int], dict[str, Any]]
+    text_vocab: Callable[[Any], int]
+    text_encoder: bool = False
 
 
 def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:

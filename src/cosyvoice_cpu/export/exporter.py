@@ -23,38 +23,26 @@ from typing import Any
 from cosyvoice_cpu import __version__
 from cosyvoice_cpu.errors import ConfigError, CosyVoiceCpuError, ExportError, MissingExtraError
 from cosyvoice_cpu.export.common import GateResult, GraphArtifact, replace_dir
+from cosyvoice_cpu.export.families import VOICES_DIR, ExportFamily, export_family
 from cosyvoice_cpu.export.quantize import DEFAULT_RECIPE, Recipe, parse_recipe
 from cosyvoice_cpu.export.stages import export_stage_files
-from cosyvoice_cpu.lm import SPECIALS
+from cosyvoice_cpu.families.facts import FAMILIES
+from cosyvoice_cpu.lm.session import SPECIALS
 from cosyvoice_cpu.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, GraphEntry, Manifest, sha256_file
 
 logger = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
 
-# Files a released directory must hold (relative paths), per family.
-REQUIRED = {
-    "cosyvoice2": ("llm.pt", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v2.onnx",
-                   "CosyVoice-BlankEN/config.json", "CosyVoice-BlankEN/vocab.json", "CosyVoice-BlankEN/merges.txt",
-                   "CosyVoice-BlankEN/tokenizer_config.json"),
-    "cosyvoice": ("llm.pt", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v1.onnx"),
-    "cosyvoice3": ("llm.pt", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v3.onnx",
-                   "CosyVoice-BlankEN/config.json", "CosyVoice-BlankEN/vocab.json", "CosyVoice-BlankEN/merges.txt",
-                   "CosyVoice-BlankEN/tokenizer_config.json"),
-}  # fmt: skip
-# ONNX front-end models copied as they are, with the ranks of the inputs the runtime feeds them (by position, as
-# the official frontend does): campplus fbank (B, T, 80); speech tokenizer log-mel (1, 128, T) and its length (1,).
-SPEECH_TOKENIZERS = {"cosyvoice2": "speech_tokenizer_v2.onnx", "cosyvoice": "speech_tokenizer_v1.onnx",
-                     "cosyvoice3": "speech_tokenizer_v3.onnx"}  # fmt: skip
+# ONNX front-end models are copied as they are (ExportFamily.copied_onnx), with the ranks of the inputs the runtime
+# feeds them (by position, as the official frontend does): campplus fbank (B, T, 80); speech tokenizer log-mel
+# (1, 128, T) and its length (1,).
 ONNX_RANKS = {"campplus": (3,), "speech_tokenizer": (3, 1)}
-# Families the ONNX export and the runtime implement (the PyTorch reference also reads CosyVoice-300M).
-EXPORTABLE = tuple(REQUIRED)
-VOICES_DIR = "voices"  # built-in speakers (CosyVoice-300M-SFT/-Instruct spk2info.pt) as voice files
 
 
 def copied_onnx(family: str) -> dict[str, str]:
     """Manifest key -> file name of the front-end ONNX models copied unchanged for ``family``."""
-    return {"campplus": "campplus.onnx", "speech_tokenizer": SPEECH_TOKENIZERS[family]}
+    return export_family(family).copied_onnx()
 
 
 # Python packages the export needs beyond torch (checked up front, not after minutes of work).
@@ -147,11 +135,11 @@ def check_source(src: Path) -> Any:
         raise ExportError(f"--from {src}: no such directory; point at a released CosyVoice2-0.5B, CosyVoice-300M or "
                           "Fun-CosyVoice3-0.5B directory")  # fmt: skip
     family = detect_family(src)
-    if family not in EXPORTABLE:
-        raise ExportError(
-            f"{src} is a {family} model; export supports {', '.join(EXPORTABLE)}"
-        )
-    missing = [n for n in REQUIRED[family] if not (src / n).is_file()]
+    try:
+        fam = export_family(family)
+    except ExportError:
+        raise ExportError(f"{src} is a {family} model; export supports {', '.join(FAMILIES)}") from None
+    missing = [n for n in fam.required_files() if not (src / n).is_file()]
     if missing:
         raise ExportError(
             f"{src} is missing {', '.join(missing)}: the directory is incomplete; download the whole model "
@@ -160,12 +148,9 @@ def check_source(src: Path) -> Any:
             "`cosyvoice-cpu fixture`"
         )
     cfg = read_model_config(src)  # raises ModelDirError for a wrong/unsupported family
-    for key, name in copied_onnx(family).items():
+    for key, name in fam.copied_onnx().items():
         _check_onnx(src / name, ONNX_RANKS[key], key)
-    if family == "cosyvoice":
-        from cosyvoice_cpu.export.tokenizer_whisper import find_tiktoken
-
-        find_tiktoken(src)  # fail now, not after minutes of export
+    fam.check_source(src)  # e.g. CosyVoice-300M's tiktoken vocabulary: fail now, not after minutes of export
     return cfg
 
 
@@ -247,6 +232,7 @@ def export_model(
     check_extra()
     _check_target(src, dst, options.force)
     cfg = check_source(src)
+    fam = export_family(cfg.family)
     need, free = needed_bytes(src, cfg.family), free_bytes(dst.parent if not dst.exists() else dst)
     if free < need:
         raise ExportError(
@@ -262,14 +248,14 @@ def export_model(
         step(f"exporting {src} ({cfg.family}) with recipe {recipe.name!r} into {dst}")
         graphs, gates, stage_facts = export_stage_files(src, tmp, cfg, recipe, options, step)
         step("tokenizer, front-end models, manifest")
-        text = _export_tokenizer(cfg, tmp)
-        for name in copied_onnx(cfg.family).values():
+        text = fam.export_tokenizer(cfg, tmp)
+        for name in fam.copied_onnx().values():
             shutil.copy2(src / name, tmp / name)
-        voices = _export_speakers(cfg, tmp)
+        voices = fam.export_speakers(cfg, tmp)
         for p in [*tmp.iterdir(), *voices]:  # copies keep the source's mode, np.save follows the umask: 0644
             if p.is_file():
                 p.chmod(0o644)
-        manifest = _manifest(src, tmp, cfg, recipe, graphs, gates, text, stage_facts, voices)
+        manifest = _manifest(src, tmp, cfg, fam, recipe, graphs, gates, text, stage_facts, voices)
         manifest.save(tmp)
         (tmp / MANIFEST_NAME).chmod(0o644)
         tmp.chmod(0o755)
@@ -295,72 +281,15 @@ def export_model(
 
 def _export_tokenizer(cfg: Any, out: Path) -> dict[str, Any]:
     """Write ``tokenizer.json`` (Hugging Face ``tokenizers`` format, CosyVoice specials included); CosyVoice-300M's
-    Whisper tiktoken vocabulary is converted to the same format."""
-    from cosyvoice_cpu.reference.tokenizer import COSYVOICE2_SPECIALS, CosyVoice2Tokenizer
-
-    if cfg.family == "cosyvoice":
-        from cosyvoice_cpu.export.tokenizer_whisper import find_tiktoken, write_whisper_tokenizer
-
-        path = find_tiktoken(cfg.model_dir)
-        text = write_whisper_tokenizer(path, out)
-        if text["vocab_size"] > cfg.lm.text_token_size:
-            raise ExportError(
-                f"{path} has {text['vocab_size']} tokens but the LM's text table has {cfg.lm.text_token_size} rows: "
-                "it is the wrong vocabulary for this model (CosyVoice-300M uses Whisper's multilingual.tiktoken)"
-            )
-        return text
-    if cfg.family == "cosyvoice3":
-        from cosyvoice_cpu.export.tokenizer_v3 import export_tokenizer_v3
-
-        return export_tokenizer_v3(cfg.blank_en_dir, out)
-
-    tok = CosyVoice2Tokenizer(cfg.blank_en_dir)
-    tok._tok.backend_tokenizer.save(str(out / "tokenizer.json"))
-    specials = {t: tok.token_id(t) for t in ("<|endoftext|>", *COSYVOICE2_SPECIALS)}
-    return {"tokenizer": "tokenizer.json", "vocab_size": len(tok), "special_ids": specials}
-
-
-def _flow_facts(family: str, flow: Any) -> dict[str, Any]:
-    """The manifest's ``flow`` section: solver defaults, plus the streaming facts (v2) or the token rate (v1)."""
-    facts = {"n_timesteps": flow.cfm.n_timesteps, "cfg_rate": flow.cfm.inference_cfg_rate,
-             "t_scheduler": flow.cfm.t_scheduler, "spk_embed_dim": flow.spk_embed_dim}  # fmt: skip
-    if family == "cosyvoice":  # CosyVoice-300M: 50 Hz tokens stretched by the length regulator
-        return {**facts, "input_frame_rate": flow.input_frame_rate}
-    if family == "cosyvoice3":  # the DiT's chunk mask: 50 frames (25 tokens); no encoder chunk
-        chunk = flow.estimator.static_chunk_size
-        return {**facts, "pre_lookahead_len": flow.pre_lookahead_len, "token_mel_ratio": flow.token_mel_ratio,
-                "static_chunk_size": chunk // flow.token_mel_ratio, "chunk_frames": chunk}  # fmt: skip
-    return {**facts, "pre_lookahead_len": flow.pre_lookahead_len, "token_mel_ratio": flow.token_mel_ratio,
-            "static_chunk_size": flow.encoder.static_chunk_size}  # encoder chunk in tokens (streaming)  # fmt: skip
-
-
-def _export_speakers(cfg: Any, out: Path) -> list[Path]:
-    """The built-in speakers of a CosyVoice-300M-SFT/-Instruct ``spk2info.pt`` as ``voices/<name>.npz`` files
-    (voices without prompt audio: the x-vector alone conditions the LM and the flow). Others have none."""
-    if cfg.family != "cosyvoice":
-        return []
-    import numpy as np
-
-    from cosyvoice_cpu.reference.model_dir import load_speakers
-    from cosyvoice_cpu.voice import Voice, VoiceError
-
-    written = []
-    for name, emb in load_speakers(cfg.model_dir).items():
-        try:
-            voice = Voice(name, "", np.zeros(0, np.int32), np.zeros((0, 80), np.float32), emb.numpy().reshape(-1),
-                          family=cfg.family, sample_rate=cfg.sample_rate, meta={"builtin": True})  # fmt: skip
-        except VoiceError as e:
-            raise ExportError(f"built-in speaker {name!r} of spk2info.pt cannot be a voice: {e}") from e
-        written.append(voice.save(out / VOICES_DIR / f"{name}.npz"))
-    if written:
-        (out / VOICES_DIR).chmod(0o755)
-    return written
+    Whisper tiktoken vocabulary is converted to the same format (:meth:`ExportFamily.export_tokenizer`)."""
+    return export_family(cfg.family).export_tokenizer(cfg, out)
 
 
 def _manifest(
     src: Path,
     out: Path,
     cfg: Any,
+    fam: ExportFamily,
     recipe: Recipe,
     graphs: list[GraphArtifact],
     gates: list[GateResult],
@@ -380,7 +309,7 @@ def _manifest(
         )
     arrays = {p.stem: FileEntry.of(out, p.name) for p in sorted(out.glob("*.npy"))}
     files = {"tokenizer": FileEntry.of(out, "tokenizer.json")}
-    files.update({key: FileEntry.of(out, name) for key, name in copied_onnx(cfg.family).items()})
+    files.update({key: FileEntry.of(out, name) for key, name in fam.copied_onnx().items()})
     files.update({f"voice:{p.stem}": FileEntry.of(out, f"{VOICES_DIR}/{p.name}") for p in voices})
     lm = cfg.lm
     source_files = {
@@ -405,12 +334,11 @@ def _manifest(
             "task_id_row": SPECIALS["task_id"],
             "min_token_text_ratio": lm.min_token_text_ratio,
             "max_token_text_ratio": lm.max_token_text_ratio,
-            **({"min_len_masked_id": lm.min_len_masked_id, "endofprompt_id": lm.endofprompt_id}
-               if cfg.family == "cosyvoice3" else {}),  # v3: the official min-length mask is its sos id
+            **fam.lm_facts(lm),  # v3: the official min-length mask is its sos id, the endofprompt id
             **stage_facts.get("lm", {}),
         },
         sampling=asdict(lm.sampling),
-        flow={**_flow_facts(cfg.family, cfg.flow), **stage_facts.get("flow", {})},
+        flow={**fam.flow_facts(cfg.flow), **stage_facts.get("flow", {})},
         hift={**cfg.hift.to_dict(), **stage_facts.get("hift", {})},
         graphs=entries,
         arrays=arrays,

@@ -1,6 +1,6 @@
 """Export the CosyVoice2 flow to ONNX: token encoder, estimator (whole and streamed chunks), fixed noise.
 
-Graphs (``export_flow``; the runtime side is :class:`cosyvoice_cpu.flow.FlowStage`):
+Graphs (``export_flow``; the runtime side is :class:`cosyvoice_cpu.flow.stage.FlowStage`):
 
 ``flow_encoder.onnx`` (batch 1)
     token (1, T) int64: prompt tokens + tokens to synthesise, concatenated (negative ids count as 0)
@@ -14,7 +14,7 @@ Graphs (``export_flow``; the runtime side is :class:`cosyvoice_cpu.flow.FlowStag
     x, mask, mu, t, spks, cond: (B, 80, T), (B, 1, T), (B, 80, T), (B,), (B, 80), (B, 80, T) float32
     -> estimator_out (B, 80, T) float32; full attention over the frames where mask = 1
 ``flow_estimator_stream.onnx``: one streamed chunk on cached activations of the prompt and the context
-    (contract in :mod:`cosyvoice_cpu.export.flow_stream_graph`; runtime :mod:`cosyvoice_cpu.flow_stream`).
+    (contract in :mod:`cosyvoice_cpu.export.flow_stream_graph`; runtime :mod:`cosyvoice_cpu.flow.stream`).
 ``flow_noise.npy``: the official fixed noise ``randn(1, 80, 15000)`` after seed 0, float32.
 """
 
@@ -33,15 +33,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cosyvoice_cpu.backends.base import SessionConfig
+from cosyvoice_cpu.backends.onnxruntime import make_session
 from cosyvoice_cpu.export.common import GateResult, GraphArtifact, gate, torch_export, verify_setup
 from cosyvoice_cpu.export.flow_stream_graph import export_stream_estimator, stream_layout, verify_stream_estimator
 from cosyvoice_cpu.export.fused_ops import export_forms, unmasked_when_unpadded
-from cosyvoice_cpu.flow import FILES
+from cosyvoice_cpu.flow.stage import FILES
 from cosyvoice_cpu.reference.cfm import NOISE_FRAMES, NOISE_SEED, official_fixed_noise
 from cosyvoice_cpu.reference.flow import Flow
 from cosyvoice_cpu.reference.flow_encoder import RelPositionAttention
 from cosyvoice_cpu.reference.flow_estimator import MASK_BIAS, FlowEstimator, timestep_embedding
-from cosyvoice_cpu.sessions import SessionConfig, make_session
 
 logger = logging.getLogger(__name__)
 
@@ -275,7 +276,7 @@ def verify_flow(
     Gates: encoder mu/spks (final and non-final with look-ahead context, full and chunk attention); the
     estimator at batch 2 (a padded row, two lengths) plus padded rows vs single unpadded rows; the stream
     estimator on a prompt pass and two cached chunks vs the reference over the whole window; the whole flow
-    (ORT encoder + :class:`~cosyvoice_cpu.flow.FlowStage` Euler/CFG loop + estimator) vs ``Flow.inference``
+    (ORT encoder + :class:`~cosyvoice_cpu.flow.stage.FlowStage` Euler/CFG loop + estimator) vs ``Flow.inference``
     with the official noise, and streamed in chunks vs the reference solver with chunk-causal ids.
 
     Args:
@@ -286,7 +287,7 @@ def verify_flow(
         the gates; ``GateResult.graph`` is the file key (``flow_encoder``, ``flow_estimator``,
         ``flow_estimator_stream``) or ``flow`` for the whole-flow mel.
     """
-    from cosyvoice_cpu.flow import FlowStage
+    from cosyvoice_cpu.flow.stage import FlowStage
 
     paths, tol = verify_setup(out_dir, files, tolerance, FILES, TOLERANCE, "verify_flow")
     flow = flow.eval()
@@ -345,9 +346,9 @@ def verify_flow(
 
 def _gate_stream(flow: Flow, stage: Any, prompt: np.ndarray, tokens: np.ndarray, feat: np.ndarray,
                  emb: np.ndarray, tol: float) -> GateResult:  # fmt: skip
-    """:class:`~cosyvoice_cpu.flow_stream.FlowStream` (unbounded context, three chunks) vs the reference solver
+    """:class:`~cosyvoice_cpu.flow.stream.FlowStream` (unbounded context, three chunks) vs the reference solver
     over the same frames with chunk-causal ids [0 prompt, 1, 2, 3] in one call."""
-    from cosyvoice_cpu.flow_stream import FlowStream
+    from cosyvoice_cpu.flow.stream import FlowStream
 
     fs = FlowStream(stage, prompt, feat, emb, context_tokens=None)
     look = fs.lookahead
@@ -367,7 +368,7 @@ def _gate_stream(flow: Flow, stage: Any, prompt: np.ndarray, tokens: np.ndarray,
 
 
 def _settings(flow: Flow) -> dict[str, Any]:
-    """The :class:`~cosyvoice_cpu.flow.FlowSettings` fields of a reference flow (as the artifacts' attrs)."""
+    """The :class:`~cosyvoice_cpu.flow.stage.FlowSettings` fields of a reference flow (as the artifacts' attrs)."""
     cfg = flow.config
     return {
         "token_mel_ratio": cfg.token_mel_ratio,

@@ -1,12 +1,12 @@
 """Export the CosyVoice-300M (v1) flow to ONNX: token encoder with the length regulator, UNet estimator.
 
-Graphs (``export_flow``; the runtime side is :class:`cosyvoice_cpu.flow_v1.FlowStageV1`):
+Graphs (``export_flow``; the runtime side is :class:`cosyvoice_cpu.flow.stage_v1.FlowStageV1`):
 
 ``flow_encoder.onnx`` (batch 1)
     token (1, T) int64: prompt tokens then tokens to synthesise (negative ids count as 0)
     embedding (1, 192) float32: raw x-vector (L2-normalised in the graph)
     stretch (T, F) float32: the length regulator's linear interpolation as a matrix
-        (:func:`cosyvoice_cpu.flow_v1.stretch_matrix`: prompt -> mel_len1 frames, new tokens -> mel_len2 frames,
+        (:func:`cosyvoice_cpu.flow.stage_v1.stretch_matrix`: prompt -> mel_len1 frames, new tokens -> mel_len2 frames,
         head/middle/tail above 40 new tokens), so all of its length logic lives in one NumPy function
     -> mu (1, 80, F) float32 (embedding -> Conformer, full attention -> encoder_proj -> (1, 80, T) @ stretch ->
        the regulator's conv stack), spks (1, 80) float32
@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cosyvoice_cpu.backends.base import SessionConfig
+from cosyvoice_cpu.backends.onnxruntime import make_session
 from cosyvoice_cpu.export.common import GateResult, GraphArtifact, gate, torch_export, verify_setup
 from cosyvoice_cpu.export.flow_graph import (
     ENCODER_QUERY_BLOCKS,
@@ -41,12 +43,11 @@ from cosyvoice_cpu.export.flow_graph import (
     rel_position_encoding,
 )
 from cosyvoice_cpu.export.fused_ops import export_forms
-from cosyvoice_cpu.flow_v1 import CACHE_TAIL_FRAMES, FILES, MEL_FRAMES_PER_SECOND, OVERLAP_TOKENS, stretch_matrix
+from cosyvoice_cpu.flow.stage_v1 import CACHE_TAIL_FRAMES, FILES, MEL_FRAMES_PER_SECOND, OVERLAP_TOKENS, stretch_matrix
 from cosyvoice_cpu.reference.flow_estimator import MASK_BIAS, FlowEstimator, timestep_embedding
 from cosyvoice_cpu.reference.flow_estimator_v1 import UNetEstimator
 from cosyvoice_cpu.reference.flow_v1 import FlowV1
 from cosyvoice_cpu.reference.length_regulator import frames_for_tokens
-from cosyvoice_cpu.sessions import SessionConfig, make_session
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ def _artifact(out_dir: Path, key: str, attrs: dict[str, Any]) -> GraphArtifact:
 
 
 def settings_of(flow: FlowV1) -> dict[str, Any]:
-    """The :class:`~cosyvoice_cpu.flow_v1.FlowSettingsV1` fields of a reference flow (as the artifacts' attrs)."""
+    """The :class:`~cosyvoice_cpu.flow.stage_v1.FlowSettingsV1` fields of a reference flow (as the artifacts' attrs)."""
     cfg = flow.config
     return {
         "input_frame_rate": cfg.input_frame_rate,
@@ -175,7 +176,7 @@ def export_flow(flow: FlowV1, out_dir: Path) -> list[GraphArtifact]:
     solver = settings_of(flow)
     encoder = {"vocab_size": cfg.vocab_size, "spk_embed_dim": cfg.spk_embed_dim, "output_size": cfg.output_size,
                "mel_frames_per_second": MEL_FRAMES_PER_SECOND, "split_above_tokens": 2 * OVERLAP_TOKENS,
-               "stretch": "linear, align_corners=False (cosyvoice_cpu.flow_v1.stretch_matrix)", **solver}  # fmt: skip
+               "stretch": "linear, align_corners=False (flow.stage_v1.stretch_matrix)", **solver}  # fmt: skip
     estimator = {"attention": "full", "noise": "fresh Gaussian per call", **solver}
     return [_artifact(out_dir, "flow_encoder", encoder), _artifact(out_dir, "flow_estimator", estimator)]
 
@@ -197,16 +198,16 @@ def verify_flow(
 
     Gates: encoder mu for <= 40, > 40 and 41 new tokens with a prompt and > 40 without (SFT), and spks; the
     estimator at batch 2 with a padded row and at batch 1 (odd lengths too); the whole flow
-    (:class:`~cosyvoice_cpu.flow_v1.FlowStageV1`, 10 steps, CFG) vs ``FlowV1.inference`` with the same
+    (:class:`~cosyvoice_cpu.flow.stage_v1.FlowStageV1`, 10 steps, CFG) vs ``FlowV1.inference`` with the same
     injected noise: with a prompt, SFT, and a second window on the first one's ``flow_cache``.
 
     Args:
-        files: overrides of :data:`~cosyvoice_cpu.flow_v1.FILES` by key, e.g. a quantized estimator.
+        files: overrides of :data:`~cosyvoice_cpu.flow.stage_v1.FILES` by key, e.g. a quantized estimator.
         tolerance: overrides of :data:`TOLERANCE` by check kind (``encoder``, ``estimator``, ``mel``).
     Returns:
         the gates; ``GateResult.graph`` is the file key or ``flow`` for the whole-flow mel.
     """
-    from cosyvoice_cpu.flow_v1 import FlowStageV1
+    from cosyvoice_cpu.flow.stage_v1 import FlowStageV1
 
     paths, tol = verify_setup(out_dir, files, tolerance, FILES, TOLERANCE, "verify_flow")
     flow = flow.eval()
@@ -256,8 +257,9 @@ def verify_flow(
         noise = rng.standard_normal((1, 80, frames), dtype=np.float32)
         ref, ref_cache = flow.inference(tok, tok_len, pt, pt_len, pf, None, emb, flow_cache=cache if cached else None,
                                         noise=_t(noise))  # fmt: skip
-        mel, new_cache = stage.inference(tok.numpy(), pt.numpy(), pf.numpy()[0], emb.numpy(), noise=noise,
-                                         flow_cache=None if cache is None or not cached else cache.numpy())  # fmt: skip
+        mel, new_cache = stage.inference_cached(tok.numpy(), pt.numpy(), pf.numpy()[0], emb.numpy(), noise=noise,
+                                                flow_cache=None if cache is None or not cached else cache.numpy(),
+                                                )  # fmt: skip
         what = f"{n_new} new, {n_prompt} prompt tokens, {'on the previous flow_cache' if cached else 'no cache'}"
         results.append(gate("flow", "mel rel err", mel, ref.numpy(), tol["mel"], what))
         if n_prompt and not cached:

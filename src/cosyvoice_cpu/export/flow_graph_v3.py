@@ -1,7 +1,7 @@
 """Export the Fun-CosyVoice3 (v3) flow to ONNX: token encoder, DiT estimator (whole and streamed), fixed noise.
 
-Graphs (``export_flow``; runtime :class:`cosyvoice_cpu.flow_v3.FlowStageV3`, whole sentences also run on the v2
-:class:`~cosyvoice_cpu.flow.FlowStage` unchanged):
+Graphs (``export_flow``; runtime :class:`cosyvoice_cpu.flow.stage_v3.FlowStageV3`, whole sentences also run on the v2
+:class:`~cosyvoice_cpu.flow.stage.FlowStage` unchanged):
 
 ``flow_encoder.onnx`` (batch 1; exactly the CosyVoice2 contract)
     token (1, T) int64: prompt tokens + tokens to synthesise (negative ids count as 0)
@@ -15,7 +15,7 @@ Graphs (``export_flow``; runtime :class:`cosyvoice_cpu.flow_v3.FlowStageV3`, who
     -> estimator_out (B, 80, T): the DiT, full attention over the frames where mask = 1, zero on padded frames
     (the official output there is unused garbage; every other frame equals the row alone: all convs are causal)
 ``flow_estimator_stream.onnx``: a window of frames on cached keys/values (v3 contract:
-    :mod:`cosyvoice_cpu.export.flow_stream_graph_v3`; runtime :mod:`cosyvoice_cpu.flow_stream_v3`); it takes the
+    :mod:`cosyvoice_cpu.export.flow_stream_graph_v3`; runtime :mod:`cosyvoice_cpu.flow.stream_v3`); it takes the
     DiT's time table of the step's t, which ``flow_time.onnx`` computes (t (N,) -> modulation (N, L x 6D + 2D)).
 ``flow_noise.npy``: the official fixed noise ``randn(1, 80, 15000)`` after seed 0 (the same table as v2).
 """
@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cosyvoice_cpu.backends.base import SessionConfig
+from cosyvoice_cpu.backends.onnxruntime import make_session
 from cosyvoice_cpu.export.common import GateResult, GraphArtifact, gate, verify_setup
 from cosyvoice_cpu.export.flow_graph import _estimator_inputs, _pin_output_shape, export_encoder, export_estimator
 from cosyvoice_cpu.export.flow_stream_graph_v3 import (
@@ -43,11 +45,10 @@ from cosyvoice_cpu.export.flow_stream_graph_v3 import (
     verify_time_graph,
 )
 from cosyvoice_cpu.export.fused_ops import export_forms
-from cosyvoice_cpu.flow_v3 import FILES_V3 as FILES
+from cosyvoice_cpu.flow.stage_v3 import FILES_V3 as FILES
 from cosyvoice_cpu.reference.cfm import NOISE_FRAMES, NOISE_SEED, official_fixed_noise
 from cosyvoice_cpu.reference.dit import DiT, apply_rope
 from cosyvoice_cpu.reference.flow_v3 import FlowV3
-from cosyvoice_cpu.sessions import SessionConfig, make_session
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class EstimatorGraphV3(nn.Module):
 
 
 def settings_of(flow: FlowV3) -> dict[str, Any]:
-    """The :class:`~cosyvoice_cpu.flow_v3.FlowSettingsV3` fields of a reference flow (as the artifacts' attrs)."""
+    """The :class:`~cosyvoice_cpu.flow.stage_v3.FlowSettingsV3` fields of a reference flow (as the artifacts' attrs)."""
     cfg = flow.config
     return {
         "token_mel_ratio": cfg.token_mel_ratio,
@@ -154,8 +155,13 @@ def export_flow(flow: FlowV3, out_dir: Path) -> list[GraphArtifact]:
     logger.info("exported the v3 flow to %s in %.1f s", out_dir, time.perf_counter() - t0)
 
     settings = settings_of(flow)
-    encoder = {**settings, "chunk_unit": "tokens (chunk_size input unused: v3 has no conformer)",
-               "vocab_size": cfg.vocab_size, "spk_embed_dim": cfg.spk_embed_dim, "output_size": cfg.output_size}
+    encoder = {
+        **settings,
+        "chunk_unit": "tokens (chunk_size input unused: v3 has no conformer)",
+        "vocab_size": cfg.vocab_size,
+        "spk_embed_dim": cfg.spk_embed_dim,
+        "output_size": cfg.output_size,
+    }
     solver = {**settings, "noise_file": FILES["flow_noise"], "noise_frames": NOISE_FRAMES, "noise_seed": NOISE_SEED,
               "estimator": "DiT", "depth": est.cfg.depth, "dim": est.cfg.dim, "heads": est.cfg.heads,
               "dim_head": est.cfg.dim_head}  # fmt: skip
@@ -166,8 +172,11 @@ def export_flow(flow: FlowV3, out_dir: Path) -> list[GraphArtifact]:
         _artifact(out_dir, "flow_encoder", encoder),
         _artifact(out_dir, "flow_estimator", {"attention": "full", **solver}),
         _artifact(out_dir, "flow_estimator_stream", stream),
-        _artifact(out_dir, "flow_time", {"depth": est.cfg.depth, "dim": est.cfg.dim,
-                                         "columns": (6 * est.cfg.depth + 2) * est.cfg.dim}),
+        _artifact(
+            out_dir,
+            "flow_time",
+            {"depth": est.cfg.depth, "dim": est.cfg.dim, "columns": (6 * est.cfg.depth + 2) * est.cfg.dim},
+        ),
     ]
 
 
@@ -190,16 +199,16 @@ def verify_flow(
     padded row (valid frames) and the padded row vs the row alone; the stream estimator on three windows vs
     the reference DiT with the official chunk mask, its ``keep_frames`` and a whole sentence on it (full
     attention), given the exact time table; ``flow_time.onnx``'s table; the whole flow
-    (:class:`~cosyvoice_cpu.flow_v3.FlowStageV3`, on the stream graph, 10 steps, CFG 0.7) vs ``FlowV3.inference``;
-    :class:`~cosyvoice_cpu.flow_stream_v3.FlowStreamV3` in three chunks vs the official prefix recompute
+    (:class:`~cosyvoice_cpu.flow.stage_v3.FlowStageV3`, on the stream graph, 10 steps, CFG 0.7) vs ``FlowV3.inference``;
+    :class:`~cosyvoice_cpu.flow.stream_v3.FlowStreamV3` in three chunks vs the official prefix recompute
     (``FlowV3.inference(streaming=True, finalize=...)`` per chunk).
 
     Args:
         files: overrides of the file names by key (relative to ``out_dir``), e.g. a quantized estimator.
         tolerance: overrides of :data:`TOLERANCE` by check kind (``encoder``, ``estimator``, ``mel``).
     """
-    from cosyvoice_cpu.flow_stream_v3 import FlowStreamV3
-    from cosyvoice_cpu.flow_v3 import FlowStageV3
+    from cosyvoice_cpu.flow.stage_v3 import FlowStageV3
+    from cosyvoice_cpu.flow.stream_v3 import FlowStreamV3
 
     paths, tol = verify_setup(out_dir, files, tolerance, FILES, TOLERANCE, "verify_flow")
     flow = flow.eval()

@@ -33,7 +33,7 @@ positions and causal-conv states::
 
 The official streaming mask is chunk-causal over absolute frames (key j visible from query i iff
 ``j < (i // 50 + 1) * 50``) and every other part of the DiT is causal, so once a 50-frame chunk is complete its
-keys, values and conv inputs never change within an Euler step. The runtime (:mod:`cosyvoice_cpu.flow_stream_v3`)
+keys, values and conv inputs never change within an Euler step. The runtime (:mod:`cosyvoice_cpu.flow.stream_v3`)
 caches them per step and CFG row and recomputes only the open chunk plus the new frames: with the whole past
 cached this equals the official prefix recompute exactly (gated below). Past keys are all visible; inside the
 window the chunk-causal bias applies. Each attention is ``If(bias all zero)`` (:func:`~cosyvoice_cpu.export.
@@ -41,7 +41,7 @@ fused_ops.unbiased_when_zero`): a window inside one chunk, or ``chunk_frames`` 0
 
 With empty caches, ``offset`` 0, ``chunk_frames`` 0 and ``keep_frames`` 0 a call *is* the official whole-sentence
 estimator (``streaming=False``) on unpadded rows, returning no per-layer keys/values: a process that synthesizes
-whole sentences and streams holds one copy of the DiT's weights (:class:`~cosyvoice_cpu.flow_v3.FlowStageV3`).
+whole sentences and streams holds one copy of the DiT's weights (:class:`~cosyvoice_cpu.flow.stage_v3.FlowStageV3`).
 
 The time graph is split off because its weights are 42 % of the DiT's (22 x 1024 x 6144 of 327 M at full size)
 yet an Euler schedule asks it for a handful of ``t`` values: the runtime computes a schedule's table once, keeps
@@ -60,14 +60,27 @@ from torch import nn
 
 from cosyvoice_cpu.export import fused_ops
 from cosyvoice_cpu.export.common import GateResult, rel_err
-from cosyvoice_cpu.flow import cache_dtype
+from cosyvoice_cpu.flow.stage import cache_dtype
 from cosyvoice_cpu.reference.dit import TIME_FREQ_DIM, DiT, DiTBlock, apply_rope
 from cosyvoice_cpu.reference.flow_estimator import MASK_BIAS, timestep_embedding
 
 logger = logging.getLogger(__name__)
 
-INPUTS = ["x", "mu", "modulation", "spks", "cond", "prompt_k", "prompt_v", "context_k", "context_v", "conv_state",
-          "offset", "keep_frames", "chunk_frames"]
+INPUTS = [
+    "x",
+    "mu",
+    "modulation",
+    "spks",
+    "cond",
+    "prompt_k",
+    "prompt_v",
+    "context_k",
+    "context_v",
+    "conv_state",
+    "offset",
+    "keep_frames",
+    "chunk_frames",
+]
 OUTPUTS = ["velocity", "new_k", "new_v", "conv_in"]
 
 
@@ -324,8 +337,15 @@ def verify_stream_estimator(est: DiT, sess: Any, rng: np.random.Generator, tol: 
     err = max(rel_err(a[..., :7, :] if a.ndim == 4 else a[..., :7], w) for a, w in zip(everything[1:], first[1:]))
     err = max(err, rel_err(first[0], everything[0]), rel_err(nothing[0], everything[0]))
     shapes = [a.shape[-2 if a.ndim == 4 else -1] for run in (everything, nothing) for a in run[1:]]
-    results.append(GateResult(key, "keep_frames 7 vs the first 7 of all (0: none)",
-                              err if shapes == [e - s] * 3 + [0] * 3 else float("inf"), tol, f"window [{s}, {e})"))
+    results.append(
+        GateResult(
+            key,
+            "keep_frames 7 vs the first 7 of all (0: none)",
+            err if shapes == [e - s] * 3 + [0] * 3 else float("inf"),
+            tol,
+            f"window [{s}, {e})",
+        )
+    )
     whole = call(0, total, 0, 0, **{k: empty for k in cache}, conv_state=np.zeros_like(conv))
     err = rel_err(whole[0], reference(total, False)[:, :, :total]) if whole[1].shape[2] == 0 else float("inf")
     results.append(GateResult(key, "velocity rel err", err, tol,

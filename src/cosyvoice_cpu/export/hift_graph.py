@@ -8,7 +8,7 @@ Graphs (dynamic ``batch``/``frames``/``samples``, fp32, weight norm folded at lo
   ``torch.stft(center=True)``), the conv stack, and the inverse STFT as a ``ConvTranspose`` with the inverse
   real DFT x window, divided by the overlap-added squared window and trimmed as ``torch.istft(center=True)``.
 
-The sine source and its ``Linear(9, 1) + tanh`` merge run in NumPy (:mod:`cosyvoice_cpu.vocoder`): the noise must
+The sine source and its ``Linear(9, 1) + tanh`` merge run in NumPy (:mod:`cosyvoice_cpu.vocoder.hift`): the noise must
 come from the runtime RNG, the phase integration needs float64 accumulation and mirrored float32 rounding, and
 ``cache_source`` overwrites the *merged* source, which ``decode`` takes as input. The merge weights travel in
 the ``hift_decode`` artifact's attrs (no extra file).
@@ -43,7 +43,7 @@ from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import GateResult, GraphArtifact, rel_err, torch_export
 from cosyvoice_cpu.reference.hift import HiFT
 from cosyvoice_cpu.reference.hift_source import SourceNoise
-from cosyvoice_cpu.vocoder import DECODE_FILE, F0_FILE
+from cosyvoice_cpu.vocoder.hift import DECODE_FILE, F0_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 # on the tiny and full-size fixtures, as released (F0 ~0.15 Hz) and with F0 moved to ~120 Hz (voiced), seeds 0-3:
 # f0 3.1e-6 (full, unvoiced: the abs of a nearly cancelled sum), source 2.6e-7, decode 1.2e-6, wave 2.9e-5 (tiny,
 # voiced: the graph's ulp-level F0 difference integrated into the phase over 64 frames).
-# window: hift_decode in windows (cosyvoice_cpu.vocoder_window) vs one call, the conv's float rounding only.
+# window: hift_decode in windows (cosyvoice_cpu.vocoder.windows) vs one call, the conv's float rounding only.
 TOLERANCE = {"f0": 3e-5, "source": 3e-6, "decode": 1e-5, "wave": 3e-4, "window": 1e-5}
 # fixed (not learned) conv weights of the decode graph: the DFT kernels, never quantized
 FIXED_WEIGHTS = ("stft_weight", "istft_weight", "window_sq")
@@ -128,7 +128,7 @@ class _DecodeGraph(nn.Module):
 
 
 def hift_attrs(hift: HiFT) -> dict[str, Any]:
-    """What :class:`cosyvoice_cpu.vocoder.Vocoder` needs besides the graphs (JSON-safe)."""
+    """What :class:`cosyvoice_cpu.vocoder.hift.Vocoder` needs besides the graphs (JSON-safe)."""
     cfg, src = hift.cfg, hift.m_source
     return {
         "in_channels": cfg.in_channels,
@@ -150,7 +150,7 @@ def hift_attrs(hift: HiFT) -> dict[str, Any]:
 @torch.no_grad()
 def decode_context(hift: Any, frames: int = 96, seed: int = 0) -> list[int] | None:
     """``[left, right]``: mel frames around a window's own that ``hift_decode`` reads for its samples, measured on
-    the decode graph by perturbation (:mod:`cosyvoice_cpu.vocoder_window` windows long calls with it).
+    the decode graph by perturbation (:mod:`cosyvoice_cpu.vocoder.windows` windows long calls with it).
 
     A mel frame and a frame's source samples near the middle of a ``frames``-long call are changed (two places
     each); the farthest output samples that move give the reach, rounded out to whole frames, plus one frame of
@@ -182,9 +182,9 @@ def decode_context(hift: Any, frames: int = 96, seed: int = 0) -> list[int] | No
 
 
 def window_error(voc: Any, context: list[int] | None, mel: np.ndarray, source: np.ndarray) -> float:
-    """Max relative error of ``voc.decode`` in windows of :data:`~cosyvoice_cpu.vocoder_window.MIN_WINDOW_FRAMES`
+    """Max relative error of ``voc.decode`` in windows of :data:`~cosyvoice_cpu.vocoder.windows.MIN_WINDOW_FRAMES`
     frames with ``context`` against one call (0.0 when ``context`` is None: nothing is windowed)."""
-    from cosyvoice_cpu.vocoder_window import MIN_WINDOW_FRAMES
+    from cosyvoice_cpu.vocoder.windows import MIN_WINDOW_FRAMES
 
     if context is None:
         return 0.0
@@ -236,8 +236,9 @@ def export_hift(hift: HiFT, out_dir: Path) -> list[GraphArtifact]:
     write_graphs(_F0Graph(hift), hift, out_dir)
     artifacts = [
         GraphArtifact.of(out_dir, "hift_f0", F0_FILE, {"in_channels": cfg.in_channels}),
-        GraphArtifact.of(out_dir, "hift_decode", DECODE_FILE,
-                         {**hift_attrs(hift), "context_frames": decode_context(hift)}),
+        GraphArtifact.of(
+            out_dir, "hift_decode", DECODE_FILE, {**hift_attrs(hift), "context_frames": decode_context(hift)}
+        ),
     ]
     logger.info("exported hift graphs to %s", out_dir)
     return artifacts
@@ -255,14 +256,14 @@ def verify_hift(
 
     Gates (max relative error over the cases): ``f0`` graph vs ``HiFT.f0``; ``source``: NumPy source vs
     ``HiFT.source`` from the reference F0 and the same :class:`SourceNoise`; ``decode`` graph vs ``HiFT.decode``
-    for the same source; ``wave``: the whole :class:`~cosyvoice_cpu.vocoder.Vocoder` vs ``HiFT.inference`` with
+    for the same source; ``wave``: the whole :class:`~cosyvoice_cpu.vocoder.hift.Vocoder` vs ``HiFT.inference`` with
     the same noise and a ``cache_source``; ``window``: ``decode`` in windows with the context
     :func:`decode_context` measures (what the export writes) vs one call. ``files`` maps ``hift_f0``/``hift_decode``
     to other file names in ``out_dir`` (e.g. quantized graphs); ``tolerance`` overrides entries of :data:`TOLERANCE`.
     """
-    from cosyvoice_cpu.harmonic_source import SourceNoise as ArrayNoise
-    from cosyvoice_cpu.harmonic_source import harmonic_source
-    from cosyvoice_cpu.vocoder import Vocoder
+    from cosyvoice_cpu.vocoder.hift import Vocoder
+    from cosyvoice_cpu.vocoder.source import SourceNoise as ArrayNoise
+    from cosyvoice_cpu.vocoder.source import harmonic_source
 
     out_dir = Path(out_dir)
     unknown = sorted(set(tolerance or {}) - set(TOLERANCE)) + sorted(set(files or {}) - {"hift_f0", "hift_decode"})

@@ -1,6 +1,6 @@
 """Export the Fun-CosyVoice3 (v3) causal HiFT to ONNX and verify it (plus the NumPy source and the stream).
 
-Same files and contracts as v2 (:mod:`.hift_graph`), so :class:`~cosyvoice_cpu.vocoder.Vocoder` runs both:
+Same files and contracts as v2 (:mod:`.hift_graph`), so :class:`~cosyvoice_cpu.vocoder.hift.Vocoder` runs both:
 
 * ``hift_f0.onnx``: ``mel (B, 80, T) float32 -> f0 (B, T) float32``, the causal F0 predictor computed in
   **float64** inside the graph (cast in, cast out), as upstream runs it. ONNX Runtime's CPU provider has no
@@ -10,7 +10,7 @@ Same files and contracts as v2 (:mod:`.hift_graph`), so :class:`~cosyvoice_cpu.v
 * ``hift_decode.onnx``: ``mel (B, 80, T)``, ``source (B, 1, T*480) -> wave (B, T*480)``: ``CausalHiFT.decode``
   with ``finalize=True`` (``conv_pre`` zero-pads 4 frames right), the v2 STFT/iSTFT convolutions, nearest-repeat
   + causal-conv upsampling (``Resize`` + ``Conv``). No random table is in any graph: the v3 source (uniform
-  noise, phase held per frame) runs in NumPy (:func:`cosyvoice_cpu.harmonic_source.source_v3`).
+  noise, phase held per frame) runs in NumPy (:func:`cosyvoice_cpu.vocoder.source.source_v3`).
 
 Non-final streaming calls need no second graph. Everything but the F0 predictor's first conv and ``conv_pre`` is
 causal, so a finalize run over a mel equals the upstream ``finalize=False`` run on every frame whose look-ahead
@@ -18,7 +18,7 @@ was real: the runtime runs the finalize graphs and cuts (``Vocoder(..., finalize
 frames, wave ``T - 8`` frames, as upstream). The attrs say so: ``causal``, ``f0_look_right`` 3,
 ``conv_pre_look_right`` 4, ``stream_context_frames`` (:func:`receptive_field_frames`, the decode graph's left
 receptive field) and ``stream_hold_frames`` 5 (mel frames after a frame before its samples are final), used
-by :class:`cosyvoice_cpu.vocoder_stream_v3.CausalVocoderStream`.
+by :class:`cosyvoice_cpu.vocoder.causal_stream.CausalVocoderStream`.
 
 F0 precision, measured at the released sizes (random weights, classifier moved to F0 ~180 Hz, 10 s = 500 frames,
 ORT 1.32, 2 threads, shared 2-core VM): the float64 graph's F0 equals the reference's (float64 computed, returned
@@ -26,7 +26,7 @@ float32) exactly, source 1.9e-7 and wave 1.4e-6 max relative error; a float32 gr
 moves F0 by 8.5e-8, which the phase integration turns into source 7.8e-4 and wave 6.3e-4 at 10 s (0 / 1.3e-6 at
 2 s). The float64 graph costs 57 ms per 10 s of audio against 22 ms (the decode graph: 2.4 s), so it is the
 default. Streaming at those sizes (chunks of 20, 40, 100 x 4, 40 frames): 4.0 s in all with
-:class:`~cosyvoice_cpu.vocoder_stream_v3.CausalVocoderStream` (0.6-0.95 s per 100-frame chunk, flat) against
+:class:`~cosyvoice_cpu.vocoder.causal_stream.CausalVocoderStream` (0.6-0.95 s per 100-frame chunk, flat) against
 12.8 s for upstream's re-vocoding of the growing mel (its last chunk 3.6 s) and 2.4 s for one one-shot call.
 
 Weight-only int8 (:func:`.hift_graph.quantize_hift_weights_int8`) applies unchanged to ``hift_decode.onnx`` (the
@@ -51,7 +51,7 @@ from cosyvoice_cpu.export.common import GateResult, GraphArtifact, rel_err
 from cosyvoice_cpu.export.hift_graph import decode_context, hift_attrs, window_gate, write_graphs
 from cosyvoice_cpu.reference.hift_source import SourceNoise
 from cosyvoice_cpu.reference.hift_v3 import F0_LOOK_RIGHT, CausalHiFT, CausalHiFTConfig
-from cosyvoice_cpu.vocoder import DECODE_FILE, F0_FILE
+from cosyvoice_cpu.vocoder.hift import DECODE_FILE, F0_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -153,8 +153,12 @@ def export_hift(hift: CausalHiFT, out_dir: Path, f0_precision: str = "fp64") -> 
     write_graphs(_F0Graph(hift, torch.float64 if f0_precision == "fp64" else torch.float32), hift, out_dir)
     artifacts = [
         GraphArtifact.of(out_dir, "hift_f0", F0_FILE, {"in_channels": cfg.in_channels, "precision": f0_precision}),
-        GraphArtifact.of(out_dir, "hift_decode", DECODE_FILE,
-                         {**hift_v3_attrs(hift, f0_precision), "context_frames": decode_context(hift)}),
+        GraphArtifact.of(
+            out_dir,
+            "hift_decode",
+            DECODE_FILE,
+            {**hift_v3_attrs(hift, f0_precision), "context_frames": decode_context(hift)},
+        ),
     ]
     logger.info("exported v3 hift graphs to %s (F0 %s)", out_dir, f0_precision)
     return artifacts
@@ -172,15 +176,15 @@ def verify_hift(
 
     Gates (max relative error over B 1/2 cases, one upstream-style noise table of batch 1 per case): ``f0``
     graph vs ``CausalHiFT.f0``; ``source`` NumPy vs ``CausalHiFT.source`` from the reference F0; ``decode`` graph
-    vs ``decode`` (finalize) for the same source; ``wave`` the whole :class:`~cosyvoice_cpu.vocoder.Vocoder` vs
-    ``inference`` with ``finalize`` True and False; ``stream``: :class:`~cosyvoice_cpu.vocoder_stream_v3.
+    vs ``decode`` (finalize) for the same source; ``wave`` the whole :class:`~cosyvoice_cpu.vocoder.hift.Vocoder` vs
+    ``inference`` with ``finalize`` True and False; ``stream``: :class:`~cosyvoice_cpu.vocoder.causal_stream.
     CausalVocoderStream` fed uneven chunks vs the one-shot ``Vocoder`` on the same graphs (a check of the
     streaming logic, independent of the graphs' precision); ``window`` as v2's. ``files``/``tolerance`` as v2's.
     """
-    from cosyvoice_cpu.harmonic_source import SourceNoise as ArrayNoise
-    from cosyvoice_cpu.harmonic_source import harmonic_source
-    from cosyvoice_cpu.vocoder import Vocoder
-    from cosyvoice_cpu.vocoder_stream_v3 import CausalVocoderStream
+    from cosyvoice_cpu.vocoder.causal_stream import CausalVocoderStream
+    from cosyvoice_cpu.vocoder.hift import Vocoder
+    from cosyvoice_cpu.vocoder.source import SourceNoise as ArrayNoise
+    from cosyvoice_cpu.vocoder.source import harmonic_source
 
     out_dir = Path(out_dir)
     unknown = sorted(set(tolerance or {}) - set(TOLERANCE)) + sorted(set(files or {}) - {"hift_f0", "hift_decode"})

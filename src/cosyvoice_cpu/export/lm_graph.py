@@ -14,9 +14,9 @@ Every projection is a ``MatMul`` against an initializer of shape (K, N), so ``on
 (``quantize_dynamic`` on MatMul, ``MatMulNBitsQuantizer``) quantizes it without changes; node names are
 ``layers.<i>.{qkv,o,gate_up,down}`` and ``head`` so recipes can pick or exclude them.
 The embedding tables are *not* in the graph: they are written as ``.npy`` files that the runtime memory-maps
-(see :mod:`cosyvoice_cpu.lm` for the full input/output contract).
+(see :mod:`cosyvoice_cpu.lm.session` for the full input/output contract).
 
-:func:`verify_lm` runs a written graph through the runtime's :class:`~cosyvoice_cpu.lm.LMSession` against the
+:func:`verify_lm` runs a written graph through the runtime's :class:`~cosyvoice_cpu.lm.session.LMSession` against the
 reference (prefill, cached decode, a ragged batch, greedy agreement, KL); :func:`compare_lm` teacher-forces a long
 random token sequence for quantization reports.
 """
@@ -31,8 +31,9 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.export.common import OPSET, GateResult, GraphArtifact, io_specs, rel_err, save_onnx
-from cosyvoice_cpu.lm import EMBEDDING_FILES, GRAPH_FILE, SPECIALS, past_names, present_names
+from cosyvoice_cpu.export.common import OPSET, GateResult, GraphArtifact, LMGate, io_specs, rel_err, save_onnx
+from cosyvoice_cpu.families.facts import facts
+from cosyvoice_cpu.lm.session import EMBEDDING_FILES, GRAPH_FILE, SPECIALS, past_names, present_names
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,8 @@ def rope_tables(lm: Any, max_len: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def build_lm_model(weights: dict[str, np.ndarray], cos: np.ndarray, sin: np.ndarray, cfg: Any) -> Any:
-    """The ``onnx.ModelProto`` of the LM graph for a ``Qwen2Config`` ``cfg`` (contract: :mod:`cosyvoice_cpu.lm`)."""
+    """The ``onnx.ModelProto`` of the LM graph for a ``Qwen2Config`` ``cfg``
+    (contract: :mod:`cosyvoice_cpu.lm.session`)."""
     from onnx import TensorProto, helper, numpy_helper
 
     n_layers, d, eps = cfg.num_hidden_layers, cfg.hidden_size, float(cfg.rms_norm_eps)
@@ -167,7 +169,7 @@ def build_lm_model(weights: dict[str, np.ndarray], cos: np.ndarray, sin: np.ndar
 
 
 def lm_attrs(lm: Any, max_len: int) -> dict[str, Any]:
-    """The ``attrs`` of the lm GraphArtifact (:class:`cosyvoice_cpu.lm.LMSpec` fields plus file names)."""
+    """The ``attrs`` of the lm GraphArtifact (:class:`cosyvoice_cpu.lm.session.LMSpec` fields plus file names)."""
     q = lm.cfg.qwen
     return {
         "max_len": max_len,
@@ -263,46 +265,39 @@ def _tolerances(tolerance: float | Mapping[str, float] | None) -> dict[str, floa
     return tol
 
 
-def _is_v1(lm: Any) -> bool:
-    """Whether ``lm`` is the CosyVoice-300M reference (``TransformerLM``, with a text encoder)."""
-    return hasattr(lm, "text_encoder")
+# The LM gate's view of the v2 graph (v1 and v3 give their own: lm_graph_v1.GATE, lm_graph_v3.GATE).
+GATE = LMGate(facts("cosyvoice2"), lm_attrs, lambda lm: lm.cfg.qwen.vocab_size)
 
 
-def _open(lm: Any, out_dir: Path, graph_file: str) -> tuple[Any, Any]:
+def _open(lm: Any, out_dir: Path, graph_file: str, gate: LMGate = GATE) -> tuple[Any, Any]:
     """The runtime session on a written graph and its prompt builder ``(text ids, speech ids, speaker) -> (T, D)``."""
     from functools import partial
 
-    from cosyvoice_cpu.lm import TEXT_ENCODER_FILE, LMSession
-    from cosyvoice_cpu.lm_prompt import TextEncoder, assemble
+    from cosyvoice_cpu.lm.prompt import TextEncoder, assemble
+    from cosyvoice_cpu.lm.session import TEXT_ENCODER_FILE, LMSession
 
     inputs, _ = io_specs(Path(out_dir) / graph_file)
     max_len = next(int(s.shape[2]) for s in inputs if s.name == past_names(0)[0])
-    if _is_v1(lm):
-        from cosyvoice_cpu.export.lm_graph_v1 import lm_attrs_v1
-
-        sess = LMSession.from_dir(out_dir, lm_attrs_v1(lm, max_len), graph_file=graph_file, threads=2)
+    sess = LMSession.from_dir(out_dir, gate.attrs(lm, max_len), graph_file=graph_file, threads=2)
+    if gate.text_encoder:
         encoder = TextEncoder(Path(out_dir) / TEXT_ENCODER_FILE, (sess.spec.text_dim, sess.spec.hidden), 2)
         return sess, partial(assemble, sess, encoder=encoder)
-    from cosyvoice_cpu.export.lm_graph_v3 import lm_attrs_v3
-
-    v3 = hasattr(lm.cfg, "n_specials")  # Fun-CosyVoice3 (CosyVoice3LM): its own head size and stop facts
-    sess = LMSession.from_dir(out_dir, (lm_attrs_v3 if v3 else lm_attrs)(lm, max_len), graph_file=graph_file, threads=2)
     return sess, partial(assemble, sess)
 
 
-def _prompt(lm: Any, build: Any, rng: np.random.Generator) -> tuple[Any, np.ndarray]:
-    """A random 20-40 position prompt: the reference's embeddings (1, T, D) and the runtime's (T, D) (v1: with a
-    random speaker row)."""
+def _prompt(lm: Any, build: Any, rng: np.random.Generator, gate: LMGate = GATE) -> tuple[Any, np.ndarray]:
+    """A random 20-40 position prompt: the reference's embeddings (1, T, D) and the runtime's (T, D) (with a
+    random speaker row where the family's LM takes the x-vector: v1)."""
     import torch
 
-    v1 = _is_v1(lm)
-    total = int(rng.integers(20, 41)) - v1
+    speaker_row = gate.facts.lm_speaker
+    total = int(rng.integers(20, 41)) - speaker_row
     n_text = int(rng.integers(4, total - 6))
-    text = rng.integers(0, lm.cfg.text_token_size if v1 else lm.cfg.qwen.vocab_size, n_text)
+    text = rng.integers(0, gate.text_vocab(lm), n_text)
     speech = rng.integers(0, lm.cfg.speech_token_size, total - 2 - n_text)
     args = [torch.from_numpy(text)[None], torch.zeros(1, 0, dtype=torch.long), torch.from_numpy(speech)[None]]
-    speaker = rng.standard_normal(192).astype(np.float32) if v1 else None
-    ref = lm.prompt_embeddings(*args, *([torch.from_numpy(speaker)[None]] if v1 else []))
+    speaker = rng.standard_normal(192).astype(np.float32) if speaker_row else None
+    ref = lm.prompt_embeddings(*args, *([torch.from_numpy(speaker)[None]] if speaker_row else []))
     return ref.detach(), build(text, speech, speaker=speaker)
 
 
@@ -324,8 +319,10 @@ def verify_lm(
     seed: int = 0,
     graph_file: str = GRAPH_FILE,
     tolerance: float | Mapping[str, float] | None = None,
+    gate: LMGate = GATE,
 ) -> list[GateResult]:
-    """Check a written LM graph (fp32 or quantized) through :class:`~cosyvoice_cpu.lm.LMSession`.
+    """Check a written LM graph (fp32 or quantized) through :class:`~cosyvoice_cpu.lm.session.LMSession`
+    (``gate``: :data:`GATE`, or the family's own from :mod:`.lm_graph_v1` / :mod:`.lm_graph_v3`).
 
     Gates (names and fp32 defaults in :data:`FP32_TOLERANCES`): prompt embeddings, prefill logp, 8 decode steps
     fed the reference's greedy tokens, argmax mismatch and mean KL over those 9 distributions, and a 2-row batch of
@@ -333,11 +330,11 @@ def verify_lm(
     ``{"logp": x}`` for the logp gates, or gate names; the rest then come from :data:`LOOSE_TOLERANCES`.
     """
     tol = _tolerances(tolerance)
-    if _is_v1(lm):
+    if gate.text_encoder:  # computed prompt embeddings, not copied rows
         tol["embeddings"] = max(tol["embeddings"], V1_EMBEDDINGS["fp32" if tolerance is None else "quantized"])
     rng = np.random.default_rng(seed)
-    sess, build = _open(lm, out_dir, graph_file)
-    ref_emb, emb = _prompt(lm, build, rng)
+    sess, build = _open(lm, out_dir, graph_file, gate)
+    ref_emb, emb = _prompt(lm, build, rng, gate)
     total = emb.shape[0]
     ref = [lm.prefill(ref_emb, total + DECODE_STEPS + 1).numpy()]
     tokens = []
@@ -345,7 +342,7 @@ def verify_lm(
         tokens.append(int(ref[-1][: sess.spec.speech_rows].argmax()))
         ref.append(lm.decode_step(tokens[-1], total + k).numpy())
     # the same prompt and tokens alone (row 0 of a 1-row cache), then with a shorter second prompt in a batch
-    emb2 = _prompt(lm, build, rng)[1][: max(2, total - 7)]
+    emb2 = _prompt(lm, build, rng, gate)[1][: max(2, total - 7)]
     tokens2 = [int(t) for t in rng.integers(0, lm.cfg.speech_token_size, DECODE_STEPS)]
     single: list[list[np.ndarray]] = []
     for e, toks in ((emb, tokens), (emb2, tokens2)):
@@ -367,8 +364,11 @@ def verify_lm(
     return [GateResult(name, check, v, tol[check], detail) for check, (v, detail) in values.items()]
 
 
-def compare_lm(lm: Any, out_dir: Path, graph_file: str = GRAPH_FILE, steps: int = 200, seed: int = 0) -> dict:
-    """Teacher-force ``steps`` next-token predictions of a graph against the reference.
+def compare_lm(
+    lm: Any, out_dir: Path, graph_file: str = GRAPH_FILE, steps: int = 200, seed: int = 0, gate: LMGate = GATE
+) -> dict:
+    """Teacher-force ``steps`` next-token predictions of a graph (``gate``: see :func:`verify_lm`) against the
+    reference.
 
     A random 20-40 position prompt is prefilled, then steps - 1 random speech tokens are decoded one at a time;
     the reference scores the same sequence in one uncached ``forward_full``. Returns a dict with ``steps``,
@@ -380,8 +380,8 @@ def compare_lm(lm: Any, out_dir: Path, graph_file: str = GRAPH_FILE, steps: int 
     if steps <= 0:
         raise ConfigError(f"steps must be positive, got {steps}")
     rng = np.random.default_rng(seed)
-    sess, build = _open(lm, out_dir, graph_file)
-    ref_emb, emb = _prompt(lm, build, rng)
+    sess, build = _open(lm, out_dir, graph_file, gate)
+    ref_emb, emb = _prompt(lm, build, rng, gate)
     tokens = [int(t) for t in rng.integers(0, lm.cfg.speech_token_size, steps - 1)]
     cache = sess.new_cache(1)
     ours = [sess.prefill(cache, 0, emb)] + [sess.decode(cache, [0], [t])[0] for t in tokens]

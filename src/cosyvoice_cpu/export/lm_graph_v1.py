@@ -5,7 +5,7 @@
     embedding (1, 192) float32: raw x-vector (L2-normalised in the graph)
     -> text (1, T, D): causal Conformer, ``after_norm``, ``text_encoder_affine_layer``;
        speaker (1, D): ``spk_embed_affine_layer(normalize(embedding))``
-``lm.onnx`` (written node by node, the contract of :mod:`cosyvoice_cpu.lm`: ``inputs_embeds``, per-layer
+``lm.onnx`` (written node by node, the contract of :mod:`cosyvoice_cpu.lm.session`: ``inputs_embeds``, per-layer
 ``past_/present_key|value_<i>`` of the full capacity bound to one buffer, ``seqlens_k``,
 ``total_sequence_length`` -> ``logp`` (B, 4097))
     ``embed`` (Linear, LayerNorm, ReLU, x sqrt(D)), then per layer: LayerNorm, one fused q|k|v ``MatMul``,
@@ -33,9 +33,10 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.export.common import OPSET, GraphArtifact, save_onnx, torch_export
+from cosyvoice_cpu.export.common import OPSET, GraphArtifact, LMGate, save_onnx, torch_export
 from cosyvoice_cpu.export.lm_graph import IO_DOCS, IR_VERSION
-from cosyvoice_cpu.lm import EMBEDDING_FILES, GRAPH_FILE, SPECIALS, TEXT_ENCODER_FILE, past_names, present_names
+from cosyvoice_cpu.families.facts import facts
+from cosyvoice_cpu.lm.session import EMBEDDING_FILES, GRAPH_FILE, SPECIALS, TEXT_ENCODER_FILE, past_names, present_names
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ def decoder_weights(lm: Any) -> dict[str, np.ndarray]:
 
 
 def build_decoder_model(weights: dict[str, np.ndarray], pos: list[np.ndarray], heads: int) -> Any:
-    """The ``onnx.ModelProto`` of ``lm.onnx`` for v1 (contract in :mod:`cosyvoice_cpu.lm`)."""
+    """The ``onnx.ModelProto`` of ``lm.onnx`` for v1 (contract in :mod:`cosyvoice_cpu.lm.session`)."""
     from onnx import TensorProto, helper, numpy_helper
 
     n_layers, (d, vocab) = len(pos), weights["head.weight"].shape
@@ -229,7 +230,7 @@ class _TextEncoderGraph:
 
 
 def lm_attrs_v1(lm: Any, max_len: int) -> dict[str, Any]:
-    """The ``attrs`` of the v1 ``lm`` artifact (:class:`cosyvoice_cpu.lm.LMSpec` fields plus facts)."""
+    """The ``attrs`` of the v1 ``lm`` artifact (:class:`cosyvoice_cpu.lm.session.LMSpec` fields plus facts)."""
     c = lm.cfg
     return {
         "max_len": max_len,
@@ -249,6 +250,10 @@ def lm_attrs_v1(lm: Any, max_len: int) -> dict[str, Any]:
         "specials": dict(SPECIALS),
         "text_encoder": TEXT_ENCODER_FILE,
     }
+
+
+# The LM gate's view of the v1 graph: x-vector row, the transformer's own text table, the text-encoder graph.
+GATE = LMGate(facts("cosyvoice"), lm_attrs_v1, lambda lm: lm.cfg.text_token_size, text_encoder=True)
 
 
 def export_lm(lm: Any, out_dir: Path, max_len: int = 2048) -> list[GraphArtifact]:
@@ -278,7 +283,7 @@ def export_lm(lm: Any, out_dir: Path, max_len: int = 2048) -> list[GraphArtifact
 
 
 def verify_lm(lm: Any, out_dir: Path, seed: int = 0, tolerance: Any = None) -> list[Any]:
-    """The numerics gate of :func:`cosyvoice_cpu.export.lm_graph.verify_lm`, which serves both families."""
+    """The numerics gate of :func:`cosyvoice_cpu.export.lm_graph.verify_lm`, which serves every family."""
     from cosyvoice_cpu.export import lm_graph
 
-    return lm_graph.verify_lm(lm, out_dir, seed=seed, tolerance=tolerance)
+    return lm_graph.verify_lm(lm, out_dir, seed=seed, tolerance=tolerance, gate=GATE)

@@ -5,7 +5,7 @@ writes node by node (GroupQueryAttention, fused qkv/gate_up MatMuls named ``laye
 ``head``, so the recipe's quantizers act on it as on v2). What differs is at the ends:
 
 - ``speech_embedding`` (S + 200, D), S = 6561, holds the specials: sos = row S, eos = S + 1, task_id = S + 2.
-  The tables are cut to the v2 layout so :func:`cosyvoice_cpu.lm_prompt.assemble` needs no v3 branch:
+  The tables are cut to the v2 layout so :func:`cosyvoice_cpu.lm.prompt.assemble` needs no v3 branch:
 
   ``lm_text_embedding.npy``    (151936, D) Qwen2 ``embed_tokens``
   ``lm_speech_embedding.npy``  (S, D)      rows 0 .. S-1 (the only ids the runtime feeds back)
@@ -16,9 +16,9 @@ writes node by node (GroupQueryAttention, fused qkv/gate_up MatMuls named ``laye
 - every id >= S stops decoding (``stop_ids`` = S .. S + 199, ``eos_id`` S + 1), and below ``min_len`` the official
   code masks id S (sos), not eos (``min_len_masked_id``); ``prompt_text ⊕ text`` must hold ``<|endofprompt|>``
   (``endofprompt_id`` 151646). :func:`lm_facts_v3` gives those facts for the manifest's ``lm`` section;
-  :class:`cosyvoice_cpu.lm_loop.LMFacts` reads them.
+  :class:`cosyvoice_cpu.lm.generate.LMFacts` reads them.
 
-:func:`verify_lm` and :func:`compare_lm` are :mod:`.lm_graph`'s (they dispatch on the reference class): prefill,
+:func:`verify_lm` and :func:`compare_lm` are :mod:`.lm_graph`'s (given :data:`GATE`): prefill,
 cached decode, ragged batch, greedy agreement and KL gates through the runtime's ``LMSession``.
 """
 
@@ -32,11 +32,13 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.export.common import GateResult, GraphArtifact, save_onnx
+from cosyvoice_cpu.export.common import GateResult, GraphArtifact, LMGate, save_onnx
+from cosyvoice_cpu.export.lm_graph import GATE as V2_GATE
 from cosyvoice_cpu.export.lm_graph import build_lm_model, lm_attrs, lm_weights, rope_tables
 from cosyvoice_cpu.export.lm_graph import compare_lm as _compare_lm
 from cosyvoice_cpu.export.lm_graph import verify_lm as _verify_lm
-from cosyvoice_cpu.lm import EMBEDDING_FILES, GRAPH_FILE, SPECIALS
+from cosyvoice_cpu.families.facts import facts
+from cosyvoice_cpu.lm.session import EMBEDDING_FILES, GRAPH_FILE, SPECIALS
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +61,10 @@ QUANT_TOLERANCE: dict[str, dict[str, float]] = {
 
 
 def _check_v3(lm: Any) -> None:
-    """Raise ConfigError unless ``lm`` is the reference ``CosyVoice3LM``."""
-    if not hasattr(lm.cfg, "n_specials") or getattr(lm.llm_decoder, "bias", None) is not None:
+    """Raise ConfigError unless ``lm`` is the reference ``CosyVoice3LM`` (its config type, a bias-free head)."""
+    from cosyvoice_cpu.reference.lm_v3 import CosyVoice3LMConfig
+
+    if not isinstance(lm.cfg, CosyVoice3LMConfig) or getattr(lm.llm_decoder, "bias", None) is not None:
         raise ConfigError(
             f"{type(lm).__name__} is not a Fun-CosyVoice3 LM (CosyVoice3LM); export CosyVoice2 with "
             "cosyvoice_cpu.export.lm_graph and CosyVoice-300M with cosyvoice_cpu.export.lm_graph_v1"
@@ -85,6 +89,10 @@ def lm_attrs_v3(lm: Any, max_len: int) -> dict[str, Any]:
     }
 
 
+# The LM gate's view of the v3 graph: v2's prompt (Qwen2 text table), v3's head and stop facts.
+GATE = LMGate(facts("cosyvoice3"), lm_attrs_v3, V2_GATE.text_vocab)
+
+
 def lm_facts_v3(lm: Any) -> dict[str, Any]:
     """The manifest ``lm`` section of a v3 model directory (the exporter adds ``sos_row``, ``task_id_row`` and
     ``embedding_precision`` as for v2)."""
@@ -101,7 +109,7 @@ def lm_facts_v3(lm: Any) -> dict[str, Any]:
 
 
 def lm_tables_v3(lm: Any) -> dict[str, np.ndarray]:
-    """The three embedding tables (float32) keyed like :data:`cosyvoice_cpu.lm.EMBEDDING_FILES`."""
+    """The three embedding tables (float32) keyed like :data:`cosyvoice_cpu.lm.session.EMBEDDING_FILES`."""
     import torch
 
     c = lm.cfg
@@ -158,10 +166,10 @@ def verify_lm(
     fed back are the argmax over the S speech rows (a stop id is never fed back).
     """
     _check_v3(lm)
-    return _verify_lm(lm, out_dir, seed=seed, graph_file=graph_file, tolerance=tolerance)
+    return _verify_lm(lm, out_dir, seed=seed, graph_file=graph_file, tolerance=tolerance, gate=GATE)
 
 
 def compare_lm(lm: Any, out_dir: Path, graph_file: str = GRAPH_FILE, steps: int = 200, seed: int = 0) -> dict:
     """Teacher-forced comparison of a v3 graph against the reference (:func:`.lm_graph.compare_lm`)."""
     _check_v3(lm)
-    return _compare_lm(lm, out_dir, graph_file=graph_file, steps=steps, seed=seed)
+    return _compare_lm(lm, out_dir, graph_file=graph_file, steps=steps, seed=seed, gate=GATE)

@@ -11,19 +11,19 @@ import importlib
 import logging
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from cosyvoice_cpu.errors import ExportError
 from cosyvoice_cpu.export.common import GateResult, GraphArtifact
+from cosyvoice_cpu.export.families import export_family
 from cosyvoice_cpu.export.quantize import (
     Recipe,
     convert_embedding,
     quantize_int8_dynamic,
     quantize_nbits,
 )
-from cosyvoice_cpu.lm import MIN_ROWS_KEY
+from cosyvoice_cpu.lm.session import MIN_ROWS_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,8 @@ def _passed(gates: list[GateResult], new: list[GateResult]) -> list[GateResult]:
     failed = [g for g in new if not g.passed]
     if failed:
         raise ExportError(
-            "numerics gate failed, the export is discarded: " + "; ".join(str(g) for g in failed)
+            "numerics gate failed, the export is discarded: "
+            + "; ".join(str(g) for g in failed)
             + ". Re-run with --debug and report it, or choose a less aggressive --quant recipe"
         )
     return gates + new
@@ -113,45 +114,6 @@ def _quantize(art: GraphArtifact, precision: str, work: Path, out: Path) -> Grap
     return GraphArtifact.of(out, art.key, art.file, attrs, precision)
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """One stage: its reference module, its exporter/verifier, and the graphs its recipe precision applies to."""
-
-    name: str  # for progress lines
-    ref: str  # load_reference stage and checkpoint stem
-    module: str  # cosyvoice_cpu.export.<module> with export_<ref>/verify_<ref>
-    recipe_field: str  # the stage's main Recipe field
-    quantized: dict[str, str]  # graph key -> the Recipe field whose precision applies to it
-
-    def precisions(self, recipe: Recipe) -> dict[str, str]:
-        """Recipe field -> precision, for the fields this stage quantizes (the main field first)."""
-        fields = dict.fromkeys([self.recipe_field, *self.quantized.values()])
-        return {f: getattr(recipe, f) for f in fields}
-
-
-_ESTIMATORS = {"flow_estimator": "flow_estimator", "flow_estimator_stream": "flow_estimator",
-               "flow_encoder": "flow_encoder"}  # fmt: skip
-_V1_FLOW = {"flow_estimator": "flow_estimator", "flow_encoder": "flow_encoder"}
-_V3_FLOW = {**_ESTIMATORS, "flow_time": "flow_estimator"}  # the DiT's time table: the estimator's precision
-PLANS = {
-    "cosyvoice2": (
-        _Plan("LM", "lm", "lm_graph", "lm", {"lm": "lm"}),
-        _Plan("flow", "flow", "flow_graph", "flow_estimator", _ESTIMATORS),
-        _Plan("HiFT", "hift", "hift_graph", "hift", {"hift_decode": "hift"}),
-    ),
-    "cosyvoice": (  # CosyVoice-300M: the text encoder takes the LM's precision (78 M parameters at full size)
-        _Plan("LM", "lm", "lm_graph_v1", "lm", {"lm": "lm", "lm_text_encoder": "lm"}),
-        _Plan("flow", "flow", "flow_graph_v1", "flow_estimator", _V1_FLOW),
-        _Plan("HiFT", "hift", "hift_graph", "hift", {"hift_decode": "hift"}),
-    ),
-    "cosyvoice3": (  # the v2 LM and flow contracts (DiT estimator, its own stream graph), the causal HiFT
-        _Plan("LM", "lm", "lm_graph_v3", "lm", {"lm": "lm"}),
-        _Plan("flow", "flow", "flow_graph_v3", "flow_estimator", _V3_FLOW),
-        _Plan("HiFT", "hift", "hift_graph_v3", "hift", {"hift_decode": "hift"}),
-    ),
-}
-
-
 def gate_key(precisions: dict[str, str]) -> str:
     """The :data:`QUANT_TOLERANCE` key of a stage's quantized gate: ``field:precision`` of every non-fp32 field
     joined by ``+`` (``lm:fp32`` when only the embeddings changed)."""
@@ -176,7 +138,7 @@ def export_stage_files(
     graphs: list[GraphArtifact] = []
     gates: list[GateResult] = []
     try:
-        for plan in PLANS[cfg.family]:
+        for plan in export_family(cfg.family).plans:  # the family's graph module per stage
             module = importlib.import_module(f"cosyvoice_cpu.export.{plan.module}")
             export, verify = getattr(module, f"export_{plan.ref}"), getattr(module, f"verify_{plan.ref}")
             step(f"{plan.name}: loading {CHECKPOINTS[plan.ref]}")

@@ -201,9 +201,7 @@ class FlowEstimator(nn.Module):
         self.final_block = CausalBlock(channels, channels)
         self.final_proj = nn.Conv1d(channels, out_channels, 1)
 
-    def attention_bias(
-        self, mask: torch.Tensor, streaming: bool, chunk_id: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def attention_bias(self, mask: torch.Tensor, streaming: bool, chunk_id: torch.Tensor | None = None) -> torch.Tensor:
         """(B, 1, T) float 0/1 mask -> (B, T, T) additive bias: 0 where visible, -1e10 elsewhere.
 
         ``chunk_id`` (B, T) int (streaming only): key j visible from query i iff ``chunk_id[j] <= chunk_id[i]``;

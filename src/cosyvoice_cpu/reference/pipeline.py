@@ -22,6 +22,10 @@ from cosyvoice_cpu.reference.tokenizer import CosyVoice2Tokenizer
 
 logger = logging.getLogger(__name__)
 
+# Families this text-to-wave pipeline implements, with their text tokenizer (CosyVoice-300M and Fun-CosyVoice3
+# modules load with load_reference, but their prompt rules are not implemented here).
+TOKENIZERS: dict[str, type[CosyVoice2Tokenizer]] = {"cosyvoice2": CosyVoice2Tokenizer}
+
 
 @dataclass
 class Prompt:
@@ -62,13 +66,15 @@ class ReferencePipeline:
         from cosyvoice_cpu.reference.model_dir import detect_family
 
         family = detect_family(model_dir)
-        if family != "cosyvoice2":
+        tokenizer = TOKENIZERS.get(family)
+        if tokenizer is None:
             raise ModelDirError(
-                f"{model_dir} is a {family} model; the reference text-to-speech pipeline supports cosyvoice2 only "
-                "(its LM, flow and HiFT load with cosyvoice_cpu.reference.model_dir.load_reference)"
+                f"{model_dir} is a {family} model; the reference text-to-speech pipeline supports "
+                f"{', '.join(TOKENIZERS)} only (its LM, flow and HiFT load with "
+                "cosyvoice_cpu.reference.model_dir.load_reference)"
             )
         model = load_reference(model_dir)
-        return cls(model, CosyVoice2Tokenizer(model.config.blank_en_dir))
+        return cls(model, tokenizer(model.config.blank_en_dir))
 
     @property
     def sample_rate(self) -> int:

@@ -18,10 +18,9 @@ from typing import Any
 
 import torch
 
-from cosyvoice_cpu.reference.yamlconf import Tagged
-
 # One settings class for the reference and the runtime (plain data, no torch); re-exported from here.
-from cosyvoice_cpu.sampling import SamplingConfig
+from cosyvoice_cpu.lm.sampling import SamplingConfig
+from cosyvoice_cpu.reference.yamlconf import Tagged
 
 logger = logging.getLogger(__name__)
 __all__ = ["Draw", "SamplingConfig", "nucleus_sample", "ras_sample", "sample_next", "sampling_from_yaml", "torch_draw"]

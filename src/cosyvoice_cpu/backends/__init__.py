@@ -1,0 +1,1 @@
+"""Graph sessions: the interface every inference backend implements and the ONNX Runtime implementation."""

@@ -1,0 +1,153 @@
+"""The graph-session seam: what a stage needs from an inference backend, and the options it opens graphs with.
+
+Stages open every graph through :func:`~cosyvoice_cpu.backends.registry.open_graph` with a :class:`SessionConfig`;
+the config's ``backend`` names the :class:`Backend` that opens it (today ONNX Runtime,
+:mod:`cosyvoice_cpu.backends.onnxruntime`). A backend returns a :class:`GraphSession`: named inputs and outputs
+with types and shapes, and ``run``. :func:`check_io` holds any session to the contract the stage feeds it, so a
+graph that does not match fails at load with a message naming the file and the difference.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+from cosyvoice_cpu.errors import ConfigError, ModelDirError
+
+logger = logging.getLogger(__name__)
+
+
+class NodeInfo(Protocol):
+    """One input or output of a graph: its name, type (``"tensor(float)"``) and shape (ints or axis names)."""
+
+    name: str
+    type: str
+    shape: list[int | str | None]
+
+
+class GraphSession(Protocol):
+    """An opened graph, as every stage uses it (ONNX Runtime's ``InferenceSession`` is one)."""
+
+    def get_inputs(self) -> list[NodeInfo]: ...
+
+    def get_outputs(self) -> list[NodeInfo]: ...
+
+    def run(self, output_names: list[str] | None, feeds: dict[str, Any], run_options: Any = None) -> list[Any]: ...
+
+
+class Backend(ABC):
+    """An inference engine that opens graph files as :class:`GraphSession` s."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def available(self) -> bool:
+        """Whether the backend's library can be used in this process."""
+
+    @abstractmethod
+    def open(self, path: Path, config: SessionConfig) -> GraphSession:
+        """Open the graph at ``path``; a missing or unreadable file is a :class:`ModelDirError`."""
+
+    def shrink_options(self) -> Any:
+        """Run options that give the backend's unused working memory back to the OS after a run (None: the
+        backend has no such option)."""
+        return None
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """Options for one graph session (a backend applies those it has; the arena and order options are ORT's).
+
+    Attributes:
+        threads: intra-op threads (0 = the backend's default, all cores).
+        backend: the :class:`Backend` that opens the graph (:data:`~cosyvoice_cpu.backends.registry.BACKENDS`).
+        spinning: let idle pool threads spin (lower latency for one stream; off when several run concurrently).
+        mem_pattern: ORT's per-shape memory planning (off for graphs fed many shapes: it caches a plan each).
+        shared_arena: allocate activations from one CPU arena shared by every session of the process that sets
+            it (see :func:`_register_shared_arena`), instead of one arena per session.
+        priority_order: ORT's priority-based node order instead of its default. For graphs with side outputs
+            gathered from every layer: with the default order the measured memory behaves as if the gathers ran
+            after the whole main output, keeping every layer's input alive until then (pruning the side outputs
+            away gives the same arena growth as this option). On CosyVoice2's stream estimator it brings a
+            whole sentence's arena growth down to that of the whole-sentence graph, at the same speed (whole
+            sentences and streamed chunks). Other graphs (HiFT, the flow encoder) grow the arena a little more
+            with it, so it is per session (measured: docs/benchmarks-log.md, "Memory").
+        release_weight_pages: once the session is built, have the kernel reclaim the pages of the graph's
+            ``<graph>.data`` file that building it touched (:func:`~cosyvoice_cpu.hardware.pages.release_file_pages`).
+            ORT keeps the file mapped, but kernels that packed their weights at load (the LM's ``MatMulNBits``)
+            never read it again: full-size CosyVoice2 int8w, the LM's 44 MB of block scales. Kernels that read
+            the file at run time (fp32-compute ``MatMulNBits``, convolutions) touch their pages again at their
+            first run; those pages are not touched at load, so nothing is released for them.
+
+    ORT's CPU memory arena stays on for every graph: without it the whole-sentence flow estimator was far slower
+    (its freed activations went back to the OS and were faulted in again at every call) for a modestly lower
+    peak RSS. An arena never returns memory, so with one arena per session the stages' peaks *add up*: the LM,
+    the flow and the vocoder run one after the other, and a shared arena serves each from the memory the previous
+    one freed. That lowers the peak at the same speed, for whole sentences and more so for a process that also
+    streams (measured: docs/benchmarks-log.md, "Memory").
+    """
+
+    threads: int = 0
+    backend: str = "onnxruntime"
+    spinning: bool = False
+    mem_pattern: bool = False
+    shared_arena: bool = True
+    priority_order: bool = False
+    release_weight_pages: bool = True
+
+    def validate(self) -> None:
+        if self.threads < 0:
+            raise ConfigError(f"threads must be >= 0 (0 = all cores), got {self.threads}")
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ConfigError(f"backend must name an inference backend, got {self.backend!r}")
+
+
+def as_config(threads: int | SessionConfig) -> SessionConfig:
+    """A stage's ``threads`` argument: a thread count (other options default) or a full :class:`SessionConfig`."""
+    if isinstance(threads, SessionConfig):
+        return threads
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise ConfigError(f"threads must be an int >= 0 (0 = all cores) or a SessionConfig, got {threads!r}")
+    return SessionConfig(threads=threads)
+
+
+# mel frames above which a flow-encoder call gives the arena memory it took back (EngineConfig.arena_shrink_frames)
+DEFAULT_SHRINK_FRAMES = 1000
+
+
+Spec = dict[str, tuple[str, "int | list[int | str]"]]  # name -> (ORT type such as "tensor(float)", rank or shape)
+
+
+def check_io(session: Any, path: str | Path, inputs: Spec, outputs: Spec) -> None:
+    """Raise :class:`ModelDirError` unless the graph has exactly these inputs and outputs.
+
+    Each entry is ``name -> (type, rank)`` or ``name -> (type, shape)``; ``type`` may list alternatives
+    separated by ``|``; in a shape, strings are dynamic axes (anything matches) and integers must equal the
+    graph's fixed size.
+    """
+    problems = []
+    for kind, want, got in (("input", inputs, session.get_inputs()), ("output", outputs, session.get_outputs())):
+        have = {a.name: (a.type, list(a.shape)) for a in got}
+        problems += [f"unexpected {kind} {name}" for name in sorted(set(have) - set(want))]
+        for name, (dtype, shape) in want.items():
+            if name not in have:
+                problems.append(f"missing {kind} {name}")
+                continue
+            gtype, gshape = have[name]
+            if isinstance(shape, int):
+                ok = len(gshape) == shape
+            else:
+                ok = len(gshape) == len(shape) and all(
+                    not isinstance(w, int) or not isinstance(g, int) or g == w for g, w in zip(gshape, shape)
+                )
+            if gtype not in dtype.split("|") or not ok:
+                problems.append(f"{kind} {name} is {gtype} {gshape}, expected {dtype} {shape}")
+    if problems:
+        shown = "; ".join(problems[:6]) + (f"; ... ({len(problems)} problems)" if len(problems) > 6 else "")
+        raise ModelDirError(
+            f"{path} does not have the expected graph contract: {shown}. It was not written by this version of "
+            "`cosyvoice-cpu export`; re-export the model directory"
+        )

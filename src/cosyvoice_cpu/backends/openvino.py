@@ -1,0 +1,182 @@
+"""The OpenVINO backend (``[openvino]`` extra): bf16 and VNNI kernels that ONNX Runtime's CPU provider lacks.
+
+OpenVINO is fastest on static shapes, and compiling one shape takes seconds. A :class:`OpenVinoSession` therefore
+keeps the model with its dynamic axes and compiles it per input shape on first use: at most ``max_shapes``
+compiled shapes stay in memory (least recently used first out), and with ``cache_dir`` set, OpenVINO's model cache
+keeps each compiled shape on disk so a shape compiles once per machine. Callers bound the number of shapes by
+padding (buckets) where their graph allows it (:mod:`cosyvoice_cpu.flow.buckets`).
+
+The inference precision follows the CPU: bf16 where it has AVX-512 BF16 or AMX, f32 elsewhere (where OpenVINO
+gains nothing over ONNX Runtime and the plan does not choose it). ``openvino`` is imported when a graph is
+opened, never at import time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cosyvoice_cpu.backends.base import Backend, GraphSession, SessionConfig
+from cosyvoice_cpu.config import cache_dir
+from cosyvoice_cpu.errors import ConfigError, ModelDirError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_SHAPES = 4  # compiled shapes kept per session
+# OpenVINO element type names -> the ONNX type strings the graph contracts are written in
+_TYPES = {"f32": "tensor(float)", "f16": "tensor(float16)", "i64": "tensor(int64)", "i32": "tensor(int32)",
+          "bf16": "tensor(bfloat16)", "boolean": "tensor(bool)"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Node:
+    """An input or output as :class:`~cosyvoice_cpu.backends.base.NodeInfo` describes it."""
+
+    name: str
+    type: str
+    shape: list[int | str | None]
+
+
+def _nodes(ports: Any) -> list[Node]:
+    out = []
+    for port in ports:
+        dims = [int(d.get_length()) if d.is_static else f"d{i}" for i, d in enumerate(port.get_partial_shape())]
+        out.append(Node(port.get_any_name(), _TYPES.get(port.get_element_type().get_type_name(), "tensor(?)"), dims))
+    return out
+
+
+class OpenVinoSession:
+    """One graph on OpenVINO's CPU plugin, compiled per input shape (see the module docstring).
+
+    Args:
+        core: the ``openvino.Core``; model: the read ``openvino.Model`` (dynamic axes kept).
+        properties: compile properties (threads, precision hint, latency hint).
+        max_shapes: compiled shapes kept in memory.
+        name: for logs and errors.
+    """
+
+    def __init__(self, core: Any, model: Any, properties: dict[str, Any], max_shapes: int, name: str) -> None:
+        self._core, self._model, self._properties, self.name = core, model, properties, name
+        self.max_shapes = max_shapes
+        self._inputs, self._outputs = _nodes(model.inputs), _nodes(model.outputs)
+        self._compiled: OrderedDict[tuple, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self.compiles = 0
+
+    def get_inputs(self) -> list[Node]:
+        return list(self._inputs)
+
+    def get_outputs(self) -> list[Node]:
+        return list(self._outputs)
+
+    @property
+    def shapes(self) -> list[tuple]:
+        """The input shapes compiled and in memory, least recently used first."""
+        with self._lock:
+            return list(self._compiled)
+
+    def compiled(self, shapes: dict[str, tuple[int, ...]]) -> Any:
+        """The model compiled for these input shapes (compiled now, or from OpenVINO's cache, on a miss)."""
+        key = tuple(tuple(shapes[n.name]) for n in self._inputs)
+        with self._lock:
+            hit = self._compiled.get(key)
+            if hit is not None:
+                self._compiled.move_to_end(key)
+                return hit
+        model = self._model.clone()
+        model.reshape({n.name: list(shape) for n, shape in zip(self._inputs, key)})
+        t0 = time.perf_counter()
+        compiled = self._core.compile_model(model, "CPU", self._properties)
+        logger.info("%s: compiled for %s in %.2f s", self.name, key, time.perf_counter() - t0)
+        with self._lock:
+            self.compiles += 1
+            self._compiled[key] = compiled
+            while len(self._compiled) > self.max_shapes:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def run(self, output_names: list[str] | None, feeds: dict[str, Any], run_options: Any = None) -> list[np.ndarray]:
+        """Outputs (all, or ``output_names``) as NumPy arrays, like ONNX Runtime's ``run``; ``run_options`` (ORT's)
+        are ignored."""
+        missing = [n.name for n in self._inputs if n.name not in feeds]
+        if missing:
+            raise ConfigError(f"{self.name}: inputs {missing} are not fed")
+        arrays = {n.name: np.ascontiguousarray(feeds[n.name]) for n in self._inputs}
+        compiled = self.compiled({k: a.shape for k, a in arrays.items()})
+        request = compiled.create_infer_request()  # one per call: concurrent callers never share one
+        request.infer(arrays)
+        names = output_names or [n.name for n in self._outputs]
+        return [np.array(request.get_tensor(name).data, copy=True) for name in names]
+
+
+def precision_for_cpu() -> str:
+    """``bf16`` where the CPU computes it natively (AVX-512 BF16 or AMX), else ``f32``."""
+    from cosyvoice_cpu.hardware.cpu import read_cpuinfo
+
+    cpu = read_cpuinfo()
+    return "bf16" if cpu is not None and (cpu.bf16 or cpu.amx) else "f32"
+
+
+class OpenVino(Backend):
+    """:class:`~cosyvoice_cpu.backends.base.Backend` on OpenVINO's CPU plugin (IR ``.xml`` or ``.onnx`` files).
+
+    Args:
+        cache_dir: OpenVINO's compiled-model cache (None: ``$COSYVOICE_CPU_CACHE/openvino`` or
+            ``~/.cache/cosyvoice-cpu/openvino``; "" turns it off).
+        max_shapes: compiled shapes kept per session.
+        precision: ``bf16``, ``f32`` or None (by the CPU: :func:`precision_for_cpu`).
+    """
+
+    name = "openvino"
+
+    def __init__(self, cache_dir: str | Path | None = None, max_shapes: int = DEFAULT_MAX_SHAPES,
+                 precision: str | None = None) -> None:  # fmt: skip
+        self.cache_dir, self.max_shapes, self.precision = cache_dir, max_shapes, precision
+        self._core: Any = None
+        self._lock = threading.Lock()
+
+    def available(self) -> bool:
+        import importlib.util
+
+        return importlib.util.find_spec("openvino") is not None
+
+    def core(self) -> Any:
+        """The process's ``openvino.Core`` (made once, with the model cache configured)."""
+        with self._lock:
+            if self._core is None:
+                if not self.available():
+                    raise ConfigError("the OpenVINO backend needs the openvino package: pip install "
+                                      "'cosyvoice-cpu[openvino]' (or choose --backend onnxruntime)")  # fmt: skip
+                import openvino as ov
+
+                core = ov.Core()
+                cache = self._cache_dir()
+                if cache:
+                    Path(cache).mkdir(parents=True, exist_ok=True)
+                    core.set_property({"CACHE_DIR": str(cache)})
+                self._core = core
+            return self._core
+
+    def _cache_dir(self) -> str:
+        return str(cache_dir() / "openvino") if self.cache_dir is None else str(self.cache_dir)
+
+    def open(self, path: Path, config: SessionConfig) -> GraphSession:
+        if not path.is_file():
+            raise ModelDirError(f"graph {path} is missing; re-export the model directory")
+        core = self.core()
+        try:
+            model = core.read_model(str(path))
+        except Exception as e:  # OpenVINO raises RuntimeError subclasses with multi-line messages
+            raise ModelDirError(f"OpenVINO cannot read {path}: {str(e).splitlines()[0]}; re-export the model") from e
+        properties: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY",
+                                      "INFERENCE_PRECISION_HINT": self.precision or precision_for_cpu()}  # fmt: skip
+        if config.threads:
+            properties["INFERENCE_NUM_THREADS"] = int(config.threads)
+        return OpenVinoSession(core, model, properties, self.max_shapes, path.name)

@@ -1,0 +1,26 @@
+"""The inference backends by name, and :func:`open_graph`, through which every stage opens its graphs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cosyvoice_cpu.backends.base import Backend, GraphSession, SessionConfig
+from cosyvoice_cpu.backends.onnxruntime import OnnxRuntime
+from cosyvoice_cpu.errors import ConfigError
+
+BACKENDS: dict[str, Backend] = {b.name: b for b in (OnnxRuntime(),)}
+
+
+def backend_for(name: str) -> Backend:
+    """The backend called ``name``; ConfigError naming the known ones otherwise."""
+    backend = BACKENDS.get(name)
+    if backend is None:
+        raise ConfigError(f"unknown inference backend {name!r} (known: {', '.join(BACKENDS)})")
+    return backend
+
+
+def open_graph(path: str | Path, config: SessionConfig | None = None) -> GraphSession:
+    """Open the graph at ``path`` with the backend ``config.backend`` names (ONNX Runtime by default)."""
+    config = config or SessionConfig()
+    config.validate()
+    return backend_for(config.backend).open(Path(path), config)

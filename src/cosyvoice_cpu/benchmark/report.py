@@ -1,0 +1,191 @@
+"""The ``cosyvoice-cpu bench`` report: JSON, a markdown page and PNG plots from one run's results.
+
+Input is the dict :func:`cosyvoice_cpu.cli.bench.cmd_bench` builds (``ours``, ``concurrency``, ``thread_sweep``,
+``peers``, ``machine``). Plots need matplotlib (the ``[bench]`` extra); without it the report says so.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from cosyvoice_cpu.benchmark.tasks import TOKEN_RATE
+from cosyvoice_cpu.hardware.calibrate import Calibration
+
+logger = logging.getLogger(__name__)
+
+
+def _audio_s(result: dict[str, Any]) -> float:
+    """Seconds of audio of the workload's sentence: tokens / the model's token rate (25 Hz, 50 for CosyVoice-300M;
+    reports written before the rate was recorded are 25 Hz)."""
+    return result["tokens"] / result.get("token_rate", TOKEN_RATE)
+
+
+def _f(value: Any, fmt: str = ".2f") -> str:
+    return "–" if value is None else format(value, fmt)
+
+
+def peer_rows(result: dict[str, Any]) -> list[tuple[str, str, dict[str, float | None]]]:
+    """(label, format, {official, reference, ours}) per stage metric; lower is better unless marked."""
+    ours, audio = result["ours"], _audio_s(result)
+    d = ours["default"]
+    peers = {k: v for k, v in result.get("peers", {}).items() if "skipped" not in v}
+
+    def peer(name: str, key: str, per_audio: bool = False) -> float | None:
+        v = peers.get(name, {}).get(key)
+        return None if v is None else v / audio if per_audio else v
+
+    rows = [
+        ("LM prefill + first token, s", ".3f", "lm_prefill_s", ours["lm_prefill_s"], False),
+        ("LM decode, tokens/s (higher is better)", ".1f", "lm_decode_tok_s", ours["lm_decode_tok_s"], False),
+        ("flow ms per Euler step (CFG batch 2)", ".0f", "flow_ms_per_step", d["flow_ms_per_step"], False),
+        ("flow RTF", ".3f", "flow_s", d["flow_rtf"], True),
+        ("vocoder RTF", ".3f", "hift_s", d["vocoder_rtf"], True),
+        ("end-to-end RTF (LM + flow + vocoder)", ".3f", "e2e_s", d["rtf"], True),
+        ("peak RSS, MB", ".0f", "peak_rss_mb", ours["peak_rss_mb"], False),
+    ]
+    return [(label, fmt, {"official": peer("official", key, per), "reference": peer("reference", key, per),
+                          "ours": mine}) for label, fmt, key, mine, per in rows]  # fmt: skip
+
+
+def _ratio(label: str, v: dict[str, float | None]) -> str:
+    if v["official"] is None or not v["ours"]:
+        return "–"
+    higher_better = "higher is better" in label
+    r = v["ours"] / v["official"] if higher_better else v["official"] / v["ours"]
+    return f"{r:.1f}×"
+
+
+def targets(result: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
+    """(metric, target, measured, met) for issue 5's table."""
+    ours, d = result["ours"], result["ours"]["default"]
+    off = result.get("peers", {}).get("official", {})
+    vs = f" ({off['rtf'] / d['rtf']:.1f}× the official)" if off.get("rtf") else ""
+    conc = {r["streams"]: r for r in result.get("concurrency", [])}
+    gain = conc[4]["sentences_per_s"] / conc[1]["sentences_per_s"] if 1 in conc and 4 in conc else None
+    fast = ours["fast"]
+    batched = {r["streams"]: r["aggregate_tok_s"] for r in ours.get("lm_batched", [])}
+    return [
+        ("end-to-end RTF, default quality", "≤ 0.5, ≥ 9× official", f"{d['rtf']:.3f}{vs}", d["rtf"] <= 0.5),
+        (f"end-to-end RTF, fast preset ({fast['flow_steps']} steps; mel L1 {fast['fast_mel_l1']:.3f} vs 10 steps)",
+         "≤ 0.3", f"{fast['rtf']:.3f}", fast["rtf"] <= 0.3),
+        ("first audio, streaming, 8-character sentence", "≤ 1.0 s (stretch 0.5)",
+         f"{ours['first_audio_short']['first_audio_s']:.2f} s", ours["first_audio_short"]["first_audio_s"] <= 1.0),
+        (f"first audio, streaming, {_audio_s(result):.0f} s utterance", "–",
+         f"{ours['first_audio_long']['first_audio_s']:.2f} s", None),
+        ("LM decode, 1 stream", "≥ 60 tokens/s", f"{ours['lm_decode_tok_s']:.1f}", ours["lm_decode_tok_s"] >= 60),
+        ("LM decode, aggregate over 4 streams (batch API: 4 KV rows, one call per step)", "≥ 150 tokens/s",
+         f"{batched[4]:.1f} (1 row: {batched[1]:.1f})" if batched else "not measured",
+         batched[4] >= 150 if batched else None),
+        ("flow, default quality", "RTF ≤ 0.35", f"{d['flow_rtf']:.3f}", d["flow_rtf"] <= 0.35),
+        ("peak RSS of the whole engine (1 stream)", "≤ 1100 MB (stretch 800)", f"{ours['peak_rss_mb']:.0f} MB",
+         ours["peak_rss_mb"] <= 1100),
+        ("throughput, 4 concurrent vs 1", "≥ 2×", "–" if gain is None else f"{gain:.2f}×",
+         None if gain is None else gain >= 2.0),
+    ]  # fmt: skip
+
+
+def markdown(result: dict[str, Any], plots: list[str]) -> str:
+    m = result["machine"]
+    lines = [
+        f"Model: {result['model']}. Workload: {result['tokens']} speech tokens ({_audio_s(result):.0f} s) "
+        f"per sentence, a registered 3 s voice, medians of {result['runs']} runs after a warm-up.",
+        f"Machine: {m['cpu']} ({m['isa']}), {m['usable_cores']} usable cores, {m['memory_gb']} GB; {m['threads']} "
+        f"threads; onnxruntime {m['onnxruntime']}; load average before the run {m['load_avg_before'][0]:.2f}.",
+        *([f"Calibration (cosyvoice_cpu.hardware.calibrate): {Calibration.from_dict(m['calibration']).summary()}."]
+          if "calibration" in m else []),  # results from before the calibration have none
+        "", "### Official PyTorch vs ours, stage by stage (same tokens, frames and threads)", "",
+        "| stage | official (PyTorch) | our PyTorch reference | ours (ONNX Runtime) | ours vs official |",
+        "|---|---|---|---|---|",
+    ]  # fmt: skip
+    for label, fmt, v in peer_rows(result):
+        lines.append(f"| {label} | {_f(v['official'], fmt)} | {_f(v['reference'], fmt)} | {_f(v['ours'], fmt)} | "
+                     f"{_ratio(label, v)} |")  # fmt: skip
+    lines += ["", "### Targets (issue 5)", "", "| metric | target | measured | met |", "|---|---|---|---|"]
+    for metric, target, measured, met in targets(result):
+        lines.append(f"| {metric} | {target} | {measured} | {'–' if met is None else 'yes' if met else '**no**'} |")
+    o = result["ours"]
+    lines += ["", f"Streaming: first chunk after {o['first_audio_short']['first_audio_s']:.2f} s (8-character "
+              f"sentence) / {o['first_audio_long']['first_audio_s']:.2f} s ({_audio_s(result):.0f} s "
+              "utterance), whole streamed RTF "
+              f"{o['first_audio_long']['stream_rtf']:.3f}; prompt cache {o['prompt_cache_mb']:.0f} MB."]  # fmt: skip
+    if o.get("lm_prefix_positions"):  # results from before the LM prefix cache have none
+        lines.append(f"LM prefill: {o['lm_prefill_positions']} positions, the first {o['lm_prefix_positions']} (sos "
+                     "and the voice's transcript) copied from the LM prefix cache.")  # fmt: skip
+    if result.get("concurrency"):
+        lines += [
+            "",
+            "### Concurrent streams (threads sharing one engine)",
+            "",
+            "| streams | sentences/s | aggregate RTF | peak RSS MB | J per sentence |",
+            "|---|---|---|---|---|",
+        ]
+        for r in result["concurrency"]:
+            lines.append(f"| {r['streams']} | {r['sentences_per_s']:.3f} | {r['rtf_aggregate']:.3f} | "
+                         f"{r['peak_rss_mb']:.0f} | {_f(r.get('joules_per_sentence'), '.1f')} |")  # fmt: skip
+        energy = result.get("energy")
+        lines.append(f"\nEnergy counters: {energy if isinstance(energy, str) else ', '.join(energy)}.")
+    if result.get("thread_sweep"):
+        lines += ["", "### Threads", "", "| threads | RTF | flow RTF | LM s |", "|---|---|---|---|"]
+        for r in result["thread_sweep"]:
+            lines.append(f"| {r['threads']} | {r['rtf']:.3f} | {r['flow_rtf']:.3f} | {r['lm_s']:.2f} |")
+    lines += [""] + [f"![{p}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], out: Path) -> list[str]:
+    """PNG plots (stage split, memory vs streams, RTF vs threads); file names written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed (pip install 'cosyvoice-cpu[bench]'): no plots")
+        return []
+    names = []
+    audio = _audio_s(result)
+    d = result["ours"]["default"]
+    split = {"ours": (d["lm_s"], d["flow_s"], d["vocoder_s"])}
+    for name, p in result.get("peers", {}).items():
+        if "skipped" not in p:
+            split[name] = (p["lm_total_s"], p["flow_s"], p["hift_s"])
+    fig, ax = plt.subplots(figsize=(6, 3))
+    left = [0.0] * len(split)
+    for i, stage in enumerate(("LM", "flow", "vocoder")):
+        vals = [v[i] / audio for v in split.values()]
+        ax.barh(list(split), vals, left=left, label=stage)
+        left = [a + b for a, b in zip(left, vals, strict=True)]
+    ax.set_xlabel("seconds per second of audio (RTF)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "stage_split.png", dpi=110)
+    names.append("stage_split.png")
+    for key, x, y, xlabel, ylabel, fname in (
+        ("concurrency", "streams", "peak_rss_mb", "concurrent streams", "peak RSS (MB)", "memory_vs_streams.png"),
+        ("thread_sweep", "threads", "rtf", "intra-op threads", "end-to-end RTF", "rtf_vs_threads.png"),
+    ):
+        rows = result.get(key) or []
+        if not rows:
+            continue
+        fig, ax = plt.subplots(figsize=(4.5, 3))
+        ax.plot([r[x] for r in rows], [r[y] for r in rows], marker="o")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=110)
+        names.append(fname)
+    plt.close("all")
+    return names
+
+
+def write_report(result: dict[str, Any], out: Path) -> Path:
+    """Write ``bench.json``, the plots and ``bench.md`` into ``out``; returns ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(result, indent=1))
+    plots = plot(result, out)
+    (out / "bench.md").write_text(markdown(result, plots))
+    return out

@@ -1,0 +1,301 @@
+"""Benchmark tasks on an exported model directory (torch-free); each runs in its own process for a clean RSS.
+
+    python -m cosyvoice_cpu.benchmark MODEL_DIR --task single|concurrent|threads [--threads N] [--streams N] ...
+
+prints one JSON object. ``cosyvoice-cpu bench`` (:mod:`cosyvoice_cpu.cli.bench`) spawns the tasks, adds the
+PyTorch peers and writes the report. The workload follows ``docs/benchmarks.md``: a registered 3 s voice (made
+once from a synthetic harmonic prompt, not timed), a sentence forced to ``tokens`` speech tokens
+(``SynthesisConfig(min_tokens=max_tokens=N)``: random weights give fixed-length output), warm-up excluded,
+medians of ``runs`` repetitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import resource
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cosyvoice_cpu.config import DEFAULT_LM_BATCH_ROWS, EngineConfig, SynthesisConfig
+from cosyvoice_cpu.engine import Engine, Timings
+
+logger = logging.getLogger(__name__)
+
+TEXT = (
+    "Warning: the temperature on line three is above the safe limit, so the cooling pumps have started "
+    "and the operators should check valve seven."
+)  # fmt: skip  (~30 text tokens, one sentence)
+SHORT_TEXT = "请注意三号线过热"  # the guide's 8-character sentence
+PROMPT_TEXT = "This is the voice of the plant's announcement system."
+TOKEN_RATE = 25  # CosyVoice2/3 speech tokens per second (reports before the rate was recorded; v1: 50)
+POWERCAP = Path("/sys/class/powercap")
+
+
+def energy_counters() -> dict[str, Path]:
+    """Readable RAPL/powercap energy counters (microjoules) by zone name; empty when none is readable."""
+    found = {}
+    for zone in sorted(POWERCAP.glob("*:*")) if POWERCAP.is_dir() else []:
+        f = zone / "energy_uj"
+        try:
+            int(f.read_text())
+        except (OSError, ValueError):
+            continue
+        name = zone / "name"
+        found[name.read_text().strip() if name.is_file() else zone.name] = f
+    return found
+
+
+def read_energy_j(counters: dict[str, Path]) -> float | None:
+    """The counters' sum in joules, or None without counters (wrap-around is ignored: runs are short)."""
+    return sum(int(f.read_text()) for f in counters.values()) / 1e6 if counters else None
+
+
+def status_mb(field: str) -> float | None:
+    """A memory field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ...) in MB; None where it cannot be read."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process image so far (MB): ``VmHWM``, else ``ru_maxrss``.
+
+    ``ru_maxrss`` survives ``fork`` + ``exec``: a task child started by a parent that had just written and exported
+    the full-size fixture (GBs of torch) reported the parent's peak as its own. ``VmHWM`` belongs to the new image.
+    """
+    peak = status_mb("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _prompt_wav(path: Path, seconds: float = 3.0, sr: int = 16000) -> Path:
+    """A 3 s voiced-like prompt: a 140 Hz harmonic series with a slow vibrato and an amplitude envelope."""
+    import soundfile as sf
+
+    t = np.arange(int(seconds * sr)) / sr
+    f0 = 140 + 10 * np.sin(2 * np.pi * 3 * t)
+    phase = 2 * np.pi * np.cumsum(f0) / sr
+    wave = sum(np.sin(k * phase) / k for k in range(1, 8)) * (0.5 + 0.5 * np.sin(np.pi * t / seconds))
+    sf.write(path, (0.2 * wave).astype(np.float32), sr)
+    return path
+
+
+def load(model_dir: Path, threads: int, spinning: bool = False, lm_batch_rows: int | None = None,
+         **config: Any) -> tuple[Any, Any]:  # fmt: skip
+    """The engine (``lm_batch_rows`` None: the engine's default, what users get; ``config``: other
+    :class:`~cosyvoice_cpu.config.EngineConfig` fields) and a registered voice (voice creation is setup, not
+    timed)."""
+
+    rows = DEFAULT_LM_BATCH_ROWS if lm_batch_rows is None else lm_batch_rows
+    engine = Engine.load(model_dir, EngineConfig(threads=threads, spinning=spinning, lm_batch_rows=rows, **config))
+    with tempfile.TemporaryDirectory() as tmp:
+        voice = engine.make_voice(_prompt_wav(Path(tmp) / "prompt.wav"), PROMPT_TEXT, name="bench")
+    return engine, voice
+
+
+def alternate(engines: dict[str, tuple[Any, Any]], runs: int,
+              measure: Callable[[Any, Any], dict[str, float]]) -> dict[str, list[dict[str, float]]]:  # fmt: skip
+    """``runs`` x ``measure(engine, voice)`` for each labelled (engine, voice), the engines taking turns (an A/B
+    in one process under the same load); the engines are closed afterwards. Returns label -> the results."""
+    results: dict[str, list[dict[str, float]]] = {label: [] for label in engines}
+    for _ in range(runs):
+        for label, (engine, voice) in engines.items():
+            results[label].append(measure(engine, voice))
+    for engine, _ in engines.values():
+        engine.close()
+    return results
+
+
+def _config(tokens: int, **kw: Any) -> Any:
+
+    return SynthesisConfig(seed=0, min_tokens=tokens, max_tokens=tokens, normalize=False, **kw)
+
+
+def measure_lm(engine: Any, voice: Any, tokens: int, runs: int) -> dict[str, float]:
+    """Prefill (+ first token) seconds and decode tokens/s (median step) of the LM alone."""
+    prompt_ids, prompt_speech, speaker = engine.lm_prompt(voice, None, False)
+    text_ids = engine.tokenizer.encode(TEXT)
+    prefill, steps = [], []
+    for _ in range(runs + 1):
+        req = engine.lm.request(text_ids, prompt_ids, prompt_speech, seed=0, budget=(tokens, tokens), speaker=speaker)
+        it = iter(req)
+        t0 = time.perf_counter()
+        next(it)
+        t1 = time.perf_counter()
+        prefill.append(t1 - t0)
+        for _ in it:
+            t2 = time.perf_counter()
+            steps.append(t2 - t1)
+            t1 = t2
+    positions = len(engine.lm.prompt_embeddings(text_ids, prompt_ids, prompt_speech, speaker))
+    step = statistics.median(steps[tokens - 1 :])  # the warm-up run's steps excluded
+    # the voice transcript's positions come from the LM prefix cache after the warm-up (lm_prefix)
+    return {"lm_prefill_s": statistics.median(prefill[1:]), "lm_prefill_positions": positions,
+            "lm_prefix_positions": req.prefix[1] if req.prefix else 0,
+            "lm_decode_ms": step * 1000, "lm_decode_tok_s": 1.0 / step}  # fmt: skip
+
+
+def measure_lm_batched(engine: Any, voice: Any, streams: int, steps: int = 100) -> dict[str, float]:
+    """The LM's batch API: ``streams`` rows of one KV cache decoded by one call per step (what a scheduler
+    does); aggregate tokens/s from the median step. Greedy tokens: sampling is not what is measured here."""
+    embeds = engine.lm.prompt_embeddings(engine.tokenizer.encode(TEXT), *engine.lm_prompt(voice, None, False))
+    session, vocab = engine.lm.session, engine.lm.facts.speech_token_size
+    steps = min(steps, session.spec.max_len - len(embeds) - 1)  # stay inside the KV cache
+    if steps < 10:
+        raise ValueError(f"the KV cache (max_len {session.spec.max_len}) leaves only {steps} decode steps")
+    cache = session.new_cache(streams)
+    rows = list(range(streams))
+    tokens = [int(np.argmax(session.prefill(cache, r, embeds)[:vocab])) for r in rows]
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        logp = session.decode(cache, rows, tokens)
+        times.append(time.perf_counter() - t0)
+        tokens = [int(i) for i in np.argmax(logp[:, :vocab], axis=1)]
+    step = statistics.median(times[5:])  # the first steps warm up
+    return {"streams": streams, "step_ms": step * 1000, "aggregate_tok_s": streams / step}
+
+
+def measure_e2e(engine: Any, voice: Any, tokens: int, runs: int, **kw: Any) -> dict[str, float]:
+    """Whole-sentence synthesis: per-stage seconds and RTF (medians)."""
+
+    rows = []
+    for i in range(runs + 1):
+        t = Timings()
+        t0 = time.perf_counter()
+        wave = np.concatenate([c.samples for c in engine.synthesize(TEXT, voice, _config(tokens, **kw), timings=t)])
+        wall = time.perf_counter() - t0
+        if i:
+            rows.append({"wall_s": wall, "lm_s": t.lm, "flow_s": t.flow, "vocoder_s": t.vocoder,
+                         "audio_s": len(wave) / engine.sample_rate})  # fmt: skip
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    audio = med["audio_s"]
+    steps = kw.get("flow_steps", 10)
+    return {**med, "rtf": med["wall_s"] / audio, "flow_rtf": med["flow_s"] / audio,
+            "vocoder_rtf": med["vocoder_s"] / audio, "flow_ms_per_step": med["flow_s"] / steps * 1000}  # fmt: skip
+
+
+def first_audio(engine: Any, voice: Any, text: str, tokens: int, runs: int) -> dict[str, float]:
+    """Seconds from the call to the first streamed chunk (prompt cache warm), and the whole streamed RTF."""
+    firsts, rtfs = [], []
+    for i in range(runs + 1):
+        t0 = time.perf_counter()
+        first, audio = None, 0.0
+        for chunk in engine.synthesize(text, voice, _config(tokens, stream=True)):
+            if first is None and len(chunk.samples):
+                first = time.perf_counter() - t0
+            audio += chunk.duration
+        if i:
+            firsts.append(first)
+            rtfs.append((time.perf_counter() - t0) / audio)
+    return {"first_audio_s": statistics.median(firsts), "stream_rtf": statistics.median(rtfs)}
+
+
+def fast_preset_quality(engine: Any, voice: Any, tokens: int, steps: int) -> dict[str, float]:
+    """Mel L1 of ``steps`` Euler steps against the default 10, on the same tokens (flow only)."""
+    toks = np.random.default_rng(0).integers(0, engine.lm.facts.speech_token_size, tokens)
+
+    def mel(n: int) -> np.ndarray:  # a flow that draws fresh noise (CosyVoice-300M) gets the same seed for both
+        return engine.flow.inference(toks, voice.speech_tokens, voice.mel, voice.embedding, n_timesteps=n,
+                                     rng=np.random.default_rng(0))  # fmt: skip
+
+    ref, fast = mel(10), mel(steps)
+    return {"fast_mel_l1": float(np.abs(fast - ref).mean()), "mel_abs_mean": float(np.abs(ref).mean())}
+
+
+def task_single(model_dir: Path, threads: int, tokens: int, short_tokens: int, runs: int, fast_steps: int) -> dict:
+    t0 = time.perf_counter()
+    engine, voice = load(model_dir, threads)
+    out: dict[str, Any] = {"load_s": time.perf_counter() - t0, "rss_after_load_mb": peak_rss_mb()}
+    out.update(measure_lm(engine, voice, tokens, runs))
+    out["lm_batched"] = [measure_lm_batched(engine, voice, n) for n in (1, 4)]
+    out["default"] = measure_e2e(engine, voice, tokens, runs)
+    out["fast"] = {**measure_e2e(engine, voice, tokens, runs, flow_steps=fast_steps), "flow_steps": fast_steps,
+                   **fast_preset_quality(engine, voice, tokens, fast_steps)}  # fmt: skip
+    out["first_audio_short"] = first_audio(engine, voice, SHORT_TEXT, short_tokens, runs)
+    out["first_audio_long"] = first_audio(engine, voice, TEXT, tokens, runs)
+    out["prompt_cache_mb"] = engine.prompt_caches.nbytes / 1e6 if engine.prompt_caches else 0.0
+    out["peak_rss_mb"] = peak_rss_mb()
+    return out
+
+
+def task_concurrent(model_dir: Path, threads: int, tokens: int, streams: int, runs: int) -> dict:
+    """``streams`` threads share one engine, each synthesizing ``runs`` sentences; sentences per second.
+
+    The engine runs the LM scheduler (as the server does), so the streams' LM steps are batched.
+    """
+    engine, voice = load(model_dir, threads, lm_batch_rows=streams)
+    engine.synthesize_wav(TEXT, voice, _config(tokens))  # warm-up
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            for _ in range(runs):
+                engine.synthesize_wav(TEXT, voice, _config(tokens))
+        except BaseException as e:
+            errors.append(e)
+
+    pool = [threading.Thread(target=worker) for _ in range(streams)]
+    counters = energy_counters()
+    e0 = read_energy_j(counters)
+    t0 = time.perf_counter()
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
+    wall = time.perf_counter() - t0
+    e1 = read_energy_j(counters)
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {streams} streams failed: {errors[0]!r}")
+    done = streams * runs
+    audio = done * tokens / engine.manifest.token_frame_rate
+    joules = None if e0 is None or e1 is None else (e1 - e0) / done
+    engine.close()
+    return {"streams": streams, "sentences": done, "wall_s": wall, "sentences_per_s": done / wall, "lm_batched": True,
+            "rtf_aggregate": wall / audio, "peak_rss_mb": peak_rss_mb(), "joules_per_sentence": joules,
+            "energy_zones": sorted(counters)}  # fmt: skip
+
+
+def task_threads(model_dir: Path, threads: int, tokens: int, runs: int) -> dict:
+    engine, voice = load(model_dir, threads)
+    return {"threads": threads, **measure_e2e(engine, voice, tokens, runs), "peak_rss_mb": peak_rss_mb()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model_dir", type=Path)
+    ap.add_argument("--task", choices=["single", "concurrent", "threads"], required=True)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=250)
+    ap.add_argument("--short-tokens", type=int, default=50)
+    ap.add_argument("--streams", type=int, default=1)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--fast-steps", type=int, default=5)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    if args.task == "single":
+        out = task_single(args.model_dir, args.threads, args.tokens, args.short_tokens, args.runs, args.fast_steps)
+    elif args.task == "concurrent":
+        out = task_concurrent(args.model_dir, args.threads, args.tokens, args.streams, args.runs)
+    else:
+        out = task_threads(args.model_dir, args.threads, args.tokens, args.runs)
+    json.dump({"task": args.task, "threads": args.threads, "tokens": args.tokens, **out}, sys.stdout)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The ``cosyvoice-cpu`` command: one module per command group (entry point :func:`cosyvoice_cpu.cli.main.main`)."""

@@ -1,0 +1,192 @@
+"""``cosyvoice-cpu bench``: our engine and its PyTorch peers on the same workload, in one run.
+
+    cosyvoice-cpu bench --recipe int8w                 # full-size random CosyVoice2, exported once and cached
+    cosyvoice-cpu bench -m MODEL_DIR [--peer-from OFFICIAL_DIR]
+    cosyvoice-cpu bench --recipe int8w --concurrency 1,4,8 --thread-sweep --peer official,reference --out DIR
+
+Every measurement runs in a child process (:mod:`cosyvoice_cpu.benchmark.tasks`, ``bench/peer.py``) so each peak RSS is
+its own. Writes ``bench.json``, ``bench.md`` and PNG plots into ``--out``; the report is
+:mod:`cosyvoice_cpu.benchmark.report`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from cosyvoice_cpu.benchmark.report import write_report
+from cosyvoice_cpu.benchmark.tasks import energy_counters
+from cosyvoice_cpu.cli.common import need_export_extra
+from cosyvoice_cpu.config import cache_dir
+from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.families.facts import FAMILIES, facts
+from cosyvoice_cpu.hardware.calibrate import calibrate
+from cosyvoice_cpu.hardware.cpu import detect
+from cosyvoice_cpu.manifest import Manifest
+
+logger = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[3]  # a source checkout: bench/peer.py lives there
+
+
+def _child(cmd: list[str], what: str) -> dict[str, Any]:
+    """Run a benchmark child; its last stdout line is JSON."""
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode:
+        raise ConfigError(f"{what} failed (exit {p.returncode}): {p.stderr.strip().splitlines()[-1:] or p.stdout}")
+    text = p.stdout.strip()
+    try:
+        result = json.loads(text)  # the whole output (a pretty-printed object) ...
+    except json.JSONDecodeError:
+        result = json.loads(text.splitlines()[-1])  # ... or a last line of JSON after other output
+    print(f"  {what}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return result
+
+
+def _task(model_dir: Path, task: str, threads: int, args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "cosyvoice_cpu.benchmark", str(model_dir), "--task", task, "--threads", str(threads),
+           "--tokens", str(args.tokens), "--runs", str(args.runs)]  # fmt: skip
+    for k, v in extra.items():
+        cmd += [f"--{k.replace('_', '-')}", str(v)]
+    return _child(cmd, f"{task} {threads} threads {extra or ''}".strip())
+
+
+def cached_export_is_fresh(dst: Path, recipe: str) -> bool:
+    """Whether ``dst`` is a loadable export with ``recipe``'s stages, written by the current graph-building code
+    (a cache from before a recipe or exporter change must be exported again, not benchmarked as current)."""
+    from cosyvoice_cpu.export.exporter import export_code_digest
+    from cosyvoice_cpu.export.quantize import parse_recipe
+
+    try:
+        cached = Manifest.load(dst)
+    except Exception:
+        return False
+    return (cached.recipe.get("stages") == parse_recipe(recipe).stages()
+            and cached.created_by.endswith(f"(export code {export_code_digest()})"))  # fmt: skip
+
+
+def resolve_model(args: argparse.Namespace) -> tuple[Path, Path | None, str]:
+    """(model dir, official dir for the peers or None, description)."""
+    if args.model is not None:
+        return args.model, args.peer_from, str(args.model)
+    need_export_extra()
+    from cosyvoice_cpu.export.exporter import ExportOptions, export_model
+    from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
+
+    family = args.family
+    src = cache_dir() / "fixtures" / f"{family}-full-seed0"
+    if not (src / f"{family}.yaml").is_file():
+        print(f"writing the full-size random {family} fixture (once) ...", file=sys.stderr)
+        write_fixture(FixtureSpec(family, "full", 0), src, force=True)
+    dst = cache_dir() / "exports" / f"{family}-full-seed0-{args.recipe}"
+    if not cached_export_is_fresh(dst, args.recipe):
+        print(f"exporting the fixture with recipe {args.recipe} (once; cached in {dst}) ...", file=sys.stderr)
+        export_model(src, dst, ExportOptions(recipe=args.recipe, force=True))
+    return dst, args.peer_from or src, f"full-size random {facts(family).title}, recipe {args.recipe}"
+
+
+def run_peers(official_dir: Path | None, names: list[str], threads: int, tokens: int) -> dict[str, Any]:
+    """``bench/peer.py`` per implementation (PyTorch; needs a source checkout and the [export] extra)."""
+    script = ROOT / "bench" / "peer.py"
+    if not names:
+        return {}
+    if official_dir is None or not script.is_file():
+        why = "no official-layout model directory (--peer-from)" if official_dir is None else f"{script} is missing"
+        print(f"  peers skipped: {why}", file=sys.stderr)
+        return {n: {"skipped": why} for n in names}
+    peers: dict[str, Any] = {}
+    for n in names:
+        try:
+            peers[n] = _child([sys.executable, str(script), "--model-dir", str(official_dir), "--impl", n,
+                               "--threads", str(threads), "--tokens", str(tokens)], f"peer {n}")  # fmt: skip
+        except (ConfigError, ValueError) as e:  # a peer that cannot run is reported, not fatal
+            print(f"  peer {n} failed: {e}", file=sys.stderr)
+            peers[n] = {"skipped": f"failed: {e}"}
+    return peers
+
+
+def machine_facts(threads: int) -> dict[str, Any]:
+    """CPU, cores, memory, versions, the load average and the kernel calibration
+    (:mod:`cosyvoice_cpu.hardware.calibrate`) of this machine: what a result must carry to be compared with one
+    from another day or machine."""
+    import onnxruntime as ort
+
+    hw = detect()
+    cpu = hw.cpu
+    memory = hw.memory_for_us
+    return {
+        "cpu": cpu.model if cpu else "unknown", "isa": cpu.isa if cpu else "unknown",
+        "logical_cpus": cpu.logical if cpu else None, "physical_cores": cpu.physical if cpu else None,
+        "usable_cores": hw.usable_cores, "memory_gb": round(memory / 2**30, 1) if memory else None,
+        "threads": threads, "onnxruntime": ort.__version__, "python": sys.version.split()[0],
+        "load_avg_before": os.getloadavg(), "calibration": calibrate(threads).as_dict(),
+    }  # fmt: skip
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+
+    threads = args.threads or detect().threads()
+    model_dir, official_dir, what = resolve_model(args)
+    rate = Manifest.load(model_dir).token_frame_rate  # 25 Hz (CosyVoice2) or 50 Hz (CosyVoice-300M) tokens
+    args.tokens, args.short_tokens = args.tokens or 10 * rate, args.short_tokens or 2 * rate
+    try:
+        streams = [int(s) for s in args.concurrency.split(",") if s.strip()] if args.concurrency else []
+    except ValueError:
+        raise ConfigError(f"--concurrency wants stream counts like 1,4,8, got {args.concurrency!r}") from None
+    if any(n < 1 for n in streams) or args.tokens < 1 or args.runs < 1:
+        raise ConfigError("--concurrency counts, --tokens and --runs must be >= 1")
+    print(f"benchmarking {what} with {threads} threads ...", file=sys.stderr, flush=True)
+    result: dict[str, Any] = {"model": what, "model_dir": str(model_dir), "tokens": args.tokens, "token_rate": rate,
+                              "runs": args.runs, "machine": machine_facts(threads),
+                              "started": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
+    partial = args.out / "bench.partial.json"  # progress survives a failure later in the run
+    args.out.mkdir(parents=True, exist_ok=True)
+    result["ours"] = _task(model_dir, "single", threads, args, short_tokens=args.short_tokens,
+                           fast_steps=args.fast_steps)  # fmt: skip
+    partial.write_text(json.dumps(result, indent=1))
+    result["concurrency"] = []
+    for n in streams:  # energy, where RAPL/powercap is readable, is read by the child around its timed work
+        result["concurrency"].append(_task(model_dir, "concurrent", threads, args, streams=n))
+        partial.write_text(json.dumps(result, indent=1))
+    zones = energy_counters()
+    result["energy"] = sorted(zones) if zones else "not available (no readable RAPL/powercap counters)"
+    if args.thread_sweep:
+        top = detect().usable_cores
+        result["thread_sweep"] = [_task(model_dir, "threads", n, args) for n in range(1, top + 1)]
+    result["peers"] = run_peers(official_dir, [p for p in args.peer.split(",") if p], threads, args.tokens)
+    partial.write_text(json.dumps(result, indent=1))
+    out = write_report(result, args.out)
+    partial.unlink()
+    print(f"wrote {out}", file=sys.stderr)
+    print((args.out / "bench.md").read_text())
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    b = sub.add_parser("bench", help="benchmark the engine (and its PyTorch peers) on one workload")
+    src = b.add_mutually_exclusive_group()
+    src.add_argument("-m", "--model", type=Path, help="an exported model directory")
+    src.add_argument("--recipe", default="int8w", help="else: the full-size random --family model exported with "
+                     "this recipe (cached; needs the [export] extra)")  # fmt: skip
+    b.add_argument("--family", choices=FAMILIES, default="cosyvoice2",
+                   help="the random fixture's family (without -m): CosyVoice2-0.5B, CosyVoice-300M or "
+                        "Fun-CosyVoice3-0.5B (its official code is not on PyPI: use --peer reference)")  # fmt: skip
+    b.add_argument("--threads", type=int, default=0, help="ORT threads (default: usable physical cores)")
+    b.add_argument("--tokens", type=int, default=0, help="speech tokens per sentence (default 10 s: 250 at 25 Hz)")
+    b.add_argument("--short-tokens", type=int, default=0, help="tokens for the 8-character sentence (default 2 s)")
+    b.add_argument("--runs", type=int, default=3, help="timed repetitions after a warm-up (medians)")
+    b.add_argument("--fast-steps", type=int, default=5, help="Euler steps of the fast preset")
+    b.add_argument("--concurrency", default="1,4,8", help="concurrent streams to measure ('' to skip)")
+    b.add_argument("--thread-sweep", action="store_true", help="also measure RTF for 1..all usable cores")
+    b.add_argument("--peer", default="official,reference", help="PyTorch peers to run ('' to skip)")
+    b.add_argument("--peer-from", type=Path, help="official-layout model directory for the peers (with -m)")
+    b.add_argument("--out", type=Path, default=Path("bench-results"), help="report directory")
+    b.set_defaults(func=cmd_bench)

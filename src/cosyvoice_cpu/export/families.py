@@ -1,0 +1,234 @@
+"""The export's family seam: one small class per model family owning everything the export does differently.
+
+:mod:`.exporter` and :mod:`.stages` ask the family object of a source directory (:func:`export_family`) and never
+test a family's name:
+
+- :meth:`ExportFamily.required_files` / :meth:`ExportFamily.copied_onnx` / :meth:`ExportFamily.check_source`: what
+  a released directory must hold and the checks made before minutes of work (CosyVoice-300M's tiktoken file);
+- :attr:`ExportFamily.plans`: per stage (LM, flow, HiFT) the graph module whose ``export_<stage>`` /
+  ``verify_<stage>`` write and gate it, and which graphs take which recipe precision;
+- :meth:`ExportFamily.export_tokenizer`, :meth:`ExportFamily.flow_facts`, :meth:`ExportFamily.lm_facts`,
+  :meth:`ExportFamily.export_speakers`: the tokenizer file and the manifest sections that differ.
+
+What the LM numerics gate needs of a family's graph (its attrs, the prompt's text table and x-vector row) is given by
+each LM graph module (its ``GATE``, a :class:`cosyvoice_cpu.export.common.LMGate` holding the family's facts):
+the plans name those modules, which never import this one.
+
+The facts (sample rate, speech tokenizer, text tokenizer, built-in speakers, ...) come from the one table
+:mod:`cosyvoice_cpu.families.facts`; the registry is keyed by its family names. Torch, onnx and the tokenizer
+converters are imported inside the methods, so importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from cosyvoice_cpu.errors import ExportError
+from cosyvoice_cpu.families.facts import FAMILIES, FamilyFacts, facts
+
+logger = logging.getLogger(__name__)
+
+VOICES_DIR = "voices"  # built-in speakers (CosyVoice-300M-SFT/-Instruct spk2info.pt) as voice files
+CHECKPOINTS = ("llm.pt", "flow.pt", "hift.pt")
+# The text tokenizer's source files, by the facts' ``text_tokenizer``: Qwen2's BPE ships in CosyVoice-BlankEN/;
+# Whisper's tiktoken vocabulary is found (and checked) by :meth:`ExportCosyVoice.check_source`.
+TOKENIZER_FILES = {
+    "qwen2": ("CosyVoice-BlankEN/config.json", "CosyVoice-BlankEN/vocab.json", "CosyVoice-BlankEN/merges.txt",
+              "CosyVoice-BlankEN/tokenizer_config.json"),
+    "whisper": (),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage: its reference module, its exporter/verifier, and the graphs its recipe precision applies to."""
+
+    name: str  # for progress lines
+    ref: str  # load_reference stage and checkpoint stem
+    module: str  # cosyvoice_cpu.export.<module> with export_<ref>/verify_<ref>
+    recipe_field: str  # the stage's main Recipe field
+    quantized: dict[str, str]  # graph key -> the Recipe field whose precision applies to it
+
+    def precisions(self, recipe: Any) -> dict[str, str]:
+        """Recipe field -> precision, for the fields this stage quantizes (the main field first)."""
+        fields = dict.fromkeys([self.recipe_field, *self.quantized.values()])
+        return {f: getattr(recipe, f) for f in fields}
+
+
+ESTIMATORS = {"flow_estimator": "flow_estimator", "flow_estimator_stream": "flow_estimator",
+              "flow_encoder": "flow_encoder"}  # fmt: skip
+HIFT_QUANTIZED = {"hift_decode": "hift"}
+
+
+class ExportFamily:
+    """What the export of one model family does; subclasses set :attr:`facts` and :attr:`plans` and override
+    the hooks whose default (CosyVoice2's) does not fit."""
+
+    facts: ClassVar[FamilyFacts]
+    plans: ClassVar[tuple[StagePlan, ...]]
+
+    @property
+    def name(self) -> str:
+        """The family's key (``cosyvoice2``, ``cosyvoice``, ``cosyvoice3``)."""
+        return self.facts.name
+
+    def required_files(self) -> tuple[str, ...]:
+        """Files (relative paths) a released directory of this family must hold."""
+        return (*CHECKPOINTS, "campplus.onnx", self.facts.speech_tokenizer,
+                *TOKENIZER_FILES[self.facts.text_tokenizer])  # fmt: skip
+
+    def copied_onnx(self) -> dict[str, str]:
+        """Manifest key -> file name of the front-end ONNX models copied unchanged."""
+        return {"campplus": "campplus.onnx", "speech_tokenizer": self.facts.speech_tokenizer}
+
+    def check_source(self, src: Path) -> None:
+        """Family-specific checks of a source directory made before the export starts (none by default)."""
+
+    def export_tokenizer(self, cfg: Any, out: Path) -> dict[str, Any]:
+        """Write ``tokenizer.json`` into ``out``; returns the manifest's ``text`` section."""
+        from cosyvoice_cpu.reference.tokenizer import COSYVOICE2_SPECIALS, CosyVoice2Tokenizer
+
+        tok = CosyVoice2Tokenizer(cfg.blank_en_dir)
+        tok._tok.backend_tokenizer.save(str(out / "tokenizer.json"))
+        specials = {t: tok.token_id(t) for t in ("<|endoftext|>", *COSYVOICE2_SPECIALS)}
+        return {"tokenizer": "tokenizer.json", "vocab_size": len(tok), "special_ids": specials}
+
+    def flow_facts(self, flow: Any) -> dict[str, Any]:
+        """The manifest's ``flow`` section: solver defaults plus the streaming facts (the encoder chunk in tokens)."""
+        chunk = flow.encoder.static_chunk_size
+        return {**_solver_facts(flow), "pre_lookahead_len": flow.pre_lookahead_len,
+                "token_mel_ratio": flow.token_mel_ratio, "static_chunk_size": chunk}  # fmt: skip
+
+    def lm_facts(self, lm_cfg: Any) -> dict[str, Any]:
+        """Entries of the manifest's ``lm`` section beyond the ones every family has (none by default)."""
+        return {}
+
+    def export_speakers(self, cfg: Any, out: Path) -> list[Path]:
+        """Built-in speakers written as ``voices/<name>.npz``; families without them return []."""
+        if not self.facts.builtin_speakers:
+            return []
+        return _write_builtin_speakers(cfg, out)
+
+
+class ExportCosyVoice2(ExportFamily):
+    """CosyVoice2-0.5B: the Qwen2 LM, the chunk-causal flow (Conformer encoder, U-Net estimator), HiFT."""
+
+    facts = facts("cosyvoice2")
+    plans = (
+        StagePlan("LM", "lm", "lm_graph", "lm", {"lm": "lm"}),
+        StagePlan("flow", "flow", "flow_graph", "flow_estimator", ESTIMATORS),
+        StagePlan("HiFT", "hift", "hift_graph", "hift", HIFT_QUANTIZED),
+    )
+
+
+class ExportCosyVoice(ExportFamily):
+    """CosyVoice-300M (base, -SFT, -Instruct): the transformer LM with its text encoder (which takes the LM's
+    precision: 78 M parameters at full size), the length-regulated flow, 22.05 kHz HiFT, Whisper's tiktoken
+    vocabulary converted to ``tokenizer.json`` and the built-in speakers of ``spk2info.pt``."""
+
+    facts = facts("cosyvoice")
+    plans = (
+        StagePlan("LM", "lm", "lm_graph_v1", "lm", {"lm": "lm", "lm_text_encoder": "lm"}),
+        StagePlan("flow", "flow", "flow_graph_v1", "flow_estimator",
+                  {"flow_estimator": "flow_estimator", "flow_encoder": "flow_encoder"}),
+        StagePlan("HiFT", "hift", "hift_graph", "hift", HIFT_QUANTIZED),
+    )  # fmt: skip
+
+    def check_source(self, src: Path) -> None:
+        """The Whisper tiktoken vocabulary must be found now, not after minutes of export."""
+        from cosyvoice_cpu.export.tokenizer_whisper import find_tiktoken
+
+        find_tiktoken(src)
+
+    def export_tokenizer(self, cfg: Any, out: Path) -> dict[str, Any]:
+        """Whisper's multilingual tiktoken vocabulary converted to ``tokenizer.json``; refused when it is larger
+        than the LM's text table (the wrong vocabulary)."""
+        from cosyvoice_cpu.export.tokenizer_whisper import find_tiktoken, write_whisper_tokenizer
+
+        path = find_tiktoken(cfg.model_dir)
+        text = write_whisper_tokenizer(path, out)
+        if text["vocab_size"] > cfg.lm.text_token_size:
+            raise ExportError(
+                f"{path} has {text['vocab_size']} tokens but the LM's text table has {cfg.lm.text_token_size} rows: "
+                "it is the wrong vocabulary for this model (CosyVoice-300M uses Whisper's multilingual.tiktoken)"
+            )
+        return text
+
+    def flow_facts(self, flow: Any) -> dict[str, Any]:
+        """Solver defaults plus the token rate (50 Hz tokens stretched by the length regulator)."""
+        return {**_solver_facts(flow), "input_frame_rate": flow.input_frame_rate}
+
+
+class ExportCosyVoice3(ExportCosyVoice2):
+    """Fun-CosyVoice3-0.5B: the v2 LM and flow contracts (its own LM head and stop facts, a DiT estimator with its
+    own stream graph and time table), the causal HiFT, BlankEN with the v3 special ids."""
+
+    facts = facts("cosyvoice3")
+    plans = (
+        StagePlan("LM", "lm", "lm_graph_v3", "lm", {"lm": "lm"}),
+        StagePlan("flow", "flow", "flow_graph_v3", "flow_estimator",
+                  {**ESTIMATORS, "flow_time": "flow_estimator"}),  # the DiT's time table: the estimator's precision
+        StagePlan("HiFT", "hift", "hift_graph_v3", "hift", HIFT_QUANTIZED),
+    )  # fmt: skip
+
+    def export_tokenizer(self, cfg: Any, out: Path) -> dict[str, Any]:
+        """:func:`cosyvoice_cpu.export.tokenizer_v3.export_tokenizer_v3`."""
+        from cosyvoice_cpu.export.tokenizer_v3 import export_tokenizer_v3
+
+        return export_tokenizer_v3(cfg.blank_en_dir, out)
+
+    def flow_facts(self, flow: Any) -> dict[str, Any]:
+        """Solver defaults plus the DiT's chunk mask: 50 frames (25 tokens); no encoder chunk."""
+        chunk = flow.estimator.static_chunk_size
+        return {**_solver_facts(flow), "pre_lookahead_len": flow.pre_lookahead_len,
+                "token_mel_ratio": flow.token_mel_ratio, "static_chunk_size": chunk // flow.token_mel_ratio,
+                "chunk_frames": chunk}  # fmt: skip
+
+    def lm_facts(self, lm_cfg: Any) -> dict[str, Any]:
+        """The official min-length mask is v3's sos id; the text must hold ``<|endofprompt|>``."""
+        return {"min_len_masked_id": lm_cfg.min_len_masked_id, "endofprompt_id": lm_cfg.endofprompt_id}
+
+
+def _solver_facts(flow: Any) -> dict[str, Any]:
+    """The flow's solver defaults, the same for every family."""
+    return {"n_timesteps": flow.cfm.n_timesteps, "cfg_rate": flow.cfm.inference_cfg_rate,
+            "t_scheduler": flow.cfm.t_scheduler, "spk_embed_dim": flow.spk_embed_dim}  # fmt: skip
+
+
+def _write_builtin_speakers(cfg: Any, out: Path) -> list[Path]:
+    """The speakers of ``spk2info.pt`` as ``voices/<name>.npz`` (voices without prompt audio: the x-vector alone
+    conditions the LM and the flow); a directory without the file (base models) has none."""
+    import numpy as np
+
+    from cosyvoice_cpu.reference.model_dir import load_speakers
+    from cosyvoice_cpu.voices.voice import Voice, VoiceError
+
+    written = []
+    for name, emb in load_speakers(cfg.model_dir).items():
+        try:
+            voice = Voice(name, "", np.zeros(0, np.int32), np.zeros((0, 80), np.float32), emb.numpy().reshape(-1),
+                          family=cfg.family, sample_rate=cfg.sample_rate, meta={"builtin": True})  # fmt: skip
+        except VoiceError as e:
+            raise ExportError(f"built-in speaker {name!r} of spk2info.pt cannot be a voice: {e}") from e
+        written.append(voice.save(out / VOICES_DIR / f"{name}.npz"))
+    if written:
+        (out / VOICES_DIR).chmod(0o755)
+    return written
+
+
+_CLASSES: dict[str, type[ExportFamily]] = {
+    cls.facts.name: cls for cls in (ExportCosyVoice2, ExportCosyVoice, ExportCosyVoice3)
+}
+# One export object per family of the facts table, in its order (a family without an export class fails here).
+REGISTRY: dict[str, ExportFamily] = {name: _CLASSES[name]() for name in FAMILIES}
+
+
+def export_family(name: str) -> ExportFamily:
+    """The export object of family ``name``; :class:`ExportError` naming the exportable families for others."""
+    family = REGISTRY.get(name)
+    if family is None:
+        raise ExportError(f"model family {name!r} is not exportable (export supports {', '.join(REGISTRY)})")
+    return family

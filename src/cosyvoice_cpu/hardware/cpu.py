@@ -1,0 +1,323 @@
+"""What this machine (or container) can run: CPU features, usable cores, memory, and the thread plan.
+
+Everything is read from the OS (``/proc``, ``/sys/fs/cgroup``) with the standard library only, *before*
+onnxruntime is imported: a CPU without AVX2 gets an explanation instead of ``Illegal instruction``. Every reader
+takes a ``root`` directory so tests can point it at a fake filesystem.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cosyvoice_cpu.errors import ConfigError, CosyVoiceCpuError
+
+if TYPE_CHECKING:
+    from cosyvoice_cpu.manifest import GraphEntry, Manifest
+
+logger = logging.getLogger(__name__)
+
+SKIP_CHECK_ENV = "COSYVOICE_CPU_SKIP_CPU_CHECK"
+ROOT = Path("/")
+
+
+class UnsupportedCpuError(CosyVoiceCpuError):
+    """The CPU lacks an instruction set the prebuilt onnxruntime wheels need."""
+
+
+def _read(root: Path, rel: str) -> str | None:
+    try:
+        return (root / rel).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    """Facts of ``/proc/cpuinfo``: model name, flags of the first CPU, logical and physical core counts."""
+
+    model: str
+    flags: frozenset[str]
+    logical: int
+    physical: int
+    core_of: tuple[tuple[int, str], ...] = ()  # (processor id, "physical id/core id") pairs
+
+    def physical_in(self, cpus: set[int]) -> int | None:
+        """Distinct physical cores among logical CPUs ``cpus`` (None when cpuinfo has no core ids)."""
+        if not self.core_of:
+            return None
+        return len({core for cpu, core in self.core_of if cpu in cpus}) or None
+
+    @property
+    def avx2(self) -> bool:
+        return "avx2" in self.flags and "fma" in self.flags
+
+    @property
+    def avx512(self) -> bool:
+        return "avx512f" in self.flags
+
+    @property
+    def vnni(self) -> bool:
+        """int8 dot products (AVX-512 VNNI or AVX-VNNI): fast u8s8 GEMMs without saturation."""
+        return bool({"avx512_vnni", "avx_vnni"} & self.flags)
+
+    @property
+    def bf16(self) -> bool:
+        """bf16 dot products in AVX-512 (``avx512_bf16``): OpenVINO's bf16 kernels run natively."""
+        return "avx512_bf16" in self.flags
+
+    @property
+    def amx(self) -> bool:
+        """Intel AMX tiles (bf16 and int8 matrix units, Sapphire Rapids and later)."""
+        return bool({"amx_bf16", "amx_int8"} & self.flags)
+
+    @property
+    def isa(self) -> str:
+        if self.avx512 and self.vnni:
+            return "avx512-vnni"
+        if self.avx2 and self.vnni:
+            return "avx2-vnni"
+        return "avx512" if self.avx512 else "avx2" if self.avx2 else "pre-avx2"
+
+
+def read_cpuinfo(root: Path = ROOT) -> CpuInfo | None:
+    """Parse ``/proc/cpuinfo`` (x86 Linux); None where it does not exist (other OSes)."""
+    text = _read(root, "proc/cpuinfo")
+    if not text:
+        return None
+    model, flags = "", frozenset()
+    logical, cores, core_of = 0, set(), []
+    processor = physical_id = core_id = None
+    for line in text.splitlines() + [""]:
+        if not line.strip():  # end of one processor block
+            if core_id is not None:
+                cores.add((physical_id, core_id))
+                if processor is not None:
+                    core_of.append((processor, f"{physical_id}/{core_id}"))
+            processor = physical_id = core_id = None
+            continue
+        key, _, value = line.partition(":")
+        key, value = key.strip(), value.strip()
+        if key == "processor":
+            logical += 1
+            processor = int(value) if value.isdigit() else None
+        elif key == "model name" and not model:
+            model = value
+        elif key == "flags" and not flags:
+            flags = frozenset(value.split())
+        elif key == "physical id":
+            physical_id = value
+        elif key == "core id":
+            core_id = value
+    return CpuInfo(model or "unknown CPU", flags, logical, len(cores) or logical, tuple(core_of))
+
+
+def cgroup_cpu_limit(root: Path = ROOT) -> float | None:
+    """CPUs allowed by the cgroup quota (v2 ``cpu.max`` or v1 ``cfs_quota_us``), None when unlimited."""
+    v2 = _read(root, "sys/fs/cgroup/cpu.max")
+    if v2:
+        quota, _, period = v2.strip().partition(" ")
+        if quota != "max" and period:
+            return int(quota) / int(period)
+        return None
+    quota_s = _read(root, "sys/fs/cgroup/cpu/cpu.cfs_quota_us")
+    period_s = _read(root, "sys/fs/cgroup/cpu/cpu.cfs_period_us")
+    if quota_s and period_s and int(quota_s) > 0:
+        return int(quota_s) / int(period_s)
+    return None
+
+
+def memory_bytes(root: Path = ROOT) -> tuple[int | None, int | None, int | None]:
+    """(total, available, cgroup limit) in bytes; None for what cannot be read or is unlimited."""
+    total = available = None
+    for line in (_read(root, "proc/meminfo") or "").splitlines():
+        key, _, value = line.partition(":")
+        if key in ("MemTotal", "MemAvailable"):
+            kb = int(value.split()[0]) * 1024
+            total, available = (kb, available) if key == "MemTotal" else (total, kb)
+    limit = None
+    for rel in ("sys/fs/cgroup/memory.max", "sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        text = _read(root, rel)
+        if text and text.strip().isdigit() and int(text) < (1 << 60):  # v1 "unlimited" is a huge number
+            limit = int(text)
+            break
+    return total, available, limit
+
+
+@dataclass
+class Hardware:
+    """The machine as the engine sees it, and the thread plan derived from it."""
+
+    cpu: CpuInfo | None
+    affinity: int  # logical CPUs this process may run on (cpuset / taskset)
+    quota: float | None  # cgroup CPU quota in CPUs
+    mem_total: int | None
+    mem_available: int | None
+    mem_limit: int | None
+    notes: list[str] = field(default_factory=list)
+    affinity_set: frozenset[int] = frozenset()  # the logical CPU ids, when known
+
+    @property
+    def usable_cores(self) -> int:
+        """Physical cores we can really use: distinct cores of the affinity set, capped by the cgroup quota."""
+        cores = self.cpu.physical_in(set(self.affinity_set)) if self.cpu and self.affinity_set else None
+        if cores is None:  # no core ids: assume the allowed CPUs are spread like the machine's
+            logical = self.affinity
+            if self.cpu and self.cpu.logical:
+                logical = round(self.affinity * self.cpu.physical / self.cpu.logical)
+            cores = logical
+        cores = max(1, cores)
+        if self.quota is not None:
+            cores = min(cores, max(1, math.floor(self.quota)))
+        return cores
+
+    @property
+    def memory_for_us(self) -> int | None:
+        """Bytes we may use: available memory, capped by the cgroup limit."""
+        values = [v for v in (self.mem_available, self.mem_limit) if v is not None]
+        return min(values) if values else None
+
+    def threads(self, leave_for_os: int = 0) -> int:
+        """Default intra-op threads: the usable physical cores minus ``leave_for_os`` (at least 1)."""
+        if leave_for_os < 0:
+            raise ConfigError(f"leave_for_os must be >= 0, got {leave_for_os}")
+        return max(1, self.usable_cores - leave_for_os)
+
+    def check_cpu(self) -> None:
+        """Raise :class:`UnsupportedCpuError` on an x86 CPU without AVX2 (``COSYVOICE_CPU_SKIP_CPU_CHECK=1`` skips)."""
+        if self.cpu is None or os.environ.get(SKIP_CHECK_ENV) == "1":
+            return
+        if not self.cpu.flags or "sse2" not in self.cpu.flags:  # not an x86 cpuinfo (e.g. ARM): nothing to check
+            return
+        if not self.cpu.avx2:
+            raise UnsupportedCpuError(
+                f"this CPU ({self.cpu.model}) has no AVX2/FMA: the prebuilt onnxruntime wheels can stop the process "
+                "with 'Illegal instruction' on it. Run on an AVX2 machine (Intel Haswell 2013+, AMD Zen+), or build "
+                f"onnxruntime from source for this CPU and set {SKIP_CHECK_ENV}=1 to skip this check"
+            )
+
+    def memory_warning(self, model_bytes: int) -> str | None:
+        """A warning when the model (plus per-request working memory) may not fit; None when it fits or unknown."""
+        free = self.memory_for_us
+        if free is None:
+            return None
+        # Full-size CosyVoice2 int8w, 10 s sentences: besides the model's resident files, one request needs
+        # ~350 MB (Python and libraries, the shared activation arena, a voice's prompt cache, a stream's context)
+        # and each further concurrent one ~120 MB, set from the peak RSS at 1, 4 and 8 streams (measured:
+        # docs/benchmarks-log.md, "Memory" and "Concurrency")
+        first, further = 352 << 20, 128 << 20
+        if model_bytes + first > free:
+            return (
+                f"about {free / 2**30:.1f} GiB of memory is available but the model needs about "
+                f"{(model_bytes + first) / 2**30:.1f} GiB: use a smaller recipe (int4) or free memory"
+            )
+        batch = 1 + (free - model_bytes - first) // further
+        if batch < 4:
+            return f"memory allows about {batch} concurrent request(s); keep the server's batch size at {batch}"
+        return None
+
+    def int8_warning(self, graphs: dict[str, GraphEntry]) -> str | None:
+        """A warning when dynamic-int8 graphs with full 8-bit weights would run on a CPU without VNNI.
+
+        ``graphs`` is the manifest's (key -> entry with ``precision`` and ``attrs``). Exports since the 7-bit
+        change record ``attrs["int8_weight_bits"]``; older ones quantized the flow estimator with 7 bits and the
+        LM with 8 (export/stages.INT8_WEIGHT_BITS tells what saturation costs).
+        """
+        if self.cpu is None or self.cpu.vnni or not self.cpu.avx2:
+            return None
+        full = sorted(key for key, g in graphs.items() if g.precision == "int8"
+                      and g.attrs.get("int8_weight_bits", 8 if key.startswith("lm") else 7) == 8)  # fmt: skip
+        if not full:
+            return None
+        return (
+            f"{', '.join(full)}: int8 weights with 8 bits on a CPU without VNNI ({self.cpu.model}): onnxruntime's "
+            "int8 products saturate here and the output degrades (measured on a small LM: next-token agreement "
+            "0.65 instead of 0.97). Re-export the model with this version (7-bit int8 weights) or with --quant int8w"
+        )
+
+    def model_warnings(self, manifest: Manifest, streaming_estimator: bool = True) -> list[str]:
+        """:meth:`memory_warning` and :meth:`int8_warning` for a loaded model directory's manifest."""
+        found = (self.memory_warning(manifest.resident_bytes(streaming_estimator)),
+                 self.int8_warning(manifest.graphs))  # fmt: skip
+        return [w for w in found if w]
+
+
+def detect(root: Path = ROOT) -> Hardware:
+    """Read everything once (cheap: a few small files)."""
+    cpus: frozenset[int] = frozenset()
+    try:
+        if root == ROOT:
+            cpus = frozenset(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        pass
+    cpu = read_cpuinfo(root)
+    affinity = len(cpus) or (cpu.logical if cpu else (os.cpu_count() or 1))
+    total, available, limit = memory_bytes(root)
+    try:
+        quota = cgroup_cpu_limit(root)
+    except ValueError:
+        quota = None
+        logger.warning("the cgroup CPU quota file is malformed; ignoring it")
+    hw = Hardware(cpu, affinity, quota, total, available, limit, affinity_set=cpus)
+    if cpu and cpu.avx2 and not cpu.vnni:
+        hw.notes.append(
+            "no VNNI: onnxruntime's int8 products run only ~2x faster than fp32 on such a CPU, and the LM's decode "
+            "is bound by memory bandwidth. On an AVX2-only AMD Zen 3 an LM exported with --quant int4 decoded "
+            "1.28x faster than with the default int8w, at an agreement cost (docs/quantization.md)"
+        )
+    if cpu and affinity < cpu.logical:
+        hw.notes.append(f"this process may use {affinity} of {cpu.logical} logical CPUs (cpuset/affinity)")
+    if hw.quota is not None:
+        hw.notes.append(f"the container's CPU quota is {hw.quota:g} CPUs")
+    if limit is not None:
+        hw.notes.append(f"the container's memory limit is {limit / 2**30:.1f} GiB")
+    return hw
+
+
+_M_MMAP_THRESHOLD = -3  # glibc <malloc.h>
+MMAP_THRESHOLD_ENV = "MALLOC_MMAP_THRESHOLD_"  # glibc reads it at start-up; an explicit value there wins
+
+
+def fix_mmap_threshold(nbytes: int) -> bool:
+    """Make glibc's malloc give every allocation of at least ``nbytes`` its own mapping (returned to the OS
+    when freed) and stop it from moving that threshold; True if set.
+
+    glibc raises the threshold (up to 32 MiB) each time a mapped block is freed, so after the first big NumPy or
+    ORT buffers come and go, later ones are carved from its heaps, and freed there they stay resident as free
+    heap memory (measured after the bench's streamed sentences, full-size CosyVoice2, ``bench/memory_steps.py``:
+    docs/benchmarks-log.md, "Memory"). A fixed threshold keeps them returnable. Process-wide; a no-op (False) off
+    glibc or when ``MALLOC_MMAP_THRESHOLD_`` is set in the environment (the operator's choice wins).
+    """
+    if not 0 < nbytes <= 32 << 20:
+        raise ConfigError(f"mmap threshold must be 1 byte to 32 MiB, got {nbytes}")
+    if os.environ.get(MMAP_THRESHOLD_ENV):
+        return False
+    import ctypes  # here, not at import time
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, int(nbytes)))
+
+
+def malloc_free_bytes() -> int | None:
+    """Bytes glibc's malloc holds free in its heaps (freed, not returned to the OS: ``mallinfo2().fordblks``);
+    None off glibc or before glibc 2.33."""
+    import ctypes  # here, not at import time
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                         "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = MallInfo2
+    return int(mallinfo2().fordblks)

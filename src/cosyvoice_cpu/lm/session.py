@@ -1,0 +1,425 @@
+"""Torch-free driver of the exported LM graph (``lm.onnx``): embeddings, a shared KV cache, prefill and decode.
+
+The graph (written by :mod:`cosyvoice_cpu.export.lm_graph`) is the Qwen2 backbone plus the speech head; it takes
+``inputs_embeds`` (B, S, D), a KV cache per layer and the per-row cache lengths, and returns the speech-token
+log-probabilities at the last position of every row. Embedding tables live beside it as ``.npy`` files (float32
+or float16; gathered rows are widened to float32). The text and speech tables are read row by row with ``pread``
+(:mod:`cosyvoice_cpu.lm.row_table`): a memory map would keep the pages around every row ever looked up resident, up
+to the whole 545 MB text table in a long-running server. The two special rows are loaded.
+
+Graph contract (B rows, S new positions, L layers, Hkv KV heads, M = ``max_len`` cache capacity, Dh head dim):
+
+- ``inputs_embeds`` float32 (B, S, D); ``past_key_<i>`` / ``past_value_<i>`` float32 (B, Hkv, M, Dh);
+  ``seqlens_k`` int32 (B,) = number of valid cache positions of the row *after* this call, minus one;
+  ``total_sequence_length`` int32 scalar = max over rows of ``seqlens_k + 1``.
+- ``logp`` float32 (B, V) log-softmax of the speech head at position S-1 of each row;
+  ``present_key_<i>`` / ``present_value_<i>`` float32 (B, Hkv, M, Dh).
+
+Row b's S new positions are written to cache positions ``seqlens_k[b] + 1 - S ... seqlens_k[b]`` and are also their
+RoPE positions; attention is causal over positions ``0 ... seqlens_k[b]``. ``past_*`` and ``present_*`` are bound
+(IO binding, raw pointers) to the *same* buffer, which GroupQueryAttention updates in place, so nothing is copied
+per step. A call over rows r0..r0+B binds a pointer offset into a cache of more rows. S > 1 is run for one row at
+a time (``LMSession.prefill``); a decode (S = 1) may mix rows of any lengths. The graph uses only the GQA inputs
+that onnxruntime 1.24 already has (no ``query_seqlens``); it loads and gives the same logp on 1.24.1 and 1.32.0.
+
+Nothing here samples: :meth:`LMSession.decode` returns log-probabilities for a sampler to use.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cosyvoice_cpu.backends.base import SessionConfig, as_config, check_io
+from cosyvoice_cpu.backends.onnxruntime import make_session
+from cosyvoice_cpu.errors import ConfigError, ModelDirError
+from cosyvoice_cpu.lm.row_table import open_table
+
+logger = logging.getLogger(__name__)
+
+GRAPH_FILE = "lm.onnx"
+EMBEDDING_FILES = {
+    "text": "lm_text_embedding.npy",  # (text_vocab, D): Qwen2 embed_tokens
+    "speech": "lm_speech_embedding.npy",  # (speech_vocab, D): speech tokens + 3 stop ids
+    "special": "lm_special_embedding.npy",  # (2, D): llm_embedding rows below
+}
+SPECIALS = {"sos": 0, "task_id": 1}
+TEXT_ENCODER_FILE = "lm_text_encoder.onnx"  # v1 only: the Conformer text encoder (runtime: lm_prompt.TextEncoder)
+EXPORT_HINT = "re-export the model directory with `cosyvoice-cpu export`"
+MIN_ROWS_KEY = "min_rows"  # lm.onnx metadata: see LMSession's min_rows
+
+
+def past_names(i: int) -> tuple[str, str]:
+    """Graph input names of layer i's cache: (past_key_i, past_value_i)."""
+    return f"past_key_{i}", f"past_value_{i}"
+
+
+def present_names(i: int) -> tuple[str, str]:
+    """Graph output names of layer i's cache: (present_key_i, present_value_i)."""
+    return f"present_key_{i}", f"present_value_{i}"
+
+
+@dataclass(frozen=True)
+class LMSpec:
+    """The facts of an exported LM the runtime needs (the ``lm`` GraphArtifact's ``attrs``).
+
+    ``speech_rows`` (rows of the speech table; default ``speech_vocab``, the head size) and ``text_dim`` (width of
+    the text table; default ``hidden``) differ for CosyVoice-300M, whose text table feeds a text encoder and whose
+    speech table has no EOS row.
+    """
+
+    max_len: int
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    speech_vocab: int
+    text_vocab: int
+    speech_rows: int = 0
+    text_dim: int = 0
+
+    @classmethod
+    def from_attrs(cls, attrs: Mapping[str, Any]) -> LMSpec:
+        optional = ("speech_rows", "text_dim")
+        missing = [k for k in cls.__dataclass_fields__ if k not in attrs and k not in optional]
+        if missing:
+            raise ModelDirError(f"LM attributes lack {', '.join(missing)}; {EXPORT_HINT}")
+        spec = cls(**{k: int(attrs[k]) for k in cls.__dataclass_fields__ if k in attrs})
+        return replace(spec, speech_rows=spec.speech_rows or spec.speech_vocab, text_dim=spec.text_dim or spec.hidden)
+
+
+def zero_pages(shape: tuple[int, ...]) -> np.ndarray:
+    """A float32 array of ``shape`` in its own anonymous private mapping: zero, and resident only where written
+    (the kernel maps a page on its first write); the mapping is unmapped when the last view of it is freed."""
+    n = int(np.prod(shape))
+    if n == 0 or not hasattr(mmap, "MAP_PRIVATE"):  # no POSIX mmap flags (Windows): calloc'd zeros
+        return np.zeros(shape, np.float32)
+    buf = mmap.mmap(-1, n * 4, flags=mmap.MAP_PRIVATE)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # with transparent huge pages "always", the first write to a 2 MB
+        buf.madvise(mmap.MADV_NOHUGEPAGE)  # region would make all of it resident: 4 KB pages keep the promise
+    return np.frombuffer(buf, np.float32).reshape(shape)
+
+
+def _mapping_of(array: np.ndarray) -> mmap.mmap | None:
+    """The :func:`zero_pages` mapping under ``array`` (None for a plain NumPy array)."""
+    base: Any = array
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)  # frombuffer: a memoryview
+    return base
+
+
+# KVCache.release's default: positions a freed row keeps resident (full-size CosyVoice2: 12 MB per row; a 10 s
+# sentence with a 3 s voice fills ~420 positions). A long sentence's pages beyond it are given back.
+KEEP_POSITIONS = 512
+
+
+class KVCache:
+    """Per-request decoding state: a preallocated cache for ``rows`` sequences and their lengths.
+
+    ``keys[i]`` / ``values[i]``: float32 (rows + spare, Hkv, max_len, Dh) for layer i; ``lengths``: (rows + spare,)
+    int64 number of valid positions per row. Spare rows (last) are never a caller's: they only pad a lone row's
+    call (:class:`LMSession`'s ``min_rows``).
+
+    All layers live in one anonymous private mapping (:func:`zero_pages`), so a page of the cache costs memory
+    only once a position in it is written. ``np.zeros`` does not promise that: once glibc's dynamic mmap
+    threshold has risen above an array's size, ``calloc`` serves it from the heap and clears it, touching every
+    page. Full-size CosyVoice2 LM (max_len 2048, 192 MB for 4 rows; a development probe in an engine's process):
+    prefilling the bench prompt's 166 positions into row 0 of an ``np.zeros`` cache made a large part of it
+    resident, in one mapping only the pages written (measured: docs/benchmarks-log.md, "Memory").
+    """
+
+    def __init__(self, spec: LMSpec, rows: int, spare: int = 0) -> None:
+        if rows <= 0:
+            raise ConfigError(f"a KV cache needs at least one row, got {rows}")
+        if spare < 0:
+            raise ConfigError(f"a KV cache's spare rows cannot be negative, got {spare}")
+        shape = (rows + spare, spec.kv_heads, spec.max_len, spec.head_dim)
+        self.spec = spec
+        layers = zero_pages((2, spec.num_layers, *shape))
+        self.keys, self.values = list(layers[0]), list(layers[1])
+        self.lengths = np.zeros(rows + spare, np.int64)
+        self._rows = rows
+        self._bindings: dict[tuple[int, int, int], tuple[Any, Any]] = {}  # see LMSession._binding
+
+    @property
+    def rows(self) -> int:
+        """Rows a caller may use; ``keys[i]`` may hold ``spare`` more, which only pad a call's row range."""
+        return self._rows
+
+    def reset(self, row: int) -> None:
+        """Forget row ``row`` (its buffer is overwritten by the next prefill)."""
+        self._check_row(row)
+        self.lengths[row] = 0
+
+    def release(self, row: int, keep: int = KEEP_POSITIONS) -> int:
+        """Give row ``row``'s memory past its first ``keep`` positions back to the OS; return the bytes of the
+        ranges released (written or not).
+
+        For a row no request uses any more: its length is set to ``min(length, keep)``. A written page stays
+        resident for the cache's lifetime, so without this one long sentence would keep its row's pages (the
+        full-size CosyVoice-300M LM: ~115 KB per position, up to 235 MB per row; CosyVoice2: ~24 KB, 50 MB) in a
+        scheduler that runs for months. ``madvise(MADV_DONTNEED)`` on the private anonymous mapping: the pages
+        read as zeros again and cost memory only when written. A no-op (0) for a row no longer than ``keep``, for
+        a cache not in a :func:`zero_pages` mapping, and where ``madvise`` is missing.
+        """
+        self._check_row(row)
+        if keep < 0:
+            raise ConfigError(f"keep must be >= 0 positions, got {keep}")
+        length = int(self.lengths[row])
+        self.lengths[row] = min(length, keep)
+        buf = _mapping_of(self.keys[0])
+        if length <= keep or buf is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return 0
+        page, item = mmap.PAGESIZE, self.keys[0].itemsize
+        span = self.spec.max_len * self.spec.head_dim * item  # bytes of one (row, head) position range
+        base = np.frombuffer(buf, np.uint8).ctypes.data
+        released = 0
+        for layer in self.keys + self.values:
+            for head in range(layer.shape[1]):
+                start = layer[row, head].ctypes.data - base
+                lo = -(-(start + keep * self.spec.head_dim * item) // page) * page  # whole pages only
+                hi = (start + span) // page * page
+                if hi > lo:
+                    buf.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+                    released += hi - lo
+        return released
+
+    def read(self, row: int, n: int) -> np.ndarray:
+        """A copy of row ``row``'s first ``n`` positions: float32 (2, layers, Hkv, n, Dh), keys then values."""
+        self._check_row(row)
+        return np.stack([np.stack([layer[row, :, :n] for layer in part]) for part in (self.keys, self.values)])
+
+    def write(self, row: int, kv: np.ndarray) -> None:
+        """Make ``kv`` (as :meth:`read` returns it) the whole content of row ``row``."""
+        s, n = self.spec, kv.shape[3]
+        if kv.shape != (2, s.num_layers, s.kv_heads, n, s.head_dim) or n > s.max_len:
+            raise ConfigError(f"KV entries of shape {kv.shape} do not fit this LM's cache")
+        self._check_row(row)
+        for part, layers in zip((self.keys, self.values), kv):
+            for buf, entries in zip(part, layers):
+                buf[row, :, :n] = entries
+        self.lengths[row] = n
+
+    def _check_row(self, row: int) -> None:
+        if not 0 <= row < self.rows:
+            raise ConfigError(f"row {row} is out of range for a KV cache of {self.rows} rows")
+
+
+class LMSession:
+    """The LM graph on ONNX Runtime (CPU) with its embedding tables read from their files on demand.
+
+    Args:
+        graph: path of ``lm.onnx`` (or a quantized variant with the same inputs/outputs).
+        embeddings: paths of the ``text``, ``speech`` and ``special`` tables (see :data:`EMBEDDING_FILES`).
+        attrs: the LM facts (:class:`LMSpec` fields); checked against the graph and the tables.
+        threads: ONNX Runtime intra-op threads.
+        min_rows: the fewest rows a one-position call runs on; ``None`` reads the graph's ``min_rows`` metadata
+            (default 1). An ``int4`` graph has 2: ORT's AVX2 4-bit ``MatMulNBits`` kernel for one row rounds
+            differently from the one for several (which give every row the same bits however many there are),
+            so a row decoded alone would differ from the same row in the scheduler's batch. With 2 a lone row is
+            run beside an idle one (a spare cache row if need be), on the many-row kernel.
+    """
+
+    def __init__(
+        self,
+        graph: str | Path,
+        embeddings: Mapping[str, str | Path],
+        attrs: Mapping[str, Any],
+        threads: int | SessionConfig = 2,
+        min_rows: int | None = None,
+    ) -> None:
+        config = as_config(threads)
+        self.spec = spec = LMSpec.from_attrs(attrs)
+        self.graph = Path(graph)
+        if not self.graph.is_file():
+            raise ModelDirError(f"{self.graph} is missing; {EXPORT_HINT}")
+        self.tables = {k: self._load_table(k, embeddings) for k in EMBEDDING_FILES}
+        self.session = make_session(self.graph, config)
+        self._check_graph()
+        if min_rows is None:
+            meta = self.session.get_modelmeta().custom_metadata_map
+            try:
+                min_rows = int(meta.get(MIN_ROWS_KEY, 1))
+            except ValueError as e:
+                raise ModelDirError(f"{self.graph} has metadata {MIN_ROWS_KEY}={meta[MIN_ROWS_KEY]!r}, not an "
+                                    f"integer; {EXPORT_HINT}") from e  # fmt: skip
+        if not 1 <= min_rows <= 2:
+            raise ConfigError(f"min_rows must be 1 or 2, got {min_rows}")
+        self.min_rows = min_rows
+        logger.info("LM graph %s loaded (%d layers, max_len %d, %d threads)", self.graph, spec.num_layers,
+                    spec.max_len, config.threads)  # fmt: skip
+
+    @classmethod
+    def from_dir(
+        cls,
+        model_dir: str | Path,
+        attrs: Mapping[str, Any],
+        graph_file: str = GRAPH_FILE,
+        threads: int | SessionConfig = 2,
+        min_rows: int | None = None,
+    ) -> LMSession:
+        """Open ``graph_file`` and the tables named in ``attrs["embeddings"]`` (default names) in model_dir."""
+        model_dir = Path(model_dir)
+        names = {**EMBEDDING_FILES, **dict(attrs.get("embeddings", {}))}
+        return cls(model_dir / graph_file, {k: model_dir / v for k, v in names.items()}, attrs, threads, min_rows)
+
+    def _load_table(self, key: str, embeddings: Mapping[str, str | Path]) -> np.ndarray:
+        s = self.spec
+        rows, width = {"text": (s.text_vocab, s.text_dim), "speech": (s.speech_rows, s.hidden),
+                       "special": (len(SPECIALS), s.hidden)}[key]  # fmt: skip
+        if key not in embeddings:
+            raise ConfigError(f"no path given for the {key} embedding table")
+        path = Path(embeddings[key])
+        try:
+            table = np.load(path) if key == "special" else open_table(path)
+        except (OSError, ValueError) as e:
+            raise ModelDirError(f"cannot read the {key} embedding table {path} ({e}); {EXPORT_HINT}") from e
+        if table.dtype not in (np.float32, np.float16) or table.shape != (rows, width):
+            raise ModelDirError(
+                f"{path} holds {table.dtype} {table.shape}, expected float32 or float16 {(rows, width)}; {EXPORT_HINT}"
+            )
+        return table
+
+    def _check_graph(self) -> None:
+        """Raise ModelDirError unless the graph's inputs/outputs are exactly the contract for ``self.spec``."""
+        s = self.spec
+        kv = ["batch", s.kv_heads, s.max_len, s.head_dim]
+        want_in = {
+            "inputs_embeds": ("tensor(float)", ["batch", "seq", s.hidden]),
+            "seqlens_k": ("tensor(int32)", ["batch"]),
+            "total_sequence_length": ("tensor(int32)", []),
+        }
+        want_out = {"logp": ("tensor(float)", ["batch", s.speech_vocab])}
+        for i in range(s.num_layers):
+            want_in.update({n: ("tensor(float)", kv) for n in past_names(i)})
+            want_out.update({n: ("tensor(float)", kv) for n in present_names(i)})
+        check_io(self.session, self.graph, want_in, want_out)
+
+    # ---- embeddings -------------------------------------------------------------------------------------------
+
+    def _gather(self, key: str, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        table = self.tables[key]
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= len(table)):
+            raise ConfigError(f"{key} token ids must lie in [0, {len(table)}), got {ids.min()}..{ids.max()}")
+        return np.ascontiguousarray(table[ids], dtype=np.float32)
+
+    def embed_text(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Text token ids (T,) -> embeddings (T, text_dim) (v2: the LM input; v1: the text encoder's input)."""
+        return self._gather("text", ids)
+
+    def embed_speech(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Speech token ids (T,) (including the stop ids) -> embeddings (T, D)."""
+        return self._gather("speech", ids)
+
+    def special(self, name: str) -> np.ndarray:
+        """The ``sos`` or ``task_id`` embedding (D,)."""
+        if name not in SPECIALS:
+            raise ConfigError(f"unknown special embedding {name!r}; choose one of {', '.join(SPECIALS)}")
+        return np.array(self.tables["special"][SPECIALS[name]], dtype=np.float32)
+
+    # ---- running ----------------------------------------------------------------------------------------------
+
+    def new_cache(self, rows: int = 1) -> KVCache:
+        """A KV cache for ``rows`` sequences of up to ``max_len`` positions each (and the spare row
+        ``min_rows`` may need)."""
+        return KVCache(self.spec, rows, spare=max(0, self.min_rows - rows))
+
+    def prefill(self, cache: KVCache, row: int, embeds: np.ndarray) -> np.ndarray:
+        """Append embeds (T, D) to row ``row`` (empty or not) and return logp (V,) after its last position."""
+        cache._check_row(row)
+        embeds = np.asarray(embeds, dtype=np.float32)
+        if embeds.ndim != 2 or embeds.shape[0] == 0 or embeds.shape[1] != self.spec.hidden:
+            raise ConfigError(f"prefill embeds must have shape (T>0, {self.spec.hidden}), got {embeds.shape}")
+        if len(embeds) < self.min_rows:  # one position: a step, padded like a decode
+            return self._step(cache, [row], embeds)[0]
+        return self._run(cache, row, embeds[None], np.array([cache.lengths[row] + len(embeds)]))[0]
+
+    def decode(self, cache: KVCache, rows: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+        """Feed one speech token to each of ``rows``; return logp (len(rows), V) in the order of ``rows``."""
+        rows = [int(r) for r in rows]
+        if not rows or len(rows) != len(tokens) or len(set(rows)) != len(rows):
+            raise ConfigError(f"decode needs distinct rows and one token per row, got rows {rows}, tokens {tokens}")
+        for r in rows:
+            cache._check_row(r)
+        return self._step(cache, rows, self.embed_speech(tokens))
+
+    def _step(self, cache: KVCache, rows: list[int], embeds: np.ndarray) -> np.ndarray:
+        """Append one position, embeds (len(rows), D), to each of ``rows``; return logp (len(rows), V).
+
+        The graph runs on the contiguous row range min(rows)..max(rows), widened to ``min_rows`` rows by a
+        neighbour (after the range if the cache has one, spare rows included, else before it); rows in the range
+        that are not stepped get a zero embedding written one past their end (their length does not change, and
+        the next position written to them overwrites it), so they cost compute but not correctness.
+        """
+        if len(cache.lengths) < self.min_rows:
+            raise ConfigError(f"this LM runs at least {self.min_rows} rows per call; make its cache with new_cache()")
+        r0, r1 = min(rows), max(rows) + 1
+        while r1 - r0 < self.min_rows:
+            r1, r0 = (r1 + 1, r0) if r1 < len(cache.lengths) else (r1, r0 - 1)
+        active = np.array(rows) - r0
+        padded = np.zeros((r1 - r0, 1, self.spec.hidden), np.float32)
+        padded[active, 0] = embeds
+        embeds = padded
+        ends = cache.lengths[r0:r1] + 1  # idle rows: a scratch position just past their end
+        idle = np.ones(r1 - r0, bool)
+        idle[active] = False
+        # a full idle row gets its last position overwritten: harmless, as any further use of it raises
+        ends[idle] = np.minimum(ends[idle], self.spec.max_len)
+        return self._run(cache, r0, embeds, ends, active=active)[active]
+
+    def _binding(self, cache: KVCache, r0: int, b: int) -> Any:
+        """An IO binding with rows r0..r0+b of every layer's cache bound as both past and present (in place).
+
+        Kept on the cache (which owns the buffers the raw pointers point into) and reused by later steps over
+        the same rows, so a step only rebinds the small inputs and ``logp``.
+        """
+        key = (id(self), r0, b)
+        if key not in cache._bindings:
+            kv_shape = (b, self.spec.kv_heads, self.spec.max_len, self.spec.head_dim)
+            offset = r0 * int(np.prod(kv_shape[1:])) * 4
+            io = self.session.io_binding()
+            for i in range(self.spec.num_layers):
+                for bufs, pn, qn in zip((cache.keys, cache.values), past_names(i), present_names(i)):
+                    ptr = bufs[i].ctypes.data + offset
+                    io.bind_input(pn, "cpu", 0, np.float32, kv_shape, ptr)
+                    io.bind_output(qn, "cpu", 0, np.float32, kv_shape, ptr)
+            cache._bindings[key] = (self, io)  # holding self keeps id(self) from being reused
+        return cache._bindings[key][1]
+
+    def _run(
+        self, cache: KVCache, r0: int, embeds: np.ndarray, ends: np.ndarray, active: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Run rows r0..r0+B with embeds (B, S, D) so that row b holds ``ends[b]`` positions afterwards.
+
+        ``active`` (indices into the B rows) are the rows whose lengths advance; default all. Returns logp (B, V).
+        """
+        b, s, _ = embeds.shape
+        if s > 1 and b > 1:
+            raise ConfigError("multi-position steps run one row at a time")
+        act = np.arange(b) if active is None else active
+        if np.any(ends[act] > self.spec.max_len):
+            raise ConfigError(
+                f"rows {sorted(int(r0 + i) for i in act if ends[i] > self.spec.max_len)} would exceed the "
+                f"KV cache capacity max_len={self.spec.max_len}; end the request or export with a larger max_len"
+            )
+        # the arrays stay referenced here until the run is over
+        feeds = {
+            "inputs_embeds": np.ascontiguousarray(embeds),
+            "seqlens_k": (ends - 1).astype(np.int32),
+            "total_sequence_length": np.array(int(ends.max()), np.int32),
+        }
+        io = self._binding(cache, r0, b)
+        for name, value in feeds.items():
+            io.bind_cpu_input(name, value)
+        logp = np.empty((b, self.spec.speech_vocab), np.float32)
+        io.bind_output("logp", "cpu", 0, np.float32, logp.shape, logp.ctypes.data)
+        self.session.run_with_iobinding(io)
+        cache.lengths[r0 + act] = ends[act]
+        return logp

@@ -1,0 +1,204 @@
+"""One sentence spoken, whole or streamed: what every family shares, given what the sentence needs.
+
+A :class:`Sentence` carries a request's voice, settings, random generator, timings and its speech-token source;
+the engine makes one per sentence and hands it to the family (:mod:`cosyvoice_cpu.families`), whose recipe
+calls the functions here. Nothing here knows the engine or tests a family's name.
+
+- :func:`speak_whole`: all tokens, then the flow over the sentence, then the vocoder: one piece.
+- :func:`speak_chunks`: chunks of ``first_chunk_tokens`` doubling up to ``chunk_tokens`` (:class:`ChunkPlan`),
+  each cut once the flow's look-ahead tokens exist, rendered by a flow stream on cached prompt activations
+  (CosyVoice2, Fun-CosyVoice3).
+- :func:`stream_pieces`: the loop under every streamed recipe: decode, cut, render, vocode, yield. The LM is held
+  at the first piece until its audio exists (on a small machine decoding ahead only takes cores from it).
+
+Every function yields ``(samples (N,) float32, last piece of the sentence)`` and adds stage times to the
+sentence's :class:`Timings`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cosyvoice_cpu.config import SynthesisConfig
+from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.lm.scheduler import Hold
+from cosyvoice_cpu.voices.voice import Voice
+
+logger = logging.getLogger(__name__)
+
+Piece = tuple[np.ndarray, bool]  # (samples (N,) float32, the sentence's last piece)
+
+
+@dataclass
+class Timings:
+    """Seconds spent per stage in one ``synthesize`` call (filled as it runs)."""
+
+    lm: float = 0.0
+    flow: float = 0.0
+    vocoder: float = 0.0
+    tokens: int = 0
+    audio: float = 0.0
+    first_audio: float | None = None
+
+
+@dataclass
+class Sentence:
+    """What speaking one sentence needs.
+
+    Attributes:
+        tokens: ``tokens(hold)`` starts decoding the sentence's speech tokens and iterates them; ``hold`` (or
+            None) pauses the LM after its count until released (:class:`~cosyvoice_cpu.lm.scheduler.Hold`).
+        voice, config: the request's voice and settings.
+        rng: the request's generator for the flow's fresh noise (CosyVoice-300M) and the vocoder's source noise.
+        timings: the request's stage times, added to.
+    """
+
+    tokens: Callable[[Hold | None], Iterator[int]]
+    voice: Voice
+    config: SynthesisConfig
+    rng: np.random.Generator
+    timings: Timings = field(default_factory=Timings)
+
+
+@dataclass
+class ChunkPlan:
+    """Token chunk boundaries for one utterance.
+
+    Args:
+        first: tokens in the first chunk; largest: the cap of later chunks (each doubles the previous one);
+        lookahead: tokens the flow needs after a chunk's end before it can be cut (pre_lookahead_len).
+    """
+
+    first: int
+    largest: int
+    lookahead: int
+    offset: int = 0  # tokens already cut into chunks
+    size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.first <= self.largest or self.lookahead < 0:
+            raise ConfigError(f"bad chunk plan: first {self.first}, largest {self.largest}, "
+                              f"lookahead {self.lookahead}")  # fmt: skip
+        self.size = self.first
+
+    def ready(self, available: int) -> bool:
+        """Whether the next chunk can be cut when ``available`` tokens exist."""
+        return available - self.offset >= self.size + self.lookahead
+
+    def cut(self) -> tuple[int, int]:
+        """The next chunk's (start, end) token indices; advances the plan."""
+        start, end = self.offset, self.offset + self.size
+        self.offset = end
+        self.size = min(2 * self.size, self.largest)
+        return start, end
+
+
+def change_speed(mel: np.ndarray, speed: float) -> np.ndarray:
+    """Resample the mel (1, 80, T) to int(T / speed) frames, as the official speed option
+    (``F.interpolate(mel, size=int(T / speed), mode="linear")``, align_corners False)."""
+    if speed == 1.0:
+        return mel
+    frames = mel.shape[2]
+    target = max(1, int(frames / speed))
+    pos = np.maximum((np.arange(target) + 0.5) * (frames / target) - 0.5, 0.0)
+    lo = np.minimum(np.floor(pos).astype(int), frames - 1)
+    hi = np.minimum(lo + 1, frames - 1)
+    w = (pos - lo).astype(np.float32)
+    return (mel[:, :, lo] * (1 - w) + mel[:, :, hi] * w).astype(np.float32)
+
+
+def speak_whole(s: Sentence, flow: Any, vocoder: Any, keep: Callable[[list[int]], list[int]]) -> Iterator[Piece]:
+    """The sentence in one piece: yields (samples, True) once, or nothing when no token reaches the flow.
+
+    ``keep`` is the family's token filter (tokens the flow sees, from all the LM decoded).
+    """
+    t = s.timings
+    t0 = time.perf_counter()
+    tokens = list(s.tokens(None))
+    t1 = time.perf_counter()
+    t.lm += t1 - t0
+    t.tokens += len(tokens)
+    tokens = keep(tokens)
+    if not tokens:
+        return
+    voice, config = s.voice, s.config
+    mel = flow.inference(tokens, voice.speech_tokens, voice.mel, voice.embedding, n_timesteps=config.flow_steps,
+                         cfg_rate=config.cfg_rate, rng=s.rng)  # fmt: skip
+    mel = change_speed(mel, config.speed)
+    t2 = time.perf_counter()
+    wave, _ = vocoder(mel, rng=s.rng)
+    t.flow += t2 - t1
+    t.vocoder += time.perf_counter() - t2
+    yield wave[0].astype(np.float32), True
+
+
+def speak_chunks(s: Sentence, flow: Any, vocoder: Any, keep: Callable[[int], bool] | None = None,
+                 ) -> Iterator[Piece]:  # fmt: skip
+    """Chunks of ``first_chunk_tokens`` doubling up to ``chunk_tokens``, each cut once its look-ahead tokens
+    exist. ``flow`` is a flow stream (``push(tokens, lookahead)``, ``lookahead``), ``vocoder`` a vocoder stream
+    (``push(mel, final)``); ``keep`` (or None) says per decoded token whether the flow sees it."""
+    config = s.config
+    plan = ChunkPlan(config.first_chunk_tokens, config.chunk_tokens, max(flow.lookahead, 1))
+    tokens: list[int] = []
+
+    def cut(n: int, done: bool) -> tuple[int, int, bool] | None:
+        if done:
+            return plan.offset, n, True
+        return (*plan.cut(), False) if plan.ready(n) else None
+
+    def mel(a: int, b: int, final: bool) -> np.ndarray:
+        return flow.push(tokens[a:b], None if final else tokens[b : b + flow.lookahead])
+
+    return stream_pieces(s, tokens, cut, mel, vocoder, plan.first + plan.lookahead, keep)
+
+
+def stream_pieces(
+    s: Sentence,
+    tokens: list[int],
+    cut: Callable[[int, bool], tuple[int, int, bool] | None],
+    mel: Callable[[int, int, bool], np.ndarray],
+    vocoder: Any,
+    hold_at: int,
+    keep: Callable[[int], bool] | None = None,
+) -> Iterator[Piece]:
+    """The loop every streamed recipe shares: decode speech tokens into ``tokens``; whenever ``cut(n, done)``
+    gives a ``(start, end, final)`` piece, vocode ``mel(start, end, final)`` (speed applied) and yield it. The
+    LM is held after ``hold_at`` tokens until the first piece's audio exists; ``keep`` drops tokens before the
+    flow sees them."""
+    t = s.timings
+
+    def piece(a: int, b: int, final: bool) -> np.ndarray:
+        t1 = time.perf_counter()
+        m = change_speed(mel(a, b, final), s.config.speed)
+        t2 = time.perf_counter()
+        wave = vocoder.push(m, final)
+        t.flow += t2 - t1
+        t.vocoder += time.perf_counter() - t2
+        return wave.astype(np.float32, copy=False)
+
+    t0 = time.perf_counter()
+    first_done = Hold(hold_at)
+    decoded = 0
+    for token in s.tokens(first_done):
+        decoded += 1
+        if keep is not None and not keep(token):
+            continue
+        tokens.append(token)
+        window = cut(len(tokens), False)
+        if window is not None:
+            t.lm += time.perf_counter() - t0
+            wave = piece(*window)
+            first_done.release()
+            yield wave, False
+            t0 = time.perf_counter()  # the consumer's time between chunks is not the LM's
+    t.lm += time.perf_counter() - t0
+    t.tokens += decoded
+    window = cut(len(tokens), True)
+    if window is not None and window[1] > window[0]:
+        yield piece(*window), True

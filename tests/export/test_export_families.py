@@ -1,0 +1,93 @@
+"""The export's family seam (cosyvoice_cpu.export.families): one object per family of the facts table, owning what the
+export does differently, so the exporter, the stage runner and the LM gate never test a family's name."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from cosyvoice_cpu.errors import ExportError
+from cosyvoice_cpu.export.families import REGISTRY, ExportCosyVoice, ExportCosyVoice3, export_family
+from cosyvoice_cpu.families.facts import FAMILIES, facts
+
+EXPORT = Path(__file__).parents[2] / "src" / "cosyvoice_cpu" / "export"
+BLANK_EN = ("CosyVoice-BlankEN/config.json", "CosyVoice-BlankEN/vocab.json", "CosyVoice-BlankEN/merges.txt",
+            "CosyVoice-BlankEN/tokenizer_config.json")  # fmt: skip
+
+
+def test_one_export_object_per_family_of_the_facts_table() -> None:
+    assert tuple(REGISTRY) == FAMILIES
+    for name in FAMILIES:
+        fam = export_family(name)
+        assert fam.name == name and fam.facts is facts(name)
+    assert isinstance(export_family("cosyvoice"), ExportCosyVoice)
+    assert isinstance(export_family("cosyvoice3"), ExportCosyVoice3)
+    with pytest.raises(ExportError, match="export supports cosyvoice2, cosyvoice, cosyvoice3"):
+        export_family("cosyvoice9")
+
+
+@pytest.mark.parametrize(
+    ("family", "required"),
+    [
+        ("cosyvoice2", ("llm.pt", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v2.onnx", *BLANK_EN)),
+        ("cosyvoice", ("llm.pt", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v1.onnx")),
+        ("cosyvoice3", ("llm.pt", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v3.onnx", *BLANK_EN)),
+    ],
+)
+def test_source_files_come_from_the_facts(family: str, required: tuple[str, ...]) -> None:
+    fam = export_family(family)
+    assert fam.required_files() == required
+    assert fam.copied_onnx() == {"campplus": "campplus.onnx", "speech_tokenizer": facts(family).speech_tokenizer}
+
+
+@pytest.mark.parametrize(
+    ("family", "modules", "lm_graphs", "flow_graphs"),
+    [
+        ("cosyvoice2", ("lm_graph", "flow_graph", "hift_graph"), {"lm"},
+         {"flow_estimator", "flow_estimator_stream", "flow_encoder"}),
+        ("cosyvoice", ("lm_graph_v1", "flow_graph_v1", "hift_graph"), {"lm", "lm_text_encoder"},
+         {"flow_estimator", "flow_encoder"}),
+        ("cosyvoice3", ("lm_graph_v3", "flow_graph_v3", "hift_graph_v3"), {"lm"},
+         {"flow_estimator", "flow_estimator_stream", "flow_encoder", "flow_time"}),
+    ],
+)  # fmt: skip
+def test_each_family_names_its_graph_modules(family: str, modules: tuple, lm_graphs: set, flow_graphs: set) -> None:
+    import importlib
+
+    plans = export_family(family).plans
+    assert tuple(p.module for p in plans) == modules
+    assert [p.ref for p in plans] == ["lm", "flow", "hift"]
+    assert set(plans[0].quantized) == lm_graphs and set(plans[1].quantized) == flow_graphs
+    assert plans[2].quantized == {"hift_decode": "hift"}
+    for p in plans:
+        module = importlib.import_module(f"cosyvoice_cpu.export.{p.module}")
+        assert callable(getattr(module, f"export_{p.ref}")) and callable(getattr(module, f"verify_{p.ref}"))
+
+
+def test_each_lm_graph_module_gives_the_gate_its_family(tmp_path: Path) -> None:
+    """The LM gate is told the family by the graph module (no sniffing of the reference LM's attributes)."""
+    import importlib
+
+    for name in FAMILIES:
+        fam = export_family(name)
+        gate = importlib.import_module(f"cosyvoice_cpu.export.{fam.plans[0].module}").GATE
+        assert gate.facts is facts(name)
+        assert gate.text_encoder == facts(name).lm_speaker == facts(name).builtin_speakers  # CosyVoice-300M only
+        if not facts(name).builtin_speakers:
+            assert fam.export_speakers(None, tmp_path) == []
+
+
+def test_v3_manifest_lm_facts() -> None:
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(min_len_masked_id=6561, endofprompt_id=151646)
+    assert export_family("cosyvoice3").lm_facts(cfg) == {"min_len_masked_id": 6561, "endofprompt_id": 151646}
+    assert export_family("cosyvoice2").lm_facts(cfg) == export_family("cosyvoice").lm_facts(cfg) == {}
+
+
+@pytest.mark.parametrize("name", ["exporter.py", "stages.py", "lm_graph.py", "lm_graph_v1.py", "lm_graph_v3.py"])
+def test_the_export_never_tests_a_family_name(name: str) -> None:
+    source = (EXPORT / name).read_text(encoding="utf-8")
+    assert not re.findall(r"family *(==|!=|in |not in)|\.family *(==|!=)|hasattr\(", source)

@@ -1,0 +1,96 @@
+"""The backend seam: graphs open through the registry by the config's backend name; contracts hold any session."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cosyvoice_cpu
+from cosyvoice_cpu.backends.base import Backend, SessionConfig, check_io
+from cosyvoice_cpu.backends.registry import BACKENDS, backend_for, open_graph
+from cosyvoice_cpu.errors import ConfigError, ModelDirError
+
+GRAPH = Path(cosyvoice_cpu.__file__).parent / "demo_model" / "campplus.onnx"
+
+
+def test_graphs_open_through_the_configured_backend() -> None:
+    assert set(BACKENDS) == {"onnxruntime"} and all(isinstance(b, Backend) for b in BACKENDS.values())
+    assert backend_for("onnxruntime").available()
+    sess = open_graph(GRAPH, SessionConfig(threads=1))
+    feats = np.zeros((1, 50, 80), np.float32)
+    (emb,) = sess.run(None, {sess.get_inputs()[0].name: feats})
+    assert emb.shape == (1, 192)
+    assert backend_for("onnxruntime").shrink_options() is not None  # ORT's arena-shrink run option
+
+
+def test_an_unknown_backend_or_a_missing_graph_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"unknown inference backend 'tensorrt' \(known: onnxruntime\)"):
+        open_graph(GRAPH, SessionConfig(backend="tensorrt"))
+    with pytest.raises(ModelDirError, match="missing; re-export"):
+        open_graph(tmp_path / "nope.onnx")
+
+
+@dataclass
+class _Node:
+    name: str
+    type: str
+    shape: list
+
+
+class _Session:
+    """A session of another backend: only get_inputs/get_outputs/run, as the GraphSession protocol says."""
+
+    def get_inputs(self) -> list[_Node]:
+        return [_Node("x", "tensor(float)", ["batch", 80])]
+
+    def get_outputs(self) -> list[_Node]:
+        return [_Node("y", "tensor(float)", ["batch", 192])]
+
+
+def test_the_contract_check_holds_any_backend_session() -> None:
+    check_io(_Session(), "g.xml", {"x": ("tensor(float)", [1, 80])}, {"y": ("tensor(float)", 2)})
+    with pytest.raises(ModelDirError, match=r"input x is tensor\(float\) \['batch', 80\], expected tensor\(float\) "):
+        check_io(_Session(), "g.xml", {"x": ("tensor(float)", [1, 81])}, {"y": ("tensor(float)", 2)})
+
+
+@pytest.fixture(scope="module")
+def fp32_estimator(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny CosyVoice2 exported with the fp32 recipe: its flow estimator (what OpenVINO gains on)."""
+    pytest.importorskip("torch")
+    from cosyvoice_cpu.export.exporter import ExportOptions, export_model
+
+    out = tmp_path_factory.mktemp("export") / "tiny-fp32"
+    export_model(tiny_model_dir, out, ExportOptions(recipe="fp32", max_len=256, verify=False))
+    return out / "flow_estimator.onnx"
+
+
+def test_openvino_implements_the_same_interface(tmp_path: Path, fp32_estimator: Path) -> None:
+    """The second backend behind the seam: the tiny flow estimator through OpenVINO (f32) equals ONNX Runtime's,
+    a padded call (mask 0 past the end) equals the unpadded one, and compiled shapes stay bounded."""
+    pytest.importorskip("openvino")
+    from cosyvoice_cpu.backends.openvino import OpenVino
+
+    backend = OpenVino(cache_dir=tmp_path / "ov-cache", max_shapes=2, precision="f32")
+    ov_sess = backend.open(fp32_estimator, SessionConfig(threads=1))
+    ort_sess = open_graph(fp32_estimator, SessionConfig(threads=1))
+    assert [(n.name, n.type) for n in ov_sess.get_inputs()] == [(n.name, n.type) for n in ort_sess.get_inputs()]
+    rng = np.random.default_rng(0)
+
+    def feeds(frames: int, valid: int) -> dict[str, np.ndarray]:
+        mask = np.zeros((2, 1, frames), np.float32)
+        mask[:, :, :valid] = 1
+        f = {k: rng.standard_normal((2, 80, frames)).astype(np.float32) * mask for k in ("x", "mu", "cond")}
+        return {**f, "mask": mask, "t": np.full(2, 0.4, np.float32), "spks": np.ones((2, 80), np.float32)}
+
+    plain = feeds(40, 40)
+    want = ort_sess.run(None, plain)[0]
+    got = ov_sess.run(None, plain)[0]
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    padded = {k: (np.pad(v, ((0, 0), (0, 0), (0, 24))) if v.ndim == 3 else v) for k, v in plain.items()}
+    assert np.abs(ov_sess.run(None, padded)[0][:, :, :40] - got).max() <= 1e-5 * np.abs(got).max()
+    ov_sess.run(None, feeds(32, 32))
+    assert len(ov_sess.shapes) == 2 and ov_sess.compiles == 3  # the least recently used shape was dropped
+    assert any((tmp_path / "ov-cache").iterdir())  # compiled shapes are cached on disk for the next process

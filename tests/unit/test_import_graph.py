@@ -1,0 +1,108 @@
+"""The package's import graph: no cycles, and the runtime imports none of the ``[export]`` side.
+
+Every import counts, function-level ones too (a cycle held apart by an import inside a function is still a
+cycle); imports under ``if TYPE_CHECKING:`` do not run and are left out.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import cosyvoice_cpu
+
+PACKAGE = Path(cosyvoice_cpu.__file__).parent
+EXPORT_SIDE = ("cosyvoice_cpu.reference", "cosyvoice_cpu.export", "cosyvoice_cpu.fixtures")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the package modules it imports (anywhere in the file, TYPE_CHECKING blocks excluded)."""
+    files = {_module_name(p): p for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for name, path in files.items():
+        tree = ast.parse(path.read_text(), str(path))
+        typing_only = {
+            id(x)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for stmt in node.body
+            for x in ast.walk(stmt)
+        }
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module:
+                targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            graph[name].update(t for t in targets if t in files and t != name)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            v, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[v] = min(low[v], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                group = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    group.append(w)
+                    if w == v:
+                        break
+                if len(group) > 1:
+                    found.append(sorted(group))
+    return found
+
+
+def test_the_package_has_no_import_cycles() -> None:
+    found = cycles(import_graph())
+    assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_the_cycle_finder_sees_a_cycle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_runtime_imports_nothing_of_the_export_side() -> None:
+    """Outside ``reference/``, ``export/`` and ``fixtures/`` only the CLI (``fixture``, ``export``, ``bench``
+    commands, behind the [export] extra) may reach into them."""
+    graph = import_graph()
+    allowed = ("cosyvoice_cpu.cli.", *EXPORT_SIDE)
+    bad = sorted(f"{m} -> {t}" for m, ts in graph.items() if not m.startswith(allowed)
+                 for t in ts if t.startswith(EXPORT_SIDE))  # fmt: skip
+    assert not bad, "runtime modules import the export side:\n" + "\n".join(bad)
