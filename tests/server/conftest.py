@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cosyvoice_cpu.cli_speech import DEMO_MODEL, _tone_wav
+from cosyvoice_cpu.cli.speech import DEMO_MODEL, _tone_wav
 from cosyvoice_cpu.server.process import ServerProcess
 
 VOICE = "demo"
@@ -35,6 +35,27 @@ def start_server(voices: Path, log: Path, *extra: str, model: Path = DEMO_MODEL)
 def add_voice(client: httpx.Client, name: str = VOICE, text: str = PROMPT_TEXT, **data: str) -> httpx.Response:
     return client.post("/v1/audio/voices", files={"file": ("prompt.wav", _tone_wav(), "audio/wav")},
                        data={"name": name, "prompt_text": text, **data})  # fmt: skip
+
+
+def start_with_voice(root: Path, *extra: str) -> Server:
+    """A server with ``extra`` flags and the voice ``demo`` saved."""
+    srv = start_server(root / "voices", root / "server.log", *extra)
+    with srv.client() as c:
+        r = add_voice(c)
+        assert r.status_code == 201, r.text
+    return srv
+
+
+@pytest.fixture(scope="session")
+def tuned(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A server with the options of issue #28: OpenAI voice names speak ``demo``, a page of http://app.example may
+    send writes (with CORS), and the Host name tts.example is served besides the bind address."""
+    srv = start_with_voice(tmp_path_factory.mktemp("tuned"), "--default-voice", VOICE, "--allow-origin",
+                           "http://app.example", "--allow-host", "tts.example")  # fmt: skip
+    try:
+        yield srv
+    finally:
+        srv.stop()
 
 
 @pytest.fixture(scope="session")

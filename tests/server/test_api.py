@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from cosyvoice_cpu.cli_speech import DEMO_MODEL, _tone_wav
+from cosyvoice_cpu.cli.speech import DEMO_MODEL, _tone_wav
 from cosyvoice_cpu.config import EngineConfig, SynthesisConfig
 from cosyvoice_cpu.engine import Engine
-from cosyvoice_cpu.voice import Voice
+from cosyvoice_cpu.voices.voice import Voice
 
 from .conftest import VOICE, Server, add_voice, start_server
 
@@ -225,7 +225,7 @@ def test_api_key_is_required(strict: Server) -> None:
             reply = b""
             while part := s.recv(65536):
                 reply += part
-        assert reply.startswith(b"HTTP/1.1 401") or reply.startswith(b"HTTP/1.1 400"), reply[:80]
+        assert reply.split(b" ")[1] in (b"400", b"401", b"403"), reply[:80]  # 403: a host name not served
     with strict.client() as c:
         _expect_error(speak(c), 401, "API key")
         _expect_error(c.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401, "API key")

@@ -16,11 +16,11 @@ import httpx
 import numpy as np
 import pytest
 
-from cosyvoice_cpu.cli_speech import DEMO_MODEL, _tone_wav
+from cosyvoice_cpu.cli.speech import DEMO_MODEL, _tone_wav
 from cosyvoice_cpu.config import EngineConfig, SynthesisConfig
 from cosyvoice_cpu.engine import Engine
 from cosyvoice_cpu.server.process import free_port
-from cosyvoice_cpu.voice import Voice
+from cosyvoice_cpu.voices.voice import Voice
 
 from .conftest import PROMPT_TEXT, VOICE, add_voice, start_server
 
@@ -83,16 +83,18 @@ def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Engi
 
 def test_a_failing_synthesis_does_not_hurt_its_neighbours(faulty: tuple[str, Engine, Voice]) -> None:
     url, engine, voice = faulty
-    want = (np.clip(engine.synthesize_wav(TEXT, voice, SynthesisConfig(seed=3, stream=True)), -1, 1) * 32767)
+    want = np.clip(engine.synthesize_wav(TEXT, voice, SynthesisConfig(seed=3, stream=True)), -1, 1) * 32767
     want16 = want.round().astype(np.int16)
     cases = {"good-1": TEXT, "early": "EXPLODE-EARLY " + TEXT, "good-2": TEXT, "late": "EXPLODE-LATE " + TEXT,
-             "late-sse": "EXPLODE-LATE " + TEXT}  # fmt: skip
+             "late-sse": "EXPLODE-LATE " + TEXT, "late-whole": "EXPLODE-LATE " + TEXT}  # fmt: skip
     out: dict[str, httpx.Response | Exception] = {}
 
     def send(key: str) -> None:
         body = {"model": "tts-1", "input": cases[key], "voice": VOICE, "response_format": "pcm", "seed": 3}
         if key == "late-sse":
             body["stream_format"] = "sse"
+        if key == "late-whole":  # sent whole at the end: a late failure is still a proper 500
+            body["stream"] = False
         with httpx.Client(base_url=url, timeout=120) as c:
             try:
                 out[key] = c.post("/v1/audio/speech", json=body)
@@ -113,13 +115,15 @@ def test_a_failing_synthesis_does_not_hurt_its_neighbours(faulty: tuple[str, Eng
     assert isinstance(out["late"], httpx.RemoteProtocolError), out["late"]
     events = [json.loads(x[6:]) for x in out["late-sse"].text.splitlines() if x.startswith("data: ")]
     assert events[0]["type"] == "speech.audio.delta" and events[-1]["type"] == "error"
+    whole = out["late-whole"]
+    assert whole.status_code == 500 and whole.json()["error"]["code"] == "synthesis_failed"
     with httpx.Client(base_url=url, timeout=120) as c:
         again = c.post("/v1/audio/speech", json={"model": "tts-1", "input": TEXT, "voice": VOICE,
                                                  "response_format": "pcm", "seed": 3})  # fmt: skip
         np.testing.assert_array_equal(np.frombuffer(again.content, "<i2"), want16)
         metrics = c.get("/metrics").text
     counts = dict(re.findall(r'cosyvoice_requests_total\{endpoint="/v1/audio/speech",outcome="(\w+)"\} (\d+)', metrics))
-    assert counts == {"error": "3", "ok": "3"}, counts
+    assert counts == {"error": "4", "ok": "3"}, counts
 
 
 def test_kill_9_during_voice_uploads_loses_nothing(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cosyvoice_cpu.cli_speech import DEMO_MODEL
+from cosyvoice_cpu.cli.speech import DEMO_MODEL
 from cosyvoice_cpu.server.process import ServerProcess
 
 

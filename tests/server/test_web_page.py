@@ -6,9 +6,11 @@ voice through the form, and shows the server's error message for a bad request.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -232,3 +234,43 @@ def test_api_key_no_voices_and_stop(browser: Any, keyed_server: Server, tmp_path
         assert not errors, errors
     finally:
         context.close()
+
+
+def test_a_page_of_another_origin_cannot_add_a_voice(browser: Any, server: Server) -> None:
+    """Issue #28: a page on another origin created a voice with a ``no-cors`` multipart POST (no API key set).
+    http://localhost:PORT is another origin than http://127.0.0.1:PORT (and both are loopback, so no private
+    network rule of the browser gets in the way): its POST carries ``Origin: http://localhost:PORT``."""
+    from cosyvoice_cpu.cli.speech import _tone_wav
+
+    name = "planted by a page"
+    context = browser.new_context()
+    try:
+        page = context.new_page()
+        page.set_default_timeout(TIMEOUT_MS)
+        page.goto(server.url.replace("127.0.0.1", "localhost") + "/health")
+        kind = page.evaluate(
+            """async ([url, name, wav]) => {
+            const bytes = Uint8Array.from(atob(wav), c => c.charCodeAt(0));
+            const form = new FormData();
+            form.append('name', name);
+            form.append('prompt_text', 'Good morning everyone.');
+            form.append('file', new Blob([bytes], {type: 'audio/wav'}), 'prompt.wav');
+            const r = await fetch(url + '/v1/audio/voices', {method: 'POST', mode: 'no-cors', body: form});
+            return r.type;
+        }""",
+            [server.url, name, base64.b64encode(_tone_wav()).decode()],
+        )
+        assert kind == "opaque"  # the page cannot see the answer, but the request was sent
+    finally:
+        context.close()
+    with server.client() as c:
+        assert name not in [v["name"] for v in c.get("/v1/audio/voices").json()["voices"]]
+        assert re.search(r'endpoint="/v1/audio/voices",outcome="bad_request"\} [1-9]', c.get("/metrics").text)
+
+
+def test_the_api_reference_renders_offline(page: Any, server: Server) -> None:
+    page.goto(server.url + "/docs")
+    page.wait_for_function("() => document.querySelector('#ops').textContent.includes('/v1/audio/speech')")
+    text = page.text_content("#ops")
+    assert "multipart/form-data" in text and "audio/mpeg" in text and "429" in text
+    assert not page.errors, page.errors

@@ -31,6 +31,36 @@ def _describe(source: AudioSource) -> str:
     return "<stream>"
 
 
+# listed first in error messages when this libsndfile reads them; the others are counted
+COMMON_FORMATS = ("WAV", "FLAC", "OGG", "MP3", "AIFF", "CAF")
+
+
+def readable_formats() -> list[str]:
+    """The container formats ``load_audio`` reads: libsndfile's, via ``soundfile.available_formats()``.
+
+    Common ones first (MP3 needs libsndfile >= 1.1, OGG includes Vorbis and, where built in, Opus); ``RAW``
+    (header-less PCM) is left out, since it cannot be decoded without being told its layout.
+    """
+    import soundfile as sf
+
+    available = [f for f in sf.available_formats() if f != "RAW"]
+    return [f for f in COMMON_FORMATS if f in available] + sorted(f for f in available if f not in COMMON_FORMATS)
+
+
+def undecodable(name: str, error: Exception) -> ConfigError:
+    """The error for input libsndfile cannot decode, naming what it can read and how to convert the rest."""
+    import soundfile as sf
+
+    formats = readable_formats()
+    common = [f.lower() for f in formats if f in COMMON_FORMATS]
+    others = len(formats) - len(common)
+    listed = ", ".join(common) + (f" and {others} more (soundfile.available_formats())" if others else "")
+    return ConfigError(
+        f"cannot decode {name} as audio ({error}); libsndfile {sf.__libsndfile_version__} reads {listed}; not "
+        "m4a/aac, wma or video files: convert those first, e.g. `ffmpeg -i prompt.m4a prompt.wav`"
+    )
+
+
 def resample(samples: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:
     """Resample float samples ``(N,)`` or ``(N, C)`` with soxr "HQ": float32 ``(round(N * target/orig), ...)``."""
     if orig_sr <= 0 or target_sr <= 0:
@@ -44,7 +74,8 @@ def resample(samples: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:
 
 
 def load_audio(source: AudioSource, target_sr: int, max_seconds: float | None = None) -> np.ndarray:
-    """Read any format soundfile supports (wav, flac, ogg, ...), mix to mono and resample to ``target_sr``.
+    """Read any format libsndfile reads (:func:`readable_formats`: wav, flac, ogg, mp3, ...), mix to mono and
+    resample to ``target_sr``.
 
     Args:
         source: a path, the file's bytes, or a binary file object.
@@ -70,7 +101,7 @@ def load_audio(source: AudioSource, target_sr: int, max_seconds: float | None = 
         handle: str | BinaryIO = os.fspath(path)
     elif isinstance(source, (bytes, bytearray, memoryview)):
         if len(source) == 0:
-            raise ConfigError("the audio bytes are empty; send the content of a wav/flac/ogg file")
+            raise ConfigError("the audio bytes are empty; send the content of an audio file (wav, flac, ogg, mp3 ...)")
         handle = io.BytesIO(bytes(source))
     elif hasattr(source, "read"):
         handle = source
@@ -82,9 +113,7 @@ def load_audio(source: AudioSource, target_sr: int, max_seconds: float | None = 
             if hasattr(handle, "seek"):
                 handle.seek(0)
         except (sf.LibsndfileError, RuntimeError, TypeError) as e:
-            raise ConfigError(
-                f"cannot decode {name} as audio ({e}); use a wav, flac or ogg file (convert mp3/m4a with ffmpeg first)"
-            ) from e
+            raise undecodable(name, e) from e
         if info.samplerate > 0 and info.frames / info.samplerate > max_seconds + 0.05:
             raise ConfigError(
                 f"audio {name} is {info.frames / info.samplerate:.1f} s long; at most {max_seconds:.0f} s are "
@@ -93,9 +122,7 @@ def load_audio(source: AudioSource, target_sr: int, max_seconds: float | None = 
     try:
         data, sr = sf.read(handle, dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, TypeError) as e:
-        raise ConfigError(
-            f"cannot decode {name} as audio ({e}); use a wav, flac or ogg file (convert mp3/m4a with ffmpeg first)"
-        ) from e
+        raise undecodable(name, e) from e
     if data.shape[0] == 0:
         raise ConfigError(f"audio {name} holds no samples; record or export the prompt again")
     if not np.all(np.isfinite(data)):

@@ -5,31 +5,30 @@ older CosyVoice2-0.5B downloads ship ``cosyvoice.yaml``. The yaml is read as dat
 :mod:`cosyvoice_cpu.reference.yamlconf`); nothing in it is executed. Checkpoints are loaded with
 ``weights_only=True`` and every module with ``strict=True``.
 
-Families: ``cosyvoice`` (v1, CosyVoice-300M: TransformerLM, MaskedDiffWithXvec, 22.05 kHz HiFT),
-``cosyvoice2`` (v2, CosyVoice2-0.5B: Qwen2LM, CausalMaskedDiffWithXvec, HiFT) and ``cosyvoice3`` (v3,
-Fun-CosyVoice3-0.5B: CosyVoice3LM, CausalMaskedDiffWithDiT, CausalHiFTGenerator; mel fmax null,
-``speech_tokenizer_v3.onnx``). v3's flow and vocoder live in ``flow_v3.py``/``hift_v3.py``, imported lazily
-(:func:`v3_stage_classes`): without them a v3 directory still loads its LM (``stages=("lm",)``).
+Families (:mod:`cosyvoice_cpu.families.facts`; how each is read: :data:`LOADERS`): ``cosyvoice`` (v1,
+CosyVoice-300M: TransformerLM, MaskedDiffWithXvec, 22.05 kHz HiFT), ``cosyvoice2`` (v2, CosyVoice2-0.5B: Qwen2LM,
+CausalMaskedDiffWithXvec, HiFT) and ``cosyvoice3`` (v3, Fun-CosyVoice3-0.5B: CosyVoice3LM, CausalMaskedDiffWithDiT,
+CausalHiFTGenerator; mel fmax null). v3's flow and vocoder are imported lazily (:func:`v3_stage_classes`): without
+them a v3 directory still loads its LM (``stages=("lm",)``).
 v1 SFT/Instruct directories also ship ``spk2info.pt`` (built-in speakers' x-vectors): :func:`load_speakers`.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from cosyvoice_cpu.errors import ModelDirError
+from cosyvoice_cpu.families.facts import facts
 from cosyvoice_cpu.reference.yamlconf import Tagged, load_yaml_data
 
 logger = logging.getLogger(__name__)
 
 YAML_NAMES = ("cosyvoice3.yaml", "cosyvoice2.yaml", "cosyvoice.yaml")
 LM_CLASSES = {"TransformerLM": "cosyvoice", "Qwen2LM": "cosyvoice2", "CosyVoice3LM": "cosyvoice3"}
-SPEECH_TOKENIZER = {"cosyvoice": "speech_tokenizer_v1.onnx", "cosyvoice2": "speech_tokenizer_v2.onnx",
-                    "cosyvoice3": "speech_tokenizer_v3.onnx"}  # fmt: skip
-SUPPORTED = ("cosyvoice", "cosyvoice2", "cosyvoice3")
 V3_CLASSES = {"flow": "CausalMaskedDiffWithDiT", "hift": "CausalHiFTGenerator"}  # what a cosyvoice3 yaml must name
 SPK2INFO = "spk2info.pt"  # built-in speakers (CosyVoice-300M-SFT/-Instruct)
 
@@ -47,20 +46,20 @@ class MelConfig:
     fmax: float | None = 8000.0
 
     @classmethod
-    def from_yaml(cls, node: Any, v1: bool = False, fmax_default: float | None = 8000.0) -> MelConfig:
-        """Read ``feat_extractor``; missing keys take the family's released values (v1: 22.05 kHz, hop 256;
-        v3: ``fmax_default=None``, i.e. Nyquist)."""
-        d = cls(n_fft=1024, sampling_rate=22050, hop_size=256, win_size=1024) if v1 else cls(fmax=fmax_default)
+    def from_yaml(cls, node: Any, defaults: MelConfig | None = None) -> MelConfig:
+        """Read ``feat_extractor``; missing keys take ``defaults``, the family's released values (v1: 22.05 kHz,
+        hop 256; v3: ``fmax=None``, i.e. Nyquist; see :data:`LOADERS`)."""
+        d = replace(defaults) if defaults is not None else cls()
         if not isinstance(node, Tagged):
             return d
-        fmax = node.get("fmax", fmax_default)
+        fmax = node.get("fmax", d.fmax)
         return cls(
             n_fft=int(node.get("n_fft", d.n_fft)),
-            num_mels=int(node.get("num_mels", 80)),
+            num_mels=int(node.get("num_mels", d.num_mels)),
             sampling_rate=int(node.get("sampling_rate", d.sampling_rate)),
             hop_size=int(node.get("hop_size", d.hop_size)),
             win_size=int(node.get("win_size", d.win_size)),
-            fmin=float(node.get("fmin", 0)),
+            fmin=float(node.get("fmin", d.fmin)),
             fmax=None if fmax is None else float(fmax),
         )
 
@@ -87,7 +86,7 @@ class ModelConfig:
 
     @property
     def speech_tokenizer_path(self) -> Path:
-        return self.model_dir / SPEECH_TOKENIZER[self.family]
+        return self.model_dir / facts(self.family).speech_tokenizer
 
     @property
     def spk2info_path(self) -> Path:
@@ -128,49 +127,53 @@ def detect_family(model_dir: str | Path) -> str:
 
 
 def read_model_config(model_dir: str | Path) -> ModelConfig:
-    """Parse a model directory's yaml (and, for v2/v3, ``CosyVoice-BlankEN/config.json``)."""
-    from cosyvoice_cpu.reference.flow import FlowConfig
-    from cosyvoice_cpu.reference.flow_v1 import FlowV1Config
-    from cosyvoice_cpu.reference.hift import HiFTConfig
-    from cosyvoice_cpu.reference.lm import LMConfig
-    from cosyvoice_cpu.reference.lm_v1 import TransformerLMConfig
-    from cosyvoice_cpu.reference.qwen2 import Qwen2Config
-
+    """Parse a model directory's yaml (and, for v2/v3, ``CosyVoice-BlankEN/config.json``): defaults the yaml
+    leaves out come from the family's facts, the stage configs are read by the family's :data:`LOADERS` entry."""
     model_dir = Path(model_dir)
     yaml_path = find_yaml(model_dir)
     data = load_yaml_data(yaml_path, overrides={"qwen_pretrain_path": str(model_dir / "CosyVoice-BlankEN")})
     family = family_of(data, yaml_path)
-    v1 = family == "cosyvoice"
+    f, loader = facts(family), LOADERS[family]  # facts(): a ModelDirError naming the supported families
+    mel_defaults = MelConfig(sampling_rate=f.sample_rate, hop_size=f.mel_hop, **loader.mel)
     cfg = ModelConfig(
         model_dir=model_dir,
         yaml_path=yaml_path,
         family=family,
-        sample_rate=int(data.get("sample_rate", 22050 if v1 else 24000)),
-        token_frame_rate=int(data.get("token_frame_rate", 50 if v1 else 25)),
-        token_mel_ratio=0 if v1 else int(data.get("token_mel_ratio", 2)),
-        mel=MelConfig.from_yaml(data.get("feat_extractor"), v1, None if family == "cosyvoice3" else 8000.0),
+        sample_rate=int(data.get("sample_rate", f.sample_rate)),
+        token_frame_rate=int(data.get("token_frame_rate", f.token_rate)),
+        token_mel_ratio=0 if f.mel_per_token is None else int(data.get("token_mel_ratio", f.mel_per_token)),
+        mel=MelConfig.from_yaml(data.get("feat_extractor"), mel_defaults),
         raw=data,
     )
-    if family not in SUPPORTED:
-        raise ModelDirError(
-            f"{model_dir} is a {family} model; the reference implements {', '.join(SUPPORTED)} so far "
-            "(Fun-CosyVoice3 support is tracked as its own issue)"
-        )
-    if family == "cosyvoice3":
-        _read_v3(cfg, data, yaml_path)
-        return cfg
     try:
-        if v1:
-            cfg.lm = TransformerLMConfig.from_yaml(data["llm"])
-            cfg.flow = FlowV1Config.from_yaml(data["flow"])
-            cfg.token_frame_rate = cfg.flow.input_frame_rate  # v1 yamls have no token_frame_rate entry
-        else:
-            cfg.lm = LMConfig.from_yaml(data["llm"], Qwen2Config.from_json(cfg.blank_en_dir / "config.json"))
-            cfg.flow = FlowConfig.from_yaml(data["flow"])
-        cfg.hift = HiFTConfig.from_yaml(data["hift"])
+        loader.read(cfg, data, yaml_path)
     except (KeyError, ValueError) as e:
         raise ModelDirError(f"{yaml_path}: {e}") from e
     return cfg
+
+
+def _read_v1(cfg: ModelConfig, data: dict[str, Any], yaml_path: Path) -> None:
+    """Fill a cosyvoice (CosyVoice-300M) ``cfg``: its yaml has no token_frame_rate entry (the flow's rate)."""
+    from cosyvoice_cpu.reference.flow_v1 import FlowV1Config
+    from cosyvoice_cpu.reference.hift import HiFTConfig
+    from cosyvoice_cpu.reference.lm_v1 import TransformerLMConfig
+
+    cfg.lm = TransformerLMConfig.from_yaml(data["llm"])
+    cfg.flow = FlowV1Config.from_yaml(data["flow"])
+    cfg.token_frame_rate = cfg.flow.input_frame_rate
+    cfg.hift = HiFTConfig.from_yaml(data["hift"])
+
+
+def _read_v2(cfg: ModelConfig, data: dict[str, Any], yaml_path: Path) -> None:
+    """Fill a cosyvoice2 ``cfg`` (the LM's Qwen2 backbone from ``CosyVoice-BlankEN/config.json``)."""
+    from cosyvoice_cpu.reference.flow import FlowConfig
+    from cosyvoice_cpu.reference.hift import HiFTConfig
+    from cosyvoice_cpu.reference.lm import LMConfig
+    from cosyvoice_cpu.reference.qwen2 import Qwen2Config
+
+    cfg.lm = LMConfig.from_yaml(data["llm"], Qwen2Config.from_json(cfg.blank_en_dir / "config.json"))
+    cfg.flow = FlowConfig.from_yaml(data["flow"])
+    cfg.hift = HiFTConfig.from_yaml(data["hift"])
 
 
 def v3_stage_classes() -> tuple[Any, Any]:
@@ -199,18 +202,52 @@ def _read_v3(cfg: ModelConfig, data: dict[str, Any], yaml_path: Path) -> None:
                 f"{yaml_path} is a cosyvoice3 model (CosyVoice3LM) but its '{key}' entry is {found}, not "
                 f"{expected}: the yaml mixes model families; use the cosyvoice3.yaml of the same download"
             )
+    cfg.lm = CosyVoice3LMConfig.from_yaml(data["llm"], Qwen2Config.from_json(cfg.blank_en_dir / "config.json"))
     try:
-        cfg.lm = CosyVoice3LMConfig.from_yaml(data["llm"], Qwen2Config.from_json(cfg.blank_en_dir / "config.json"))
-        try:
-            from cosyvoice_cpu.reference.flow_v3 import FlowV3Config
-            from cosyvoice_cpu.reference.hift_v3 import CausalHiFTConfig
-        except ImportError as e:
-            logger.warning("%s: v3 flow/HiFT reference modules missing (%s); only the LM can be loaded", yaml_path, e)
-            return
-        cfg.flow = FlowV3Config.from_yaml(data["flow"])
-        cfg.hift = CausalHiFTConfig.from_yaml(data["hift"])
-    except (KeyError, ValueError) as e:
-        raise ModelDirError(f"{yaml_path}: {e}") from e
+        from cosyvoice_cpu.reference.flow_v3 import FlowV3Config
+        from cosyvoice_cpu.reference.hift_v3 import CausalHiFTConfig
+    except ImportError as e:
+        logger.warning("%s: v3 flow/HiFT reference modules missing (%s); only the LM can be loaded", yaml_path, e)
+        return
+    cfg.flow = FlowV3Config.from_yaml(data["flow"])
+    cfg.hift = CausalHiFTConfig.from_yaml(data["hift"])
+
+
+def _classes(*paths: str) -> Callable[[tuple[str, ...]], tuple[Any, ...]]:
+    """A :class:`FamilyLoader`'s ``classes``: ``module:Class`` of the LM, flow, HiFT, imported when called."""
+    import importlib
+
+    def load(stages: tuple[str, ...]) -> tuple[Any, ...]:
+        split = [p.split(":") for p in paths]
+        return tuple(getattr(importlib.import_module(f"cosyvoice_cpu.reference.{m}"), c) for m, c in split)
+
+    return load
+
+
+def _classes_v3(stages: tuple[str, ...]) -> tuple[Any, Any, Any]:
+    """(CosyVoice3LM, FlowV3, CausalHiFT); the flow/vocoder only when asked for (the LM loads without them)."""
+    from cosyvoice_cpu.reference.lm_v3 import CosyVoice3LM
+
+    flow_cls, hift_cls = v3_stage_classes() if ("flow" in stages or "hift" in stages) else (None, None)
+    return CosyVoice3LM, flow_cls, hift_cls
+
+
+class FamilyLoader(NamedTuple):
+    """How the reference reads one family: its released ``feat_extractor`` values beyond the facts' rate and hop,
+    the stage-config reader, and the module classes ``(lm, flow, hift)`` for the stages asked for."""
+
+    mel: dict[str, Any]
+    read: Callable[[ModelConfig, dict[str, Any], Path], None]
+    classes: Callable[[tuple[str, ...]], tuple[Any, ...]]
+
+
+# One loader per family of the facts table, keyed by its name.
+LOADERS: dict[str, FamilyLoader] = {
+    "cosyvoice": FamilyLoader({"n_fft": 1024, "win_size": 1024}, _read_v1,
+                              _classes("lm_v1:TransformerLM", "flow_v1:FlowV1", "hift:HiFT")),
+    "cosyvoice2": FamilyLoader({}, _read_v2, _classes("lm:Qwen2LM", "flow:Flow", "hift:HiFT")),
+    "cosyvoice3": FamilyLoader({"fmax": None}, _read_v3, _classes_v3),
+}  # fmt: skip
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
@@ -228,19 +265,67 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     return state
 
 
-def load_strict(module: Any, state: dict[str, Any], path: Path) -> None:
+def _mismatches(module: Any, state: dict[str, Any], path: Path, cfg: ModelConfig | None) -> tuple[str, str]:
+    """(what the module was built from, the first differences between its state dict and the checkpoint's).
+
+    Each size is attributed to the file that declares it: the Qwen2 backbone's (layer count, hidden and MLP
+    sizes, vocabulary) to ``CosyVoice-BlankEN/config.json``, everything else to the yaml.
+    """
+    import re
+
+    from cosyvoice_cpu.reference.qwen2 import Qwen2Model
+
+    yaml_name = cfg.yaml_path.name if cfg is not None else "the yaml"
+    qwen = tuple(f"{n}." for n, m in module.named_modules() if isinstance(m, Qwen2Model))
+    blank = "CosyVoice-BlankEN/config.json"
+    sources = f"{yaml_name} and {blank}" if qwen else yaml_name
+
+    def declared(key: str) -> str:
+        return blank if key.startswith(qwen) else yaml_name
+
+    want = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    have = {k: tuple(getattr(v, "shape", ())) for k, v in state.items()}
+
+    def lengths(keys: Any) -> dict[str, int]:  # "a.layers.3.w" -> {"a.layers": 4}: module lists and their lengths
+        n: dict[str, int] = {}
+        for key in keys:
+            for m in re.finditer(r"\.(\d+)(?=\.)", key):
+                n[key[: m.start()]] = max(n.get(key[: m.start()], 0), int(m.group(1)) + 1)
+        return n
+
+    want_n, have_n = lengths(want), lengths(have)
+    lists = [f"{k}: {have_n[k]} in {path.name}, {want_n[k]} per {declared(k + '.')}"
+             f"{' (num_hidden_layers)' if declared(k + '.') == blank and k.endswith('.layers') else ''}"
+             for k in want_n if k in have_n and want_n[k] != have_n[k]]  # fmt: skip
+    shapes = [f"{k}: {list(have[k])} in {path.name}, {list(want[k])} per {declared(k)}"
+              for k in want if k in have and want[k] != have[k]]  # fmt: skip
+    missing = [k for k in want if k not in have]
+    unexpected = [k for k in have if k not in want]
+    parts = [f"{len(lists)} module lists differ in length ({'; '.join(lists[:3])})" if lists else "",
+             f"{len(shapes)} tensors differ in shape ({'; '.join(shapes[:3])})" if shapes else "",
+             f"{len(missing)} keys are missing from {path.name} ({', '.join(missing[:3])})" if missing else "",
+             f"{len(unexpected)} keys in {path.name} are not in the model ({', '.join(unexpected[:3])})"
+             if unexpected else ""]  # fmt: skip
+    return sources, "; ".join(p for p in parts if p)
+
+
+def load_strict(module: Any, state: dict[str, Any], path: Path, cfg: ModelConfig | None = None) -> None:
     """``module.load_state_dict(state, strict=True)`` with a message that names the file.
 
     ``assign=True`` keeps the (memory-mapped) checkpoint tensors instead of copying them into the freshly
-    initialised parameters, so the weights are not resident twice.
+    initialised parameters, so the weights are not resident twice. On a mismatch the error names the first
+    differing keys and shapes and which file (``cfg``'s yaml or ``CosyVoice-BlankEN/config.json``) declares
+    each expected size.
     """
     try:
         module.load_state_dict(state, strict=True, assign=True)
         module.float()  # a no-op for fp32 checkpoints; a half-precision one is upcast, the reference is fp32
     except RuntimeError as e:
+        sources, details = _mismatches(module, state, path, cfg)
         raise ModelDirError(
-            f"{path} does not match the architecture in the yaml ({str(e).splitlines()[0]} ...): "
-            "the checkpoint and the yaml come from different models"
+            f"{path} does not match the architecture built from {sources}: "
+            f"{details or ' '.join(str(e).split())}; the checkpoint and these files come from different models "
+            f"(re-download the directory, or use the {sources} that came with {path.name})"
         ) from e
 
 
@@ -261,31 +346,17 @@ def load_reference(model_dir: str | Path, stages: tuple[str, ...] = ("lm", "flow
         model_dir: a released (or fixture) CosyVoice-300M, CosyVoice2 or Fun-CosyVoice3 directory.
         stages: which of ``lm``, ``flow``, ``hift`` to load (others stay None).
     """
-    from cosyvoice_cpu.reference.flow import Flow
-    from cosyvoice_cpu.reference.flow_v1 import FlowV1
-    from cosyvoice_cpu.reference.hift import HiFT
-    from cosyvoice_cpu.reference.lm import Qwen2LM
-    from cosyvoice_cpu.reference.lm_v1 import TransformerLM
-
     cfg = read_model_config(model_dir)
-    v1, v3 = cfg.family == "cosyvoice", cfg.family == "cosyvoice3"
-    flow_cls, hift_cls = (FlowV1 if v1 else Flow), HiFT
-    if v3 and ("flow" in stages or "hift" in stages):
-        flow_cls, hift_cls = v3_stage_classes()
+    lm_cls, flow_cls, hift_cls = LOADERS[cfg.family].classes(stages)
     out = ReferenceModel(cfg, None, None, None)
     if "lm" in stages:
-        if v3:
-            from cosyvoice_cpu.reference.lm_v3 import CosyVoice3LM
-
-            out.lm = CosyVoice3LM(cfg.lm).eval()
-        else:
-            out.lm = (TransformerLM(cfg.lm) if v1 else Qwen2LM(cfg.lm)).eval()
+        out.lm = lm_cls(cfg.lm).eval()
         path = cfg.model_dir / "llm.pt"
-        load_strict(out.lm, load_checkpoint(path), path)
+        load_strict(out.lm, load_checkpoint(path), path, cfg)
     if "flow" in stages:
         out.flow = flow_cls(cfg.flow).eval()
         path = cfg.model_dir / "flow.pt"
-        load_strict(out.flow, load_checkpoint(path), path)
+        load_strict(out.flow, load_checkpoint(path), path, cfg)
     if "hift" in stages:
         out.hift = hift_cls(cfg.hift).eval()
         path = cfg.model_dir / "hift.pt"

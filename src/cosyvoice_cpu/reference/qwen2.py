@@ -60,7 +60,12 @@ class Qwen2Config:
 
     @classmethod
     def from_json(cls, path: str | Path) -> Qwen2Config:
-        """Read ``config.json`` of a Qwen2 checkpoint directory (unknown keys are ignored)."""
+        """Read ``config.json`` of a Qwen2 checkpoint directory, as written by transformers 4 or 5.
+
+        Unknown keys are ignored, except those that change the numerics: ``rope_theta`` is read from the top
+        level or ``rope_parameters`` (:func:`_rope_theta`), RoPE scaling and a ``head_dim`` other than
+        ``hidden_size // num_attention_heads`` are refused.
+        """
         path = Path(path)
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
@@ -68,8 +73,16 @@ class Qwen2Config:
             raise ModelDirError(f"{path} not found: CosyVoice-BlankEN/ must hold the Qwen2 config.json") from e
         except json.JSONDecodeError as e:
             raise ModelDirError(f"{path} is not valid JSON ({e}); re-download CosyVoice-BlankEN/") from e
-        known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
-        cfg = cls(**known)
+        if not isinstance(raw, dict):
+            raise ModelDirError(f"{path} holds a JSON {type(raw).__name__}, not an object; re-download it")
+        known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw and k != "rope_theta"}
+        cfg = cls(**known, rope_theta=_rope_theta(raw, path))
+        head_dim = raw.get("head_dim")
+        if head_dim is not None and head_dim != cfg.head_dim:
+            raise ModelDirError(
+                f"{path}: head_dim {head_dim} differs from hidden_size / num_attention_heads = {cfg.head_dim}; "
+                "the reference implements head_dim = hidden_size // num_attention_heads only"
+            )
         cfg.validate()
         return cfg
 
@@ -90,6 +103,52 @@ class Qwen2Config:
             "torch_dtype": "float32",
             **{k: getattr(self, k) for k in self.__dataclass_fields__},
         }
+
+
+ROPE_TYPES = (None, "default")  # plain RoPE; no linear/dynamic/yarn/llama3/... scaling
+
+
+def _rope_theta(raw: dict, path: Path) -> float:
+    """The RoPE base of a ``config.json`` from transformers 4 or 5, refusing scaling the reference lacks.
+
+    transformers 4 writes ``rope_theta`` (and ``rope_scaling``, null for plain RoPE) at the top level;
+    transformers 5 keeps both in ``rope_parameters`` (``{"rope_theta": ..., "rope_type": "default"}``). A
+    missing value is refused rather than defaulted: transformers' own default (10000) is not CosyVoice-BlankEN's
+    1e6, and a wrong base passes every export gate because the reference would read the same wrong value.
+    """
+    where: dict[str, float] = {}
+    if raw.get("rope_theta") is not None:
+        where["rope_theta"] = raw["rope_theta"]
+    for field_name in ("rope_scaling", "rope_parameters"):
+        params = raw.get(field_name)
+        if params is None:
+            continue
+        if not isinstance(params, dict):
+            raise ModelDirError(f"{path}: {field_name} must be an object or null, got {params!r}")
+        type_key = "rope_type" if "rope_type" in params else "type"  # "type": the older transformers 4 spelling
+        rope_type = params.get(type_key)
+        if rope_type not in ROPE_TYPES:
+            raise ModelDirError(
+                f"{path}: {field_name}.{type_key} is {rope_type!r}; the reference and the exported LM implement "
+                "plain RoPE only (rope_type 'default' or none): this is not a CosyVoice-BlankEN config"
+            )
+        if params.get("rope_theta") is not None:
+            where[f"{field_name}.rope_theta"] = params["rope_theta"]
+    if not where:
+        raise ModelDirError(
+            f"{path} sets no rope_theta (neither top-level 'rope_theta' nor 'rope_parameters.rope_theta'); "
+            "CosyVoice-BlankEN uses 1000000.0: re-download the config.json or add the field"
+        )
+    try:
+        values = {k: float(v) for k, v in where.items()}
+    except (TypeError, ValueError) as e:
+        raise ModelDirError(f"{path}: rope_theta must be a number, got {where}") from e
+    if len(set(values.values())) > 1:
+        raise ModelDirError(f"{path} sets conflicting RoPE bases {values}; keep one of them")
+    theta = next(iter(values.values()))
+    if not theta > 0:
+        raise ModelDirError(f"{path}: rope_theta must be positive, got {theta}")
+    return theta
 
 
 class KVCache(nn.Module):

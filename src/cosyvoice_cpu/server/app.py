@@ -1,9 +1,10 @@
 """The ASGI app: ``create_app(engine, settings)`` -> FastAPI with the OpenAI speech API, voices, health, metrics.
 
 Endpoints (``docs/server.md``): ``POST /v1/audio/speech``, ``GET /v1/models``, ``GET/POST /v1/audio/voices``,
-``DELETE /v1/audio/voices/{name}``, ``GET /health``, ``GET /metrics``, and the web page at ``/``. Every error is a
-JSON body ``{"error": {"message", "type", "code"}}`` with a 4xx/5xx status; a failing request never takes the
-server down. With an API key set, ``/v1/*`` and ``/metrics`` need ``Authorization: Bearer KEY``.
+``DELETE /v1/audio/voices/{name}``, ``GET /health``, ``GET /metrics``, the web page at ``/`` and the API reference
+at ``/docs`` (no external resources). Every error is a JSON body ``{"error": {"message", "type", "code"}}`` with a
+4xx/5xx status (``server.handlers``); a failing request never takes the server down. With an API key set, ``/v1/*``
+and ``/metrics`` need ``Authorization: Bearer KEY``; Host and Origin are checked in any case (``server.guard``).
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import secrets
 import time
+import unicodedata
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -21,10 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from cosyvoice_cpu.config import SynthesisConfig, need
-from cosyvoice_cpu.errors import CosyVoiceCpuError
+from cosyvoice_cpu.server import handlers
+from cosyvoice_cpu.server.guard import ApiKeyMiddleware, HostOriginGuard
+from cosyvoice_cpu.server.identity import ReplicaHeaderMiddleware, ReplicaInfo
 from cosyvoice_cpu.server.metrics import Metrics
-from cosyvoice_cpu.server.speech import Admission, Rejected, StreamAborted
-from cosyvoice_cpu.server.voices import VoiceExistsError, VoiceNotFoundError, VoiceStore
+from cosyvoice_cpu.server.speech import Admission
+from cosyvoice_cpu.server.voices import VoiceStore
+from cosyvoice_cpu.voices.voice import check_name
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +43,11 @@ class ServerSettings:
         api_key: when set, ``/v1/*`` and ``/metrics`` need ``Authorization: Bearer <api_key>``.
         max_active: syntheses run at once (their LM steps are batched); max_queue: more wait, then 429.
         timeout: seconds a synthesis may run before it is stopped (504, or the stream ends).
-        max_input_chars: longest ``input`` text; max_upload_mb: largest voice upload.
+        max_input_chars, max_instructions_chars, max_prompt_chars: longest ``input``, ``instructions`` and voice
+            ``prompt_text``; max_upload_mb: largest voice upload.
+        host: the address the server is bound to; allow_hosts: more Host header names served (``*``: any);
+            allow_origins: more browser origins that may send writes (``server.guard``).
+        default_voice: the saved voice OpenAI's voice names (``alloy``, ...) speak with (None: they are refused).
         defaults: the synthesis settings a request starts from.
     """
 
@@ -50,8 +58,20 @@ class ServerSettings:
     max_queue: int = 32
     timeout: float = 300.0
     max_input_chars: int = 4096
+    max_instructions_chars: int = 1000
+    max_prompt_chars: int = 1000
     max_upload_mb: float = 20.0
+    host: str = "127.0.0.1"
+    allow_hosts: tuple[str, ...] = ()
+    allow_origins: tuple[str, ...] = ()
+    default_voice: str | None = None
     defaults: SynthesisConfig = field(default_factory=SynthesisConfig)
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest JSON body taken (413 beyond): room for the text fields at 12 bytes a character (JSON
+        escapes of astral characters), at least 2 MiB, so an over-long field gets the 400 that names it."""
+        return max(2 << 20, 12 * (self.max_input_chars + self.max_instructions_chars) + (64 << 10))
 
     def validate(self) -> ServerSettings:
         checks = [
@@ -59,21 +79,17 @@ class ServerSettings:
             (0 <= self.max_queue <= 10_000, "max_queue", "0 to 10000"),
             (0 < self.timeout <= 86_400, "timeout", "above 0, at most 86400 seconds"),
             (1 <= self.max_input_chars <= 1_000_000, "max_input_chars", "1 to 1000000"),
+            (1 <= self.max_instructions_chars <= 100_000, "max_instructions_chars", "1 to 100000"),
+            (1 <= self.max_prompt_chars <= 100_000, "max_prompt_chars", "1 to 100000"),
             (0 < self.max_upload_mb <= 1024, "max_upload_mb", "above 0, at most 1024"),
         ]
         for ok, name, rule in checks:
             need(ok, f"server setting {name}", getattr(self, name), rule)
+        if self.default_voice is not None:  # stored as the server stores voice names (server.checks.voice_name)
+            self.default_voice = check_name(unicodedata.normalize("NFKC", self.default_voice))
+        self.allow_hosts, self.allow_origins = tuple(self.allow_hosts), tuple(self.allow_origins)
         self.defaults.validate()
         return self
-
-
-class ApiError(Exception):
-    """An error answered as ``{"error": {...}}`` with ``status``."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.kind, self.code, self.headers = status, kind, code, headers
 
 
 class State:
@@ -90,38 +106,7 @@ class State:
         self.voice_lock: asyncio.Lock | None = None  # voices are made one at a time (made in the lifespan)
         self.started = time.time()
         self.jobs: set[Any] = set()  # running syntheses (server.speech.Job), cancelled at shutdown
-
-
-class ApiKeyMiddleware:
-    """Plain ASGI middleware: ``/v1/*`` and ``/metrics`` need ``Authorization: Bearer <key>``.
-
-    Not Starlette's ``BaseHTTPMiddleware``, which re-streams responses: it ended a speech stream that failed half
-    way cleanly (the client could not tell truncated audio from complete audio) and hid client disconnects. The
-    path checked is the routed one (``scope["path"]``), never one rebuilt from the Host header.
-    """
-
-    def __init__(self, app: Any, key: str, metrics: Metrics, reject: Any) -> None:
-        self.app, self.metrics, self.reject = app, metrics, reject
-        self.want = f"Bearer {key}".encode("utf-8", "replace")
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        path = scope.get("path", "")
-        if scope["type"] == "http" and (path.startswith("/v1/") or path == "/metrics"):
-            given = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
-            if not secrets.compare_digest(given, self.want):
-                self.metrics.count(endpoint_label(path), "bad_request")
-                await self.reject()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-ENDPOINTS = ("/v1/audio/speech", "/v1/audio/voices", "/v1/models", "/health", "/metrics", "/")
-
-
-def endpoint_label(path: str) -> str:
-    """A bounded metrics label for a request path: the endpoint it is for, or ``other`` (never the raw path,
-    which a client could vary without end)."""
-    return next((e for e in ENDPOINTS if path == e or (e != "/" and path.startswith(e + "/"))), "other")
+        self.replica = ReplicaInfo()  # which replica answers (create_app sets it)
 
 
 def _rss_bytes() -> int:
@@ -132,22 +117,22 @@ def _rss_bytes() -> int:
         return 0
 
 
-def create_app(engine: Any, settings: ServerSettings) -> Any:
+def create_app(engine: Any, settings: ServerSettings, replica: ReplicaInfo | None = None) -> Any:
     """The FastAPI app serving ``engine`` (an :class:`~cosyvoice_cpu.engine.Engine`, or any object with its
-    ``synthesize``/``make_voice``/``manifest``/``sample_rate``/``model_dir``) with ``settings``."""
+    ``synthesize``/``make_voice``/``manifest``/``sample_rate``/``model_dir``) with ``settings``; ``replica`` says
+    which replica this is (``X-Replica``, ``/health``; default: this host, one replica)."""
     try:
-        from fastapi import FastAPI, Request
-        from fastapi.exceptions import RequestValidationError
-        from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
-        from starlette.exceptions import HTTPException as StarletteHTTPException
+        from fastapi import FastAPI
+        from fastapi.responses import HTMLResponse, PlainTextResponse
     except ImportError as e:
         from cosyvoice_cpu.errors import MissingExtraError
 
         raise MissingExtraError("the server needs the [server] extra: pip install 'cosyvoice-cpu[server]'") from e
-    from cosyvoice_cpu.server import routes
+    from cosyvoice_cpu.server import openapi, routes, voice_routes
 
     settings.validate()
     state = State(engine, settings)
+    state.replica = replica or ReplicaInfo()
     m = state.metrics
     m.gauges["cosyvoice_process_resident_memory_bytes"] = ("Resident memory of the server process.", _rss_bytes)
     m.gauges["cosyvoice_requests_active"] = ("Syntheses running.", lambda: state.admission.active)
@@ -159,6 +144,9 @@ def create_app(engine: Any, settings: ServerSettings) -> Any:
         m.batch_sizes = lambda: dict(s.batch_sizes)
         m.lm_counters = lambda: {"tokens_total": s.tokens, "decode_steps_total": s.decode_steps,
                                  "tokens_per_second": s.tokens_per_second}  # fmt: skip
+    if settings.default_voice is not None and settings.default_voice not in state.voices.names():
+        logger.warning("the default voice %r is not saved yet: OpenAI voice names get a 400 until it is added",
+                       settings.default_voice)  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(app: Any):
@@ -171,76 +159,56 @@ def create_app(engine: Any, settings: ServerSettings) -> Any:
             job.cancel.set()
         state.executor.shutdown(wait=False)
 
-    app = FastAPI(title="cosyvoice-cpu", version=_version(), lifespan=lifespan)
+    # no CDN pages (/docs is ours, /redoc is gone); no redirects to a URL built from the Host header (/metrics/)
+    app = FastAPI(title="cosyvoice-cpu", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None,
+                  redirect_slashes=False)  # fmt: skip
     app.state.cosyvoice = state
-
-    def error_response(status: int, message: str, kind: str, code: str | None = None,
-                       headers: dict[str, str] | None = None) -> Any:  # fmt: skip
-        return JSONResponse({"error": {"message": message, "type": kind, "code": code}}, status, headers=headers)
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, e: ApiError) -> Any:
-        return error_response(e.status, str(e), e.kind, e.code, e.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, e: StarletteHTTPException) -> Any:  # unknown paths, wrong methods
-        what = f"no endpoint {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
-        return error_response(e.status_code, f"{what} (see /docs for the API)", "invalid_request_error",
-                              headers=getattr(e, "headers", None))  # fmt: skip
-
-    @app.exception_handler(Rejected)
-    async def _rejected(request: Request, e: Rejected) -> Any:
-        m.count(endpoint_label(request.scope["path"]), "rejected")
-        return error_response(e.status, str(e), "server_busy" if e.status == 429 else "unavailable",
-                              headers={"Retry-After": str(e.retry_after)})  # fmt: skip
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, e: RequestValidationError) -> Any:
-        m.count(endpoint_label(request.scope["path"]), "bad_request")
-        problems = []
-        for err in e.errors()[:5]:
-            if err.get("type") == "json_invalid":
-                problems.append(f"the body is not valid JSON ({err.get('ctx', {}).get('error', 'decode error')})")
-                continue
-            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-            problems.append(f"{where}: {err.get('msg', 'invalid')}")
-        return error_response(400, "invalid request: " + "; ".join(problems), "invalid_request_error")
-
-    @app.exception_handler(CosyVoiceCpuError)
-    async def _config(request: Request, e: CosyVoiceCpuError) -> Any:
-        m.count(endpoint_label(request.scope["path"]), "bad_request")
-        return error_response(400, str(e), "invalid_request_error")
-
-    @app.exception_handler(Exception)
-    async def _crash(request: Request, e: Exception) -> Any:
-        if isinstance(e, StreamAborted):  # a speech stream cut after its status line: counted, logged, answered
-            raise e
-        logger.exception("%s %s failed", request.method, request.url.path)
-        m.count(endpoint_label(request.scope["path"]), "error")
-        return error_response(500, f"internal error ({type(e).__name__}); the server keeps running", "server_error")
-
+    handlers.install(app, m)
+    # the outermost middleware is added last: guard (Host, Origin, body size), then CORS, then the API key
     if settings.api_key:
-        message = "missing or wrong API key: send 'Authorization: Bearer <key>'"
-        reject = lambda: error_response(401, message, "authentication_error", "invalid_api_key")  # noqa: E731
-        app.add_middleware(ApiKeyMiddleware, key=settings.api_key, metrics=m, reject=reject)
+        app.add_middleware(ApiKeyMiddleware, key=settings.api_key, metrics=m)
+    if settings.allow_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allow_origins), allow_methods=["GET", "POST",
+                           "DELETE"], allow_headers=["Authorization", "Content-Type"],
+                           expose_headers=["X-Sample-Rate", "X-Speed-Clamped", "X-Voice", "X-Replica",
+                                           "Retry-After"])  # fmt: skip
+    app.add_middleware(HostOriginGuard, bind=settings.host, allow_hosts=settings.allow_hosts,
+                       allow_origins=settings.allow_origins, max_body=settings.max_body_bytes, metrics=m)  # fmt: skip
+    app.add_middleware(ReplicaHeaderMiddleware, info=state.replica)  # outermost: every response says who answered
+
+    def static(name: str) -> Any:
+        return HTMLResponse(resources.files("cosyvoice_cpu.server").joinpath(f"static/{name}").read_text("utf-8"))
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def page() -> Any:
-        return HTMLResponse(resources.files("cosyvoice_cpu.server").joinpath("static/index.html").read_text("utf-8"))
+        return static("index.html")
+
+    @app.get("/docs", response_class=HTMLResponse, include_in_schema=False)
+    async def docs() -> Any:
+        return static("docs.html")
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
+        """The server's state: model, load, voices, RSS (open without the API key, for probes)."""
         adm = state.admission
+        loop = asyncio.get_running_loop()
+        replica = await loop.run_in_executor(None, state.replica.health)  # under Ray: a call to Serve (cached)
+        voices = await loop.run_in_executor(None, len, state.voices)  # reads the shared voices directory
         return {"status": "draining" if adm.draining else "ok", "model": state.model_id,
                 "family": engine.manifest.family, "sample_rate": engine.sample_rate,
                 "rss_mb": round(_rss_bytes() / 2**20, 1), "active": adm.active, "queued": adm.waiting,
-                "voices": len(state.voices), "uptime_s": round(time.time() - state.started, 1)}  # fmt: skip
+                "voices": voices, "uptime_s": round(time.time() - state.started, 1), **replica}  # fmt: skip
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Any:
+        """Prometheus metrics (text format)."""
         return PlainTextResponse(m.render(), media_type="text/plain; version=0.0.4")
 
-    routes.add_routes(app, state, ApiError, VoiceExistsError, VoiceNotFoundError)
+    routes.add_routes(app, state)
+    voice_routes.add_routes(app, state)
+    openapi.install(app, settings)
     return app
 
 

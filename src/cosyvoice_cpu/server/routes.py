@@ -1,4 +1,5 @@
-"""The ``/v1`` routes: speech (audio chunks or server-sent events), models, and the saved voices.
+"""The speech route, ``POST /v1/audio/speech``: audio chunks or server-sent events as they are made, or (with
+``"stream": false``) the whole file at the end, with its real length in the container and ``Content-Length``.
 
 Imported only by :func:`cosyvoice_cpu.server.app.create_app`, after it checked that the [server] extra is there.
 """
@@ -17,22 +18,24 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.server.checks import RequestProblem, check_model, check_speed, check_text, resolve_voice
 from cosyvoice_cpu.server.encode import Encoder, UnsupportedFormatError, check_format
-from cosyvoice_cpu.server.speech import OPENAI_MODELS, Cancelled, Job, SpeechRequest, StreamAborted, TimedOut
-from cosyvoice_cpu.voice import check_name
+from cosyvoice_cpu.server.handlers import ApiError
+from cosyvoice_cpu.server.speech import Cancelled, Job, SpeechRequest, StreamAborted, TimedOut
 
 logger = logging.getLogger(__name__)
 
 SPEECH = "/v1/audio/speech"
-VOICES = "/v1/audio/voices"
 
 
-def add_routes(app: Any, state: Any, api_error: type, exists: type, not_found: type) -> None:
-    """Register the ``/v1`` routes on ``app`` (``state``: the app's :class:`~cosyvoice_cpu.server.app.State`)."""
+def add_routes(app: Any, state: Any) -> None:
+    """Register ``/v1/models`` and the speech route on ``app`` (``state``: the app's
+    :class:`~cosyvoice_cpu.server.app.State`)."""
     settings, m = state.settings, state.metrics
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
+        """The loaded model: its id, family, recipe and sample rate."""
         manifest = state.engine.manifest
         return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": int(state.started),
                 "owned_by": "cosyvoice-cpu", "family": manifest.family, "recipe": manifest.recipe.get("name"),
@@ -40,117 +43,76 @@ def add_routes(app: Any, state: Any, api_error: type, exists: type, not_found: t
 
     @app.post(SPEECH)
     async def speech(body: SpeechRequest, request: Request) -> Any:
-        if body.model not in (state.model_id, state.engine.manifest.family, *OPENAI_MODELS):
-            raise api_error(400, f"unknown model {body.model!r}; this server has {state.model_id!r} "
-                            f"(or use {', '.join(OPENAI_MODELS)})", code="model_not_found")  # fmt: skip
-        if not body.input.strip():
-            raise api_error(400, "input is empty: give the text to speak", code="empty_input")
-        if len(body.input) > settings.max_input_chars:
-            raise api_error(400, f"input has {len(body.input)} characters; this server takes at most "
-                            f"{settings.max_input_chars} per request (split the text)",
-                            code="input_too_long")  # fmt: skip
+        """Speak ``input`` with ``voice``: audio chunks as they are made (``"stream": false``: the whole file at
+        the end), or server-sent events."""
+        # every check before any work: lengths first (a megabyte of text costs a len()), then content
+        check_text("input", body.input, settings.max_input_chars)
+        instruct = None
+        if body.instructions is not None:
+            check_text("instructions", body.instructions, settings.max_instructions_chars, required=False)
+            instruct = body.instructions.strip() or None
+        check_model(body.model, state.model_id, state.engine.manifest.family)
         try:
             fmt = check_format(body.response_format)
         except UnsupportedFormatError as e:
-            raise api_error(400, str(e), code="unsupported_format") from e
-        try:
-            voice = state.voices.get(body.voice)
-        except not_found as e:
-            raise api_error(400, str(e), code="voice_not_found") from e
-        config = body.synthesis_config(settings.defaults)
-        instruct = body.instructions.strip() if body.instructions and body.instructions.strip() else None
-        encoder = Encoder(fmt, state.engine.sample_rate, streaming=True)  # before taking a slot: it may fail
+            raise RequestProblem(str(e), "unsupported_format") from e
+        speed, clamped = check_speed(body.speed)
+        voice, voice_name = resolve_voice(state.voices, body.voice, settings.default_voice)
+        config = body.synthesis_config(settings.defaults, speed)
+        if instruct is not None:
+            _check_instruction_room(state.engine, voice, instruct, config)
+        sse = body.stream_format == "sse"
+        whole = not body.stream and not sse  # the whole file at the end: real lengths in wav/flac, an mp3 Info tag
+        encoder = Encoder(fmt, state.engine.sample_rate, streaming=not whole)  # before taking a slot: it may fail
+        headers = {"Cache-Control": "no-store", "X-Sample-Rate": str(state.engine.sample_rate)}
+        if clamped:
+            headers["X-Speed-Clamped"] = f"{speed:g}"
+        if voice_name != body.voice:
+            headers["X-Voice"] = voice_name.encode("ascii", "backslashreplace").decode()
         queue_wait = await state.admission.enter()
         job = Job(lambda check: state.engine.synthesize(body.input, voice, config, instruct, check=check),
                   settings.timeout)  # fmt: skip
         state.jobs.add(job)
         watcher = asyncio.create_task(_watch_disconnect(request, job))
+        parts: list[bytes] = []
         try:
             chunks = job.chunks(state.executor, encoder)
-            try:  # the first chunk before the status line: early failures still get their 4xx/5xx
-                first = await chunks.__anext__()
-            except StopAsyncIteration:  # not reached: the encoder's tail always comes
-                first = b""
+            async for data in chunks:  # streamed: the first chunk before the status line, so early failures
+                parts.append(data)  # still get their 4xx/5xx; whole: every chunk
+                if not whole:
+                    break
         except BaseException as e:
             watcher.cancel()
             job.cancel.set()
             job.when_done(lambda: _release(state, job))
             if isinstance(e, asyncio.CancelledError):
                 raise
-            raise _as_api_error(e, m, api_error) from e
-        stream = _SpeechStream(first, chunks, job, body.stream_format == "sse", queue_wait, state, watcher)
-        media = "text/event-stream" if stream.sse else encoder.media_type
-        return _StreamResponse(stream, media_type=media,
-                               headers={"Cache-Control": "no-store", "X-Sample-Rate": str(state.engine.sample_rate)})
+            raise _as_api_error(e, m) from e
+        stream = _SpeechStream(b"".join(parts), chunks, job, sse, queue_wait, state, watcher)
+        if whole:
+            await stream.close("ok")
+            return Response(stream.first, media_type=encoder.media_type, headers=headers)
+        media = "text/event-stream" if sse else encoder.media_type
+        return _StreamResponse(stream, media_type=media, headers=headers)
 
-    @app.get(VOICES)
-    async def list_voices() -> dict[str, Any]:
-        out = []
-        for name in state.voices.names():
-            v = state.voices.get(name)
-            out.append({"id": name, "name": name, "prompt_text": v.prompt_text,
-                        "mode": "built-in" if v.builtin else "zero-shot" if v.prompt_text else "cross-lingual",
-                        "duration_s": round(v.duration, 2), "created": v.meta.get("created")})  # fmt: skip
-        return {"object": "list", "voices": out}
 
-    @app.post(VOICES, status_code=201)
-    async def add_voice(request: Request) -> dict[str, Any]:
-        limit = int(settings.max_upload_mb * 2**20)
-        body_limit = limit + 64 * 1024  # the audio plus the multipart framing and the text fields
-
-        def too_large(what: str) -> Exception:
-            return api_error(413, f"{what} is over the limit of {settings.max_upload_mb:g} MB; send 3-10 s of speech",
-                             code="upload_too_large")  # fmt: skip
-
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > body_limit:
-            raise too_large(f"upload of {int(declared)} bytes")
-        received = bytearray()
-        async for part in request.stream():  # a hard cap, also for chunked uploads without Content-Length
-            received += part
-            if len(received) > body_limit:
-                raise too_large("upload")
-        request._body = bytes(received)  # Starlette's form parser reads the cached body
+def _check_instruction_room(engine: Any, voice: Any, instruct: str, config: Any) -> None:
+    """Refuse instructions that leave the LM's KV cache no room for text (the engine's message would blame the
+    voice prompt). The instructions are short by now (``max_instructions_chars``): tokenizing them is cheap."""
+    lm_prompt, segment_cap = getattr(engine, "lm_prompt", None), getattr(engine, "_segment_cap", None)
+    if lm_prompt is None or segment_cap is None:
+        return
+    prompt = lm_prompt(voice, instruct, config.normalize)
+    try:
+        segment_cap(prompt, config.max_tokens)
+    except ConfigError as e:
         try:
-            form = await request.form(max_files=1, max_fields=8)
-        except Exception as e:  # malformed multipart
-            raise api_error(400, f"send multipart/form-data with fields name, file (audio) and prompt_text ({e})",
-                            code="bad_upload") from e  # fmt: skip
-        name, upload = form.get("name"), form.get("file")
-        text = form.get("prompt_text", form.get("transcript", ""))
-        if not isinstance(name, str) or not isinstance(text, str):
-            raise api_error(400, "fields 'name' and 'prompt_text' must be text", code="bad_upload")
-        check_name(name)  # VoiceError -> 400 before any work
-        if upload is None or isinstance(upload, str):
-            raise api_error(400, "field 'file' must be an uploaded audio file (wav, flac, ogg, mp3)",
-                            code="bad_upload")  # fmt: skip
-        data = await upload.read(limit + 1)
-        await upload.close()
-        if len(data) > limit:
-            raise too_large("the audio file")
-        overwrite = str(form.get("overwrite", "false")).lower() in ("1", "true", "yes")
-        if name in state.voices.names() and not overwrite:
-            raise api_error(409, f"a voice named {name!r} exists; DELETE it first or send overwrite=true",
-                            code="voice_exists")  # fmt: skip
-        async with state.voice_lock:  # one voice at a time: the speech tokenizer is big
-            loop = asyncio.get_running_loop()
-            voice = await loop.run_in_executor(None, state.engine.make_voice, data, text.strip(), name)
-            try:
-                await loop.run_in_executor(None, state.voices.add, voice, overwrite)
-            except exists as e:
-                raise api_error(409, str(e), code="voice_exists") from e
-        m.count(VOICES, "ok")
-        return {"id": name, "name": name, "prompt_text": voice.prompt_text, "duration_s": round(voice.duration, 2)}
-
-    @app.delete(VOICES + "/{name}", status_code=204, response_model=None)
-    async def delete_voice(name: str) -> Any:
-        try:
-            state.voices.remove(name)
-        except not_found as e:
-            raise api_error(404, str(e), code="voice_not_found") from e
-        except exists as e:  # a built-in speaker of the model
-            raise api_error(409, str(e), code="voice_builtin") from e
-        return Response(status_code=204)
+            cache = f"KV cache of {engine.lm.session.spec.max_len} positions"
+        except AttributeError:
+            cache = "KV cache"
+        raise RequestProblem(f"instructions take {len(prompt.text_ids)} tokens and leave the model's {cache} no "
+                             "room for the text to speak; shorten the instructions (or re-export the model with a "
+                             "larger --max-len)", "instructions_too_long") from e  # fmt: skip
 
 
 def _outcome(e: BaseException) -> str:
@@ -161,18 +123,19 @@ def _outcome(e: BaseException) -> str:
     return "error"
 
 
-def _as_api_error(e: BaseException, m: Any, api_error: type) -> Exception:
-    """The ApiError for a synthesis that failed before its first audio (counted)."""
+def _as_api_error(e: BaseException, m: Any) -> Exception:
+    """The ApiError for a synthesis that failed before its first audio (or, sent whole, before its end; counted)."""
     outcome = _outcome(e)
     m.count(SPEECH, outcome)
     if outcome == "bad_request":
-        return api_error(400, str(e))
+        return ApiError(400, str(e), code="invalid_request", counted=True)
     if outcome == "timeout":
-        return api_error(504, str(e), "timeout")
+        return ApiError(504, str(e), "timeout", "timeout", counted=True)
     if outcome == "cancelled":
-        return api_error(499, "the request was cancelled", "cancelled")
+        return ApiError(499, "the request was cancelled", "cancelled", "cancelled", counted=True)
     logger.error("synthesis failed: %s", e, exc_info=e)
-    return api_error(500, f"synthesis failed ({type(e).__name__}); the server keeps running", "server_error")
+    return ApiError(500, f"synthesis failed ({type(e).__name__}); the server keeps running", "server_error",
+                    "synthesis_failed", counted=True)  # fmt: skip
 
 
 def _release(state: Any, job: Job) -> None:
@@ -231,7 +194,8 @@ class _SpeechStream:
             if not self.sse:
                 raise StreamAborted(f"speech stream aborted: {e}") from e  # no final chunk: clients see truncation
             kind, message = ("timeout", str(e)) if outcome == "timeout" else ("server_error", "synthesis failed")
-            yield _sse({"type": "error", "error": {"message": message, "type": kind}})
+            code = "timeout" if outcome == "timeout" else "synthesis_failed"
+            yield _sse({"type": "error", "error": {"message": message, "type": kind, "code": code}})
         finally:
             await self.close(outcome)
 

@@ -22,28 +22,46 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cosyvoice_cpu.config import SynthesisConfig
+from cosyvoice_cpu.server.checks import MAX_MODEL_CHARS, MAX_VOICE_CHARS
 
 logger = logging.getLogger(__name__)
 
-OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # accepted as aliases of the loaded model
 MAX_PENDING_CHUNKS = 8  # encoded chunks a worker may have made ahead of the client (see Job.chunks)
 
 
 class SpeechRequest(BaseModel):
-    """The OpenAI ``/v1/audio/speech`` body plus documented extensions (unknown fields are refused)."""
+    """The OpenAI ``/v1/audio/speech`` body plus documented extensions.
 
-    model_config = ConfigDict(extra="forbid")
+    Strict: unknown fields are refused, and so are values of the wrong JSON type (``"speed": "1.0"``,
+    ``"stream": "yes"``); an integer is taken for a number. The text fields' limits are the server's settings,
+    checked in the handler (``server.checks``); the schema at ``/openapi.json`` states them.
+    """
 
-    model: str = Field(description="the served model id (GET /v1/models) or an OpenAI alias: tts-1, tts-1-hd")
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={
+            "examples": [{"model": "tts-1", "input": "Good morning.", "voice": "alloy", "response_format": "wav"}]
+        },
+    )
+
+    model: str = Field(max_length=MAX_MODEL_CHARS, description="the served model id (GET /v1/models), its family "
+                       "name (cosyvoice2, ...) or an OpenAI name: tts-1, tts-1-hd, gpt-4o-mini-tts")  # fmt: skip
     input: str = Field(description="text to speak")
-    voice: str = Field(description="a saved voice (GET /v1/audio/voices)")
+    voice: str = Field(max_length=MAX_VOICE_CHARS, description="a saved voice (GET /v1/audio/voices), or an OpenAI "
+                       "voice name (alloy, ...) when the server has a --default-voice")  # fmt: skip
     instructions: str | None = Field(None, description="speaking instruction: instruct mode (e.g. 'Speak happily.')")
-    speed: float = Field(1.0, description="speaking rate, 0.5 to 2.0")
-    response_format: str = Field("mp3", description="wav, pcm (16-bit mono little-endian), mp3, opus or flac")
+    speed: float = Field(1.0, json_schema_extra={"minimum": 0.25, "maximum": 4.0}, description="speaking rate: "
+                         "0.25 to 4.0 is taken, and clamped to the 0.5 to 2.0 this server speaks at (the "
+                         "X-Speed-Clamped header says so)")  # fmt: skip
+    response_format: str = Field("mp3", max_length=16, description="mp3, opus (Ogg), flac, wav or pcm (16-bit "
+                                 "mono little-endian)")  # fmt: skip
     stream_format: Literal["audio", "sse"] = Field("audio", description="audio bytes, or server-sent events")
     # extensions
-    stream: bool = Field(True, description="synthesize chunk by chunk within sentences (low first-audio latency); "
-                         "false: a sentence at a time (the flow sees the whole sentence)")  # fmt: skip
+    stream: bool = Field(True, description="true: synthesize chunk by chunk within sentences and send each chunk "
+                         "as it is made (low first-audio latency; wav and flac then carry an unknown length); "
+                         "false: a sentence at a time, and the whole file is sent at the end with its real "
+                         "length")  # fmt: skip
     seed: int | None = Field(None, description="random seed: the same seed gives the same audio")
     flow_steps: int | None = Field(None, description="Euler steps of the flow (default 10; fewer = faster)")
     cfg_rate: float | None = None
@@ -55,9 +73,10 @@ class SpeechRequest(BaseModel):
     tau_r: float | None = None
     normalize: bool | None = Field(None, description="text normalization of numbers, dates, symbols (default on)")
 
-    def synthesis_config(self, base: SynthesisConfig) -> SynthesisConfig:
-        """The engine config: ``base`` with this request's fields (validated: ConfigError names a bad one)."""
-        changes: dict[str, Any] = {"speed": self.speed, "stream": self.stream}
+    def synthesis_config(self, base: SynthesisConfig, speed: float) -> SynthesisConfig:
+        """The engine config: ``base`` with this request's fields and ``speed`` (the clamped one; validated:
+        ConfigError names a bad field)."""
+        changes: dict[str, Any] = {"speed": speed, "stream": self.stream}
         for name in ("seed", "flow_steps", "cfg_rate", "first_chunk_tokens", "chunk_tokens", "top_p", "top_k",
                      "win_size", "tau_r", "normalize"):  # fmt: skip
             value = getattr(self, name)

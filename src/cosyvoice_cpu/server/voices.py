@@ -1,89 +1,73 @@
-"""The server's saved voices: one ``NAME.npz`` per voice in a directory, written atomically.
+"""The server's saved voices: a :class:`~cosyvoice_cpu.voices.store.VoiceStore` shared by every replica, plus the
+model's built-in speakers.
 
-A voice file is written to a temporary file, fsynced and renamed over its final name (:meth:`Voice.save`), so a
-crash or ``kill -9`` in the middle of an upload leaves either the old voice or the new one, never half of one.
-Temporary files left by such a crash are removed at start. Files that do not load (corrupt, made for another
-model) are reported and skipped, not served; nothing is ever deleted except through :meth:`VoiceStore.remove`.
+The voices themselves live in a store that every process serving the same directory sees alike
+(:class:`~cosyvoice_cpu.voices.store.DirectoryVoiceStore`: one ``NAME.npz`` per voice, published by write, fsync
+and rename or link), so a voice uploaded through one replica is listed and used through every other at once, a
+deleted one is gone everywhere, and ``kill -9`` at any moment leaves the old voice or the new one, never half of
+one. Temporary files left by a writer that died are removed at start; files that do not load (corrupt, made for
+another model) are reported and skipped, not served; nothing is deleted except through :meth:`VoiceStore.remove`.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 
-from cosyvoice_cpu.voice import Voice, VoiceError, check_name
+from cosyvoice_cpu.voices.store import SUFFIX, DirectoryVoiceStore, VoiceExistsError, VoiceNotFoundError
+from cosyvoice_cpu.voices.store import VoiceStore as SharedStore
+from cosyvoice_cpu.voices.voice import Voice
 
 logger = logging.getLogger(__name__)
 
-SUFFIX = ".npz"
-
-
-class VoiceNotFoundError(VoiceError):
-    """No saved voice of that name."""
-
-
-class VoiceExistsError(VoiceError):
-    """A voice of that name exists and overwriting was not asked for."""
+__all__ = ["SUFFIX", "VoiceExistsError", "VoiceNotFoundError", "VoiceStore"]
 
 
 class VoiceStore:
-    """Saved voices of one model (family and sample rate), cached in memory after the first load.
+    """Saved voices of one model (family and sample rate) beside its built-in speakers.
 
     Args:
-        directory: where the ``.npz`` files live (created if missing).
+        directory: where the ``.npz`` files live (created if missing), or a ready :class:`SharedStore`.
         family, sample_rate: the loaded model's; voices made for another model are skipped with a warning.
         builtin: the model's built-in speakers (CosyVoice-300M-SFT), served read-only beside the saved voices.
     """
 
-    def __init__(self, directory: str | Path, family: str, sample_rate: int,
+    def __init__(self, directory: str | Path | SharedStore, family: str, sample_rate: int,
                  builtin: dict[str, Voice] | None = None) -> None:  # fmt: skip
-        self.directory = Path(directory)
+        if isinstance(directory, SharedStore):
+            self.store = directory
+        else:
+            self.store = DirectoryVoiceStore(directory, family, sample_rate)
+        self.directory = Path(getattr(self.store, "directory", self.store.location))
         self.family, self.sample_rate = family, sample_rate
         self.builtin = dict(builtin or {})
-        self._lock = threading.Lock()
-        self._voices: dict[str, Voice] = {}
-        self.skipped: dict[str, str] = {}  # file name -> why it is not served
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._scan()
+        saved = self.store.list()
+        logger.info("%d saved voices in %s", len(saved), self.store.location)
+
+    @property
+    def skipped(self) -> dict[str, str]:
+        """File name -> why it is not served (as of the last listing)."""
+        return dict(getattr(self.store, "skipped", {}))
 
     def path(self, name: str) -> Path:
         """The file of voice ``name`` (the name is validated: no path parts can get through)."""
-        return self.directory / f"{check_name(name)}{SUFFIX}"
-
-    def _scan(self) -> None:
-        for tmp in self.directory.glob(f".*{SUFFIX}.*.tmp"):  # left by a crash during a write
-            logger.warning("removing %s, an unfinished voice write", tmp.name)
-            tmp.unlink(missing_ok=True)
-        for path in sorted(self.directory.glob(f"*{SUFFIX}")):
-            try:
-                voice = Voice.load(path)
-                voice.check_model(self.family, self.sample_rate)
-                if voice.name != path.stem:
-                    raise VoiceError(f"it holds voice {voice.name!r}, not {path.stem!r}")
-            except VoiceError as e:
-                self.skipped[path.name] = str(e)
-                logger.warning("not serving %s: %s", path, e)
-                continue
-            self._voices[voice.name] = voice
-        logger.info("%d saved voices in %s", len(self._voices), self.directory)
+        return self.store.path(name) if isinstance(self.store, DirectoryVoiceStore) else self.directory / name
 
     def names(self) -> list[str]:
-        with self._lock:
-            return sorted({*self._voices, *self.builtin})
+        return sorted({*self.store.list(), *self.builtin})
 
     def get(self, name: str) -> Voice:
         """The voice called ``name``; VoiceNotFoundError (naming the voices there are) if none."""
-        with self._lock:
-            voice = self._voices.get(name) or self.builtin.get(name)
-            if voice is None:
-                known = ", ".join(sorted({*self._voices, *self.builtin}))
-                known = known or "none yet; add one with POST /v1/audio/voices"
-                raise VoiceNotFoundError(f"no voice named {name!r}; saved voices: {known}")
-            return voice
+        if name in self.builtin:
+            return self.builtin[name]
+        try:
+            return self.store.get(name)
+        except VoiceNotFoundError:
+            known = ", ".join(self.names()) or "none yet; add one with POST /v1/audio/voices"
+            raise VoiceNotFoundError(f"no voice named {name!r}; saved voices: {known}") from None
 
     def __len__(self) -> int:
-        return len({*self._voices, *self.builtin})
+        return len(self.names())
 
     def _check_writable(self, name: str) -> None:
         if name in self.builtin:
@@ -91,25 +75,13 @@ class VoiceStore:
                                    "(choose another name)")  # fmt: skip
 
     def add(self, voice: Voice, overwrite: bool = False) -> Path:
-        """Save ``voice`` under its name (atomically) and serve it from now on."""
+        """Save ``voice`` under its name (atomically, create-if-absent unless ``overwrite``) for every replica."""
         voice.check_model(self.family, self.sample_rate)
         self._check_writable(voice.name)
-        path = self.path(voice.name)
-        with self._lock:
-            if voice.name in self._voices and not overwrite:
-                raise VoiceExistsError(f"a voice named {voice.name!r} exists; delete it first or pass overwrite=true")
-            voice.save(path)
-            self._voices[voice.name] = voice
-        logger.info("saved voice %r to %s", voice.name, path)
-        return path
+        self.store.put(voice, overwrite=overwrite)
+        return self.path(voice.name)
 
     def remove(self, name: str) -> None:
-        """Delete voice ``name`` (file and memory); VoiceNotFoundError if there is none."""
-        path = self.path(name)
+        """Delete voice ``name`` everywhere; VoiceNotFoundError if there is none."""
         self._check_writable(name)
-        with self._lock:
-            if name not in self._voices:
-                raise VoiceNotFoundError(f"no voice named {name!r}")
-            path.unlink(missing_ok=True)
-            del self._voices[name]
-        logger.info("deleted voice %r", name)
+        self.store.delete(name)

@@ -1,0 +1,146 @@
+"""``cosyvoice-cpu serve``: load a model directory once and serve the OpenAI-compatible speech API over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+from cosyvoice_cpu.errors import MissingExtraError
+
+logger = logging.getLogger(__name__)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+    except ImportError as e:
+        raise MissingExtraError("serve needs the [server] extra: pip install 'cosyvoice-cpu[server]'") from e
+    from cosyvoice_cpu.cli.speech import voices_dir
+    from cosyvoice_cpu.config import EngineConfig
+    from cosyvoice_cpu.engine import Engine
+    from cosyvoice_cpu.server.app import ServerSettings, create_app
+
+    settings = ServerSettings(
+        voices_dir=voices_dir(args.voices),
+        model_id=args.model_id or "",
+        api_key=args.api_key or os.environ.get("COSYVOICE_CPU_API_KEY") or None,
+        max_active=args.max_active,
+        max_queue=args.max_queue,
+        timeout=args.timeout,
+        max_input_chars=args.max_input_chars,
+        max_instructions_chars=args.max_instructions_chars,
+        max_prompt_chars=args.max_prompt_chars,
+        max_upload_mb=args.max_upload_mb,
+        host=args.host,
+        allow_hosts=tuple(args.allow_host or ()),
+        allow_origins=tuple(args.allow_origin or ()),
+        default_voice=args.default_voice,
+    ).validate()
+    rows = args.max_active if args.lm_batch_rows is None else args.lm_batch_rows
+    engine_config = EngineConfig(threads=args.threads, lm_batch_rows=rows, prompt_cache_fp16=args.prompt_cache_fp16)
+    if args.replicas != 1 or args.ray_address:
+        return _serve_replicas(args, settings, engine_config)
+    engine = Engine.load(args.model, engine_config)
+    app = create_app(engine, settings)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
+        logger.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)", args.host)
+    print(f"serving {engine.model_dir} on http://{args.host}:{args.port} ({settings.max_active} at once, "
+          f"voices in {settings.voices_dir})", flush=True)  # fmt: skip
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=10)  # fmt: skip
+    try:
+        _draining_server(config, app).run()
+    finally:
+        engine.close()
+    return 0
+
+
+def _serve_replicas(args: argparse.Namespace, settings: object, engine_config: object) -> int:
+    """``--replicas N|auto`` (or ``--ray-address``): the same app as replicas on Ray Serve (the [ray] extra)."""
+    import dataclasses
+
+    from cosyvoice_cpu.server.replicas import ReplicaPlan, serve_replicas
+
+    threads = args.threads or 1  # Ray reserves CPUs but pins no affinity: each replica's threads are explicit
+    if not args.threads:
+        logger.info("--threads not given: 1 ORT thread per replica (Ray reserves 1 CPU for each)")
+    settings = dataclasses.replace(settings, voices_dir=settings.voices_dir.resolve())  # replicas start elsewhere
+    plan = ReplicaPlan(replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+                       target_ongoing=args.target_ongoing, threads=threads, ray_address=args.ray_address,
+                       host=args.host, port=args.port,
+                       max_ongoing=settings.max_active + settings.max_queue)  # fmt: skip
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
+        logger.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)", args.host)
+    return serve_replicas(args.model.resolve(), settings, dataclasses.replace(engine_config, threads=threads), plan)
+
+
+def _replicas(value: str) -> int | None:
+    """``--replicas``: a count of at least 1, or ``auto`` (None: Serve's autoscaling)."""
+    if value.strip().lower() == "auto":
+        return None
+    if not value.strip().isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"takes a count of at least 1 or 'auto', not {value!r}")
+    return int(value)
+
+
+def _draining_server(config: object, app: object) -> object:
+    """A uvicorn server that, at SIGTERM/SIGINT, makes the app answer new speech requests with 503 while the
+    running ones finish (the graceful window), instead of only after that window."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:
+            admission = app.state.cosyvoice.admission
+            if admission is not None:
+                admission.draining = True
+            super().handle_exit(sig, frame)
+
+    return DrainingServer(config)
+
+
+def add_parser(sub: argparse._SubParsersAction, positive: type, non_negative: type) -> None:
+    """Register ``serve``."""
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible speech API (needs the [server] extra)")
+    s.add_argument("-m", "--model", type=Path, required=True, help="model directory made by `export`")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /metrics (or set "
+                   "COSYVOICE_CPU_API_KEY)")  # fmt: skip
+    s.add_argument("--max-active", type=positive, default=8, help="syntheses at once; their LM steps are batched")
+    s.add_argument("--lm-batch-rows", type=non_negative, help="LM rows decoded together (default: --max-active; "
+                   "0 = every request decodes alone, for comparisons)")  # fmt: skip
+    s.add_argument("--max-queue", type=non_negative, default=32, help="requests waiting beyond that (then 429)")
+    s.add_argument("--timeout", type=float, default=300.0, help="seconds one synthesis may take")
+    s.add_argument("--max-upload-mb", type=float, default=20.0, help="largest voice upload")
+    s.add_argument("--max-input-chars", type=positive, default=4096, help="longest speech input (characters)")
+    s.add_argument("--max-instructions-chars", type=positive, default=1000, help="longest speech instructions")
+    s.add_argument("--max-prompt-chars", type=positive, default=1000, help="longest voice transcript (prompt_text)")
+    s.add_argument("--default-voice", metavar="NAME", help="the saved voice that OpenAI's voice names (alloy, ash, "
+                   "coral, ...) speak with; without it they are refused with a 400 that says so")  # fmt: skip
+    s.add_argument("--allow-host", action="append", metavar="NAME", help="also serve requests whose Host header "
+                   "names NAME (repeatable; '*' for any): the bind address, localhost and, bound to 0.0.0.0, any IP "
+                   "address are served; other names are refused (DNS rebinding)")  # fmt: skip
+    s.add_argument("--allow-origin", action="append", metavar="ORIGIN", help="let browser pages of ORIGIN (e.g. "
+                   "http://localhost:3000; repeatable; '*' for any) send POST/DELETE requests, with CORS; pages "
+                   "of other sites are refused (403)")  # fmt: skip
+    s.add_argument("--threads", type=non_negative, default=0, help="ORT threads (default: usable physical cores)")
+    s.add_argument("--prompt-cache-fp16", action="store_true", help="fp32 models: keep each voice's streaming cache in "
+                   "float16 (half the memory, mel rel. error 2.6e-3, ~5 %% slower streamed chunks); int8 models "
+                   "(the default recipe) do so already")  # fmt: skip
+    s.add_argument("--voices", type=Path, help="saved-voices directory (shared with `cosyvoice-cpu voice`)")
+    s.add_argument("--model-id", help="model id in /v1/models (default: the model directory's name)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    r = s.add_argument_group("replicas on Ray Serve (the [ray] extra; docs/deploy.md)")
+    r.add_argument("--replicas", type=_replicas, default=1, metavar="N|auto", help="run the app as N replicas on "
+                   "Ray Serve, each with its own engine of --threads threads (default 1: this process, no Ray); "
+                   "'auto': Serve's autoscaling on ongoing requests, --min-replicas to --max-replicas")  # fmt: skip
+    r.add_argument("--min-replicas", type=positive, default=1, help="--replicas auto: fewest replicas")
+    r.add_argument("--max-replicas", type=positive, default=4, help="--replicas auto: most replicas")
+    r.add_argument("--target-ongoing", type=float, default=2.0, help="--replicas auto: requests in flight per "
+                   "replica that Serve's autoscaler aims at")  # fmt: skip
+    r.add_argument("--ray-address", help="join this Ray cluster (e.g. HEAD:6379 or ray://HEAD:10001) instead of "
+                   "starting a local instance; every node needs cosyvoice-cpu, the model at the same path, and "
+                   "--voices on a shared filesystem")  # fmt: skip
+    s.set_defaults(func=cmd_serve)

@@ -1,0 +1,63 @@
+"""``serve --replicas`` without Ray: the flags, the Serve options they become, the ``X-Replica`` header and
+``/health``'s replica fields, and that nothing imports ``ray`` unless replicas are asked for."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+from cosyvoice_cpu.cli.main import build_parser
+from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.server.identity import ReplicaHeaderMiddleware, ReplicaInfo
+from cosyvoice_cpu.server.replicas import ReplicaPlan
+
+
+def test_replica_flags_parse_and_become_serve_options() -> None:
+    parse = build_parser().parse_args
+    assert parse(["serve", "-m", "m"]).replicas == 1  # the plain server, no Ray
+    args = parse(["serve", "-m", "m", "--replicas", "auto", "--min-replicas", "2", "--max-replicas", "6"])
+    assert (args.replicas, args.min_replicas, args.max_replicas) == (None, 2, 6)
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(SystemExit):
+            parse(["serve", "-m", "m", "--replicas", bad])
+    fixed = ReplicaPlan(replicas=3, threads=2, max_ongoing=40).validate().deployment_options()
+    assert fixed["num_replicas"] == 3 and fixed["ray_actor_options"] == {"num_cpus": 2}
+    assert fixed["max_ongoing_requests"] == 40 and "autoscaling_config" not in fixed
+    auto = ReplicaPlan(replicas=None, min_replicas=2, max_replicas=6, target_ongoing=3).deployment_options()
+    assert auto["autoscaling_config"]["min_replicas"] == 2 and auto["autoscaling_config"]["max_replicas"] == 6
+    assert auto["autoscaling_config"]["target_ongoing_requests"] == 3 and "num_replicas" not in auto
+    for bad_plan in (ReplicaPlan(threads=0), ReplicaPlan(min_replicas=5, max_replicas=2), ReplicaPlan(replicas=0)):
+        with pytest.raises(ConfigError):
+            bad_plan.validate()
+
+
+def test_every_response_names_its_replica_and_health_counts_them() -> None:
+    sent: list[dict] = []
+
+    async def app(scope: dict, receive: object, send: object) -> None:
+        await send({"type": "http.response.start", "status": 403, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"no"})
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    tagged = ReplicaHeaderMiddleware(app, ReplicaInfo(id="r1", pid=42, count=lambda: 3))
+    asyncio.run(tagged({"type": "http", "path": "/"}, None, send))
+    assert (b"x-replica", b"r1") in sent[0]["headers"] and sent[1]["body"] == b"no"
+
+    def broken() -> int:
+        raise RuntimeError("Serve's controller is gone")
+
+    assert ReplicaInfo(id="r1", pid=42, count=lambda: 3).health() == {"replica": "r1", "pid": 42, "replicas": 3}
+    assert ReplicaInfo(id="r1", pid=42, count=broken).health()["replicas"] is None  # /health still answers
+    assert ReplicaInfo().health()["replicas"] == 1  # a plain server is one replica
+
+
+def test_the_server_modules_do_not_import_ray() -> None:
+    code = ("import sys, cosyvoice_cpu.server.replicas, cosyvoice_cpu.server.app, cosyvoice_cpu.cli.serve\n"
+            "assert 'ray' not in sys.modules, 'ray imported'")  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr

@@ -1,0 +1,100 @@
+"""Every ``cosyvoice-cpu`` sub-command takes its options before, between and after its positionals (issue #28)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from cosyvoice_cpu.cli.main import build_parser, main
+
+# per sub-command: argv variants (options first, options last, mixed) and the values they must all parse to
+CASES: dict[str, tuple[list[list[str]], dict[str, object]]] = {
+    "fixture": ([["fixture", "--seed", "3", "--out", "D"], ["fixture", "--out", "D", "--seed", "3"]],
+                {"out": Path("D"), "seed": 3}),
+    "export": ([["export", "--to", "B", "--from", "A"], ["export", "--from", "A", "--to", "B"]],
+               {"src": Path("A"), "dst": Path("B")}),
+    "say": (
+        [
+            ["say", "-m", "M", "-o", "x.wav", "hello", "world"],
+            ["say", "hello", "world", "-m", "M", "-o", "x.wav"],
+            ["say", "hello", "-m", "M", "world", "-o", "x.wav"],
+            ["say", "-m", "M", "hello", "-o", "x.wav", "world"],
+        ],
+        {"text": ["hello", "world"], "model": Path("M"), "out": Path("x.wav")},
+    ),
+    "voice": (
+        [
+            ["voice", "-m", "D", "--prompt-wav", "a.wav", "add", "alice"],
+            ["voice", "add", "-m", "D", "alice", "--prompt-wav", "a.wav"],  # the command of the issue
+            ["voice", "add", "alice", "-m", "D", "--prompt-wav", "a.wav"],
+            ["voice", "-m", "D", "add", "--prompt-wav", "a.wav", "alice"],
+        ],
+        {"action": "add", "name": "alice", "model": Path("D"), "prompt_wav": Path("a.wav")},
+    ),
+    "bench": ([["bench", "--runs", "1", "-m", "D"], ["bench", "-m", "D", "--runs", "1"]],
+              {"model": Path("D"), "runs": 1}),
+    "serve": ([["serve", "--port", "9", "-m", "D"], ["serve", "-m", "D", "--port", "9"]],
+              {"model": Path("D"), "port": 9}),
+    "doctor": ([["doctor", "--quick", "-m", "D"], ["doctor", "-m", "D", "--quick"]],
+               {"model": Path("D"), "quick": True}),
+    "demo": ([["demo", "--seed", "2", "-o", "x.wav"], ["demo", "-o", "x.wav", "--seed", "2"]],
+             {"seed": 2, "out": Path("x.wav")}),
+}  # fmt: skip
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    raise AssertionError("the cosyvoice-cpu parser has no sub-commands")
+
+
+def test_every_subcommand_is_covered() -> None:
+    """A new sub-command must be added to CASES (with its options placed first)."""
+    assert set(_subcommands(build_parser())) == set(CASES)
+
+
+@pytest.mark.parametrize("command", sorted(CASES))
+def test_options_anywhere(command: str) -> None:
+    variants, expected = CASES[command]
+    for argv in variants:
+        args = build_parser().parse_args(argv)
+        assert args.command == command
+        got = {k: getattr(args, k) for k in expected}
+        assert got == expected, f"{argv} parsed to {got}"
+
+
+def test_subcommands_with_positionals_accept_options_first() -> None:
+    """Each parser with positionals parses when every option precedes them (the shape of the bug)."""
+    with_positionals = {name for name, p in _subcommands(build_parser()).items() if p._get_positional_actions()}
+    assert with_positionals == {"say", "voice"}
+    for name in with_positionals:
+        assert CASES[name][0][0][1].startswith("-"), f"the first {name} case must start with an option"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["voice", "add", "-m", "D", "--prompt-wav", "a.wav"], "voice add needs a NAME"),
+        (["voice", "rm"], "voice rm needs a NAME"),
+        (["voice", "list", "alice"], "voice list takes no NAME"),
+    ],
+)
+def test_voice_name_errors(argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main([*argv, "--voices", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_say_text_after_double_dash() -> None:
+    """Text that starts with '-' still needs '--' (and still works with options first)."""
+    args = build_parser().parse_args(["say", "-m", "M", "--", "-5", "degrees"])
+    assert args.text == ["-5", "degrees"]
+
+
+def test_unknown_option_still_refused(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["voice", "add", "alice", "--bogus"])
+    assert e.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
