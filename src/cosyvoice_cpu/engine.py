@@ -39,7 +39,7 @@ from cosyvoice_cpu.families.registry import family_for
 from cosyvoice_cpu.hardware.cpu import detect, fix_mmap_threshold
 from cosyvoice_cpu.lm.sampling import RngDraw, SamplingConfig
 from cosyvoice_cpu.lm.scheduler import Hold, LMScheduler
-from cosyvoice_cpu.manifest import Manifest
+from cosyvoice_cpu.manifest import VOICES_DIR, Manifest
 from cosyvoice_cpu.sentence import Piece, Sentence, Timings
 from cosyvoice_cpu.text import TextSegment, prepare
 from cosyvoice_cpu.voices.voice import Voice
@@ -48,7 +48,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Engine", "Timings"]
 
-VOICES_DIR = "voices"  # built-in speakers in a model directory (CosyVoice-300M-SFT/-Instruct)
 SEGMENT_TOKENS = 80  # text tokens per LM call at most: the official split_paragraph's token_max_n
 
 

@@ -22,6 +22,7 @@ from cosyvoice_cpu.lm.session import EMBEDDING_FILES
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "cosyvoice_cpu.json"
+VOICES_DIR = "voices"  # built-in speakers (CosyVoice-300M-SFT/-Instruct spk2info.pt) as voice files
 FORMAT_VERSION = 5  # 2: flow_estimator_stream.onnx (streamed chunks on cached activations) replaces _chunk;
 # 3: its keep_frames input (the v2 stream graph also runs whole sentences: one estimator in memory);
 # 4: the same for Fun-CosyVoice3 (its stream DiT takes chunk_frames, 0 = full attention, and keep_frames);

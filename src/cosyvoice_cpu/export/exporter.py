@@ -23,12 +23,20 @@ from typing import Any
 from cosyvoice_cpu import __version__
 from cosyvoice_cpu.errors import ConfigError, CosyVoiceCpuError, ExportError, MissingExtraError
 from cosyvoice_cpu.export.common import GateResult, GraphArtifact, replace_dir
-from cosyvoice_cpu.export.families import VOICES_DIR, ExportFamily, export_family
+from cosyvoice_cpu.export.families import ExportFamily, export_family
 from cosyvoice_cpu.export.quantize import DEFAULT_RECIPE, Recipe, parse_recipe
 from cosyvoice_cpu.export.stages import export_stage_files
 from cosyvoice_cpu.families.facts import FAMILIES
 from cosyvoice_cpu.lm.session import SPECIALS
-from cosyvoice_cpu.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, GraphEntry, Manifest, sha256_file
+from cosyvoice_cpu.manifest import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    VOICES_DIR,
+    FileEntry,
+    GraphEntry,
+    Manifest,
+    sha256_file,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -28,10 +28,10 @@ from typing import Any, ClassVar
 
 from cosyvoice_cpu.errors import ExportError
 from cosyvoice_cpu.families.facts import FAMILIES, FamilyFacts, facts
+from cosyvoice_cpu.manifest import VOICES_DIR
 
 logger = logging.getLogger(__name__)
 
-VOICES_DIR = "voices"  # built-in speakers (CosyVoice-300M-SFT/-Instruct spk2info.pt) as voice files
 CHECKPOINTS = ("llm.pt", "flow.pt", "hift.pt")
 # The text tokenizer's source files, by the facts' ``text_tokenizer``: Qwen2's BPE ships in CosyVoice-BlankEN/;
 # Whisper's tiktoken vocabulary is found (and checked) by :meth:`ExportCosyVoice.check_source`.

@@ -26,13 +26,12 @@ import errno
 import logging
 import os
 import socket
-import tempfile
 import threading
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 
-from cosyvoice_cpu.voices.voice import Voice, VoiceError, check_name
+from cosyvoice_cpu.voices.voice import Voice, VoiceError, check_name, fsync_dir, write_temp
 
 logger = logging.getLogger(__name__)
 
@@ -201,18 +200,13 @@ class DirectoryVoiceStore(VoiceStore):
         if self.family is not None and self.sample_rate is not None:
             voice.check_model(self.family, self.sample_rate)
         path = self.path(voice.name)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{_tmp_owner()}", suffix=TMP_SUFFIX, dir=self.directory)
+        tmp = write_temp(voice.to_bytes(), self.directory, f".{path.name}{_tmp_owner()}", TMP_SUFFIX)
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(voice.to_bytes())
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)
             if overwrite:
                 os.replace(tmp, path)
             else:
                 self._link_new(tmp, path)
-            self._fsync_dir()
+            fsync_dir(self.directory)
         finally:
             Path(tmp).unlink(missing_ok=True)
         with self._lock:
@@ -243,18 +237,10 @@ class DirectoryVoiceStore(VoiceStore):
             path.unlink()
         except FileNotFoundError:
             raise VoiceNotFoundError(f"no voice named {name!r}") from None
-        self._fsync_dir()
+        fsync_dir(self.directory)
         with self._lock:
             self._loaded.pop(name, None)
         logger.info("deleted voice %r", name)
-
-    def _fsync_dir(self) -> None:
-        """Make a rename, link or unlink in the directory durable."""
-        dir_fd = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
 
     def sweep(self, stale_after_s: float = STALE_AFTER_S) -> list[str]:
         """Remove temporary files whose writer died: written on this host by a process that is gone, of an

@@ -56,6 +56,31 @@ def check_name(name: str) -> str:
     return name
 
 
+def write_temp(data: bytes, directory: Path, prefix: str, suffix: str = ".tmp") -> str:
+    """``data`` in a new temporary file of ``directory`` (mode 0644), flushed to disk: ready to be published by a
+    rename or link. Returns its path; on failure nothing is left behind."""
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename, link or unlink in ``directory`` durable."""
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
 @dataclass
 class Voice:
     """A prompt, ready for synthesis.
@@ -148,19 +173,10 @@ class Voice:
         """Write atomically: a temporary file in the same directory, fsync, then rename over ``path``."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        tmp = write_temp(self.to_bytes(), path.parent, f".{path.name}.")
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(self.to_bytes())
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)
             os.replace(tmp, path)
-            dir_fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            fsync_dir(path.parent)  # make the rename itself durable
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
