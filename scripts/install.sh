@@ -12,7 +12,7 @@ pip() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 
 pip torch==2.13.0
 if [[ "${1:-}" == "--dev" ]]; then
-    pip -e ".[export,bench,text,server,openvino,ray,dev]" -r tests/parity/requirements.txt
+    pip -e ".[export,bench,text,server,openvino,openvino-export,ray,dev]" -r tests/parity/requirements.txt
     # the official model code and whisper's log-mel/tokenizer, without their CUDA/onnxruntime-gpu pins
     pip --no-deps token2wav-cosyvoice==0.1.0 openai-whisper==20250625
 else

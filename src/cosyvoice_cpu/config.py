@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.backends.base import DEFAULT_SHRINK_FRAMES
+from cosyvoice_cpu.backends.plan import CHOICES as BACKEND_CHOICES
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.vocoder.windows import DEFAULT_WINDOW_FRAMES, MIN_WINDOW_FRAMES
 
@@ -90,6 +91,13 @@ class EngineConfig:
             The encoder's attention grows with the square of the length (even with its query rows in 4 blocks;
             measured: docs/benchmarks-log.md, "Memory"), and the arena would otherwise keep that for the life of
             the process; the calls after a shrink fault their working memory in again. 0 never shrinks.
+        backend: ``auto``, ``onnxruntime`` or ``openvino``: which inference backend runs the graphs that have an
+            OpenVINO model in the directory (``export --openvino``); ``auto`` picks per graph from the CPU and the
+            directory (:func:`~cosyvoice_cpu.backends.plan.plan_backends`; ``cosyvoice-cpu doctor`` prints the
+            plan). A machine without ``openvino`` or without bf16 runs everything on ONNX Runtime.
+        compiled_shapes: input shapes an OpenVINO graph keeps compiled in memory (least recently used out; each
+            holds its own weights and buffers: ~270 MB for the full-size CosyVoice2 estimator at 640 frames).
+            Evicted shapes come back from OpenVINO's on-disk cache in about a second.
     """
 
     threads: int = 0
@@ -104,10 +112,14 @@ class EngineConfig:
     release_weight_pages: bool = True
     vocoder_window_frames: int = DEFAULT_WINDOW_FRAMES
     arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES
+    backend: str = "auto"
+    compiled_shapes: int = 2
 
     def validate(self) -> EngineConfig:
         _types(self, ("threads", "leave_cores", "prompt_cache_mb", "lm_batch_rows", "malloc_mmap_threshold_kb",
-                      "vocoder_window_frames", "arena_shrink_frames"), ())  # fmt: skip
+                      "vocoder_window_frames", "arena_shrink_frames", "compiled_shapes"), ())  # fmt: skip
+        need(self.backend in BACKEND_CHOICES, "backend", self.backend, "one of " + ", ".join(BACKEND_CHOICES))
+        need(1 <= self.compiled_shapes <= 64, "compiled_shapes", self.compiled_shapes, "1 to 64")
         need(self.arena_shrink_frames >= 0, "arena_shrink_frames", self.arena_shrink_frames, "0 (never) or more")
         need(
             self.vocoder_window_frames == 0 or self.vocoder_window_frames >= MIN_WINDOW_FRAMES,

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from cosyvoice_cpu.backends.base import SessionConfig
+from cosyvoice_cpu.backends.plan import describe, plan_backends
 from cosyvoice_cpu.config import AudioChunk, EngineConfig, SynthesisConfig
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.families.base import Family, LMPrompt, Stages
@@ -91,6 +92,8 @@ class Engine:
         self.prompt_caches = stages.prompt_caches
         self.sample_rate = int(self.manifest.sample_rate)
         self.scheduler = LMScheduler(self.lm, config.lm_batch_rows) if config.lm_batch_rows else None
+        # which backend runs each graph (the flow stage was opened by the same plan: Family.load_flow)
+        self.plan = plan_backends(self.manifest.graphs, config.backend)
 
     @classmethod
     def load(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
@@ -105,7 +108,7 @@ class Engine:
         model_dir = Path(model_dir)
         m = Manifest.load(model_dir, check_hashes=config.verify_hashes)
         family = family_for(m)
-        sessions = SessionConfig(threads=threads, spinning=config.spinning,
+        sessions = SessionConfig(threads=threads, spinning=config.spinning, max_shapes=config.compiled_shapes,
                                  release_weight_pages=config.release_weight_pages)  # fmt: skip
         stages = family.load(model_dir, config, sessions)
         for note in hw.notes:
@@ -114,7 +117,10 @@ class Engine:
             logger.warning("%s", warning)
         logger.info("loaded %s (%s, recipe %s) in %.2f s, %d threads", model_dir, family.name, m.recipe["name"],
                     time.perf_counter() - t0, threads)  # fmt: skip
-        return cls(model_dir, family, stages, config, threads)
+        engine = cls(model_dir, family, stages, config, threads)
+        for line in describe(engine.plan):
+            logger.info("backend plan: %s", line)
+        return engine
 
     def close(self) -> None:
         """Stop the LM scheduler's thread, if any (requests still running end with an error)."""

@@ -17,7 +17,7 @@ GRAPH = Path(cosyvoice_cpu.__file__).parent / "demo_model" / "campplus.onnx"
 
 
 def test_graphs_open_through_the_configured_backend() -> None:
-    assert set(BACKENDS) == {"onnxruntime"} and all(isinstance(b, Backend) for b in BACKENDS.values())
+    assert set(BACKENDS) == {"onnxruntime", "openvino"} and all(isinstance(b, Backend) for b in BACKENDS.values())
     assert backend_for("onnxruntime").available()
     sess = open_graph(GRAPH, SessionConfig(threads=1))
     feats = np.zeros((1, 50, 80), np.float32)
@@ -27,7 +27,7 @@ def test_graphs_open_through_the_configured_backend() -> None:
 
 
 def test_an_unknown_backend_or_a_missing_graph_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"unknown inference backend 'tensorrt' \(known: onnxruntime\)"):
+    with pytest.raises(ConfigError, match=r"unknown inference backend 'tensorrt' \(known: onnxruntime, openvino\)"):
         open_graph(GRAPH, SessionConfig(backend="tensorrt"))
     with pytest.raises(ModelDirError, match="missing; re-export"):
         open_graph(tmp_path / "nope.onnx")

@@ -4,7 +4,12 @@ OpenVINO is fastest on static shapes, and compiling one shape takes seconds. A :
 keeps the model with its dynamic axes and compiles it per input shape on first use: at most ``max_shapes``
 compiled shapes stay in memory (least recently used first out), and with ``cache_dir`` set, OpenVINO's model cache
 keeps each compiled shape on disk so a shape compiles once per machine. Callers bound the number of shapes by
-padding (buckets) where their graph allows it (:mod:`cosyvoice_cpu.flow.buckets`).
+padding (buckets) where their graph allows it (:mod:`cosyvoice_cpu.flow.buckets`), and compile the likely shapes
+ahead of use with :meth:`OpenVinoSession.prepare`.
+
+OpenVINO memory-maps an IR's ``.bin``; compiling repacks the weights into the compiled model, after which the
+mapped pages are not read again until the next compile. With ``SessionConfig.release_weight_pages`` the kernel is
+asked to reclaim them after each compile (as ONNX Runtime's ``.data`` pages after a session is built).
 
 The inference precision follows the CPU: bf16 where it has AVX-512 BF16 or AMX, f32 elsewhere (where OpenVINO
 gains nothing over ONNX Runtime and the plan does not choose it). ``openvino`` is imported when a graph is
@@ -26,10 +31,10 @@ import numpy as np
 from cosyvoice_cpu.backends.base import Backend, GraphSession, SessionConfig
 from cosyvoice_cpu.config import cache_dir
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
+from cosyvoice_cpu.hardware.pages import release_file_pages
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_SHAPES = 4  # compiled shapes kept per session
 # OpenVINO element type names -> the ONNX type strings the graph contracts are written in
 _TYPES = {"f32": "tensor(float)", "f16": "tensor(float16)", "i64": "tensor(int64)", "i32": "tensor(int32)",
           "bf16": "tensor(bfloat16)", "boolean": "tensor(bool)"}  # fmt: skip
@@ -62,9 +67,10 @@ class OpenVinoSession:
         name: for logs and errors.
     """
 
-    def __init__(self, core: Any, model: Any, properties: dict[str, Any], max_shapes: int, name: str) -> None:
+    def __init__(self, core: Any, model: Any, properties: dict[str, Any], max_shapes: int, name: str,
+                 weights: Path | None = None) -> None:  # fmt: skip
         self._core, self._model, self._properties, self.name = core, model, properties, name
-        self.max_shapes = max_shapes
+        self.max_shapes, self._weights = max_shapes, weights
         self._inputs, self._outputs = _nodes(model.inputs), _nodes(model.outputs)
         self._compiled: OrderedDict[tuple, Any] = OrderedDict()
         self._lock = threading.Lock()
@@ -95,12 +101,19 @@ class OpenVinoSession:
         t0 = time.perf_counter()
         compiled = self._core.compile_model(model, "CPU", self._properties)
         logger.info("%s: compiled for %s in %.2f s", self.name, key, time.perf_counter() - t0)
+        if self._weights is not None:
+            release_file_pages(self._weights)
         with self._lock:
             self.compiles += 1
             self._compiled[key] = compiled
             while len(self._compiled) > self.max_shapes:
                 self._compiled.popitem(last=False)
         return compiled
+
+    def prepare(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Compile these input shapes now (or load them from OpenVINO's cache), so a later call of that shape does
+        not pay the compile; the compiled model joins the in-memory LRU like one made by :meth:`run`."""
+        self.compiled(shapes)
 
     def run(self, output_names: list[str] | None, feeds: dict[str, Any], run_options: Any = None) -> list[np.ndarray]:
         """Outputs (all, or ``output_names``) as NumPy arrays, like ONNX Runtime's ``run``; ``run_options`` (ORT's)
@@ -130,13 +143,13 @@ class OpenVino(Backend):
     Args:
         cache_dir: OpenVINO's compiled-model cache (None: ``$COSYVOICE_CPU_CACHE/openvino`` or
             ``~/.cache/cosyvoice-cpu/openvino``; "" turns it off).
-        max_shapes: compiled shapes kept per session.
+        max_shapes: compiled shapes kept per session (None: ``SessionConfig.max_shapes``).
         precision: ``bf16``, ``f32`` or None (by the CPU: :func:`precision_for_cpu`).
     """
 
     name = "openvino"
 
-    def __init__(self, cache_dir: str | Path | None = None, max_shapes: int = DEFAULT_MAX_SHAPES,
+    def __init__(self, cache_dir: str | Path | None = None, max_shapes: int | None = None,
                  precision: str | None = None) -> None:  # fmt: skip
         self.cache_dir, self.max_shapes, self.precision = cache_dir, max_shapes, precision
         self._core: Any = None
@@ -179,4 +192,5 @@ class OpenVino(Backend):
                                       "INFERENCE_PRECISION_HINT": self.precision or precision_for_cpu()}  # fmt: skip
         if config.threads:
             properties["INFERENCE_NUM_THREADS"] = int(config.threads)
-        return OpenVinoSession(core, model, properties, self.max_shapes, path.name)
+        weights = path.with_suffix(".bin") if config.release_weight_pages and path.suffix == ".xml" else None
+        return OpenVinoSession(core, model, properties, self.max_shapes or config.max_shapes, path.name, weights)

@@ -6,9 +6,10 @@ from pathlib import Path
 
 from cosyvoice_cpu.backends.base import Backend, GraphSession, SessionConfig
 from cosyvoice_cpu.backends.onnxruntime import OnnxRuntime
+from cosyvoice_cpu.backends.openvino import OpenVino
 from cosyvoice_cpu.errors import ConfigError
 
-BACKENDS: dict[str, Backend] = {b.name: b for b in (OnnxRuntime(),)}
+BACKENDS: dict[str, Backend] = {b.name: b for b in (OnnxRuntime(), OpenVino())}
 
 
 def backend_for(name: str) -> Backend:
@@ -20,7 +21,8 @@ def backend_for(name: str) -> Backend:
 
 
 def open_graph(path: str | Path, config: SessionConfig | None = None) -> GraphSession:
-    """Open the graph at ``path`` with the backend ``config.backend`` names (ONNX Runtime by default)."""
+    """Open the graph at ``path`` with the backend ``config.backend`` names (ONNX Runtime by default; OpenVINO for the
+    graphs :func:`~cosyvoice_cpu.backends.plan.plan_backends` gives it)."""
     config = config or SessionConfig()
     config.validate()
     return backend_for(config.backend).open(Path(path), config)

@@ -114,6 +114,15 @@ def markdown(result: dict[str, Any], plots: list[str]) -> str:
     if o.get("lm_prefix_positions"):  # results from before the LM prefix cache have none
         lines.append(f"LM prefill: {o['lm_prefill_positions']} positions, the first {o['lm_prefix_positions']} (sos "
                      "and the voice's transcript) copied from the LM prefix cache.")  # fmt: skip
+    if len(result.get("backends", {})) > 1:
+        lines += ["", "### Backends (the single task per backend, one after the other)", "",
+                  "| backend | flow RTF | end-to-end RTF | vocoder RTF | streamed RTF | first audio (short) | "
+                  "peak RSS MB | plan |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for name, r in result["backends"].items():
+            d = r["default"]
+            stream, first = r["first_audio_long"]["stream_rtf"], r["first_audio_short"]["first_audio_s"]
+            lines.append(f"| {name} | {d['flow_rtf']:.3f} | {d['rtf']:.3f} | {d['vocoder_rtf']:.3f} | {stream:.3f} | "
+                         f"{first:.2f} s | {r['peak_rss_mb']:.0f} | {'; '.join(r.get('plan', []))} |")  # fmt: skip
     if result.get("concurrency"):
         lines += [
             "",

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from cosyvoice_cpu.backends.plan import CHOICES, describe
 from cosyvoice_cpu.config import DEFAULT_LM_BATCH_ROWS, EngineConfig, SynthesisConfig
 from cosyvoice_cpu.engine import Engine, Timings
 
@@ -216,10 +217,12 @@ def fast_preset_quality(engine: Any, voice: Any, tokens: int, steps: int) -> dic
     return {"fast_mel_l1": float(np.abs(fast - ref).mean()), "mel_abs_mean": float(np.abs(ref).mean())}
 
 
-def task_single(model_dir: Path, threads: int, tokens: int, short_tokens: int, runs: int, fast_steps: int) -> dict:
+def task_single(model_dir: Path, threads: int, tokens: int, short_tokens: int, runs: int, fast_steps: int,
+                backend: str = "auto") -> dict:  # fmt: skip
     t0 = time.perf_counter()
-    engine, voice = load(model_dir, threads)
-    out: dict[str, Any] = {"load_s": time.perf_counter() - t0, "rss_after_load_mb": peak_rss_mb()}
+    engine, voice = load(model_dir, threads, backend=backend)
+    out: dict[str, Any] = {"load_s": time.perf_counter() - t0, "rss_after_load_mb": peak_rss_mb(),
+                           "backend": backend, "plan": describe(engine.plan)}  # fmt: skip
     out.update(measure_lm(engine, voice, tokens, runs))
     out["lm_batched"] = [measure_lm_batched(engine, voice, n) for n in (1, 4)]
     out["default"] = measure_e2e(engine, voice, tokens, runs)
@@ -232,12 +235,13 @@ def task_single(model_dir: Path, threads: int, tokens: int, short_tokens: int, r
     return out
 
 
-def task_concurrent(model_dir: Path, threads: int, tokens: int, streams: int, runs: int) -> dict:
+def task_concurrent(model_dir: Path, threads: int, tokens: int, streams: int, runs: int,
+                    backend: str = "auto") -> dict:  # fmt: skip
     """``streams`` threads share one engine, each synthesizing ``runs`` sentences; sentences per second.
 
     The engine runs the LM scheduler (as the server does), so the streams' LM steps are batched.
     """
-    engine, voice = load(model_dir, threads, lm_batch_rows=streams)
+    engine, voice = load(model_dir, threads, lm_batch_rows=streams, backend=backend)
     engine.synthesize_wav(TEXT, voice, _config(tokens))  # warm-up
     errors: list[BaseException] = []
 
@@ -269,8 +273,8 @@ def task_concurrent(model_dir: Path, threads: int, tokens: int, streams: int, ru
             "energy_zones": sorted(counters)}  # fmt: skip
 
 
-def task_threads(model_dir: Path, threads: int, tokens: int, runs: int) -> dict:
-    engine, voice = load(model_dir, threads)
+def task_threads(model_dir: Path, threads: int, tokens: int, runs: int, backend: str = "auto") -> dict:
+    engine, voice = load(model_dir, threads, backend=backend)
     return {"threads": threads, **measure_e2e(engine, voice, tokens, runs), "peak_rss_mb": peak_rss_mb()}
 
 
@@ -284,14 +288,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=1)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--fast-steps", type=int, default=5)
+    ap.add_argument("--backend", choices=CHOICES, default="auto")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.task == "single":
-        out = task_single(args.model_dir, args.threads, args.tokens, args.short_tokens, args.runs, args.fast_steps)
+        out = task_single(args.model_dir, args.threads, args.tokens, args.short_tokens, args.runs, args.fast_steps,
+                          args.backend)  # fmt: skip
     elif args.task == "concurrent":
-        out = task_concurrent(args.model_dir, args.threads, args.tokens, args.streams, args.runs)
+        out = task_concurrent(args.model_dir, args.threads, args.tokens, args.streams, args.runs, args.backend)
     else:
-        out = task_threads(args.model_dir, args.threads, args.tokens, args.runs)
+        out = task_threads(args.model_dir, args.threads, args.tokens, args.runs, args.backend)
     json.dump({"task": args.task, "threads": args.threads, "tokens": args.tokens, **out}, sys.stdout)
     print()
     return 0

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cosyvoice_cpu.backends.plan import CHOICES
 from cosyvoice_cpu.benchmark.report import write_report
 from cosyvoice_cpu.benchmark.tasks import energy_counters
 from cosyvoice_cpu.cli.common import need_export_extra
@@ -52,6 +53,7 @@ def _child(cmd: list[str], what: str) -> dict[str, Any]:
 
 
 def _task(model_dir: Path, task: str, threads: int, args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
+    extra.setdefault("backend", args.backends[0])
     cmd = [sys.executable, "-m", "cosyvoice_cpu.benchmark", str(model_dir), "--task", task, "--threads", str(threads),
            "--tokens", str(args.tokens), "--runs", str(args.runs)]  # fmt: skip
     for k, v in extra.items():
@@ -86,10 +88,11 @@ def resolve_model(args: argparse.Namespace) -> tuple[Path, Path | None, str]:
     if not (src / f"{family}.yaml").is_file():
         print(f"writing the full-size random {family} fixture (once) ...", file=sys.stderr)
         write_fixture(FixtureSpec(family, "full", 0), src, force=True)
-    dst = cache_dir() / "exports" / f"{family}-full-seed0-{args.recipe}"
+    ov = "int8" if set(args.backends) - {"onnxruntime"} else "none"  # an OpenVINO model where a backend may use it
+    dst = cache_dir() / "exports" / f"{family}-full-seed0-{args.recipe}{'-ov' + ov if ov != 'none' else ''}"
     if not cached_export_is_fresh(dst, args.recipe):
         print(f"exporting the fixture with recipe {args.recipe} (once; cached in {dst}) ...", file=sys.stderr)
-        export_model(src, dst, ExportOptions(recipe=args.recipe, force=True))
+        export_model(src, dst, ExportOptions(recipe=args.recipe, force=True, openvino=ov))
     return dst, args.peer_from or src, f"full-size random {facts(family).title}, recipe {args.recipe}"
 
 
@@ -134,6 +137,10 @@ def machine_facts(threads: int) -> dict[str, Any]:
 def cmd_bench(args: argparse.Namespace) -> int:
 
     threads = args.threads or detect().threads()
+    args.backends = [b.strip() for b in args.backend.split(",") if b.strip()] or ["auto"]
+    bad = [b for b in args.backends if b not in CHOICES]
+    if bad or len(set(args.backends)) != len(args.backends):
+        raise ConfigError(f"--backend wants distinct names from {', '.join(CHOICES)}, got {args.backend!r}")
     model_dir, official_dir, what = resolve_model(args)
     rate = Manifest.load(model_dir).token_frame_rate  # 25 Hz (CosyVoice2) or 50 Hz (CosyVoice-300M) tokens
     args.tokens, args.short_tokens = args.tokens or 10 * rate, args.short_tokens or 2 * rate
@@ -152,6 +159,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result["ours"] = _task(model_dir, "single", threads, args, short_tokens=args.short_tokens,
                            fast_steps=args.fast_steps)  # fmt: skip
     partial.write_text(json.dumps(result, indent=1))
+    result["backends"] = {args.backends[0]: result["ours"]}
+    for backend in args.backends[1:]:  # the backend axis: the same single task per backend, one after the other
+        result["backends"][backend] = _task(model_dir, "single", threads, args, short_tokens=args.short_tokens,
+                                            fast_steps=args.fast_steps, backend=backend)  # fmt: skip
+        partial.write_text(json.dumps(result, indent=1))
     result["concurrency"] = []
     for n in streams:  # energy, where RAPL/powercap is readable, is read by the child around its timed work
         result["concurrency"].append(_task(model_dir, "concurrent", threads, args, streams=n))
@@ -180,6 +192,11 @@ def add_parser(sub: Any) -> None:
                    help="the random fixture's family (without -m): CosyVoice2-0.5B, CosyVoice-300M or "
                         "Fun-CosyVoice3-0.5B (its official code is not on PyPI: use --peer reference)")  # fmt: skip
     b.add_argument("--threads", type=int, default=0, help="ORT threads (default: usable physical cores)")
+    b.add_argument("--backend", default="auto",
+                   help="inference backends to measure, comma-separated (auto, onnxruntime, openvino): the single "
+                        "task runs once per backend and the report compares them; the first also runs the "
+                        "concurrency and thread tasks. Without -m, a backend other than onnxruntime exports the "
+                        "fixture with --openvino int8")  # fmt: skip
     b.add_argument("--tokens", type=int, default=0, help="speech tokens per sentence (default 10 s: 250 at 25 Hz)")
     b.add_argument("--short-tokens", type=int, default=0, help="tokens for the 8-character sentence (default 2 s)")
     b.add_argument("--runs", type=int, default=3, help="timed repetitions after a warm-up (medians)")

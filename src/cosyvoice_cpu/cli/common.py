@@ -1,8 +1,22 @@
-"""What several commands share: the check for the ``[export]`` extra before a command that needs PyTorch."""
+"""What several commands share: the check for the ``[export]`` extra before a command that needs PyTorch, and
+the ``--backend`` option of the commands that load an engine."""
 
 from __future__ import annotations
 
+import argparse
+
+from cosyvoice_cpu.backends.plan import CHOICES
 from cosyvoice_cpu.errors import MissingExtraError
+
+
+def add_backend_args(parser: argparse.ArgumentParser) -> None:
+    """``--backend`` and ``--compiled-shapes`` (``EngineConfig.backend``, ``EngineConfig.compiled_shapes``)."""
+    parser.add_argument("--backend", default="auto", choices=CHOICES,
+                        help="inference backend for the graphs with an OpenVINO model in the directory: auto (per "
+                             "graph from the CPU: OpenVINO where it has bf16; `doctor -m DIR` prints the plan), "
+                             "onnxruntime, or openvino")  # fmt: skip
+    parser.add_argument("--compiled-shapes", type=int, default=2,
+                        help="input shapes an OpenVINO graph keeps compiled in memory (default 2)")  # fmt: skip
 
 
 def need_export_extra() -> None:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from cosyvoice_cpu import __version__
-from cosyvoice_cpu.cli.common import need_export_extra
+from cosyvoice_cpu.cli.common import add_backend_args, need_export_extra
 from cosyvoice_cpu.config import cache_dir
 from cosyvoice_cpu.errors import CosyVoiceCpuError
 from cosyvoice_cpu.families.facts import FAMILIES
@@ -133,7 +133,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     need_export_extra()
     from cosyvoice_cpu.export.exporter import ExportOptions, export_model
 
-    options = ExportOptions(force=args.force, verify=not args.no_verify, max_len=args.max_len)
+    options = ExportOptions(force=args.force, verify=not args.no_verify, max_len=args.max_len, openvino=args.openvino)
     if args.quant:
         options.recipe = args.quant
     manifest = export_model(args.src, args.dst, options, progress=print)
@@ -164,8 +164,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     cpu = hw.cpu
     if cpu:
         yes = {True: "yes", False: "no"}
-        print(f"cpu          {cpu.model}: AVX2 {yes[cpu.avx2]}, AVX-512 {yes[cpu.avx512]}, VNNI {yes[cpu.vnni]} "
-              f"(int8 kernels: {cpu.isa})")  # fmt: skip
+        print(f"cpu          {cpu.model}: AVX2 {yes[cpu.avx2]}, AVX-512 {yes[cpu.avx512]}, VNNI {yes[cpu.vnni]}, "
+              f"BF16 {yes[cpu.bf16]}, AMX {yes[cpu.amx]} (int8 kernels: {cpu.isa})")  # fmt: skip
         print(f"cores        {cpu.logical} logical, {cpu.physical} physical; usable {hw.usable_cores} "
               f"(affinity {hw.affinity}, quota {'none' if hw.quota is None else f'{hw.quota:g}'})")  # fmt: skip
         try:
@@ -196,6 +196,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             print(f"model        {args.model}: {m.family}, recipe {m.recipe['name']}, {size / 1e9:.2f} GB, files ok"
                   f"{'' if args.quick else ' (sha256 checked)'}")  # fmt: skip
             problems += hw.model_warnings(m)
+            from cosyvoice_cpu.backends.plan import describe, plan_backends
+
+            for line in describe(plan_backends(m.graphs, args.backend)):
+                print(f"backend      {line}")
         except CosyVoiceCpuError as e:
             problems.append(str(e))
     for p in problems:
@@ -236,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-verify", action="store_true", help="skip the numerics gate (ORT vs PyTorch reference)")
     e.add_argument("--max-len", type=_positive, default=2048, help="LM KV-cache positions (default 2048)")
     e.add_argument("--list-recipes", action="store_true", help="print the quantization recipes and exit")
+    e.add_argument("--openvino", default="none", choices=["none", "bf16", "int8"],
+                   help="also write an OpenVINO model of the whole-sentence flow estimator: int8 (NNCF, calibrated "
+                        "on the flow's own inputs) or bf16 weights-as-float16; run by --backend auto on CPUs with "
+                        "bf16 (needs the [openvino-export] extra)")  # fmt: skip
     e.set_defaults(func=cmd_export)
 
     from cosyvoice_cpu.cli.speech import add_commands
@@ -251,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     h = sub.add_parser("doctor", help="check this machine (CPU features, cores, memory) and optionally a model")
     h.add_argument("-m", "--model", type=Path, help="also check an exported model directory")
     h.add_argument("--quick", action="store_true", help="check the model's file sizes only, not their sha256")
+    add_backend_args(h)
     h.add_argument("--speed", action="store_true",
                    help="also time the kernels the engine spends its time on (~3 s) and compare with the "
                         "machines docs/benchmarks.md was measured on")  # fmt: skip
@@ -265,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=_non_negative, default=0)
     d.add_argument("--flow-steps", type=_positive, default=10)
     d.add_argument("--threads", type=_non_negative, default=0, help="intra-op threads (default: torch's choice)")
+    add_backend_args(d)
     d.set_defaults(func=cmd_demo)
     return p
 

@@ -7,6 +7,7 @@ import logging
 import os
 from pathlib import Path
 
+from cosyvoice_cpu.cli.common import add_backend_args
 from cosyvoice_cpu.errors import MissingExtraError
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         default_voice=args.default_voice,
     ).validate()
     rows = args.max_active if args.lm_batch_rows is None else args.lm_batch_rows
-    engine_config = EngineConfig(threads=args.threads, lm_batch_rows=rows, prompt_cache_fp16=args.prompt_cache_fp16)
+    engine_config = EngineConfig(threads=args.threads, lm_batch_rows=rows, prompt_cache_fp16=args.prompt_cache_fp16,
+                                 backend=args.backend, compiled_shapes=args.compiled_shapes)  # fmt: skip
     if args.replicas != 1 or args.ray_address:
         return _serve_replicas(args, settings, engine_config)
     engine = Engine.load(args.model, engine_config)
@@ -126,6 +128,7 @@ def add_parser(sub: argparse._SubParsersAction, positive: type, non_negative: ty
                    "http://localhost:3000; repeatable; '*' for any) send POST/DELETE requests, with CORS; pages "
                    "of other sites are refused (403)")  # fmt: skip
     s.add_argument("--threads", type=non_negative, default=0, help="ORT threads (default: usable physical cores)")
+    add_backend_args(s)
     s.add_argument("--prompt-cache-fp16", action="store_true", help="fp32 models: keep each voice's streaming cache in "
                    "float16 (half the memory, mel rel. error 2.6e-3, ~5 %% slower streamed chunks); int8 models "
                    "(the default recipe) do so already")  # fmt: skip

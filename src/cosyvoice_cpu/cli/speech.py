@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from cosyvoice_cpu.backends.plan import describe
+from cosyvoice_cpu.cli.common import add_backend_args
 from cosyvoice_cpu.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -40,7 +42,12 @@ def _engine(args: argparse.Namespace):
 
     # the chunk-causal estimator (~100 MB at full size, int8) only when streaming
     stream = getattr(args, "stream", False)
-    return Engine.load(args.model, EngineConfig(threads=args.threads, streaming_estimator=stream))
+    return Engine.load(
+        args.model,
+        EngineConfig(
+            threads=args.threads, streaming_estimator=stream, backend=args.backend, compiled_shapes=args.compiled_shapes
+        ),
+    )
 
 
 def cmd_voice(args: argparse.Namespace) -> int:
@@ -179,7 +186,9 @@ def demo_runtime(args: argparse.Namespace) -> int:
 
     model = Path(args.model) if args.model else DEMO_MODEL
     t0 = time.perf_counter()
-    engine = Engine.load(model, EngineConfig(threads=args.threads))
+    engine = Engine.load(
+        model, EngineConfig(threads=args.threads, backend=args.backend, compiled_shapes=args.compiled_shapes)
+    )
     t1 = time.perf_counter()
     voice = engine.make_voice(_tone_wav(), "Good morning everyone.", name="demo")
     t2 = time.perf_counter()
@@ -191,6 +200,8 @@ def demo_runtime(args: argparse.Namespace) -> int:
     m = engine.manifest
     rate = timings.tokens / timings.lm if timings.lm else float("nan")
     print(f"model   {model} ({m.family}, recipe {m.recipe['name']}, {engine.threads} threads, no torch)")
+    for line in describe(engine.plan):
+        print(f"backend {line}")
     print(f"load    {(t1 - t0) * 1000:8.1f} ms")
     print(f"voice   {(t2 - t1) * 1000:8.1f} ms  (x-vector, speech tokens, prompt mel of a 3 s prompt)")
     print(f"lm      {timings.lm * 1000:8.1f} ms  {timings.tokens} tokens, {rate:.1f} tokens/s")
@@ -231,6 +242,7 @@ def add_commands(sub: argparse._SubParsersAction, positive: type, non_negative: 
     )
     s.add_argument("--threads", type=non_negative, default=0, help="ORT threads (default: usable physical cores)")
     s.add_argument("--voices", type=Path, help="saved-voices directory")
+    add_backend_args(s)
     s.set_defaults(func=cmd_say)
 
     v = sub.add_parser("voice", help="manage saved voices: add, list, rm")
@@ -242,4 +254,5 @@ def add_commands(sub: argparse._SubParsersAction, positive: type, non_negative: 
     v.add_argument("--force", action="store_true", help="replace an existing voice (add)")
     v.add_argument("--threads", type=non_negative, default=0)
     v.add_argument("--voices", type=Path, help="saved-voices directory")
+    add_backend_args(v)
     v.set_defaults(func=cmd_voice)

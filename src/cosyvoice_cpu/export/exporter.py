@@ -67,6 +67,8 @@ class ExportOptions:
         verify: run the numerics gate on every graph (on by default; ``--no-verify`` skips it).
         max_len: LM KV-cache length in positions (prompt + text + speech tokens).
         seed: seed of the gate's random inputs.
+        openvino: ``none``, ``bf16`` or ``int8``: also write an OpenVINO model of the whole-sentence flow
+            estimator of that kind (:mod:`cosyvoice_cpu.export.openvino_graphs`; ``[openvino-export]`` extra).
     """
 
     recipe: str = DEFAULT_RECIPE
@@ -74,10 +76,17 @@ class ExportOptions:
     verify: bool = True
     max_len: int = 2048
     seed: int = 0
+    openvino: str = "none"
 
     def validate(self) -> Recipe:
+        from cosyvoice_cpu.export.openvino_graphs import VARIANTS, check_extra
+
         if not 64 <= self.max_len <= 32768:
             raise ConfigError(f"max_len must be in [64, 32768] positions, got {self.max_len}")
+        if self.openvino not in VARIANTS:
+            raise ConfigError(f"openvino must be one of {', '.join(VARIANTS)}, got {self.openvino!r}")
+        if self.openvino != "none":
+            check_extra(self.openvino)
         return parse_recipe(self.recipe)
 
 

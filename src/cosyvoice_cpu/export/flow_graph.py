@@ -162,6 +162,10 @@ class EstimatorGraph(nn.Module):
         return est.final_proj(h * mask) * mask
 
 
+# the family's estimator graph (export.openvino_graphs traces it outside export_forms: plain attention)
+ESTIMATOR_GRAPH = EstimatorGraph
+
+
 def _estimator_inputs(rng: np.random.Generator, lengths: list[int], size: int) -> dict[str, np.ndarray]:
     """Random estimator feeds, batch len(lengths), row b valid on its first lengths[b] of ``size`` frames."""
     b = len(lengths)

@@ -126,6 +126,10 @@ class EstimatorGraphV1(nn.Module):
         return est.final_proj(h * m) * mask
 
 
+# the family's estimator graph (export.openvino_graphs traces it outside export_forms: plain attention)
+ESTIMATOR_GRAPH = EstimatorGraphV1
+
+
 def _artifact(out_dir: Path, key: str, attrs: dict[str, Any]) -> GraphArtifact:
     return GraphArtifact.of(out_dir, key, FILES[key], attrs)
 

@@ -114,6 +114,10 @@ class EstimatorGraphV3(nn.Module):
         return run.head(h, residual, table) * mask
 
 
+# the family's estimator graph (export.openvino_graphs traces it outside export_forms: plain attention)
+ESTIMATOR_GRAPH = EstimatorGraphV3
+
+
 def settings_of(flow: FlowV3) -> dict[str, Any]:
     """The :class:`~cosyvoice_cpu.flow.stage_v3.FlowSettingsV3` fields of a reference flow (as the artifacts' attrs)."""
     cfg = flow.config

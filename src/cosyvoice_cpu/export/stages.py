@@ -11,6 +11,7 @@ import importlib
 import logging
 import shutil
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +124,19 @@ def gate_key(precisions: dict[str, str]) -> str:
 CHECKPOINTS = {"lm": "llm.pt", "flow": "flow.pt", "hift": "hift.pt"}
 
 
+def _openvino(module: Any, flow: Any, out: Path, work: Path, cfg: Any, arts: list[GraphArtifact], options: Any,
+              step: Step) -> tuple[GraphArtifact, list[GateResult]]:  # fmt: skip
+    """The OpenVINO model of the flow's whole-sentence estimator (:mod:`cosyvoice_cpu.export.openvino_graphs`)."""
+    from cosyvoice_cpu.export.openvino_graphs import export_openvino
+
+    settings = {**export_family(cfg.family).flow_facts(cfg.flow), "mel": asdict(cfg.mel)}  # mel: the prompt mels
+    for a in arts:
+        settings.update(a.attrs)
+    attrs = next(a.attrs for a in arts if a.key == "flow_estimator")
+    return export_openvino(module.ESTIMATOR_GRAPH(flow.decoder.estimator), out, work, cfg.family, settings, attrs,
+                           options.openvino, options.seed, step, options.verify)  # fmt: skip
+
+
 def export_stage_files(
     src: Path, out: Path, cfg: Any, recipe: Recipe, options: Any, step: Step
 ) -> tuple[list[GraphArtifact], list[GateResult], dict[str, dict[str, Any]]]:
@@ -148,6 +162,9 @@ def export_stage_files(
             if options.verify:
                 step(f"{plan.name}: numerics gate (fp32 vs PyTorch)")
                 gates = _passed(gates, verify(model, out, seed=options.seed))
+            if plan.ref == "flow" and options.openvino != "none":  # before quantizing: it calibrates on fp32 ONNX
+                ov_art, ov_gates = _openvino(module, model, out, work, cfg, arts, options, step)
+                gates = _passed(gates, ov_gates)
             precisions = plan.precisions(recipe)
             changed = any(p != "fp32" for p in precisions.values())
             if plan.ref == "lm" and recipe.embedding != "fp32":
@@ -168,7 +185,7 @@ def export_stage_files(
                 for g in checked:
                     g.phase = what
                 gates = _passed(gates, checked)
-            graphs += arts
+            graphs += arts + ([ov_art] if plan.ref == "flow" and options.openvino != "none" else [])
             del model
             gc.collect()
     finally:

@@ -25,9 +25,11 @@ from typing import ClassVar, NamedTuple
 import numpy as np
 
 from cosyvoice_cpu.backends.base import SessionConfig
+from cosyvoice_cpu.backends.plan import plan_backends
 from cosyvoice_cpu.config import EngineConfig
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.families.facts import FamilyFacts
+from cosyvoice_cpu.flow.buckets import ShapedGraph
 from cosyvoice_cpu.flow.prompt_caches import PromptCaches
 from cosyvoice_cpu.flow.stage import FlowStage
 from cosyvoice_cpu.lm.generate import SpeechTokenGenerator
@@ -104,10 +106,16 @@ class Family:
         return SpeechTokenGenerator.from_manifest(session, self.manifest)
 
     def load_flow(self, model_dir: Path, config: EngineConfig, sessions: SessionConfig) -> FlowStage:
-        """The flow stage, with the streamed estimator when ``config.streaming_estimator``."""
+        """The flow stage, with the streamed estimator when ``config.streaming_estimator``, and the whole-sentence
+        estimator on the backend the plan gives it (:func:`~cosyvoice_cpu.backends.plan.plan_backends`)."""
+        plan = plan_backends(self.manifest.graphs, config.backend)["flow_estimator"]
+        whole = None
+        if plan.backend != "onnxruntime":
+            entry = self.manifest.graphs[plan.key]
+            whole = ShapedGraph(model_dir / entry.file.file, plan.backend, bool(entry.attrs.get("pad_exact")))
         return self.flow_stage.from_dir(model_dir, self.manifest.flow, threads=sessions,
                                         streaming=config.streaming_estimator,
-                                        arena_shrink_frames=config.arena_shrink_frames)  # fmt: skip
+                                        arena_shrink_frames=config.arena_shrink_frames, whole=whole)  # fmt: skip
 
     # ------------------------------------------------------------------ the LM's prompt
 

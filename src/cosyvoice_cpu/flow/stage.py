@@ -25,6 +25,7 @@ from cosyvoice_cpu.backends.base import DEFAULT_SHRINK_FRAMES, SessionConfig, as
 from cosyvoice_cpu.backends.onnxruntime import shrink_after_run
 from cosyvoice_cpu.backends.registry import open_graph
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
+from cosyvoice_cpu.flow.buckets import BucketedSession, ShapedGraph
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ FILES = {
     "flow_encoder": "flow_encoder.onnx",
     "flow_estimator": "flow_estimator.onnx",
     "flow_estimator_stream": "flow_estimator_stream.onnx",
+    "flow_estimator_ov": "flow_estimator.ov.xml",  # OpenVINO model of flow_estimator (export --openvino)
     "flow_noise": "flow_noise.npy",
 }
 ENCODER_IO = ({"token": ("int64", 2), "context": ("int64", 2), "embedding": ("float", 2), "chunk_size": ("int64", 0)},
@@ -154,6 +156,9 @@ class FlowStage:
         arena_shrink_frames: an encoder call for more mel frames of new speech than this (the voice prompt not
             counted) has ORT's arena give its free memory back after it (0: never;
             ``EngineConfig.arena_shrink_frames``).
+        whole: the whole-sentence estimator on a backend that compiles per shape (the OpenVINO model and whether
+            its calls are padded to buckets: :class:`~cosyvoice_cpu.flow.buckets.ShapedGraph`), or None: then
+            ``estimator`` on ONNX Runtime (or the stream graph with empty caches) runs whole sentences.
     """
 
     # the encoder graph's contract; a subclass with another encoder (v1: :mod:`cosyvoice_cpu.flow.stage_v1`) swaps it
@@ -173,16 +178,20 @@ class FlowStage:
         settings: FlowSettings | dict[str, Any] | None = None,
         threads: int | SessionConfig = 1,
         arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES,
+        whole: ShapedGraph | None = None,
     ) -> None:
         self.settings = settings if isinstance(settings, FlowSettings) else FlowSettings.from_attrs(settings)
         self.arena_shrink_frames = arena_shrink_frames
+        self.whole = whole
         self.encoder = _open(Path(encoder), threads, self.encoder_io)
         emb_shape = next(i.shape for i in self.encoder.get_inputs() if i.name == "embedding")
         self._emb_dim = int(emb_shape[1]) if isinstance(emb_shape[1], int) else 192
         # the estimators are opened on first use. With the stream graph present (and ``stream_serves_whole``),
         # whole sentences run on it too and ``flow_estimator.onnx`` is opened only for padded rows: one copy of
         # the weights (~94 MB at int8 full size) serves both modes
-        self._estimators: dict[str, tuple[Path, tuple]] = {"whole": (Path(estimator), ESTIMATOR_IO)}
+        self._estimators: dict[str, tuple[Path, tuple]] = {
+            "whole": (Path(estimator) if whole is None else whole.path, ESTIMATOR_IO)
+        }
         if estimator_stream is not None:
             self._estimators["stream"] = (Path(estimator_stream), self.stream_io)
         for path, _ in self._estimators.values():
@@ -203,12 +212,13 @@ class FlowStage:
     @classmethod
     def from_dir(cls, model_dir: str | Path, settings: FlowSettings | dict[str, Any] | None = None,
                  threads: int | SessionConfig = 1, streaming: bool = True,
-                 arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES) -> FlowStage:  # fmt: skip
+                 arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES,
+                 whole: ShapedGraph | None = None) -> FlowStage:  # fmt: skip
         """The stage from the standard file names in an exported directory."""
         d = Path(model_dir)
         stream = d / FILES["flow_estimator_stream"] if streaming else None
         return cls(d / FILES["flow_encoder"], d / FILES["flow_estimator"], stream,
-                   d / FILES["flow_noise"], settings, threads, arena_shrink_frames)  # fmt: skip
+                   d / FILES["flow_noise"], settings, threads, arena_shrink_frames, whole)  # fmt: skip
 
     def _estimator(self, kind: str) -> Any:
         session = self._sessions.get(kind)
@@ -220,8 +230,13 @@ class FlowStage:
                 config = as_config(self._threads)
                 if kind == "stream":  # its new_h/new_conv_state gathers run early: see SessionConfig
                     config = replace(config, priority_order=True)
-                self._sessions[kind] = _open(path, config, io)
-                logger.info("opened %s", path.name)
+                if kind == "whole" and self.whole is not None:
+                    config = replace(config, backend=self.whole.backend)
+                session = _open(path, config, io)
+                if kind == "whole" and self.whole is not None:
+                    session = BucketedSession(session, self.whole.pad)
+                self._sessions[kind] = session
+                logger.info("opened %s (%s)", path.name, config.backend)
             return self._sessions[kind]
 
     @property
@@ -240,11 +255,16 @@ class FlowStage:
         the stage was made without it."""
         return self._estimator("stream") if self.can_stream else None
 
+    def whole_on_stream_graph(self, padded: bool) -> bool:
+        """Whether a whole-sentence call runs on the stream graph with empty caches: when that graph serves whole
+        sentences, no row is padded (it has no mask) and no other backend was given the whole-sentence graph."""
+        return not padded and self.stream_serves_whole and self.can_stream and self.whole is None
+
     def _whole_call(self, padded: bool, n: int) -> tuple[Any, dict[str, np.ndarray]]:
         """(session, extra feeds) for a whole-sentence estimator call on ``n`` rows: the stream graph with empty
-        caches when it serves whole sentences and no row is padded (it has no mask), else ``flow_estimator.onnx``
-        (extra feeds: none; the caller adds the mask)."""
-        if padded or not (self.stream_serves_whole and self.can_stream):
+        caches (:meth:`whole_on_stream_graph`), else the whole-sentence estimator (extra feeds: none; the caller
+        adds the mask)."""
+        if not self.whole_on_stream_graph(padded):
             return self.estimator, {}
         sess = self.stream_estimator
         layers, width, state = stream_layout(sess)

@@ -25,6 +25,7 @@ import numpy as np
 
 from cosyvoice_cpu.backends.base import DEFAULT_SHRINK_FRAMES, SessionConfig
 from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.flow.buckets import ShapedGraph
 from cosyvoice_cpu.flow.stage import N_MELS, FlowSettings, FlowStage, _ids
 
 logger = logging.getLogger(__name__)
@@ -177,21 +178,25 @@ class FlowStageV1(FlowStage):
         settings: FlowSettingsV1 | dict[str, Any] | None = None,
         threads: int | SessionConfig = 1,
         arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES,
+        whole: ShapedGraph | None = None,
     ) -> None:
         if not isinstance(settings, FlowSettingsV1):
             base = vars(settings) if isinstance(settings, FlowSettings) else settings
             settings = FlowSettingsV1.from_attrs(base)
-        super().__init__(encoder, estimator, None, None, settings, threads, arena_shrink_frames)
+        super().__init__(encoder, estimator, None, None, settings, threads, arena_shrink_frames, whole)
         self.settings: FlowSettingsV1 = settings
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, settings: FlowSettingsV1 | dict[str, Any] | None = None,
                  threads: int | SessionConfig = 1, streaming: bool = False,
-                 arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES) -> FlowStageV1:  # fmt: skip
+                 arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES,
+                 whole: ShapedGraph | None = None) -> FlowStageV1:  # fmt: skip
         """The stage from the standard file names (:data:`FILES`); ``streaming`` is accepted for symmetry with
         :meth:`FlowStage.from_dir` (v1 streaming needs no extra graph)."""
         d = Path(model_dir)
-        return cls(d / FILES["flow_encoder"], d / FILES["flow_estimator"], settings, threads, arena_shrink_frames)
+        return cls(
+            d / FILES["flow_encoder"], d / FILES["flow_estimator"], settings, threads, arena_shrink_frames, whole
+        )
 
     def encode(
         self, tokens: Any, prompt_tokens: Any, prompt_mel_frames: int, embedding: np.ndarray

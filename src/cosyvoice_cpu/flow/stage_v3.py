@@ -34,6 +34,7 @@ import numpy as np
 
 from cosyvoice_cpu.backends.base import DEFAULT_SHRINK_FRAMES, SessionConfig
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
+from cosyvoice_cpu.flow.buckets import ShapedGraph
 from cosyvoice_cpu.flow.stage import FILES, FlowSettings, FlowStage, _open, cache_dtype
 
 logger = logging.getLogger(__name__)
@@ -98,11 +99,12 @@ class FlowStageV3(FlowStage):
         threads: int | SessionConfig = 1,
         time_graph: str | Path | None = None,
         arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES,
+        whole: ShapedGraph | None = None,
     ) -> None:
         if not isinstance(settings, FlowSettingsV3):
             settings = FlowSettingsV3.from_attrs(settings if isinstance(settings, dict) else
                                                  (vars(settings) if settings is not None else None))  # fmt: skip
-        super().__init__(encoder, estimator, estimator_stream, noise, settings, threads, arena_shrink_frames)
+        super().__init__(encoder, estimator, estimator_stream, noise, settings, threads, arena_shrink_frames, whole)
         self._time_graph = None if time_graph is None else Path(time_graph)
         if estimator_stream is not None and (self._time_graph is None or not self._time_graph.is_file()):
             raise ModelDirError(f"{time_graph or 'flow_time.onnx'} is missing (the v3 stream graph takes the DiT's "
@@ -113,12 +115,13 @@ class FlowStageV3(FlowStage):
     @classmethod
     def from_dir(cls, model_dir: str | Path, settings: FlowSettingsV3 | dict[str, Any] | None = None,
                  threads: int | SessionConfig = 1, streaming: bool = True,
-                 arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES) -> FlowStageV3:  # fmt: skip
+                 arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES,
+                 whole: ShapedGraph | None = None) -> FlowStageV3:  # fmt: skip
         """The stage from the standard file names in an exported v3 directory."""
         d = Path(model_dir)
         stream = d / FILES_V3["flow_estimator_stream"] if streaming else None
         return cls(d / FILES_V3["flow_encoder"], d / FILES_V3["flow_estimator"], stream, d / FILES_V3["flow_noise"],
-                   settings, threads, d / FILES_V3["flow_time"], arena_shrink_frames)  # fmt: skip
+                   settings, threads, d / FILES_V3["flow_time"], arena_shrink_frames, whole)  # fmt: skip
 
     def time_table(self, schedule: list[tuple[np.float32, np.float32]]) -> np.ndarray:
         """(steps, L x 6D + 2D) float32: ``flow_time.onnx`` at the schedule's t values (row k for step k).
@@ -168,7 +171,7 @@ class FlowStageV3(FlowStage):
         """As :meth:`FlowStage._whole_call`, with the v3 stream graph's feeds: empty key/value caches, zero conv
         state, ``offset`` 0, ``chunk_frames`` 0 (full attention: ORT's flash kernel) and ``keep_frames`` 0 (no
         key/value is returned: ~117 MB of float16 at 650 frames)."""
-        if padded or not self.can_stream:
+        if not self.whole_on_stream_graph(padded):
             return super()._whole_call(padded, n)
         sess = self.stream_estimator
         layers, width, state, hist = stream_layout_v3(sess)

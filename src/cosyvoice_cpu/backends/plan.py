@@ -1,0 +1,118 @@
+"""Which backend runs which graph: the per-graph plan behind ``--backend auto|onnxruntime|openvino``.
+
+A model directory lists its ONNX graphs and, where the export wrote them (``export --openvino``), OpenVINO
+models of some of those graphs under the key ``<graph>_ov`` (today the whole-sentence flow estimator). The plan
+gives every graph one backend and the reason, which ``cosyvoice-cpu doctor`` prints:
+
+- ``onnxruntime``: every graph on ONNX Runtime (what every machine ran before OpenVINO).
+- ``openvino``: every graph that has an OpenVINO model runs on it; a ConfigError when ``openvino`` is missing or
+  the directory has no OpenVINO model.
+- ``auto``: OpenVINO for a graph where it was measured to win: the directory has its OpenVINO model, ``openvino``
+  is installed, the CPU computes bf16 natively (AVX-512 BF16 or AMX; OpenVINO's gain is bf16 and VNNI, its f32
+  is no faster than ONNX Runtime's), and the graph can be padded to shared shapes (OpenVINO compiles per shape).
+  Anything else runs as it always did, on ONNX Runtime.
+
+Only one backend ever holds a graph's weights: the graph with an OpenVINO plan is not opened in ONNX Runtime.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from cosyvoice_cpu.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+CHOICES = ("auto", "onnxruntime", "openvino")
+OV_SUFFIX = "_ov"  # manifest key of a graph's OpenVINO model: "<graph>_ov"
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """One graph's backend: ``graph`` (manifest key of the ONNX graph), ``backend``, ``reason`` (for doctor),
+    ``key`` (the manifest key of the file that backend opens)."""
+
+    graph: str
+    backend: str
+    reason: str
+    key: str
+
+
+def openvino_installed() -> bool:
+    """Whether the ``openvino`` package can be imported (without importing it)."""
+    return importlib.util.find_spec("openvino") is not None
+
+
+def check_choice(choice: str) -> str:
+    """``choice`` if it is one of :data:`CHOICES`, else a ConfigError listing them."""
+    if choice not in CHOICES:
+        raise ConfigError(f"backend must be one of {', '.join(CHOICES)}, got {choice!r}")
+    return choice
+
+
+def plan_backends(graphs: dict[str, Any], choice: str, cpu: Any = None,
+                  installed: bool | None = None) -> dict[str, GraphPlan]:  # fmt: skip
+    """The plan for a manifest's ``graphs`` (key -> :class:`~cosyvoice_cpu.manifest.GraphEntry`).
+
+    Args:
+        choice: ``auto``, ``onnxruntime`` or ``openvino``.
+        cpu: a :class:`~cosyvoice_cpu.hardware.cpu.CpuInfo` (None: read from /proc/cpuinfo; unknown counts as
+            no bf16).
+        installed: whether ``openvino`` is importable (None: look).
+    Returns:
+        ONNX graph key -> :class:`GraphPlan`, for every graph of the directory except the OpenVINO models.
+    """
+    check_choice(choice)
+    if installed is None:
+        installed = openvino_installed()
+    if cpu is None and choice == "auto":
+        from cosyvoice_cpu.hardware.cpu import read_cpuinfo
+
+        cpu = read_cpuinfo()
+    onnx = [k for k in graphs if not k.endswith(OV_SUFFIX)]
+    with_ov = [k for k in onnx if k + OV_SUFFIX in graphs]
+    if choice == "openvino":
+        if not with_ov:
+            raise ConfigError("--backend openvino: this model directory has no OpenVINO model; export it with "
+                              "`cosyvoice-cpu export ... --openvino int8` (or bf16), or use --backend "
+                              "auto")  # fmt: skip
+        if not installed:
+            raise ConfigError("--backend openvino needs the openvino package: pip install 'cosyvoice-cpu[openvino]' "
+                              "(or use --backend auto or onnxruntime)")  # fmt: skip
+    plan = {}
+    for key in onnx:
+        backend, reason = "onnxruntime", "no OpenVINO model of this graph in the directory"
+        if choice == "onnxruntime":
+            reason = "--backend onnxruntime"
+        elif key in with_ov and choice == "openvino":
+            backend, reason = "openvino", "--backend openvino"
+        elif key in with_ov:
+            backend, reason = _auto(graphs[key + OV_SUFFIX], cpu, installed)
+        plan[key] = GraphPlan(key, backend, reason, key + OV_SUFFIX if backend == "openvino" else key)
+    return plan
+
+
+def _auto(entry: Any, cpu: Any, installed: bool) -> tuple[str, str]:
+    """(backend, reason) under ``auto`` for a graph whose OpenVINO model is ``entry``."""
+    what = f"OpenVINO model {entry.file.file} ({entry.precision})"
+    if not installed:
+        return "onnxruntime", f"{what} present, but openvino is not installed (pip install 'cosyvoice-cpu[openvino]')"
+    if cpu is None or not (cpu.bf16 or cpu.amx):
+        return "onnxruntime", (f"{what} present, but this CPU has neither AVX-512 BF16 nor AMX: OpenVINO's gain is "
+                               "bf16/VNNI, its f32 is no faster than ONNX Runtime")  # fmt: skip
+    if not entry.attrs.get("pad_exact", False):
+        return "onnxruntime", (f"{what} present, but padding changes this graph's output, so every sentence length "
+                               "would compile anew (use --backend openvino to run it unpadded anyway)")  # fmt: skip
+    isa = "AMX" if cpu.amx else "AVX-512 BF16"
+    return "openvino", f"{what}; the CPU has {isa}"
+
+
+def describe(plan: dict[str, GraphPlan]) -> list[str]:
+    """``graph: backend (reason)`` per graph, those with the same backend and reason on one line (doctor, logs)."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for p in plan.values():
+        groups.setdefault((p.backend, p.reason), []).append(p.graph)
+    return [f"{', '.join(graphs)}: {backend} ({reason})" for (backend, reason), graphs in groups.items()]

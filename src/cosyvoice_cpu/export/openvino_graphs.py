@@ -1,0 +1,306 @@
+"""``export --openvino bf16|int8``: an OpenVINO model (IR) of the whole-sentence flow estimator.
+
+Written beside the ONNX graphs as ``flow_estimator.ov.xml`` + ``.ov.bin`` (manifest key ``flow_estimator_ov``),
+for every family. What runs it is :mod:`cosyvoice_cpu.backends.openvino`, chosen per graph by
+:mod:`cosyvoice_cpu.backends.plan`; whole-sentence calls are padded to shared shapes
+(:mod:`cosyvoice_cpu.flow.buckets`).
+
+- The graph is the estimator in its plain form (attention as MatMul/Softmax, not ONNX Runtime's fused
+  ``com.microsoft`` ops, which OpenVINO expands into a graph that took 1.6 GB to compile at full size), exported
+  with the official contract (x, mask, mu, t, spks, cond -> estimator_out) and converted by OpenVINO. Weights are
+  stored in float16 (half the file); the CPU plugin computes in bf16 where the CPU has it.
+- ``int8``: NNCF post-training quantization (int8 weights and activations, the bf16 rest), calibrated on the flow's
+  own inputs: the estimator feeds of whole flow runs of the fp32 ONNX graphs, x_t along the Euler path at every
+  step, real-length masks and a voice prompt whose mel is the flow's own output (:func:`flow_samples`).
+- The gate (:func:`gate_openvino`) runs on held-out sentences: the estimator output against the fp32 ONNX
+  graph, the whole flow's mel (mean absolute log-mel difference, the measure ``docs/quantization.md`` bounds by
+  0.02 for every shipped variant), and whether a call padded to its bucket equals the unpadded one (recorded as
+  the ``pad_exact`` attr; CosyVoice-300M's GroupNorm makes it False, and then the runtime never pads).
+
+NNCF and OpenVINO are imported only here, at export time (``pip install 'cosyvoice-cpu[openvino-export]'``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cosyvoice_cpu.errors import ExportError, MissingExtraError
+from cosyvoice_cpu.export.common import GateResult, GraphArtifact
+from cosyvoice_cpu.flow.buckets import BucketedSession, ShapedGraph, bucket
+from cosyvoice_cpu.flow.stage import FILES
+
+logger = logging.getLogger(__name__)
+
+VARIANTS = ("none", "bf16", "int8")
+KEY = "flow_estimator_ov"
+# Gate bounds per variant. mel_l1 is the bound docs/quantization.md holds every shipped variant to (the shipped
+# ORT int8 estimator measured 0.009 at full size). estimator: max rel. error of one call against fp32 ONNX;
+# measured on the full-size random-weight fixtures: bf16 ~1e-2, int8 3.5e-2 (DiT) .. 7.4e-2 (UNet).
+TOLERANCE = {"bf16": {"estimator": 0.05, "mel_l1": 0.02}, "int8": {"estimator": 0.25, "mel_l1": 0.02}}
+PAD_EXACT = 1e-3  # max rel. difference of a bucket-padded call from the unpadded one for pad_exact = True
+PROMPT_SECONDS = 3.0  # the voice prompt of every calibration and gate sentence
+# Calibration: 2, 6 and 10 s of speech (CosyVoice2 tokens) after prompts of a low voice, a high voice and the
+# flow's own output; the gate: other lengths and voices
+CALIBRATION_TOKENS, CALIBRATION_F0 = (50, 150, 250), (110.0, 220.0, None)
+HELD_OUT_TOKENS, HELD_OUT_F0 = (90, 200), (165.0, None)
+
+Step = Callable[[str], None]
+
+
+def check_extra(variant: str) -> None:
+    """``openvino`` (and ``nncf`` for int8) importable, else MissingExtraError with the pip command."""
+    import importlib.util
+
+    need = ["openvino"] + (["nncf"] if variant == "int8" else [])
+    missing = [m for m in need if importlib.util.find_spec(m) is None]
+    if missing:
+        raise MissingExtraError(f"export --openvino {variant} needs {', '.join(missing)}: pip install "
+                                "'cosyvoice-cpu[openvino-export]'")  # fmt: skip
+
+
+def export_plain_estimator(estimator_graph: Any, path: Path) -> None:
+    """Trace ``estimator_graph`` (a family's ``EstimatorGraph*`` around the reference estimator, outside
+    ``export_forms``: plain attention) to ONNX under the official contract, batch and time dynamic."""
+    import torch
+
+    from cosyvoice_cpu.export.common import torch_export
+    from cosyvoice_cpu.export.flow_graph import _estimator_inputs
+
+    args = tuple(torch.from_numpy(v) for v in _estimator_inputs(np.random.default_rng(0), [71, 60], 71).values())
+    names = ["x", "mask", "mu", "t", "spks", "cond"]
+    axes: dict[str, dict[int, str]] = {n: {0: "batch", 2: "time"} for n in ("x", "mask", "mu", "cond")}
+    axes.update(t={0: "batch"}, spks={0: "batch"}, estimator_out={0: "batch", 2: "time"})
+    with torch.inference_mode():
+        torch_export(estimator_graph, args, path, input_names=names, output_names=["estimator_out"],
+                     dynamic_axes=axes)  # fmt: skip
+
+
+class _Recorder:
+    """A session wrapper that keeps a copy of every feed dict it is run with (the calibration samples)."""
+
+    def __init__(self, session: Any) -> None:
+        self.session, self.feeds = session, []
+
+    def get_inputs(self) -> list[Any]:
+        return self.session.get_inputs()
+
+    def get_outputs(self) -> list[Any]:
+        return self.session.get_outputs()
+
+    def run(self, names: Any, feeds: dict[str, Any], options: Any = None) -> list[Any]:
+        self.feeds.append({k: np.array(v, copy=True) for k, v in feeds.items()})
+        return self.session.run(names, feeds, options)
+
+
+def flow_stage(out: Path, family: str, attrs: dict[str, Any], threads: int = 0,
+               whole: ShapedGraph | None = None) -> Any:  # fmt: skip
+    """The family's runtime flow stage on the graphs in ``out``, whole sentences on ``flow_estimator.onnx``
+    (or ``whole``), no stream graph."""
+    from cosyvoice_cpu.backends.base import SessionConfig
+    from cosyvoice_cpu.families.registry import CLASSES
+
+    stage_cls = CLASSES[family].flow_stage
+    return stage_cls.from_dir(out, attrs, threads=SessionConfig(threads=threads), streaming=False, whole=whole)
+
+
+def voiced_prompt(sample_rate: int, f0: float, seconds: float = PROMPT_SECONDS, seed: int = 0) -> np.ndarray:
+    """A voiced-like prompt recording at ``sample_rate``: digital silence, then a harmonic series on ``f0`` with
+    vibrato, syllable-rate amplitude and a little breath noise, then silence again. Its log-mel spans what real
+    prompts put in the estimator's cond rows: the floor of silence (log 1e-5 = -11.5) up to loud voiced bins.
+    Random normal values or a random-weight model's own output span neither, and a static int8 model calibrated
+    on them clips a real prompt's cond (measured: a mel error 5x the bound on the tiny model)."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * sample_rate)) / sample_rate
+    pitch = f0 * (1 + 0.06 * np.sin(2 * np.pi * 4.5 * t))
+    phase = 2 * np.pi * np.cumsum(pitch) / sample_rate
+    voiced = sum(np.sin(k * phase) / k for k in range(1, 12))
+    envelope = 0.5 + 0.5 * np.abs(np.sin(np.pi * 2.5 * t))
+    wave = 0.15 * voiced * envelope + 0.01 * rng.standard_normal(t.shape)
+    wave[(t < 0.3) | (t > seconds - 0.3)] = 0.0
+    return wave.astype(np.float32)
+
+
+def _prompt(stage: Any, f: Any, mel_cfg: dict[str, Any] | None, f0: float | None, emb: np.ndarray,
+            rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """(prompt tokens, prompt mel (1, frames, 80)) of a 3 s voice: the log-mel of :func:`voiced_prompt` at
+    ``f0``, or (``f0`` None, or no mel parameters) the flow's own output for the prompt's tokens."""
+    from cosyvoice_cpu.audio import matcha_mel
+
+    tokens = rng.integers(0, f.speech_vocab, round(PROMPT_SECONDS * f.token_rate))
+    frames = round(PROMPT_SECONDS * f.sample_rate / f.mel_hop)
+    if f0 is not None and mel_cfg:
+        wave = voiced_prompt(int(mel_cfg["sampling_rate"]), f0, seed=int(rng.integers(1 << 30)))
+        mel = matcha_mel(wave, n_fft=mel_cfg["n_fft"], num_mels=mel_cfg["num_mels"],
+                         sampling_rate=mel_cfg["sampling_rate"], hop_size=mel_cfg["hop_size"],
+                         win_size=mel_cfg["win_size"], fmin=mel_cfg["fmin"], fmax=mel_cfg["fmax"])  # fmt: skip
+        return tokens, np.ascontiguousarray(mel[None, :frames])
+    none = {"prompt_tokens": np.zeros(0, np.int64), "prompt_feat": np.zeros((1, 0, 80), np.float32)}
+    mel = stage.inference(tokens, embedding=emb, rng=np.random.default_rng(0), **none)[:, :, :frames]
+    return tokens, np.ascontiguousarray(mel.transpose(0, 2, 1))
+
+
+def _sentences(stage: Any, family: str, lengths: tuple[int, ...], seed: int, mel_cfg: dict[str, Any] | None,
+               f0s: tuple[float | None, ...]) -> list[dict[str, Any]]:  # fmt: skip
+    """Inference arguments for sentences of ``lengths`` tokens (random speech tokens), sentence ``i`` after a 3 s
+    voice prompt made by :func:`_prompt` with ``f0s[i % len(f0s)]`` and its own x-vector."""
+    from cosyvoice_cpu.families.facts import facts
+
+    f = facts(family)
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, n in enumerate(lengths):
+        emb = rng.standard_normal(192).astype(np.float32)
+        prompt, feat = _prompt(stage, f, mel_cfg, f0s[i % len(f0s)], emb, rng)
+        out.append({"tokens": rng.integers(0, f.speech_vocab, n), "prompt_tokens": prompt, "prompt_feat": feat,
+                    "embedding": emb})  # fmt: skip
+    return out
+
+
+def flow_samples(stage: Any, family: str, mel_cfg: dict[str, Any] | None,
+                 lengths: tuple[int, ...] = CALIBRATION_TOKENS, f0s: tuple[float | None, ...] = CALIBRATION_F0,
+                 seed: int = 0) -> list[dict[str, np.ndarray]]:  # fmt: skip
+    """The estimator feeds of whole flow runs (every Euler step, guidance rows included) of sentences of
+    ``lengths`` tokens on ``stage`` (prompts as :func:`_sentences`): the calibration set of the int8 model."""
+    sentences = _sentences(stage, family, lengths, seed, mel_cfg, f0s)
+    recorder = _Recorder(stage.estimator)
+    stage._sessions["whole"] = recorder
+    try:
+        for i, args in enumerate(sentences):
+            stage.inference(**args, rng=np.random.default_rng(seed + i))
+    finally:
+        stage._sessions["whole"] = recorder.session
+    return recorder.feeds
+
+
+def input_layers(model: Any, inputs: tuple[str, ...] = ("x", "mu", "cond")) -> list[str]:
+    """Names of the first Convolution/MatMul nodes reached from these inputs of an OpenVINO model: the layers
+    that see the prompt mel (cond) as it is, whose int8 activation scale a prompt outside the calibrated range
+    would clip."""
+    found, seen = set(), set()
+    frontier = [p for p in model.get_parameters() if p.get_friendly_name() in inputs]
+    while frontier:
+        node = frontier.pop()
+        for out in node.outputs():
+            for target in out.get_target_inputs():
+                nxt = target.get_node()
+                if nxt.get_friendly_name() in seen:
+                    continue
+                seen.add(nxt.get_friendly_name())
+                if nxt.get_type_name() in ("Convolution", "MatMul"):
+                    found.add(nxt.get_friendly_name())
+                else:
+                    frontier.append(nxt)
+    return sorted(found)
+
+
+def quantize_int8(model: Any, samples: list[dict[str, np.ndarray]]) -> Any:
+    """NNCF post-training int8 quantization of an OpenVINO model, calibrated on ``samples`` (estimator feeds).
+
+    Options, as measured on the tiny CosyVoice2 model (mel L1 against fp32 after a sine-wave prompt / a voiced
+    one; docs/benchmarks-log.md, "OpenVINO"): the transformer preset with SmoothQuant 0.022 / 0.015, without
+    it (the mixed preset) 0.037 / 0.031, SmoothQuant alpha 0.5 0.021 / 0.015, and the transformer preset with
+    the input layers (:func:`input_layers`) left in bf16 0.016 / 0.011: that is the one used.
+    """
+    import nncf
+
+    return nncf.quantize(model, nncf.Dataset(samples), subset_size=len(samples), model_type=nncf.ModelType.TRANSFORMER,
+                         ignored_scope=nncf.IgnoredScope(names=input_layers(model), validate=False))  # fmt: skip
+
+
+def gate_openvino(out: Path, family: str, attrs: dict[str, Any], variant: str, seed: int
+                  ) -> tuple[list[GateResult], bool]:  # fmt: skip
+    """Check the OpenVINO model in ``out`` against the fp32 ONNX estimator on held-out sentences; returns the
+    gate results and ``pad_exact``."""
+    from cosyvoice_cpu.export.common import gate
+
+    tol = TOLERANCE[variant]
+    ref = flow_stage(out, family, attrs)
+    ov_stage = flow_stage(out, family, attrs, whole=ShapedGraph(out / FILES[KEY], "openvino", pad=False))
+    mel_cfg = attrs.get("mel")
+    results = []
+    for i, args in enumerate(_sentences(ref, family, HELD_OUT_TOKENS, seed + 100, mel_cfg, HELD_OUT_F0)):
+        mel_ref = ref.inference(**args, rng=np.random.default_rng(seed + i))
+        mel_ov = ov_stage.inference(**args, rng=np.random.default_rng(seed + i))
+        l1 = float(np.abs(mel_ov - mel_ref).mean())
+        voice = "the flow's own mel" if HELD_OUT_F0[i % len(HELD_OUT_F0)] is None else "a voiced prompt"
+        results.append(GateResult(KEY, f"mel_l1 ({len(args['tokens'])} tokens after {voice})", l1, tol["mel_l1"]))
+    steps = len(ref.schedule(ref.settings.n_timesteps))
+    feeds = flow_samples(ref, family, mel_cfg, HELD_OUT_TOKENS[:1], HELD_OUT_F0[:1], seed + 200)[steps // 2]
+    want = ref.estimator.run(None, feeds)[0]
+    got = ov_stage.estimator.run(None, feeds)[0]
+    results.append(gate(KEY, "estimator (one call, mid-path)", got, want, tol["estimator"]))
+    padded = BucketedSession(ov_stage.estimator.session, pad=True)
+    size = int(feeds["x"].shape[2])
+    if bucket(size) == size:  # make sure the check pads
+        feeds = {k: (v[:, :, :-8] if v.ndim == 3 else v) for k, v in feeds.items()}
+    alone = ov_stage.estimator.run(None, feeds)[0]
+    worst_pad = float(np.abs(padded.run(None, feeds)[0] - alone).max() / max(np.abs(alone).max(), 1e-12))
+    for r in results:
+        r.phase = f"openvino {variant}"
+        logger.info("%s", r)
+    logger.info("%s: a call padded to its bucket differs from the unpadded one by %.2e (pad_exact %s)", KEY,
+                worst_pad, worst_pad <= PAD_EXACT)  # fmt: skip
+    return results, worst_pad <= PAD_EXACT
+
+
+def export_openvino(estimator_graph: Any, out: Path, work: Path, family: str, settings: dict[str, Any],
+                    attrs: dict[str, Any], variant: str, seed: int, step: Step, verify: bool = True,
+                    ) -> tuple[GraphArtifact, list[GateResult]]:  # fmt: skip
+    """Write ``flow_estimator.ov.xml/.bin`` of ``variant`` into ``out`` (``out`` already holds the family's fp32
+    ONNX flow graphs; ``settings`` are the flow stage's facts, ``attrs`` the ONNX estimator's); return its
+    artifact and gate results (none when ``verify`` is False: then ``pad_exact`` is False, so the runtime never
+    pads an unchecked graph)."""
+    import openvino as ov
+
+    check_extra(variant)
+    t0 = time.perf_counter()
+    plain = work / "flow_estimator_plain.onnx"
+    step(f"flow: OpenVINO {variant} model (plain-attention estimator)")
+    export_plain_estimator(estimator_graph, plain)
+    model = ov.convert_model(str(plain))
+    if variant == "int8":
+        step("flow: calibrating the OpenVINO int8 model on the flow's own inputs")
+        samples = flow_samples(flow_stage(out, family, settings), family, settings.get("mel"), seed=seed)
+        model = quantize_int8(model, samples)
+    ov.save_model(model, str(out / FILES[KEY]), compress_to_fp16=True)
+    del model
+    for p in work.glob("flow_estimator_plain.onnx*"):
+        p.unlink()
+    gates, pad_exact = [], False
+    if verify:
+        step(f"flow: numerics gate (OpenVINO {variant} vs the fp32 ONNX flow)")
+        gates, pad_exact = gate_openvino(out, family, settings, variant, seed)
+        failed = [g for g in gates if not g.passed]
+        if failed:
+            raise ExportError(f"the OpenVINO {variant} estimator failed its gate: {'; '.join(map(str, failed))}; "
+                              "export without --openvino or try --openvino bf16")  # fmt: skip
+    logger.info("OpenVINO %s estimator written in %.1f s", variant, time.perf_counter() - t0)
+    xml = FILES[KEY]
+    bin_name = xml[: -len(".xml")] + ".bin"
+    inputs, outputs = io_specs_ov(out / xml)
+    art = GraphArtifact(KEY, xml, [bin_name], variant, inputs, outputs,
+                        {**attrs, "backend": "openvino", "form_of": "flow_estimator", "pad_exact": pad_exact,
+                         "weights": "float16", "attention": "full"})  # fmt: skip
+    return art, gates
+
+
+def io_specs_ov(path: Path) -> tuple[list[Any], list[Any]]:
+    """An IR's inputs and outputs as :class:`~cosyvoice_cpu.export.common.TensorSpec` (dynamic axes named)."""
+    import openvino as ov
+
+    from cosyvoice_cpu.export.common import TensorSpec
+
+    types = {"f32": "float32", "i64": "int64", "i32": "int32", "f16": "float16"}
+    model = ov.Core().read_model(str(path))
+
+    def spec(port: Any) -> TensorSpec:
+        dims = [int(d.get_length()) if d.is_static else f"d{i}" for i, d in enumerate(port.get_partial_shape())]
+        return TensorSpec(port.get_any_name(), types.get(port.get_element_type().get_type_name(), "?"), dims)
+
+    return [spec(p) for p in model.inputs], [spec(p) for p in model.outputs]

@@ -1,0 +1,124 @@
+"""The per-graph backend plan (``--backend auto|onnxruntime|openvino``) and the frame buckets OpenVINO runs on."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from cosyvoice_cpu.backends.plan import describe, plan_backends
+from cosyvoice_cpu.config import EngineConfig
+from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.flow.buckets import BucketedSession, bucket
+
+
+def _entry(file: str, precision: str = "fp32", **attrs: object) -> SimpleNamespace:
+    return SimpleNamespace(file=SimpleNamespace(file=file), precision=precision, attrs=attrs)
+
+
+def _graphs(pad_exact: bool = True, with_ov: bool = True) -> dict[str, SimpleNamespace]:
+    graphs = {k: _entry(f"{k}.onnx") for k in ("lm", "flow_encoder", "flow_estimator", "hift_decode")}
+    if with_ov:
+        graphs["flow_estimator_ov"] = _entry("flow_estimator.ov.xml", "int8", pad_exact=pad_exact)
+    return graphs
+
+
+BF16 = SimpleNamespace(bf16=True, amx=False)
+AMX = SimpleNamespace(bf16=False, amx=True)
+AVX2 = SimpleNamespace(bf16=False, amx=False)
+
+
+def test_auto_puts_the_estimator_on_openvino_only_where_the_cpu_has_bf16() -> None:
+    plan = plan_backends(_graphs(), "auto", BF16, installed=True)
+    assert set(plan) == {"lm", "flow_encoder", "flow_estimator", "hift_decode"}  # the IR is not a graph of its own
+    assert plan["flow_estimator"].backend == "openvino" and plan["flow_estimator"].key == "flow_estimator_ov"
+    assert "AVX-512 BF16" in plan["flow_estimator"].reason
+    assert all(p.backend == "onnxruntime" and p.key == k for k, p in plan.items() if k != "flow_estimator")
+    assert plan_backends(_graphs(), "auto", AMX, installed=True)["flow_estimator"].backend == "openvino"
+    avx2 = plan_backends(_graphs(), "auto", AVX2, installed=True)["flow_estimator"]
+    assert avx2.backend == "onnxruntime" and "neither AVX-512 BF16 nor AMX" in avx2.reason
+    unknown = plan_backends(_graphs(), "auto", None, installed=True)  # /proc/cpuinfo unreadable: no bf16
+    assert unknown["flow_estimator"].backend in ("onnxruntime", "openvino")
+
+
+def test_auto_keeps_onnxruntime_without_openvino_or_an_ir_or_exact_padding() -> None:
+    missing = plan_backends(_graphs(), "auto", BF16, installed=False)["flow_estimator"]
+    assert missing.backend == "onnxruntime" and "not installed" in missing.reason
+    no_ir = plan_backends(_graphs(with_ov=False), "auto", BF16, installed=True)["flow_estimator"]
+    assert no_ir.backend == "onnxruntime" and "no OpenVINO model" in no_ir.reason
+    groupnorm = plan_backends(_graphs(pad_exact=False), "auto", BF16, installed=True)["flow_estimator"]
+    assert groupnorm.backend == "onnxruntime" and "padding changes" in groupnorm.reason
+
+
+def test_explicit_choices() -> None:
+    assert {p.backend for p in plan_backends(_graphs(), "onnxruntime", BF16, installed=True).values()} == {
+        "onnxruntime"
+    }
+    forced = plan_backends(_graphs(pad_exact=False), "openvino", AVX2, installed=True)
+    assert forced["flow_estimator"].backend == "openvino" and forced["lm"].backend == "onnxruntime"
+    with pytest.raises(ConfigError, match=r"no OpenVINO model.*--openvino int8"):
+        plan_backends(_graphs(with_ov=False), "openvino", BF16, installed=True)
+    with pytest.raises(ConfigError, match=r"pip install 'cosyvoice-cpu\[openvino\]'"):
+        plan_backends(_graphs(), "openvino", BF16, installed=False)
+    with pytest.raises(ConfigError, match="auto, onnxruntime, openvino"):
+        plan_backends(_graphs(), "tensorrt", BF16, installed=True)
+    with pytest.raises(ConfigError, match="backend"):
+        EngineConfig(backend="gpu").validate()
+    with pytest.raises(ConfigError, match="compiled_shapes"):
+        EngineConfig(compiled_shapes=0).validate()
+
+
+def test_describe_groups_graphs_with_the_same_reason() -> None:
+    lines = describe(plan_backends(_graphs(), "auto", BF16, installed=True))
+    assert lines[0].startswith("lm, flow_encoder, hift_decode: onnxruntime (no OpenVINO model")
+    assert lines[1].startswith("flow_estimator: openvino") and len(lines) == 2
+
+
+def test_buckets_cover_every_length_with_bounded_padding() -> None:
+    sizes = [bucket(n) for n in range(1, 3001)]
+    assert all(s >= n for n, s in zip(range(1, 3001), sizes))
+    assert sizes == sorted(sizes)
+    assert all(s % 16 == 0 for s in sizes)
+    ratios = [s / n for n, s in zip(range(1, 3001), sizes)]
+    assert max(ratios[64:]) < 1.26 and max(ratios[255:]) < 1.21 and np.mean(ratios[64:]) < 1.11
+    assert len(set(sizes[99:2000])) <= 20  # 100-2000 frames (2-40 s of CosyVoice2 mel): a few shapes
+    with pytest.raises(ValueError):
+        bucket(0)
+
+
+class _Echo:
+    """A fake estimator session: returns x + mask (so padding and cutting are visible) and records shapes."""
+
+    def __init__(self) -> None:
+        self.shapes: list[tuple[int, ...]] = []
+
+    def get_inputs(self) -> list:
+        return []
+
+    def get_outputs(self) -> list:
+        return []
+
+    def run(self, names, feeds, options=None):
+        self.shapes.append(feeds["x"].shape)
+        assert feeds["mask"][:, :, feeds["mask"].shape[2] - (feeds["x"].shape[2] - self.frames) :].sum() == 0
+        return [feeds["x"] + feeds["mask"]]
+
+
+def test_a_bucketed_session_pads_with_masked_zeros_and_cuts_the_output() -> None:
+    inner = _Echo()
+    session = BucketedSession(inner, pad=True)
+    for frames in (70, 100, 100, 250):
+        inner.frames = frames
+        x = np.random.default_rng(frames).standard_normal((2, 80, frames)).astype(np.float32)
+        feeds = {"x": x, "mask": np.ones((2, 1, frames), np.float32), "mu": x, "cond": x,
+                 "t": np.zeros(2, np.float32), "spks": np.zeros((2, 80), np.float32)}  # fmt: skip
+        out = session.run(None, feeds)[0]
+        assert out.shape == x.shape and np.array_equal(out, x + 1)
+    assert [s[2] for s in inner.shapes] == [bucket(70), bucket(100), bucket(100), bucket(250)]
+    assert session.padded_frames == sum(bucket(n) - n for n in (70, 100, 100, 250))
+    inner.shapes.clear()
+    unpadded = BucketedSession(inner, pad=False)
+    inner.frames = 70
+    unpadded.run(None, {"x": np.zeros((1, 80, 70), np.float32), "mask": np.ones((1, 1, 70), np.float32)})
+    assert inner.shapes == [(1, 80, 70)]
