@@ -95,9 +95,11 @@ class EngineConfig:
             OpenVINO model in the directory (``export --openvino``); ``auto`` picks per graph from the CPU and the
             directory (:func:`~cosyvoice_cpu.backends.plan.plan_backends`; ``cosyvoice-cpu doctor`` prints the
             plan). A machine without ``openvino`` or without bf16 runs everything on ONNX Runtime.
-        compiled_shapes: input shapes an OpenVINO graph keeps compiled in memory (least recently used out; each
-            holds its own weights and buffers: ~270 MB for the full-size CosyVoice2 estimator at 640 frames).
-            Evicted shapes come back from OpenVINO's on-disk cache in about a second.
+        compiled_shapes: 0 (default) compiles each OpenVINO graph once with its dynamic axes; N > 0 compiles per
+            input shape (static shapes, somewhat faster per call) and keeps N in memory, least recently used out.
+            Each compiled shape holds its own copy of everything (~370 MB for the full-size CosyVoice2 int8
+            estimator), and a shape not in memory costs a compile (4-8 s) or a load from OpenVINO's on-disk
+            cache (~1 s) on the request path (``SessionConfig.max_shapes``; docs/backends.md).
     """
 
     threads: int = 0
@@ -113,13 +115,13 @@ class EngineConfig:
     vocoder_window_frames: int = DEFAULT_WINDOW_FRAMES
     arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES
     backend: str = "auto"
-    compiled_shapes: int = 2
+    compiled_shapes: int = 0
 
     def validate(self) -> EngineConfig:
         _types(self, ("threads", "leave_cores", "prompt_cache_mb", "lm_batch_rows", "malloc_mmap_threshold_kb",
                       "vocoder_window_frames", "arena_shrink_frames", "compiled_shapes"), ())  # fmt: skip
         need(self.backend in BACKEND_CHOICES, "backend", self.backend, "one of " + ", ".join(BACKEND_CHOICES))
-        need(1 <= self.compiled_shapes <= 64, "compiled_shapes", self.compiled_shapes, "1 to 64")
+        need(0 <= self.compiled_shapes <= 64, "compiled_shapes", self.compiled_shapes, "0 (one dynamic compile) to 64")
         need(self.arena_shrink_frames >= 0, "arena_shrink_frames", self.arena_shrink_frames, "0 (never) or more")
         need(
             self.vocoder_window_frames == 0 or self.vocoder_window_frames >= MIN_WINDOW_FRAMES,

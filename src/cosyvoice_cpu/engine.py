@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from cosyvoice_cpu.backends.base import SessionConfig
-from cosyvoice_cpu.backends.plan import describe, plan_backends
+from cosyvoice_cpu.backends.plan import describe
 from cosyvoice_cpu.config import AudioChunk, EngineConfig, SynthesisConfig
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.families.base import Family, LMPrompt, Stages
@@ -93,7 +93,7 @@ class Engine:
         self.sample_rate = int(self.manifest.sample_rate)
         self.scheduler = LMScheduler(self.lm, config.lm_batch_rows) if config.lm_batch_rows else None
         # which backend runs each graph (the flow stage was opened by the same plan: Family.load_flow)
-        self.plan = plan_backends(self.manifest.graphs, config.backend)
+        self.plan = family.backend_plan(config.backend)
 
     @classmethod
     def load(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:

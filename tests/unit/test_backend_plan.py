@@ -30,16 +30,26 @@ AVX2 = SimpleNamespace(bf16=False, amx=False)
 
 
 def test_auto_puts_the_estimator_on_openvino_only_where_the_cpu_has_bf16() -> None:
-    plan = plan_backends(_graphs(), "auto", BF16, installed=True)
+    plan = plan_backends(_graphs(), "auto", BF16, installed=True, memory=None)
     assert set(plan) == {"lm", "flow_encoder", "flow_estimator", "hift_decode"}  # the IR is not a graph of its own
     assert plan["flow_estimator"].backend == "openvino" and plan["flow_estimator"].key == "flow_estimator_ov"
     assert "AVX-512 BF16" in plan["flow_estimator"].reason
     assert all(p.backend == "onnxruntime" and p.key == k for k, p in plan.items() if k != "flow_estimator")
-    assert plan_backends(_graphs(), "auto", AMX, installed=True)["flow_estimator"].backend == "openvino"
+    assert plan_backends(_graphs(), "auto", AMX, installed=True, memory=None)["flow_estimator"].backend == "openvino"
     avx2 = plan_backends(_graphs(), "auto", AVX2, installed=True)["flow_estimator"]
     assert avx2.backend == "onnxruntime" and "neither AVX-512 BF16 nor AMX" in avx2.reason
     unknown = plan_backends(_graphs(), "auto", None, installed=True)  # /proc/cpuinfo unreadable: no bf16
     assert unknown["flow_estimator"].backend in ("onnxruntime", "openvino")
+
+
+def test_auto_keeps_onnxruntime_where_memory_is_short() -> None:
+    short = plan_backends(_graphs(), "auto", BF16, installed=True, memory=2 << 30)["flow_estimator"]
+    assert short.backend == "onnxruntime" and "2.0 GiB" in short.reason and "--backend openvino" in short.reason
+    assert plan_backends(_graphs(), "auto", BF16, installed=True, memory=8 << 30)["flow_estimator"].backend == (
+        "openvino"
+    )
+    forced = plan_backends(_graphs(), "openvino", BF16, installed=True, memory=1 << 30)["flow_estimator"]
+    assert forced.backend == "openvino"  # an explicit choice is not second-guessed
 
 
 def test_auto_keeps_onnxruntime_without_openvino_or_an_ir_or_exact_padding() -> None:
@@ -47,7 +57,7 @@ def test_auto_keeps_onnxruntime_without_openvino_or_an_ir_or_exact_padding() -> 
     assert missing.backend == "onnxruntime" and "not installed" in missing.reason
     no_ir = plan_backends(_graphs(with_ov=False), "auto", BF16, installed=True)["flow_estimator"]
     assert no_ir.backend == "onnxruntime" and "no OpenVINO model" in no_ir.reason
-    groupnorm = plan_backends(_graphs(pad_exact=False), "auto", BF16, installed=True)["flow_estimator"]
+    groupnorm = plan_backends(_graphs(pad_exact=False), "auto", BF16, installed=True, memory=None)["flow_estimator"]
     assert groupnorm.backend == "onnxruntime" and "padding changes" in groupnorm.reason
 
 
@@ -66,11 +76,11 @@ def test_explicit_choices() -> None:
     with pytest.raises(ConfigError, match="backend"):
         EngineConfig(backend="gpu").validate()
     with pytest.raises(ConfigError, match="compiled_shapes"):
-        EngineConfig(compiled_shapes=0).validate()
+        EngineConfig(compiled_shapes=-1).validate()
 
 
 def test_describe_groups_graphs_with_the_same_reason() -> None:
-    lines = describe(plan_backends(_graphs(), "auto", BF16, installed=True))
+    lines = describe(plan_backends(_graphs(), "auto", BF16, installed=True, memory=None))
     assert lines[0].startswith("lm, flow_encoder, hift_decode: onnxruntime (no OpenVINO model")
     assert lines[1].startswith("flow_estimator: openvino") and len(lines) == 2
 

@@ -82,7 +82,8 @@ class SessionConfig:
             the file at run time (fp32-compute ``MatMulNBits``, convolutions) touch their pages again at their
             first run; those pages are not touched at load, so nothing is released for them. OpenVINO: the
             pages of the IR's ``.bin`` after each compile (the compiled model holds its own copy).
-        max_shapes: input shapes a backend that compiles per shape (OpenVINO) keeps compiled per session.
+        max_shapes: for a backend that compiles (OpenVINO): 0 compiles each graph once with its dynamic axes; N > 0
+            compiles per input shape and keeps N shapes compiled per session.
 
     ORT's CPU memory arena stays on for every graph: without it the whole-sentence flow estimator was far slower
     (its freed activations went back to the OS and were faulted in again at every call) for a modestly lower
@@ -99,13 +100,13 @@ class SessionConfig:
     shared_arena: bool = True
     priority_order: bool = False
     release_weight_pages: bool = True
-    max_shapes: int = 2
+    max_shapes: int = 0
 
     def validate(self) -> None:
         if self.threads < 0:
             raise ConfigError(f"threads must be >= 0 (0 = all cores), got {self.threads}")
-        if self.max_shapes < 1:
-            raise ConfigError(f"max_shapes must be >= 1, got {self.max_shapes}")
+        if self.max_shapes < 0:
+            raise ConfigError(f"max_shapes must be >= 0 (0 = one dynamic compile), got {self.max_shapes}")
         if not isinstance(self.backend, str) or not self.backend:
             raise ConfigError(f"backend must name an inference backend, got {self.backend!r}")
 

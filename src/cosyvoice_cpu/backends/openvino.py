@@ -1,11 +1,18 @@
 """The OpenVINO backend (``[openvino]`` extra): bf16 and VNNI kernels that ONNX Runtime's CPU provider lacks.
 
-OpenVINO is fastest on static shapes, and compiling one shape takes seconds. A :class:`OpenVinoSession` therefore
-keeps the model with its dynamic axes and compiles it per input shape on first use: at most ``max_shapes``
-compiled shapes stay in memory (least recently used first out), and with ``cache_dir`` set, OpenVINO's model cache
-keeps each compiled shape on disk so a shape compiles once per machine. Callers bound the number of shapes by
-padding (buckets) where their graph allows it (:mod:`cosyvoice_cpu.flow.buckets`), and compile the likely shapes
-ahead of use with :meth:`OpenVinoSession.prepare`.
+A :class:`OpenVinoSession` compiles its model in one of two ways (``max_shapes``):
+
+- ``0`` (the default): once, with its dynamic axes: one compiled model serves every shape. Its memory grows a
+  little with the largest shape it has run (OpenVINO sizes its buffers to it).
+- ``N > 0``: per input shape, on first use, at most N compiled shapes kept in memory (least recently used first
+  out). A static shape runs somewhat faster, but every compiled shape holds its own copy of everything: on the
+  full-size CosyVoice2 int8 estimator ~370 MB each, whatever the frame count, against ~350-470 MB for the one
+  dynamic model (docs/benchmarks-log.md, "OpenVINO").
+
+With ``cache_dir`` set, OpenVINO's model cache keeps each compiled model on disk, so it compiles once per machine
+(4-8 s at full size) and loads in about a second afterwards. Callers bound the number of shapes by padding
+(buckets) where their graph allows it (:mod:`cosyvoice_cpu.flow.buckets`), and can compile the likely shapes ahead
+of use with :meth:`OpenVinoSession.prepare`.
 
 OpenVINO memory-maps an IR's ``.bin``; compiling repacks the weights into the compiled model, after which the
 mapped pages are not read again until the next compile. With ``SessionConfig.release_weight_pages`` the kernel is
@@ -63,7 +70,7 @@ class OpenVinoSession:
     Args:
         core: the ``openvino.Core``; model: the read ``openvino.Model`` (dynamic axes kept).
         properties: compile properties (threads, precision hint, latency hint).
-        max_shapes: compiled shapes kept in memory.
+        max_shapes: compiled shapes kept in memory; 0 compiles the dynamic model once instead.
         name: for logs and errors.
     """
 
@@ -89,15 +96,19 @@ class OpenVinoSession:
             return list(self._compiled)
 
     def compiled(self, shapes: dict[str, tuple[int, ...]]) -> Any:
-        """The model compiled for these input shapes (compiled now, or from OpenVINO's cache, on a miss)."""
-        key = tuple(tuple(shapes[n.name]) for n in self._inputs)
+        """The model compiled for these input shapes (compiled now, or from OpenVINO's cache, on a miss; with
+        ``max_shapes`` 0 the one dynamic model whatever the shapes)."""
+        dynamic = self.max_shapes == 0
+        key = () if dynamic else tuple(tuple(shapes[n.name]) for n in self._inputs)
         with self._lock:
             hit = self._compiled.get(key)
             if hit is not None:
                 self._compiled.move_to_end(key)
                 return hit
-        model = self._model.clone()
-        model.reshape({n.name: list(shape) for n, shape in zip(self._inputs, key)})
+        model = self._model
+        if not dynamic:
+            model = model.clone()
+            model.reshape({n.name: list(shape) for n, shape in zip(self._inputs, key)})
         t0 = time.perf_counter()
         compiled = self._core.compile_model(model, "CPU", self._properties)
         logger.info("%s: compiled for %s in %.2f s", self.name, key, time.perf_counter() - t0)
@@ -106,7 +117,7 @@ class OpenVinoSession:
         with self._lock:
             self.compiles += 1
             self._compiled[key] = compiled
-            while len(self._compiled) > self.max_shapes:
+            while len(self._compiled) > max(self.max_shapes, 1):
                 self._compiled.popitem(last=False)
         return compiled
 
@@ -193,4 +204,5 @@ class OpenVino(Backend):
         if config.threads:
             properties["INFERENCE_NUM_THREADS"] = int(config.threads)
         weights = path.with_suffix(".bin") if config.release_weight_pages and path.suffix == ".xml" else None
-        return OpenVinoSession(core, model, properties, self.max_shapes or config.max_shapes, path.name, weights)
+        max_shapes = config.max_shapes if self.max_shapes is None else self.max_shapes
+        return OpenVinoSession(core, model, properties, max_shapes, path.name, weights)

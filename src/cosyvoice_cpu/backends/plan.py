@@ -9,7 +9,8 @@ gives every graph one backend and the reason, which ``cosyvoice-cpu doctor`` pri
   the directory has no OpenVINO model.
 - ``auto``: OpenVINO for a graph where it was measured to win: the directory has its OpenVINO model, ``openvino``
   is installed, the CPU computes bf16 natively (AVX-512 BF16 or AMX; OpenVINO's gain is bf16 and VNNI, its f32
-  is no faster than ONNX Runtime's), and the graph can be padded to shared shapes (OpenVINO compiles per shape).
+  is no faster than ONNX Runtime's), the graph can be padded to shared shapes, and the machine has memory to
+  spare: OpenVINO's estimator holds ~0.4 GB more than ONNX Runtime's at full size (:data:`OV_MIN_MEMORY`).
   Anything else runs as it always did, on ONNX Runtime.
 
 Only one backend ever holds a graph's weights: the graph with an OpenVINO plan is not opened in ONNX Runtime.
@@ -28,6 +29,10 @@ logger = logging.getLogger(__name__)
 
 CHOICES = ("auto", "onnxruntime", "openvino")
 OV_SUFFIX = "_ov"  # manifest key of a graph's OpenVINO model: "<graph>_ov"
+# Memory (available, capped by the cgroup limit) below which ``auto`` keeps ONNX Runtime: the whole-sentence
+# full-size CosyVoice2 engine peaked at 954 MB on ONNX Runtime and 1337 MB with the OpenVINO int8 estimator
+# (docs/benchmarks-log.md, "OpenVINO"); a 2 GB edge box keeps the lean engine, a server gets the fast one.
+OV_MIN_MEMORY = 3 << 30
 
 
 @dataclass(frozen=True)
@@ -53,8 +58,8 @@ def check_choice(choice: str) -> str:
     return choice
 
 
-def plan_backends(graphs: dict[str, Any], choice: str, cpu: Any = None,
-                  installed: bool | None = None) -> dict[str, GraphPlan]:  # fmt: skip
+def plan_backends(graphs: dict[str, Any], choice: str, cpu: Any = None, installed: bool | None = None,
+                  memory: int | None = -1) -> dict[str, GraphPlan]:  # fmt: skip
     """The plan for a manifest's ``graphs`` (key -> :class:`~cosyvoice_cpu.manifest.GraphEntry`).
 
     Args:
@@ -62,16 +67,20 @@ def plan_backends(graphs: dict[str, Any], choice: str, cpu: Any = None,
         cpu: a :class:`~cosyvoice_cpu.hardware.cpu.CpuInfo` (None: read from /proc/cpuinfo; unknown counts as
             no bf16).
         installed: whether ``openvino`` is importable (None: look).
+        memory: bytes this process may use (-1: read it, :attr:`~cosyvoice_cpu.hardware.cpu.Hardware.memory_for_us`;
+            None: unknown, no limit assumed).
     Returns:
         ONNX graph key -> :class:`GraphPlan`, for every graph of the directory except the OpenVINO models.
     """
     check_choice(choice)
     if installed is None:
         installed = openvino_installed()
-    if cpu is None and choice == "auto":
-        from cosyvoice_cpu.hardware.cpu import read_cpuinfo
+    if choice == "auto" and (cpu is None or memory == -1):
+        from cosyvoice_cpu.hardware.cpu import detect
 
-        cpu = read_cpuinfo()
+        hw = detect()
+        cpu = hw.cpu if cpu is None else cpu
+        memory = hw.memory_for_us if memory == -1 else memory
     onnx = [k for k in graphs if not k.endswith(OV_SUFFIX)]
     with_ov = [k for k in onnx if k + OV_SUFFIX in graphs]
     if choice == "openvino":
@@ -90,12 +99,12 @@ def plan_backends(graphs: dict[str, Any], choice: str, cpu: Any = None,
         elif key in with_ov and choice == "openvino":
             backend, reason = "openvino", "--backend openvino"
         elif key in with_ov:
-            backend, reason = _auto(graphs[key + OV_SUFFIX], cpu, installed)
+            backend, reason = _auto(graphs[key + OV_SUFFIX], cpu, installed, memory)
         plan[key] = GraphPlan(key, backend, reason, key + OV_SUFFIX if backend == "openvino" else key)
     return plan
 
 
-def _auto(entry: Any, cpu: Any, installed: bool) -> tuple[str, str]:
+def _auto(entry: Any, cpu: Any, installed: bool, memory: int | None) -> tuple[str, str]:
     """(backend, reason) under ``auto`` for a graph whose OpenVINO model is ``entry``."""
     what = f"OpenVINO model {entry.file.file} ({entry.precision})"
     if not installed:
@@ -106,6 +115,10 @@ def _auto(entry: Any, cpu: Any, installed: bool) -> tuple[str, str]:
     if not entry.attrs.get("pad_exact", False):
         return "onnxruntime", (f"{what} present, but padding changes this graph's output, so every sentence length "
                                "would compile anew (use --backend openvino to run it unpadded anyway)")  # fmt: skip
+    if memory is not None and memory < OV_MIN_MEMORY:
+        return "onnxruntime", (f"{what} present, but only {memory / 2**30:.1f} GiB of memory is available and it "
+                               f"holds ~0.4 GB more than ONNX Runtime; auto wants {OV_MIN_MEMORY >> 30} GiB "
+                               "(--backend openvino to use it anyway)")  # fmt: skip
     isa = "AMX" if cpu.amx else "AVX-512 BF16"
     return "openvino", f"{what}; the CPU has {isa}"
 

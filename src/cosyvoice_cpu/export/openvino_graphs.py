@@ -43,7 +43,7 @@ KEY = "flow_estimator_ov"
 # ORT int8 estimator measured 0.009 at full size). estimator: max rel. error of one call against fp32 ONNX;
 # measured on the full-size random-weight fixtures: bf16 ~1e-2, int8 3.5e-2 (DiT) .. 7.4e-2 (UNet).
 TOLERANCE = {"bf16": {"estimator": 0.05, "mel_l1": 0.02}, "int8": {"estimator": 0.25, "mel_l1": 0.02}}
-PAD_EXACT = 1e-3  # max rel. difference of a bucket-padded call from the unpadded one for pad_exact = True
+PAD_EXACT = 1e-4  # max rel. difference of a bucket-padded fp32 call from the unpadded one for pad_exact = True
 PROMPT_SECONDS = 3.0  # the voice prompt of every calibration and gate sentence
 # Calibration: 2, 6 and 10 s of speech (CosyVoice2 tokens) after prompts of a low voice, a high voice and the
 # flow's own output; the gate: other lengths and voices
@@ -235,11 +235,13 @@ def gate_openvino(out: Path, family: str, attrs: dict[str, Any], variant: str, s
     want = ref.estimator.run(None, feeds)[0]
     got = ov_stage.estimator.run(None, feeds)[0]
     results.append(gate(KEY, "estimator (one call, mid-path)", got, want, tol["estimator"]))
-    padded = BucketedSession(ov_stage.estimator.session, pad=True)
+    # pad_exact is the model's property (how it treats masked frames), so it is measured in fp32 (ONNX Runtime),
+    # where float rounding is 1e-6, not in bf16, where a padded shape's other blocking alone moves it by ~1e-2
+    padded = BucketedSession(ref.estimator, pad=True)
     size = int(feeds["x"].shape[2])
     if bucket(size) == size:  # make sure the check pads
         feeds = {k: (v[:, :, :-8] if v.ndim == 3 else v) for k, v in feeds.items()}
-    alone = ov_stage.estimator.run(None, feeds)[0]
+    alone = ref.estimator.run(None, feeds)[0]
     worst_pad = float(np.abs(padded.run(None, feeds)[0] - alone).max() / max(np.abs(alone).max(), 1e-12))
     for r in results:
         r.phase = f"openvino {variant}"

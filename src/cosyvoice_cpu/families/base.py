@@ -25,7 +25,7 @@ from typing import ClassVar, NamedTuple
 import numpy as np
 
 from cosyvoice_cpu.backends.base import SessionConfig
-from cosyvoice_cpu.backends.plan import plan_backends
+from cosyvoice_cpu.backends.plan import GraphPlan, plan_backends
 from cosyvoice_cpu.config import EngineConfig
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.families.facts import FamilyFacts
@@ -78,6 +78,14 @@ class Family:
 
     def __init__(self, manifest: Manifest) -> None:
         self.manifest = manifest
+        self._plans: dict[str, dict[str, GraphPlan]] = {}
+
+    def backend_plan(self, choice: str) -> dict[str, GraphPlan]:
+        """The directory's per-graph backend plan for ``choice`` (made once: the stages and the engine's
+        report see the same plan; :func:`~cosyvoice_cpu.backends.plan.plan_backends`)."""
+        if choice not in self._plans:
+            self._plans[choice] = plan_backends(self.manifest.graphs, choice)
+        return self._plans[choice]
 
     @property
     def name(self) -> str:
@@ -108,7 +116,7 @@ class Family:
     def load_flow(self, model_dir: Path, config: EngineConfig, sessions: SessionConfig) -> FlowStage:
         """The flow stage, with the streamed estimator when ``config.streaming_estimator``, and the whole-sentence
         estimator on the backend the plan gives it (:func:`~cosyvoice_cpu.backends.plan.plan_backends`)."""
-        plan = plan_backends(self.manifest.graphs, config.backend)["flow_estimator"]
+        plan = self.backend_plan(config.backend)["flow_estimator"]
         whole = None
         if plan.backend != "onnxruntime":
             entry = self.manifest.graphs[plan.key]
