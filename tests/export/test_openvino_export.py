@@ -153,3 +153,35 @@ def test_bad_openvino_options_fail_before_any_work(tiny_model_dir: Path, tmp_pat
     with pytest.raises(ConfigError, match="openvino must be one of none, bf16, int8"):
         export_model(tiny_model_dir, tmp_path / "x", ExportOptions(openvino="fp8"))
     assert not (tmp_path / "x").exists()
+
+
+def test_doctor_prints_the_plan_with_its_reasons(ov_int8_dir: Path) -> None:
+    def doctor(backend: str) -> str:
+        p = subprocess.run([sys.executable, "-m", "cosyvoice_cpu", "doctor", "-m", str(ov_int8_dir), "--quick",
+                            "--backend", backend], capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert p.returncode == 0, p.stdout + p.stderr
+        return p.stdout
+
+    assert "flow_estimator: openvino (--backend openvino)" in doctor("openvino")
+    out = doctor("onnxruntime")
+    plan = [line for line in out.splitlines() if line.startswith("backend")]
+    assert len(plan) == 1 and "flow_estimator" in plan[0] and plan[0].endswith("onnxruntime (--backend onnxruntime)")
+    assert "BF16" in out and "AMX" in out
+
+
+def test_bench_measures_each_backend_in_one_report(ov_int8_dir: Path, tmp_path: Path) -> None:
+    import json
+
+    from cosyvoice_cpu.cli.main import main
+
+    out = tmp_path / "report"
+    rc = main(["bench", "-m", str(ov_int8_dir), "--tokens", "30", "--short-tokens", "12", "--runs", "1",
+               "--concurrency", "", "--peer", "", "--backend", "onnxruntime,openvino", "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    result = json.loads((out / "bench.json").read_text())
+    assert list(result["backends"]) == ["onnxruntime", "openvino"] and result["ours"]["backend"] == "onnxruntime"
+    assert any(line.startswith("flow_estimator: openvino") for line in result["backends"]["openvino"]["plan"])
+    assert result["backends"]["openvino"]["default"]["flow_rtf"] > 0
+    md = (out / "bench.md").read_text()
+    assert "### Backends" in md and "| openvino |" in md and "| onnxruntime |" in md
+    assert main(["bench", "-m", str(ov_int8_dir), "--backend", "onnxruntime,tensorrt", "--out", str(out)]) == 2
