@@ -81,6 +81,7 @@ class OpenVinoSession:
         self._inputs, self._outputs = _nodes(model.inputs), _nodes(model.outputs)
         self._compiled: OrderedDict[tuple, Any] = OrderedDict()
         self._lock = threading.Lock()
+        self._compile_lock = threading.Lock()  # one compile at a time: concurrent misses of a shape compile it once
         self.compiles = 0
 
     def get_inputs(self) -> list[Node]:
@@ -105,6 +106,14 @@ class OpenVinoSession:
             if hit is not None:
                 self._compiled.move_to_end(key)
                 return hit
+        with self._compile_lock:
+            with self._lock:
+                hit = self._compiled.get(key)  # compiled by another caller while this one waited
+            if hit is not None:
+                return hit
+            return self._compile(key, dynamic)
+
+    def _compile(self, key: tuple, dynamic: bool) -> Any:
         model = self._model
         if not dynamic:
             model = model.clone()

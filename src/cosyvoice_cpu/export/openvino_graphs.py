@@ -203,9 +203,9 @@ def quantize_int8(model: Any, samples: list[dict[str, np.ndarray]]) -> Any:
     """NNCF post-training int8 quantization of an OpenVINO model, calibrated on ``samples`` (estimator feeds).
 
     Options, as measured on the tiny CosyVoice2 model (mel L1 against fp32 after a sine-wave prompt / a voiced
-    one; docs/benchmarks-log.md, "OpenVINO"): the transformer preset with SmoothQuant 0.022 / 0.015, without
-    it (the mixed preset) 0.037 / 0.031, SmoothQuant alpha 0.5 0.021 / 0.015, and the transformer preset with
-    the input layers (:func:`input_layers`) left in bf16 0.016 / 0.011: that is the one used.
+    one; docs/quantization.md, "OpenVINO flow estimator"): the transformer preset with SmoothQuant 0.022 / 0.015,
+    without it (the mixed preset) 0.037 / 0.031, SmoothQuant alpha 0.5 0.021 / 0.015, and the transformer preset
+    with the input layers (:func:`input_layers`) left in bf16 0.016 / 0.011: that is the one used.
     """
     import nncf
 

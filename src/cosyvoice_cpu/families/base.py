@@ -17,6 +17,7 @@ Adding a family means one subclass here (plus its stage classes) and one row of 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,15 @@ from cosyvoice_cpu.voices.frontend import Frontend
 from cosyvoice_cpu.voices.voice import Voice
 
 logger = logging.getLogger(__name__)
+
+
+def _warm(flow: FlowStage) -> None:
+    """:meth:`FlowStage.warm` in a background thread: a failure is logged (the first sentence then compiles, or
+    raises the same error where it can be reported)."""
+    try:
+        flow.warm()
+    except Exception as e:  # a thread's error would otherwise be lost
+        logger.warning("compiling the flow estimator ahead of use failed (%s); the first sentence will try again", e)
 
 
 class LMPrompt(NamedTuple):
@@ -79,6 +89,7 @@ class Family:
     def __init__(self, manifest: Manifest) -> None:
         self.manifest = manifest
         self._plans: dict[str, dict[str, GraphPlan]] = {}
+        self.warming: threading.Thread | None = None  # the background compile of the flow estimator, if any
 
     def backend_plan(self, choice: str) -> dict[str, GraphPlan]:
         """The directory's per-graph backend plan for ``choice`` (made once: the stages and the engine's
@@ -101,6 +112,9 @@ class Family:
                                      min_rows=2 if lm_entry.precision == "int4" else None)  # fmt: skip
         lm = self.load_lm(model_dir, session, sessions)
         flow = self.load_flow(model_dir, config, sessions)
+        if flow.whole is not None:  # compile the OpenVINO estimator while the rest loads and the first text arrives
+            self.warming = threading.Thread(target=_warm, args=(flow,), name="flow-warm", daemon=True)
+            self.warming.start()
         vocoder = Vocoder.from_dir(model_dir, m.graphs["hift_decode"].attrs, threads=sessions,
                                    window_frames=config.vocoder_window_frames)  # fmt: skip
         stages = Stages(TextTokenizer.from_dir(model_dir), lm, flow, vocoder, Frontend(model_dir, m, sessions))

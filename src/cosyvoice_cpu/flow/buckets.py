@@ -32,9 +32,9 @@ TIME_INPUTS = ("x", "mu", "cond", "mask")  # the estimator inputs with a time ax
 
 @dataclass(frozen=True)
 class ShapedGraph:
-    """A whole-sentence estimator to open on a backend that compiles per shape: ``path`` (e.g. the OpenVINO
-    model), ``backend`` (its name in :data:`~cosyvoice_cpu.backends.registry.BACKENDS`), and ``pad``: whether
-    calls are padded to :func:`bucket` sizes (the graph's ``pad_exact`` attr: padding leaves its output alone)."""
+    """A whole-sentence estimator to open on another backend: ``path`` (e.g. the OpenVINO model), ``backend`` (its
+    name in :data:`~cosyvoice_cpu.backends.registry.BACKENDS`), and ``pad``: whether calls are padded to
+    :func:`bucket` sizes (the graph's ``pad_exact`` attr: padding leaves its output alone)."""
 
     path: Path
     backend: str = "openvino"
