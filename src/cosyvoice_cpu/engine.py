@@ -123,9 +123,12 @@ class Engine:
         return engine
 
     def close(self) -> None:
-        """Stop the LM scheduler's thread, if any (requests still running end with an error)."""
+        """Stop the LM scheduler's thread, if any (requests still running end with an error), and wait for the
+        background compile of the flow estimator, if one is running (nothing of the engine runs after close)."""
         if self.scheduler is not None:
             self.scheduler.close()
+        if self.family.warming is not None:
+            self.family.warming.join()
 
     # ------------------------------------------------------------------ voices
 
