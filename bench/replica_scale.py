@@ -2,6 +2,7 @@
 
     python bench/replica_scale.py scale [-m MODEL_DIR] [--requests 24] [--concurrency 4] [--json OUT]
     python bench/replica_scale.py faults [-m MODEL_DIR] [--requests 40] [--concurrency 4] [--json OUT]
+    python bench/replica_scale.py autoscale [-m MODEL_DIR] [--concurrency 4] [--load-s 60] [--json OUT]
 
 ``scale``: the same streamed requests (one sentence, distinct seeds, ``--concurrency`` in flight) against one
 1-thread server, one 2-thread server, 1 replica of 1 thread on Ray Serve and 2 replicas of 1 thread each.
@@ -14,6 +15,11 @@ requests finished, one replica's process gets SIGKILL. Every request's outcome i
 with status 200 counts as whole only if its audio has as many bytes as the same seed gives after the recovery),
 and the times until Serve had started a new replica process and until ``/health`` counted 2 again. Voices saved
 before the kill must all be listed after it. The default model is the packaged tiny demo model.
+
+``autoscale``: ``serve --replicas auto`` from 1 to 2 replicas of 1 thread (target 1 request in flight per
+replica, upscale delay 2 s, downscale delay 10 s). ``--concurrency`` streams for ``--load-s`` seconds, then
+none. ``/health``'s replica count is read every half second throughout: when the second replica served, when the
+count went back to 1, and every request's outcome.
 """
 
 from __future__ import annotations
@@ -226,19 +232,81 @@ def _count(values: object) -> dict[str, int]:
     return out
 
 
+AUTOSCALE = ["--replicas", "auto", "--min-replicas", "1", "--max-replicas", "2", "--target-ongoing", "1",
+             "--upscale-delay", "2", "--downscale-delay", "10", "--threads", "1"]  # fmt: skip
+
+
+def autoscale(args: argparse.Namespace) -> dict:
+    """Load, then idle, against ``serve --replicas auto`` (:data:`AUTOSCALE`), with the replica count sampled."""
+    with tempfile.TemporaryDirectory() as tmp:
+        url, proc = start(args.model, Path(tmp) / "voices", AUTOSCALE, Path(tmp) / "serve.log")
+        samples: list[tuple[float, int]] = []
+        stop = threading.Event()
+        t0 = time.perf_counter()
+
+        def watch() -> None:
+            while not stop.is_set():
+                try:
+                    samples.append((time.perf_counter() - t0, int(httpx.get(url + "/health", timeout=5).json()
+                                                                  .get("replicas", 0))))  # fmt: skip
+                except (httpx.HTTPError, ValueError):
+                    samples.append((time.perf_counter() - t0, -1))
+                stop.wait(0.5)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        rows: list[dict] = []
+        try:
+            ensure_voice(url)
+            load_end = time.perf_counter() + args.load_s
+
+            def stream(sid: int) -> None:
+                seed = sid * 1000
+                while time.perf_counter() < load_end:
+                    rows.append(speak(url, seed))
+                    seed += 1
+
+            with ThreadPoolExecutor(args.concurrency) as pool:
+                list(pool.map(stream, range(args.concurrency)))
+            idle_from = time.perf_counter() - t0
+            deadline = time.perf_counter() + args.idle_s
+            while time.perf_counter() < deadline and not (samples and samples[-1][1] == 1 and
+                                                          samples[-1][0] > idle_from + 1):  # fmt: skip
+                time.sleep(0.5)
+        finally:
+            stop.set()
+            watcher.join()
+            end_session(proc)
+    first_two = next((t for t, n in samples if n == 2), None)
+    back_to_one = next((t for t, n in samples if n == 1 and t > idle_from), None)
+    served_by = _count(r["replica"] for r in rows)
+    out = {"config": AUTOSCALE, "concurrency": args.concurrency, "load_s": args.load_s, "requests": len(rows),
+           "failed": sum(r["outcome"] != "ok" for r in rows), "by_replica": served_by,
+           "second_replica_at_s": first_two, "load_ended_at_s": round(idle_from, 1),
+           "back_to_one_at_s": back_to_one, "samples": samples}  # fmt: skip
+    print(
+        f"{len(rows)} requests ({out['failed']} failed) over {len(served_by)} replicas {served_by}; 2 replicas "
+        f"at {first_two} s; load ended at {idle_from:.1f} s; back to 1 replica at {back_to_one} s",
+        flush=True,
+    )
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["scale", "faults"])
+    p.add_argument("mode", choices=["scale", "faults", "autoscale"])
     p.add_argument("-m", "--model", type=Path, default=DEMO_MODEL)
     p.add_argument("--requests", type=int, default=None, help="scale: per configuration (24); faults: total (40)")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--repeat", type=int, default=1, help="scale: rounds over the configurations (interleaved)")
     p.add_argument("--kill-after", type=int, default=8, help="faults: requests finished before the kill")
     p.add_argument("--kill-delay", type=float, default=1.0, help="faults: seconds after that before the kill")
+    p.add_argument("--load-s", type=float, default=60.0, help="autoscale: seconds of load")
+    p.add_argument("--idle-s", type=float, default=120.0, help="autoscale: most seconds to wait for the scale-down")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args()
     args.requests = args.requests or (24 if args.mode == "scale" else 40)
-    result = scale(args) if args.mode == "scale" else faults(args)
+    result = {"scale": scale, "faults": faults, "autoscale": autoscale}[args.mode](args)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))

@@ -29,7 +29,18 @@ def test_replica_flags_parse_and_become_serve_options() -> None:
     auto = ReplicaPlan(replicas=None, min_replicas=2, max_replicas=6, target_ongoing=3).deployment_options()
     assert auto["autoscaling_config"]["min_replicas"] == 2 and auto["autoscaling_config"]["max_replicas"] == 6
     assert auto["autoscaling_config"]["target_ongoing_requests"] == 3 and "num_replicas" not in auto
-    for bad_plan in (ReplicaPlan(threads=0), ReplicaPlan(min_replicas=5, max_replicas=2), ReplicaPlan(replicas=0)):
+    delays = parse(["serve", "-m", "m", "--replicas", "auto", "--upscale-delay", "2", "--downscale-delay", "10"])
+    assert (delays.upscale_delay, delays.downscale_delay) == (2.0, 10.0)
+    quick = ReplicaPlan(replicas=None, upscale_delay_s=2, downscale_delay_s=10).validate().deployment_options()
+    assert (
+        quick["autoscaling_config"]["upscale_delay_s"] == 2 and quick["autoscaling_config"]["downscale_delay_s"] == 10
+    )
+    for bad_plan in (
+        ReplicaPlan(threads=0),
+        ReplicaPlan(min_replicas=5, max_replicas=2),
+        ReplicaPlan(replicas=0),
+        ReplicaPlan(replicas=None, downscale_delay_s=-1),
+    ):
         with pytest.raises(ConfigError):
             bad_plan.validate()
 

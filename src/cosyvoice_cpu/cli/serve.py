@@ -71,6 +71,7 @@ def _serve_replicas(args: argparse.Namespace, settings: object, engine_config: o
     settings = dataclasses.replace(settings, voices_dir=settings.voices_dir.resolve())  # replicas start elsewhere
     plan = ReplicaPlan(replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                        target_ongoing=args.target_ongoing, threads=threads, ray_address=args.ray_address,
+                       upscale_delay_s=args.upscale_delay, downscale_delay_s=args.downscale_delay,
                        host=args.host, port=args.port,
                        max_ongoing=settings.max_active + settings.max_queue)  # fmt: skip
     if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
@@ -143,6 +144,10 @@ def add_parser(sub: argparse._SubParsersAction, positive: type, non_negative: ty
     r.add_argument("--max-replicas", type=positive, default=4, help="--replicas auto: most replicas")
     r.add_argument("--target-ongoing", type=float, default=2.0, help="--replicas auto: requests in flight per "
                    "replica that Serve's autoscaler aims at")  # fmt: skip
+    r.add_argument("--upscale-delay", type=float, default=30.0, metavar="S", help="--replicas auto: seconds the "
+                   "load must stay above the target before Serve adds a replica (default 30)")  # fmt: skip
+    r.add_argument("--downscale-delay", type=float, default=600.0, metavar="S", help="--replicas auto: seconds "
+                   "the load must stay below the target before Serve removes a replica (default 600)")  # fmt: skip
     r.add_argument("--ray-address", help="join this Ray cluster (e.g. HEAD:6379 or ray://HEAD:10001) instead of "
                    "starting a local instance; every node needs cosyvoice-cpu, the model at the same path, and "
                    "--voices on a shared filesystem")  # fmt: skip

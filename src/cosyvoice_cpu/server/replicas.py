@@ -44,6 +44,8 @@ class ReplicaPlan:
         ray_address: join this Ray cluster (``ray://`` or ``HOST:PORT``); None starts a local instance.
         host, port: where Serve's HTTP proxy listens.
         max_ongoing: requests Serve sends one replica at once (its app queues and refuses beyond its limits).
+        upscale_delay_s, downscale_delay_s: with autoscaling, how long the load must stay above (below) the target
+            before Serve adds (removes) a replica (``serve --upscale-delay/--downscale-delay``).
     """
 
     replicas: int | None = 2
@@ -69,6 +71,9 @@ class ReplicaPlan:
             raise ConfigError("replicas need an explicit --threads of at least 1 (Ray pins no affinity)")
         if self.target_ongoing <= 0:
             raise ConfigError(f"--target-ongoing must be above 0, not {self.target_ongoing}")
+        if not (0 <= self.upscale_delay_s <= 86400 and 0 <= self.downscale_delay_s <= 86400):
+            raise ConfigError(f"--upscale-delay and --downscale-delay must be 0 to 86400 s, not "
+                              f"{self.upscale_delay_s} and {self.downscale_delay_s}")  # fmt: skip
         return self
 
     def deployment_options(self) -> dict[str, Any]:
