@@ -3,6 +3,7 @@
     python bench/replica_scale.py scale [-m MODEL_DIR] [--requests 24] [--concurrency 4] [--json OUT]
     python bench/replica_scale.py faults [-m MODEL_DIR] [--requests 40] [--concurrency 4] [--json OUT]
     python bench/replica_scale.py autoscale [-m MODEL_DIR] [--concurrency 4] [--load-s 60] [--json OUT]
+    python bench/replica_scale.py join [-m MODEL_DIR] [--requests 8] [--json OUT]
 
 ``scale``: the same streamed requests (one sentence, distinct seeds, ``--concurrency`` in flight) against one
 1-thread server, one 2-thread server, 1 replica of 1 thread on Ray Serve and 2 replicas of 1 thread each.
@@ -20,6 +21,10 @@ before the kill must all be listed after it. The default model is the packaged t
 replica, upscale delay 2 s, downscale delay 10 s). ``--concurrency`` streams for ``--load-s`` seconds, then
 none. ``/health``'s replica count is read every half second throughout: when the second replica served, when the
 count went back to 1, and every request's outcome.
+
+``join``: a Ray cluster started on its own (``ray start --head`` on a free port, 2 CPUs), then ``serve
+--ray-address 127.0.0.1:PORT --replicas 2``: both replicas must serve, and the cluster must outlive the server
+(``serve`` deletes its app but leaves a cluster it joined running); ``ray stop`` ends it.
 """
 
 from __future__ import annotations
@@ -292,9 +297,49 @@ def autoscale(args: argparse.Namespace) -> dict:
     return out
 
 
+def join(args: argparse.Namespace) -> dict:
+    """``serve --ray-address`` against a cluster started by ``ray start --head`` (see the module docstring)."""
+    import subprocess
+    import sys
+
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    port = free_port()
+    # Ray 2.60's clusters ask for its token (~/.ray/auth_token, made here if missing); serve finds it and joins
+    # in token mode (server.replicas.join_auth_mode)
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    subprocess.run([ray_cli, "get-auth-token", "--generate"], check=True, env=env, capture_output=True)
+    t0 = time.perf_counter()
+    subprocess.run([ray_cli, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+                    "--disable-usage-stats"], check=True, env=env, capture_output=True)  # fmt: skip
+    head_s = time.perf_counter() - t0
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            t1 = time.perf_counter()
+            extra = ["--ray-address", f"127.0.0.1:{port}", "--replicas", "2", "--threads", "1"]
+            url, proc = start(args.model, Path(tmp) / "voices", extra, Path(tmp) / "serve.log")
+            up_s = time.perf_counter() - t1
+            try:
+                ensure_voice(url)
+                with ThreadPoolExecutor(args.concurrency) as pool:
+                    rows = list(pool.map(speak, [url] * args.requests, range(args.requests)))
+            finally:
+                left = end_session(proc)
+        status = subprocess.run([ray_cli, "status", "--address", f"127.0.0.1:{port}"],
+                                env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True, text=True)  # fmt: skip
+    finally:
+        subprocess.run([ray_cli, "stop"], env=env, capture_output=True)
+    out = {"head_start_s": round(head_s, 1), "serve_up_s": round(up_s, 1), "requests": len(rows),
+           "failed": sum(r["outcome"] != "ok" for r in rows), "by_replica": _count(r["replica"] for r in rows),
+           "killed_at_exit": left, "cluster_outlived_serve": status.returncode == 0}  # fmt: skip
+    print(f"head up in {head_s:.1f} s, serve joined with 2 replicas in {up_s:.1f} s; {len(rows)} requests "
+          f"({out['failed']} failed) by replica {out['by_replica']}; cluster still up after serve exited: "
+          f"{out['cluster_outlived_serve']}", flush=True)  # fmt: skip
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["scale", "faults", "autoscale"])
+    p.add_argument("mode", choices=["scale", "faults", "autoscale", "join"])
     p.add_argument("-m", "--model", type=Path, default=DEMO_MODEL)
     p.add_argument("--requests", type=int, default=None, help="scale: per configuration (24); faults: total (40)")
     p.add_argument("--concurrency", type=int, default=4)
@@ -305,8 +350,8 @@ def main() -> None:
     p.add_argument("--idle-s", type=float, default=120.0, help="autoscale: most seconds to wait for the scale-down")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args()
-    args.requests = args.requests or (24 if args.mode == "scale" else 40)
-    result = {"scale": scale, "faults": faults, "autoscale": autoscale}[args.mode](args)
+    args.requests = args.requests or {"scale": 24, "join": 8}.get(args.mode, 40)
+    result = {"scale": scale, "faults": faults, "autoscale": autoscale, "join": join}[args.mode](args)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +73,17 @@ def test_the_server_modules_do_not_import_ray() -> None:
             "assert 'ray' not in sys.modules, 'ray imported'")  # fmt: skip
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_a_joining_client_uses_the_clusters_token_when_one_is_at_hand(tmp_path: Path) -> None:
+    from cosyvoice_cpu.server.replicas import join_auth_mode
+
+    env: dict[str, str] = {}
+    assert not join_auth_mode(env, home=tmp_path) and "RAY_AUTH_MODE" not in env  # no token anywhere
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("secret")
+    assert join_auth_mode(env, home=tmp_path) and env["RAY_AUTH_MODE"] == "token"
+    env = {"RAY_AUTH_TOKEN": "secret"}
+    assert join_auth_mode(env, home=tmp_path / "nowhere") and env["RAY_AUTH_MODE"] == "token"
+    env = {"RAY_AUTH_MODE": "disabled"}  # the user's explicit choice stands
+    assert not join_auth_mode(env, home=tmp_path) and env["RAY_AUTH_MODE"] == "disabled"

@@ -152,16 +152,26 @@ def serve_replicas(model_dir: Path, settings: Any, engine_config: Any, plan: Rep
     Starts a local Ray instance unless ``plan.ray_address`` names one to join.
     """
     plan.validate()
+    local = plan.ray_address is None
+    if not local and join_auth_mode(os.environ):  # before ray is imported: it reads the mode then
+        logger.info("joining %s with Ray's token authentication (RAY_AUTH_MODE=token)", plan.ray_address)
     try:
         import ray
         from ray import serve
     except ImportError as e:
         raise MissingExtraError("--replicas needs the [ray] extra: pip install 'cosyvoice-cpu[ray]'") from e
-    local = plan.ray_address is None
     if local:  # our own instance: no usage reports (Ray leaves them off for ray.init() clusters; say so anyway)
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     init: dict[str, Any] = {"include_dashboard": False} if local else {"address": plan.ray_address}
-    ray.init(logging_level=logging.WARNING, **init)
+    try:
+        ray.init(logging_level=logging.WARNING, **init)
+    except ConnectionError as e:
+        if local:
+            raise
+        raise ConfigError(f"could not join the Ray cluster at {plan.ray_address} ({e}). Check the address (HEAD:6379 "
+                          "or ray://HEAD:10001); a cluster with token authentication (Ray 2.60 clusters have it) "
+                          "needs RAY_AUTH_MODE=token and its token here (RAY_AUTH_TOKEN, or ~/.ray/auth_token from "
+                          "`ray get-auth-token`)") from e  # fmt: skip
     try:
         cpus = ray.cluster_resources().get("CPU", 0)
         want = plan.threads * (plan.replicas or plan.min_replicas)
@@ -179,6 +189,20 @@ def serve_replicas(model_dir: Path, settings: Any, engine_config: Any, plan: Rep
     finally:
         _teardown(local)
     return 0
+
+
+def join_auth_mode(environ: dict[str, str] | Any, home: Path | None = None) -> bool:
+    """Turn on Ray's token mode for a client that joins a cluster (Ray 2.60 enforces tokens on the clusters it
+    starts, but a joining client stays in the default mode and is refused): when ``RAY_AUTH_MODE`` is unset and a
+    token is at hand (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``), set it to ``token``
+    in ``environ``. Returns whether it did."""
+    if environ.get("RAY_AUTH_MODE"):
+        return False
+    token_file = (home or Path.home()) / ".ray" / "auth_token"
+    if environ.get("RAY_AUTH_TOKEN") or environ.get("RAY_AUTH_TOKEN_PATH") or token_file.is_file():
+        environ["RAY_AUTH_MODE"] = "token"
+        return True
+    return False
 
 
 def _teardown(local: bool, timeout_s: float = TEARDOWN_S) -> None:
