@@ -9,8 +9,9 @@ gives every graph one backend and the reason, which ``cosyvoice-cpu doctor`` pri
   the directory has no OpenVINO model.
 - ``auto``: OpenVINO for a graph where it was measured to win: the directory has its OpenVINO model, ``openvino``
   is installed, the CPU computes bf16 natively (AVX-512 BF16 or AMX; OpenVINO's gain is bf16 and VNNI, its f32
-  is no faster than ONNX Runtime's), the graph can be padded to shared shapes, and the machine has memory to
-  spare: OpenVINO's estimator holds ~0.4 GB more than ONNX Runtime's at full size (:data:`OV_MIN_MEMORY`).
+  is no faster than ONNX Runtime's), the graph can be padded to shared shapes (measured: the CosyVoice2 and
+  Fun-CosyVoice3 estimators), and the machine has memory to spare: OpenVINO's estimator holds more than ONNX
+  Runtime's (full size: +0.4 GB for CosyVoice2, +1.2 GB for Fun-CosyVoice3; :data:`OV_MIN_MEMORY`).
   Anything else runs as it always did, on ONNX Runtime.
 
 Only one backend ever holds a graph's weights: the graph with an OpenVINO plan is not opened in ONNX Runtime.
@@ -113,12 +114,14 @@ def _auto(entry: Any, cpu: Any, installed: bool, memory: int | None) -> tuple[st
         return "onnxruntime", (f"{what} present, but this CPU has neither AVX-512 BF16 nor AMX: OpenVINO's gain is "
                                "bf16/VNNI, its f32 is no faster than ONNX Runtime")  # fmt: skip
     if not entry.attrs.get("pad_exact", False):
-        return "onnxruntime", (f"{what} present, but padding changes this graph's output, so every sentence length "
-                               "would compile anew (use --backend openvino to run it unpadded anyway)")  # fmt: skip
+        return "onnxruntime", (f"{what} present, but padding changes this graph's output (it would run unpadded), "
+                               "and that was not measured at full size (--backend openvino to use it "
+                               "anyway)")  # fmt: skip
     if memory is not None and memory < OV_MIN_MEMORY:
         return "onnxruntime", (f"{what} present, but only {memory / 2**30:.1f} GiB of memory is available and it "
-                               f"holds ~0.4 GB more than ONNX Runtime; auto wants {OV_MIN_MEMORY >> 30} GiB "
-                               "(--backend openvino to use it anyway)")  # fmt: skip
+                               "holds more than ONNX Runtime's (full size: +0.4 GB for CosyVoice2, +1.2 GB for "
+                               f"Fun-CosyVoice3); auto wants {OV_MIN_MEMORY >> 30} GiB (--backend openvino to "
+                               "use it anyway)")  # fmt: skip
     isa = "AMX" if cpu.amx else "AVX-512 BF16"
     return "openvino", f"{what}; the CPU has {isa}"
 
