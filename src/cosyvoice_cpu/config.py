@@ -97,9 +97,9 @@ class EngineConfig:
             plan). A machine without ``openvino`` or without bf16 runs everything on ONNX Runtime.
         compiled_shapes: 0 (default) compiles each OpenVINO graph once with its dynamic axes; N > 0 compiles per
             input shape (static shapes, somewhat faster per call) and keeps N in memory, least recently used out.
-            Each compiled shape holds its own copy of everything (~370 MB for the full-size CosyVoice2 int8
-            estimator), and a shape not in memory costs a compile (4-8 s) or a load from OpenVINO's on-disk
-            cache (~1 s) on the request path (``SessionConfig.max_shapes``; docs/backends.md).
+            Each compiled shape holds its own copy of everything, and a shape not in memory costs a compile or a
+            load from OpenVINO's on-disk cache on the request path (``SessionConfig.max_shapes``; measured:
+            docs/backends.md).
     """
 
     threads: int = 0

@@ -5,12 +5,12 @@ A :class:`OpenVinoSession` compiles its model in one of two ways (``max_shapes``
 - ``0`` (the default): once, with its dynamic axes: one compiled model serves every shape. Its memory grows a
   little with the largest shape it has run (OpenVINO sizes its buffers to it).
 - ``N > 0``: per input shape, on first use, at most N compiled shapes kept in memory (least recently used first
-  out). A static shape runs somewhat faster, but every compiled shape holds its own copy of everything: on the
-  full-size CosyVoice2 int8 estimator ~370 MB each, whatever the frame count, against ~350-470 MB for the one
-  dynamic model (docs/benchmarks-log.md, "OpenVINO").
+  out). A static shape runs somewhat faster, but every compiled shape holds its own copy of everything, about
+  as much as the one dynamic model whatever the frame count (measured: docs/backends.md, "Shapes, compiles and
+  memory").
 
 With ``cache_dir`` set, OpenVINO's model cache keeps each compiled model on disk, so it compiles once per machine
-(4-8 s at full size) and loads in about a second afterwards. Callers bound the number of shapes by padding
+and loads faster afterwards. Callers bound the number of shapes by padding
 (buckets) where their graph allows it (:mod:`cosyvoice_cpu.flow.buckets`), and can compile the likely shapes ahead
 of use with :meth:`OpenVinoSession.prepare`.
 

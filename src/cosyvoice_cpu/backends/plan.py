@@ -11,7 +11,7 @@ gives every graph one backend and the reason, which ``cosyvoice-cpu doctor`` pri
   is installed, the CPU computes bf16 natively (AVX-512 BF16 or AMX; OpenVINO's gain is bf16 and VNNI, its f32
   is no faster than ONNX Runtime's), the graph can be padded to shared shapes (measured: the CosyVoice2 and
   Fun-CosyVoice3 estimators), and the machine has memory to spare: OpenVINO's estimator holds more than ONNX
-  Runtime's (full size: +0.4 GB for CosyVoice2, +1.2 GB for Fun-CosyVoice3; :data:`OV_MIN_MEMORY`).
+  Runtime's (:data:`OV_MIN_MEMORY`; measured: docs/backends.md, "Shapes, compiles and memory").
   Anything else runs as it always did, on ONNX Runtime.
 
 Only one backend ever holds a graph's weights: the graph with an OpenVINO plan is not opened in ONNX Runtime.
@@ -30,9 +30,9 @@ logger = logging.getLogger(__name__)
 
 CHOICES = ("auto", "onnxruntime", "openvino")
 OV_SUFFIX = "_ov"  # manifest key of a graph's OpenVINO model: "<graph>_ov"
-# Memory (available, capped by the cgroup limit) below which ``auto`` keeps ONNX Runtime: the whole-sentence
-# full-size CosyVoice2 engine peaked at 954 MB on ONNX Runtime and 1337 MB with the OpenVINO int8 estimator
-# (docs/benchmarks-log.md, "OpenVINO"); a 2 GB edge box keeps the lean engine, a server gets the fast one.
+# Memory (available, capped by the cgroup limit) below which ``auto`` keeps ONNX Runtime: the OpenVINO estimator
+# raises the engine's peak (docs/backends.md, "Shapes, compiles and memory"), so a 2 GB edge box keeps the lean
+# engine and a server gets the fast one.
 OV_MIN_MEMORY = 3 << 30
 
 
@@ -45,6 +45,16 @@ class GraphPlan:
     backend: str
     reason: str
     key: str
+
+    @property
+    def other_model(self) -> bool:
+        """Whether the graph runs from another model file than its ONNX graph (its OpenVINO model)."""
+        return self.key != self.graph
+
+
+def may_use_openvino(choices: list[str]) -> bool:
+    """Whether any of these ``--backend`` choices can run an OpenVINO model (so one is worth exporting)."""
+    return any(check_choice(c) != "onnxruntime" for c in choices)
 
 
 def openvino_installed() -> bool:
@@ -119,9 +129,8 @@ def _auto(entry: Any, cpu: Any, installed: bool, memory: int | None) -> tuple[st
                                "anyway)")  # fmt: skip
     if memory is not None and memory < OV_MIN_MEMORY:
         return "onnxruntime", (f"{what} present, but only {memory / 2**30:.1f} GiB of memory is available and it "
-                               "holds more than ONNX Runtime's (full size: +0.4 GB for CosyVoice2, +1.2 GB for "
-                               f"Fun-CosyVoice3); auto wants {OV_MIN_MEMORY >> 30} GiB (--backend openvino to "
-                               "use it anyway)")  # fmt: skip
+                               "holds more than ONNX Runtime's (docs/backends.md); auto wants "
+                               f"{OV_MIN_MEMORY >> 30} GiB (--backend openvino to use it anyway)")  # fmt: skip
     isa = "AMX" if cpu.amx else "AVX-512 BF16"
     return "openvino", f"{what}; the CPU has {isa}"
 

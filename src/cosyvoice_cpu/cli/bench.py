@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cosyvoice_cpu.backends.plan import CHOICES
+from cosyvoice_cpu.backends.plan import CHOICES, may_use_openvino
 from cosyvoice_cpu.benchmark.report import write_report
 from cosyvoice_cpu.benchmark.tasks import energy_counters
 from cosyvoice_cpu.cli.common import need_export_extra
@@ -88,7 +88,7 @@ def resolve_model(args: argparse.Namespace) -> tuple[Path, Path | None, str]:
     if not (src / f"{family}.yaml").is_file():
         print(f"writing the full-size random {family} fixture (once) ...", file=sys.stderr)
         write_fixture(FixtureSpec(family, "full", 0), src, force=True)
-    ov = "int8" if set(args.backends) - {"onnxruntime"} else "none"  # an OpenVINO model where a backend may use it
+    ov = "int8" if may_use_openvino(args.backends) else "none"
     dst = cache_dir() / "exports" / f"{family}-full-seed0-{args.recipe}{'-ov' + ov if ov != 'none' else ''}"
     if not cached_export_is_fresh(dst, args.recipe):
         print(f"exporting the fixture with recipe {args.recipe} (once; cached in {dst}) ...", file=sys.stderr)

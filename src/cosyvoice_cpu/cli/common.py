@@ -17,7 +17,8 @@ def add_backend_args(parser: argparse.ArgumentParser) -> None:
                              "onnxruntime, or openvino")  # fmt: skip
     parser.add_argument("--compiled-shapes", type=int, default=0,
                         help="OpenVINO: 0 (default) compiles each graph once for every shape; N compiles per shape "
-                             "(static, somewhat faster, ~370 MB each at full size) and keeps N")  # fmt: skip
+                             "(static, somewhat faster, each holding its own memory; docs/backends.md) and keeps "
+                             "N")  # fmt: skip
 
 
 def need_export_extra() -> None:

@@ -6,7 +6,8 @@ for every family. What runs it is :mod:`cosyvoice_cpu.backends.openvino`, chosen
 (:mod:`cosyvoice_cpu.flow.buckets`).
 
 - The graph is the estimator in its plain form (attention as MatMul/Softmax, not ONNX Runtime's fused
-  ``com.microsoft`` ops, which OpenVINO expands into a graph that took 1.6 GB to compile at full size), exported
+  ``com.microsoft`` ops, which OpenVINO expands into a graph that takes far more memory to compile: measured in
+  docs/benchmarks-log.md, "2026-12-03: the CosyVoice2 flow estimator on OpenVINO"), exported
   with the official contract (x, mask, mu, t, spks, cond -> estimator_out) and converted by OpenVINO. Weights are
   stored in float16 (half the file); the CPU plugin computes in bf16 where the CPU has it.
 - ``int8``: NNCF post-training quantization (int8 weights and activations, the bf16 rest), calibrated on the flow's
@@ -39,9 +40,9 @@ logger = logging.getLogger(__name__)
 
 VARIANTS = ("none", "bf16", "int8")
 KEY = "flow_estimator_ov"
-# Gate bounds per variant. mel_l1 is the bound docs/quantization.md holds every shipped variant to (the shipped
-# ORT int8 estimator measured 0.009 at full size). estimator: max rel. error of one call against fp32 ONNX;
-# measured on the full-size random-weight fixtures: bf16 ~1e-2, int8 3.5e-2 (DiT) .. 7.4e-2 (UNet).
+# Gate bounds per variant. mel_l1 is the bound docs/quantization.md holds every shipped variant to. estimator:
+# max rel. error of one call against fp32 ONNX, a few times what the random-weight fixtures measured
+# (docs/quantization.md, "OpenVINO flow estimator").
 TOLERANCE = {"bf16": {"estimator": 0.05, "mel_l1": 0.02}, "int8": {"estimator": 0.25, "mel_l1": 0.02}}
 PAD_EXACT = 1e-4  # max rel. difference of a bucket-padded fp32 call from the unpadded one for pad_exact = True
 PROMPT_SECONDS = 3.0  # the voice prompt of every calibration and gate sentence
@@ -114,7 +115,7 @@ def voiced_prompt(sample_rate: int, f0: float, seconds: float = PROMPT_SECONDS, 
     vibrato, syllable-rate amplitude and a little breath noise, then silence again. Its log-mel spans what real
     prompts put in the estimator's cond rows: the floor of silence (log 1e-5 = -11.5) up to loud voiced bins.
     Random normal values or a random-weight model's own output span neither, and a static int8 model calibrated
-    on them clips a real prompt's cond (measured: a mel error 5x the bound on the tiny model)."""
+    on them clips a real prompt's cond (measured: docs/quantization.md, "OpenVINO flow estimator")."""
     rng = np.random.default_rng(seed)
     t = np.arange(int(seconds * sample_rate)) / sample_rate
     pitch = f0 * (1 + 0.06 * np.sin(2 * np.pi * 4.5 * t))
@@ -202,10 +203,9 @@ def input_layers(model: Any, inputs: tuple[str, ...] = ("x", "mu", "cond")) -> l
 def quantize_int8(model: Any, samples: list[dict[str, np.ndarray]]) -> Any:
     """NNCF post-training int8 quantization of an OpenVINO model, calibrated on ``samples`` (estimator feeds).
 
-    Options, as measured on the tiny CosyVoice2 model (mel L1 against fp32 after a sine-wave prompt / a voiced
-    one; docs/quantization.md, "OpenVINO flow estimator"): the transformer preset with SmoothQuant 0.022 / 0.015,
-    without it (the mixed preset) 0.037 / 0.031, SmoothQuant alpha 0.5 0.021 / 0.015, and the transformer preset
-    with the input layers (:func:`input_layers`) left in bf16 0.016 / 0.011: that is the one used.
+    Of the options measured on the tiny CosyVoice2 model (the transformer and mixed presets, SmoothQuant alpha,
+    ignored layers; docs/quantization.md, "OpenVINO flow estimator"), the transformer preset with the input
+    layers (:func:`input_layers`) left in bf16 gave the lowest mel error: that is the one used.
     """
     import nncf
 
@@ -236,7 +236,7 @@ def gate_openvino(out: Path, family: str, attrs: dict[str, Any], variant: str, s
     got = ov_stage.estimator.run(None, feeds)[0]
     results.append(gate(KEY, "estimator (one call, mid-path)", got, want, tol["estimator"]))
     # pad_exact is the model's property (how it treats masked frames), so it is measured in fp32 (ONNX Runtime),
-    # where float rounding is 1e-6, not in bf16, where a padded shape's other blocking alone moves it by ~1e-2
+    # not in bf16, where a padded shape's other blocking alone moves the output by more than PAD_EXACT
     padded = BucketedSession(ref.estimator, pad=True)
     size = int(feeds["x"].shape[2])
     if bucket(size) == size:  # make sure the check pads
@@ -293,16 +293,18 @@ def export_openvino(estimator_graph: Any, out: Path, work: Path, family: str, se
 
 
 def io_specs_ov(path: Path) -> tuple[list[Any], list[Any]]:
-    """An IR's inputs and outputs as :class:`~cosyvoice_cpu.export.common.TensorSpec` (dynamic axes named)."""
-    import openvino as ov
+    """An IR's inputs and outputs as :class:`~cosyvoice_cpu.export.common.TensorSpec` (dynamic axes named), read
+    the way the runtime reads them (the OpenVINO backend's session; nothing is compiled)."""
+    import onnx
 
+    from cosyvoice_cpu.backends.base import SessionConfig
+    from cosyvoice_cpu.backends.openvino import OpenVino
     from cosyvoice_cpu.export.common import TensorSpec
 
-    types = {"f32": "float32", "i64": "int64", "i32": "int32", "f16": "float16"}
-    model = ov.Core().read_model(str(path))
+    session = OpenVino(cache_dir="").open(path, SessionConfig())
 
-    def spec(port: Any) -> TensorSpec:
-        dims = [int(d.get_length()) if d.is_static else f"d{i}" for i, d in enumerate(port.get_partial_shape())]
-        return TensorSpec(port.get_any_name(), types.get(port.get_element_type().get_type_name(), "?"), dims)
+    def spec(node: Any) -> TensorSpec:  # "tensor(float)" -> the numpy dtype name "float32", as io_specs writes
+        elem = onnx.TensorProto.DataType.Value(node.type[len("tensor(") : -1].upper())
+        return TensorSpec(node.name, onnx.helper.tensor_dtype_to_np_dtype(elem).name, list(node.shape))
 
-    return [spec(p) for p in model.inputs], [spec(p) for p in model.outputs]
+    return [spec(n) for n in session.get_inputs()], [spec(n) for n in session.get_outputs()]

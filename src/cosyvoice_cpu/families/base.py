@@ -132,7 +132,7 @@ class Family:
         estimator on the backend the plan gives it (:func:`~cosyvoice_cpu.backends.plan.plan_backends`)."""
         plan = self.backend_plan(config.backend)["flow_estimator"]
         whole = None
-        if plan.backend != "onnxruntime":
+        if plan.other_model:
             entry = self.manifest.graphs[plan.key]
             whole = ShapedGraph(model_dir / entry.file.file, plan.backend, bool(entry.attrs.get("pad_exact")))
         return self.flow_stage.from_dir(model_dir, self.manifest.flow, threads=sessions,

@@ -243,7 +243,7 @@ class FlowStage:
     def warm(self, frames: int = 650) -> None:
         """Open the whole-sentence estimator and compile it now (for a ``frames``-frame call with guidance), where
         its backend compiles (OpenVINO): the engine runs this in the background at load, so the first sentence
-        does not wait for the compile (4-8 s at full size, ~1 s from OpenVINO's cache). A no-op on ONNX Runtime."""
+        does not wait for the compile (docs/backends.md). A no-op on ONNX Runtime."""
         if self.whole is None:
             return
         t0 = time.perf_counter()
