@@ -136,18 +136,39 @@ def test_the_other_families_export_a_gated_bf16_model(family: str, request: pyte
     m = Manifest.load(out, check_hashes=True)
     entry = m.graphs["flow_estimator_ov"]
     assert entry.precision == "bf16"
-    # the DiT masks padded frames out; the CosyVoice-300M UNet's GroupNorm pools over them
-    assert entry.attrs["pad_exact"] is (family == "cosyvoice3")
-    assert all(v["passed"] for v in m.verification if v["graph"] == "flow_estimator_ov")
+    # the DiT masks padded frames out; the CosyVoice-300M UNet's OpenVINO form takes its GroupNorm statistics
+    # over the real frames (the official graph pools over padded ones), so both pad to buckets
+    assert entry.attrs["pad_exact"] is True
+    gated = [v for v in m.verification if v["graph"] == "flow_estimator_ov"]
+    assert gated and all(v["passed"] for v in gated) and all("padded to buckets" in v["phase"] for v in gated)
     engine = Engine.load(out, EngineConfig(threads=2, backend="openvino", lm_batch_rows=0))
-    assert engine.flow.whole is not None and engine.flow.whole.pad is (family == "cosyvoice3")
+    assert engine.flow.whole is not None and engine.flow.whole.pad is True
     voice = next(iter(engine.builtin_voices().values()), None) or _voice(engine)
     assert len(engine.synthesize_wav("Hello there.", voice)) > 0
-    auto = Engine.load(out, EngineConfig(threads=1, lm_batch_rows=0))
-    if family == "cosyvoice":  # unpaddable: auto keeps it on ONNX Runtime whatever the CPU
-        assert auto.plan["flow_estimator"].backend == "onnxruntime" and "padding" in auto.plan["flow_estimator"].reason
     engine.close()
-    auto.close()
+
+
+def test_the_v1_openvino_graph_pads_exactly_where_the_official_one_does_not(tiny_v1_model_dir: Path) -> None:
+    import torch
+
+    from cosyvoice_cpu.export.flow_graph import _estimator_inputs
+    from cosyvoice_cpu.export.flow_graph_v1 import EstimatorGraphV1, padded_estimator_graph
+    from cosyvoice_cpu.reference.model_dir import load_reference
+
+    est = load_reference(tiny_v1_model_dir, ("flow",)).flow.decoder.estimator.eval()
+    official, masked = EstimatorGraphV1(est), padded_estimator_graph(est)
+    feeds = {k: torch.from_numpy(v) for k, v in _estimator_inputs(np.random.default_rng(0), [71, 71], 71).items()}
+    padded = {k: (torch.nn.functional.pad(v, (0, 9)) if v.ndim == 3 else v) for k, v in feeds.items()}
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).abs().max() / b.abs().max())
+
+    with torch.inference_mode():
+        want = official(*feeds.values())
+        assert rel(masked(*feeds.values()), want) < 1e-5  # unpadded: the official function
+        assert rel(masked(*padded.values())[:, :, :71], want) < 1e-5  # padded: the same frames
+        assert rel(official(*padded.values())[:, :, :71], want) > 1e-3  # the official GroupNorm sees the padding
+        assert any(type(b).__name__ == "GroupNorm" for b in est.modules())  # the original is left untouched
 
 
 def test_bad_openvino_options_fail_before_any_work(tiny_model_dir: Path, tmp_path: Path) -> None:

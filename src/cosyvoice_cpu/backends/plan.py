@@ -124,9 +124,10 @@ def _auto(entry: Any, cpu: Any, installed: bool, memory: int | None) -> tuple[st
         return "onnxruntime", (f"{what} present, but this CPU has neither AVX-512 BF16 nor AMX: OpenVINO's gain is "
                                "bf16/VNNI, its f32 is no faster than ONNX Runtime")  # fmt: skip
     if not entry.attrs.get("pad_exact", False):
-        return "onnxruntime", (f"{what} present, but padding changes this graph's output (it would run unpadded), "
-                               "and that was not measured at full size (--backend openvino to use it "
-                               "anyway)")  # fmt: skip
+        return "onnxruntime", (f"{what} present, but padding changes this graph's output (pad_exact false: it "
+                               "would run unpadded, each sentence length compiled anew; a CosyVoice-300M export "
+                               "from before its masked GroupNorm, or one without the gate: re-export) "
+                               "(--backend openvino to use it anyway)")  # fmt: skip
     if memory is not None and memory < OV_MIN_MEMORY:
         return "onnxruntime", (f"{what} present, but only {memory / 2**30:.1f} GiB of memory is available and it "
                                "holds more than ONNX Runtime's (docs/backends.md); auto wants "

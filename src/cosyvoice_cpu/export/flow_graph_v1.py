@@ -21,6 +21,7 @@ v1 has no fixed noise table: the runtime draws fresh Gaussian noise per call, as
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from pathlib import Path
@@ -45,7 +46,7 @@ from cosyvoice_cpu.export.flow_graph import (
 from cosyvoice_cpu.export.fused_ops import export_forms
 from cosyvoice_cpu.flow.stage_v1 import CACHE_TAIL_FRAMES, FILES, MEL_FRAMES_PER_SECOND, OVERLAP_TOKENS, stretch_matrix
 from cosyvoice_cpu.reference.flow_estimator import MASK_BIAS, FlowEstimator, timestep_embedding
-from cosyvoice_cpu.reference.flow_estimator_v1 import UNetEstimator
+from cosyvoice_cpu.reference.flow_estimator_v1 import Block1D, UNetEstimator
 from cosyvoice_cpu.reference.flow_v1 import FlowV1
 from cosyvoice_cpu.reference.length_regulator import frames_for_tokens
 
@@ -126,8 +127,44 @@ class EstimatorGraphV1(nn.Module):
         return est.final_proj(h * m) * mask
 
 
-# the family's estimator graph (export.openvino_graphs traces it outside export_forms: plain attention)
-ESTIMATOR_GRAPH = EstimatorGraphV1
+class MaskedBlock1D(nn.Module):
+    """:class:`~cosyvoice_cpu.reference.flow_estimator_v1.Block1D` with its GroupNorm statistics taken over the real
+    (mask 1) frames only: the same function on an unpadded input (the mask is all ones there), and on an input
+    padded with mask 0 the real frames' output is what they give alone. Its conv reads ``x * mask``, so the frame
+    after the last real one is 0 either way, and every other step is per frame."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.conv, self.norm, self.act = block.block[0], block.block[1], block.block[2]
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x (B, C_in, T), mask (B, 1, T) -> (B, C_out, T)."""
+        h = self.conv(x * mask)
+        c, g = h.shape[1], self.norm.num_groups
+        hg, mg = h.reshape(h.shape[0], g, c // g, -1), mask.unsqueeze(1)  # (B, G, C/G, T), (B, 1, 1, T)
+        n = mg.sum(dim=(2, 3), keepdim=True).clamp(min=1.0) * (c // g)
+        mean = (hg * mg).sum(dim=(2, 3), keepdim=True) / n
+        var = (((hg - mean) * mg) ** 2).sum(dim=(2, 3), keepdim=True) / n  # biased, as GroupNorm's
+        h = ((hg - mean) / torch.sqrt(var + self.norm.eps)).reshape(h.shape)
+        h = h * self.norm.weight.view(1, c, 1) + self.norm.bias.view(1, c, 1)
+        return self.act(h) * mask
+
+
+def padded_estimator_graph(estimator: UNetEstimator) -> EstimatorGraphV1:
+    """The estimator graph of the OpenVINO export: :class:`EstimatorGraphV1` on a copy of ``estimator`` whose
+    GroupNorm blocks are :class:`MaskedBlock1D`, so a call padded to a shared shape (with mask 0) gives the real
+    frames the unpadded call's output, as the v2/v3 estimators do, and the runtime can pad it to its buckets.
+    On unpadded input it is the official function (the export gate compares it with the fp32 ONNX graph)."""
+    est = copy.deepcopy(estimator)
+    for module in list(est.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, Block1D):
+                setattr(module, name, MaskedBlock1D(child))
+    return EstimatorGraphV1(est)
+
+
+# the family's estimator graph for export.openvino_graphs (traced outside export_forms: plain attention)
+ESTIMATOR_GRAPH = padded_estimator_graph
 
 
 def _artifact(out_dir: Path, key: str, attrs: dict[str, Any]) -> GraphArtifact:

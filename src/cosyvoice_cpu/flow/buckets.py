@@ -4,8 +4,10 @@ OpenVINO runs the flow estimator fastest on a static shape, and compiling one sh
 about one second). A whole-sentence call is therefore padded up to the next bucket: ``x``, ``mu`` and ``cond``
 with zeros and ``mask`` with zeros, which the estimator's attention and convolutions treat as absent frames, and
 the output is cut back. For the CosyVoice2 UNet and the Fun-CosyVoice3 DiT a padded call equals the unpadded one
-up to float rounding (the export measures it: the IR's ``pad_exact`` attr, ``docs/quantization.md``); the
-CosyVoice-300M UNet's GroupNorm pools over the padded frames too, so its graph runs unpadded.
+up to float rounding (the export measures it: the IR's ``pad_exact`` attr, ``docs/quantization.md``). The
+official CosyVoice-300M UNet's GroupNorm pools over the padded frames too; its OpenVINO form takes the statistics
+over the real frames only (the same function unpadded), so it pads like the others. A graph without
+``pad_exact`` runs unpadded.
 
 Buckets grow geometrically (:data:`STEPS_PER_OCTAVE` per doubling, rounded to :data:`ALIGN` frames): a call is
 padded by 9 % on average, at most 25 % (21 % above 256 frames), and 100-2000 frames (2-40 s of CosyVoice2 mel)
