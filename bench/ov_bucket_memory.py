@@ -1,0 +1,62 @@
+"""What each frame bucket costs the OpenVINO flow estimator under one dynamic compile (the runtime's default).
+
+``python bench/ov_bucket_memory.py -m DIR`` opens ``DIR``'s ``flow_estimator.ov.xml`` through the runtime's OpenVINO
+backend (``max_shapes`` 0: one dynamic compile), then calls it once per bucket of
+:mod:`cosyvoice_cpu.flow.buckets` (batch 2, the guidance pair), smallest first, twice over. Per call it prints the
+frames, the process RSS after it and the call's time: the first pass shows what a bucket's first call costs
+(kernels made for that shape, kept afterwards), the second whether memory grows further. ``--max-frames`` bounds
+the largest bucket (long ones take seconds per call). Results go to ``--out`` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from cosyvoice_cpu.backends.base import SessionConfig
+from cosyvoice_cpu.backends.openvino import OpenVino
+from cosyvoice_cpu.flow.buckets import bucket
+
+
+def rss_mb() -> int:
+    status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    return int(status["VmRSS"].split()[0]) // 1024
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model-dir", required=True)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-frames", type=int, default=2048)
+    ap.add_argument("--out", default="bench/results/ov-bucket-memory.json")
+    args = ap.parse_args()
+    session = OpenVino(cache_dir="").open(Path(args.model_dir) / "flow_estimator.ov.xml",
+                                          SessionConfig(threads=args.threads))  # fmt: skip
+    rng = np.random.default_rng(0)
+    rows = []
+    start = rss_mb()
+    sizes = sorted({bucket(n) for n in range(50, args.max_frames + 1)})
+    for rep in range(2):
+        for t in sizes:
+            shapes = {"x": (2, 80, t), "mu": (2, 80, t), "spks": (2, 80), "cond": (2, 80, t)}
+            feeds = {k: rng.standard_normal(shape).astype(np.float32) for k, shape in shapes.items()}
+            feeds.update(mask=np.ones((2, 1, t), np.float32), t=np.full(2, 0.3, np.float32))
+            t0 = time.perf_counter()
+            session.run(None, feeds)
+            seconds = time.perf_counter() - t0
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            rows.append({"pass": rep + 1, "frames": t, "rss_mb": rss_mb(), "seconds": round(seconds, 3)})
+            print(json.dumps(rows[-1]), flush=True)
+    report = {"model_dir": str(args.model_dir), "threads": args.threads, "rss_before_mb": start,
+              "date": time.strftime("%Y-%m-%d"), "calls": rows}  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
