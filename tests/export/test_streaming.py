@@ -140,7 +140,8 @@ def test_int8_stream_graph_takes_float16_caches(fp32_dir: Path, tmp_path: Path) 
 
     from cosyvoice_cpu.export.flow_stream_graph import half_cache_io
     from cosyvoice_cpu.export.quantize import quantize_int8_dynamic
-    from cosyvoice_cpu.flow.stage import FILES, cache_dtype
+    from cosyvoice_cpu.flow.graphs import cache_dtype
+    from cosyvoice_cpu.flow.stage import FILES
 
     src = fp32_dir / FILES["flow_estimator_stream"]
     wide, half = tmp_path / "wide.onnx", tmp_path / "half.onnx"

@@ -44,7 +44,7 @@ from torch import nn
 
 from cosyvoice_cpu.export import fused_ops
 from cosyvoice_cpu.export.common import GateResult, rel_err
-from cosyvoice_cpu.flow.stage import cache_dtype
+from cosyvoice_cpu.flow.graphs import cache_dtype
 from cosyvoice_cpu.reference.flow_estimator import (
     CausalBlock,
     CausalConv1d,

@@ -60,7 +60,7 @@ from torch import nn
 
 from cosyvoice_cpu.export import fused_ops
 from cosyvoice_cpu.export.common import GateResult, rel_err
-from cosyvoice_cpu.flow.stage import cache_dtype
+from cosyvoice_cpu.flow.graphs import cache_dtype
 from cosyvoice_cpu.reference.dit import TIME_FREQ_DIM, DiT, DiTBlock, apply_rope
 from cosyvoice_cpu.reference.flow_estimator import MASK_BIAS, timestep_embedding
 

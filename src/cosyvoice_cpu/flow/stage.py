@@ -22,11 +22,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from cosyvoice_cpu.backends.base import DEFAULT_SHRINK_FRAMES, SessionConfig, as_config, check_io
+from cosyvoice_cpu.backends.base import DEFAULT_SHRINK_FRAMES, SessionConfig, as_config
 from cosyvoice_cpu.backends.onnxruntime import shrink_after_run
-from cosyvoice_cpu.backends.registry import open_graph
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.flow.buckets import BucketedSession, ShapedGraph
+from cosyvoice_cpu.flow.graphs import ENCODER_IO, ESTIMATOR_IO, STREAM_IO, cache_dtype, open_checked, stream_layout
+from cosyvoice_cpu.flow.guidance import guidance_rows, guide, guided_rows
 
 logger = logging.getLogger(__name__)
 
@@ -39,13 +40,6 @@ FILES = {
     "flow_estimator_ov": "flow_estimator.ov.xml",  # OpenVINO model of flow_estimator (export --openvino)
     "flow_noise": "flow_noise.npy",
 }
-ENCODER_IO = ({"token": ("int64", 2), "context": ("int64", 2), "embedding": ("float", 2), "chunk_size": ("int64", 0)},
-              ("mu", "spks"))  # fmt: skip
-ESTIMATOR_IO = ({"x": ("float", 3), "mask": ("float", 3), "mu": ("float", 3), "t": ("float", 1),
-                 "spks": ("float", 2), "cond": ("float", 3)}, ("estimator_out",))  # fmt: skip
-STREAM_IO = ({"x": ("float", 3), "mu": ("float", 3), "t": ("float", 1), "spks": ("float", 2), "cond": ("float", 3),
-              "prompt_h": ("float|float16", 4), "context_h": ("float|float16", 4), "conv_state": ("float", 3),
-              "keep_frames": ("int64", 0)}, ("velocity", ("new_h", "float|float16"), "new_conv_state"))  # fmt: skip
 
 
 @dataclass
@@ -77,42 +71,6 @@ def time_span(n_timesteps: int, scheduler: str = "cosine") -> np.ndarray:
     return span
 
 
-def _open(path: Path, threads: int | SessionConfig, io: tuple[dict[str, tuple[str, int]], tuple[str, ...]]) -> Any:
-    """A session on a flow graph whose inputs (dtype, rank) and output names are checked against ``io``."""
-    sess = open_graph(path, as_config(threads))
-    inputs, outputs = io
-    want_in = {n: (_types(dt), rank) for n, (dt, rank) in inputs.items()}
-    out_rank = {o.name: len(o.shape) for o in sess.get_outputs()}
-    want_out = dict(o if isinstance(o, tuple) else (o, "float") for o in outputs)
-    check_io(sess, path, want_in, {n: (_types(dt), out_rank.get(n, 0)) for n, dt in want_out.items()})
-    return sess
-
-
-def _types(dtypes: str) -> str:
-    """``"float|float16"`` -> ``"tensor(float)|tensor(float16)"`` (alternatives :func:`check_io` accepts)."""
-    return "|".join(f"tensor({d})" for d in dtypes.split("|"))
-
-
-def stream_layout(sess: Any) -> tuple[int, int, int]:
-    """(L, width, S) of a v2 stream estimator from its input shapes (prompt_h (L, B, T, width), conv (B, S, 2))."""
-    shapes = {i.name: i.shape for i in sess.get_inputs()}
-    return int(shapes["prompt_h"][0]), int(shapes["prompt_h"][3]), int(shapes["conv_state"][1])
-
-
-def cache_dtype(sess: Any, name: str = "prompt_h") -> type:
-    """The dtype a stream estimator takes its caches in (the type of its input ``name``) and returns the new
-    ones in: float32, or float16 (the int8 recipes' graphs, ``export.flow_stream_graph.half_cache_io``)."""
-    kind = next(i.type for i in sess.get_inputs() if i.name == name)
-    return np.float16 if kind == "tensor(float16)" else np.float32
-
-
-def cache_storage(sess: Any, name: str, requested: Any) -> tuple[type, Any]:
-    """(the graph's cache dtype, the dtype to store a prompt cache in): ``requested`` (float32, or float16 for
-    half the memory, widened per call) for a float32 graph; always float16 for a graph that takes float16."""
-    wire = cache_dtype(sess, name)
-    return wire, wire if wire == np.float16 else requested
-
-
 def _ids(tokens: Any, what: str) -> np.ndarray:
     """Token ids (T,) or (1, T) -> int64 (1, T)."""
     arr = np.asarray(tokens)
@@ -121,28 +79,6 @@ def _ids(tokens: Any, what: str) -> np.ndarray:
     if arr.ndim != 2 or arr.shape[0] != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
         raise ConfigError(f"{what} must be integer ids of shape (T,) or (1, T), got {arr.dtype} {arr.shape}")
     return arr.astype(np.int64, copy=False)
-
-
-def guidance_rows(cfg_rate: float) -> int:
-    """Estimator rows per utterance: 2 (conditioned + unconditioned) with guidance, else 1."""
-    return 2 if cfg_rate > 0 else 1
-
-
-def guided_rows(mu: np.ndarray, spks: np.ndarray, cond: np.ndarray, rows: int) -> dict[str, np.ndarray]:
-    """Row block 0 conditioned, block 1 (``rows == 2``) unconditioned: mu, spks and cond zeroed (the reference
-    solver's layout)."""
-    return {
-        "mu": np.concatenate([mu, np.zeros_like(mu)][:rows]),
-        "spks": np.concatenate([spks, np.zeros_like(spks)][:rows]),
-        "cond": np.concatenate([cond, np.zeros_like(cond)][:rows]),
-    }
-
-
-def guide(v: np.ndarray, cfg_rate: float, b: int) -> np.ndarray:
-    """``(1+r) v_cond - r v_uncond`` from the estimator output of :func:`guided_rows` rows."""
-    if v.shape[0] == b:
-        return v
-    return np.float32(1.0 + cfg_rate) * v[:b] - np.float32(cfg_rate) * v[b:]
 
 
 class FlowStage:
@@ -184,7 +120,7 @@ class FlowStage:
         self.settings = settings if isinstance(settings, FlowSettings) else FlowSettings.from_attrs(settings)
         self.arena_shrink_frames = arena_shrink_frames
         self.whole = whole
-        self.encoder = _open(Path(encoder), threads, self.encoder_io)
+        self.encoder = open_checked(Path(encoder), threads, self.encoder_io)
         emb_shape = next(i.shape for i in self.encoder.get_inputs() if i.name == "embedding")
         self._emb_dim = int(emb_shape[1]) if isinstance(emb_shape[1], int) else 192
         # the estimators are opened on first use. With the stream graph present (and ``stream_serves_whole``),
@@ -233,7 +169,7 @@ class FlowStage:
                     config = replace(config, priority_order=True)
                 if kind == "whole" and self.whole is not None:
                     config = replace(config, backend=self.whole.backend)
-                session = _open(path, config, io)
+                session = open_checked(path, config, io)
                 if kind == "whole" and self.whole is not None:
                     session = BucketedSession(session, self.whole.pad)
                 self._sessions[kind] = session

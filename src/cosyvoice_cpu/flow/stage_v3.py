@@ -35,7 +35,8 @@ import numpy as np
 from cosyvoice_cpu.backends.base import DEFAULT_SHRINK_FRAMES, SessionConfig
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.flow.buckets import ShapedGraph
-from cosyvoice_cpu.flow.stage import FILES, FlowSettings, FlowStage, _open, cache_dtype
+from cosyvoice_cpu.flow.graphs import cache_dtype, open_checked
+from cosyvoice_cpu.flow.stage import FILES, FlowSettings, FlowStage
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ class FlowStageV3(FlowStage):
                 raise ModelDirError("this v3 flow stage has no flow_time.onnx; export the model directory again")
             t0 = time.perf_counter()
             self._shrink_arena()
-            sess = _open(self._time_graph, self._threads, TIME_IO)
+            sess = open_checked(self._time_graph, self._threads, TIME_IO)
             table = sess.run(None, {"t": np.array(key, np.float32)})[0]
             del sess
             self._tables[key] = table

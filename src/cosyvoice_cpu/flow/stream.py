@@ -30,17 +30,9 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.flow.stage import (
-    N_MELS,
-    FlowStage,
-    _ids,
-    cache_dtype,
-    cache_storage,
-    guidance_rows,
-    guide,
-    guided_rows,
-    stream_layout,
-)
+from cosyvoice_cpu.flow.graphs import cache_dtype, cache_storage, stream_layout
+from cosyvoice_cpu.flow.guidance import guidance_rows, guide, guided_rows
+from cosyvoice_cpu.flow.stage import N_MELS, FlowStage, _ids
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,9 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.flow.stage import _ids, cache_dtype, cache_storage, guidance_rows, guide, guided_rows
+from cosyvoice_cpu.flow.graphs import cache_dtype, cache_storage
+from cosyvoice_cpu.flow.guidance import guidance_rows, guide, guided_rows
+from cosyvoice_cpu.flow.stage import _ids
 from cosyvoice_cpu.flow.stage_v3 import FlowStageV3, stream_layout_v3
 from cosyvoice_cpu.flow.stream import _prompt_feat, chunk_ids
 
