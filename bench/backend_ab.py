@@ -27,11 +27,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=None, help="speech tokens per sentence (default: 10 s of audio)")
+    ap.add_argument("--compiled-shapes", type=int, default=0, help="the OpenVINO engine's compiled_shapes (0: dynamic)")
     args = ap.parse_args()
     if args.tokens is None:
         args.tokens = round(10 * Manifest.load(args.model_dir).token_frame_rate)
-    engines = {b: load(args.model_dir, args.threads, backend=b, streaming_estimator=False)
-               for b in ("onnxruntime", "openvino")}  # fmt: skip
+    shapes = {"onnxruntime": 0, "openvino": args.compiled_shapes}
+    engines = {b: load(args.model_dir, args.threads, backend=b, streaming_estimator=False, compiled_shapes=n)
+               for b, n in shapes.items()}  # fmt: skip
     plans = {b: describe(engine.plan) for b, (engine, _) in engines.items()}
     results = alternate(engines, args.runs, lambda engine, voice: measure_e2e(engine, voice, args.tokens, 1))
     base = None
