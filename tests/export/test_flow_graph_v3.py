@@ -161,8 +161,8 @@ def test_the_time_table_is_made_once_per_schedule_and_its_graph_closed(flow, flo
         opened.append(weakref.ref(sess))
         return sess
 
-    real = flow_v3._open
-    monkeypatch.setattr(flow_v3, "_open", spy)
+    real = flow_v3.open_checked
+    monkeypatch.setattr(flow_v3, "open_checked", spy)
     stage = FlowStageV3.from_dir(flow_dir, settings=settings_of(flow), threads=2)
     prompt, tokens, emb, feat = _inputs(flow, 23, 41, seed=5)
     for steps in (10, 4, 10):
