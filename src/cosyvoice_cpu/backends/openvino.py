@@ -2,8 +2,12 @@
 
 A :class:`OpenVinoSession` compiles its model in one of two ways (``max_shapes``):
 
-- ``0`` (the default): once, with its dynamic axes: one compiled model serves every shape. Its memory grows a
-  little with the largest shape it has run (OpenVINO sizes its buffers to it).
+- ``0`` (the default): once, with its dynamic axes: one compiled model serves every shape. OpenVINO still makes
+  kernels for each new input shape on its first call and keeps them (tens of MB per shape for the flow
+  estimator; docs/backends.md, "Shapes, compiles and memory"). So that a graph fed unbounded shapes cannot grow
+  without end in a long-running process, the session recompiles (from the on-disk cache: about a second) once
+  :data:`DYNAMIC_SHAPES` different shapes have run on one compile, which gives their kernels back. The padded
+  estimator's buckets stay under that bound and never recompile.
 - ``N > 0``: per input shape, on first use, at most N compiled shapes kept in memory (least recently used first
   out). A static shape runs somewhat faster, but every compiled shape holds its own copy of everything, about
   as much as the one dynamic model whatever the frame count (measured: docs/backends.md, "Shapes, compiles and
@@ -43,6 +47,9 @@ from cosyvoice_cpu.hardware.pages import release_file_pages
 logger = logging.getLogger(__name__)
 
 # OpenVINO element type names -> the ONNX type strings the graph contracts are written in
+# distinct input shapes one dynamic compile serves before it is recompiled (more than the 21 frame buckets of
+# cosyvoice_cpu.flow.buckets from 64 to 2048 frames, so the padded estimator never recompiles)
+DYNAMIC_SHAPES = 24
 _TYPES = {"f32": "tensor(float)", "f16": "tensor(float16)", "i64": "tensor(int64)", "i32": "tensor(int32)",
           "bf16": "tensor(bfloat16)", "boolean": "tensor(bool)"}  # fmt: skip
 
@@ -72,14 +79,20 @@ class OpenVinoSession:
         properties: compile properties (threads, precision hint, latency hint).
         max_shapes: compiled shapes kept in memory; 0 compiles the dynamic model once instead.
         name: for logs and errors.
+        weights: the IR's ``.bin``, whose pages are given back after each compile (None: not).
+        dynamic_shapes: with ``max_shapes`` 0, the distinct input shapes one compile serves before the next new
+            shape recompiles it (:data:`DYNAMIC_SHAPES`).
     """
 
     def __init__(self, core: Any, model: Any, properties: dict[str, Any], max_shapes: int, name: str,
-                 weights: Path | None = None) -> None:  # fmt: skip
+                 weights: Path | None = None, dynamic_shapes: int = DYNAMIC_SHAPES) -> None:  # fmt: skip
+        if dynamic_shapes < 1:
+            raise ConfigError(f"dynamic_shapes must be >= 1, got {dynamic_shapes}")
         self._core, self._model, self._properties, self.name = core, model, properties, name
-        self.max_shapes, self._weights = max_shapes, weights
+        self.max_shapes, self._weights, self.dynamic_shapes = max_shapes, weights, dynamic_shapes
         self._inputs, self._outputs = _nodes(model.inputs), _nodes(model.outputs)
         self._compiled: OrderedDict[tuple, Any] = OrderedDict()
+        self._met: set[tuple] = set()  # input shapes run on the current dynamic compile
         self._lock = threading.Lock()
         self._compile_lock = threading.Lock()  # one compile at a time: concurrent misses of a shape compile it once
         self.compiles = 0
@@ -100,18 +113,29 @@ class OpenVinoSession:
         """The model compiled for these input shapes (compiled now, or from OpenVINO's cache, on a miss; with
         ``max_shapes`` 0 the one dynamic model whatever the shapes)."""
         dynamic = self.max_shapes == 0
-        key = () if dynamic else tuple(tuple(shapes[n.name]) for n in self._inputs)
+        shape = tuple(tuple(shapes[n.name]) for n in self._inputs)
+        key = () if dynamic else shape
         with self._lock:
             hit = self._compiled.get(key)
+            if hit is not None and dynamic and shape not in self._met and len(self._met) >= self.dynamic_shapes:
+                # calls in flight keep the old compiled model alive until they finish
+                logger.info("%s: %d input shapes ran on one dynamic compile; recompiling to free their kernels",
+                            self.name, len(self._met))  # fmt: skip
+                del self._compiled[key]
+                self._met.clear()
+                hit = None
             if hit is not None:
                 self._compiled.move_to_end(key)
+                self._met.add(shape)
                 return hit
         with self._compile_lock:
             with self._lock:
                 hit = self._compiled.get(key)  # compiled by another caller while this one waited
-            if hit is not None:
-                return hit
-            return self._compile(key, dynamic)
+            compiled = hit if hit is not None else self._compile(key, dynamic)
+            if dynamic:
+                with self._lock:
+                    self._met.add(shape)
+            return compiled
 
     def _compile(self, key: tuple, dynamic: bool) -> Any:
         model = self._model
