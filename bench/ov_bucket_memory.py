@@ -6,6 +6,10 @@ backend (``max_shapes`` 0: one dynamic compile), then calls it once per bucket o
 frames, the process RSS after it and the call's time: the first pass shows what a bucket's first call costs
 (kernels made for that shape, kept afterwards), the second whether memory grows further. ``--max-frames`` bounds
 the largest bucket (long ones take seconds per call). Results go to ``--out`` as JSON.
+
+``--unpadded N`` instead calls N distinct lengths (100, 105, 110, ... frames) once each, as an unpadded graph is
+fed, and records the session's compiles with the RSS: the session recompiles after
+``backends.openvino.DYNAMIC_SHAPES`` shapes, which gives their kernels back.
 """
 
 from __future__ import annotations
@@ -33,16 +37,20 @@ def main() -> None:
     ap.add_argument("-m", "--model-dir", required=True)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-frames", type=int, default=2048)
-    ap.add_argument("--out", default="bench/results/ov-bucket-memory.json")
+    ap.add_argument("--unpadded", type=int, default=0, help="call this many distinct lengths instead of buckets")
+    ap.add_argument("--out", default=None, help="JSON report (default bench/results/ov-bucket-memory[-unpadded].json)")
     args = ap.parse_args()
-    session = OpenVino(cache_dir="").open(Path(args.model_dir) / "flow_estimator.ov.xml",
-                                          SessionConfig(threads=args.threads))  # fmt: skip
+    out = args.out or f"bench/results/ov-bucket-memory{'-unpadded' if args.unpadded else ''}.json"
+    cache = "" if not args.unpadded else None  # recompiles load from OpenVINO's model cache, as the runtime's do
+    session = OpenVino(cache_dir=cache).open(Path(args.model_dir) / "flow_estimator.ov.xml",
+                                             SessionConfig(threads=args.threads))  # fmt: skip
     rng = np.random.default_rng(0)
     rows = []
     start = rss_mb()
     sizes = sorted({bucket(n) for n in range(50, args.max_frames + 1)})
-    for rep in range(2):
-        for t in sizes:
+    passes = [sizes, sizes] if not args.unpadded else [[100 + 5 * i for i in range(args.unpadded)]]
+    for rep, lengths in enumerate(passes):
+        for t in lengths:
             shapes = {"x": (2, 80, t), "mu": (2, 80, t), "spks": (2, 80), "cond": (2, 80, t)}
             feeds = {k: rng.standard_normal(shape).astype(np.float32) for k, shape in shapes.items()}
             feeds.update(mask=np.ones((2, 1, t), np.float32), t=np.full(2, 0.3, np.float32))
@@ -50,12 +58,13 @@ def main() -> None:
             session.run(None, feeds)
             seconds = time.perf_counter() - t0
             ctypes.CDLL("libc.so.6").malloc_trim(0)
-            rows.append({"pass": rep + 1, "frames": t, "rss_mb": rss_mb(), "seconds": round(seconds, 3)})
+            rows.append({"pass": rep + 1, "frames": t, "rss_mb": rss_mb(), "seconds": round(seconds, 3),
+                         "compiles": session.compiles})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     report = {"model_dir": str(args.model_dir), "threads": args.threads, "rss_before_mb": start,
               "date": time.strftime("%Y-%m-%d"), "calls": rows}  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":
