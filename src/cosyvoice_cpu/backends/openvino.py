@@ -5,7 +5,7 @@ A :class:`OpenVinoSession` compiles its model in one of two ways (``max_shapes``
 - ``0`` (the default): once, with its dynamic axes: one compiled model serves every shape. OpenVINO still makes
   kernels for each new input shape on its first call and keeps them (tens of MB per shape for the flow
   estimator; docs/backends.md, "Shapes, compiles and memory"). So that a graph fed unbounded shapes cannot grow
-  without end in a long-running process, the session recompiles (from the on-disk cache: about a second) once
+  without end in a long-running process, the session recompiles (from the on-disk cache: a second or a few) once
   :data:`DYNAMIC_SHAPES` different shapes have run on one compile, which gives their kernels back. The padded
   estimator's buckets stay under that bound and never recompile.
 - ``N > 0``: per input shape, on first use, at most N compiled shapes kept in memory (least recently used first
@@ -46,10 +46,10 @@ from cosyvoice_cpu.hardware.pages import release_file_pages
 
 logger = logging.getLogger(__name__)
 
-# OpenVINO element type names -> the ONNX type strings the graph contracts are written in
 # distinct input shapes one dynamic compile serves before it is recompiled (more than the 21 frame buckets of
 # cosyvoice_cpu.flow.buckets from 64 to 2048 frames, so the padded estimator never recompiles)
 DYNAMIC_SHAPES = 24
+# OpenVINO element type names -> the ONNX type strings the graph contracts are written in
 _TYPES = {"f32": "tensor(float)", "f16": "tensor(float16)", "i64": "tensor(int64)", "i32": "tensor(int32)",
           "bf16": "tensor(bfloat16)", "boolean": "tensor(bool)"}  # fmt: skip
 
@@ -126,7 +126,8 @@ class OpenVinoSession:
                 hit = None
             if hit is not None:
                 self._compiled.move_to_end(key)
-                self._met.add(shape)
+                if dynamic:
+                    self._met.add(shape)
                 return hit
         with self._compile_lock:
             with self._lock:
