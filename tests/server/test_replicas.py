@@ -18,6 +18,7 @@ import pytest
 from cosyvoice_cpu.cli.speech import DEMO_MODEL, _tone_wav
 from cosyvoice_cpu.server.process import free_port
 from cosyvoice_cpu.server.replica_probe import end_session, replica_pids, start_session
+from cosyvoice_cpu.server.replicas import COUNT_TTL_S
 
 pytest.importorskip("ray.serve", reason="the [ray] extra is not installed: pip install 'cosyvoice-cpu[ray]'")
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find the replicas")
@@ -81,9 +82,14 @@ def test_both_replicas_serve_and_share_voices(cluster: tuple[str, int, Path]) ->
                    data={"name": "shared", "prompt_text": "Good morning everyone."})  # fmt: skip
         assert r.status_code == 201, r.text
         writer = r.headers["x-replica"]
-        other = _replica_serving(c, lambda rid: rid != writer)
-        health = other.json()
-        assert health["replicas"] == 2 and health["pid"] in replica_pids(sid)
+
+        def other_counts_both() -> httpx.Response | None:
+            other = _replica_serving(c, lambda rid: rid != writer)
+            return other if other.json()["replicas"] == 2 else None
+
+        # each replica caches Serve's count for COUNT_TTL_S: one asked while the other was starting says 1 until then
+        other = _until("the other replica counting both", other_counts_both, 10 * COUNT_TTL_S)
+        assert other.json()["pid"] in replica_pids(sid)
         # the other replica lists the voice and speaks with it (speech requests also land on either replica)
         served: dict[str, int] = {}
         for seed in range(12):
