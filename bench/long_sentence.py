@@ -20,8 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from cosyvoice_cpu.benchmark.tasks import TEXT, _config, load, peak_rss_mb, status_mb
+from cosyvoice_cpu.benchmark.tasks import TEXT, _config, load, peak_rss_mb
 from cosyvoice_cpu.engine import Timings
+from cosyvoice_cpu.hardware.pages import status_mb
 
 
 def main() -> None:

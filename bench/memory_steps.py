@@ -27,9 +27,9 @@ from cosyvoice_cpu.benchmark.tasks import (
     measure_lm,
     measure_lm_batched,
     peak_rss_mb,
-    status_mb,
 )
 from cosyvoice_cpu.hardware.cpu import malloc_free_bytes
+from cosyvoice_cpu.hardware.pages import status_mb
 
 
 def main() -> None:

@@ -25,11 +25,7 @@ import numpy as np
 from cosyvoice_cpu.backends.base import SessionConfig
 from cosyvoice_cpu.backends.openvino import OpenVino
 from cosyvoice_cpu.flow.buckets import bucket
-
-
-def rss_mb() -> int:
-    status = dict(line.split(":", 1) for line in open("/proc/self/status"))
-    return int(status["VmRSS"].split()[0]) // 1024
+from cosyvoice_cpu.hardware.pages import status_mb
 
 
 def main() -> None:
@@ -46,7 +42,7 @@ def main() -> None:
                                              SessionConfig(threads=args.threads))  # fmt: skip
     rng = np.random.default_rng(0)
     rows = []
-    start = rss_mb()
+    start = round(status_mb("VmRSS") or 0)
     sizes = sorted({bucket(n) for n in range(50, args.max_frames + 1)})
     passes = [sizes, sizes] if not args.unpadded else [[100 + 5 * i for i in range(args.unpadded)]]
     for rep, lengths in enumerate(passes):
@@ -58,7 +54,8 @@ def main() -> None:
             session.run(None, feeds)
             seconds = time.perf_counter() - t0
             ctypes.CDLL("libc.so.6").malloc_trim(0)
-            rows.append({"pass": rep + 1, "frames": t, "rss_mb": rss_mb(), "seconds": round(seconds, 3),
+            rss = round(status_mb("VmRSS") or 0)
+            rows.append({"pass": rep + 1, "frames": t, "rss_mb": rss, "seconds": round(seconds, 3),
                          "compiles": session.compiles})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     report = {"model_dir": str(args.model_dir), "threads": args.threads, "rss_before_mb": start,

@@ -27,13 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
+from cosyvoice_cpu.hardware.pages import status_mb
+
 TMP = Path(tempfile.gettempdir())
 FRAME_RATE = {"hift_decode": 50.0, "flow_encoder": 25.0}  # calls' length unit per second of audio (CosyVoice2)
-
-
-def rss_mb() -> int:
-    status = dict(line.split(":", 1) for line in open("/proc/self/status"))
-    return int(status["VmRSS"].split()[0]) // 1024
 
 
 def feeds(graph: str, n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -92,7 +89,8 @@ def child(args: argparse.Namespace) -> None:
             total += time.perf_counter() - t0
             units += n
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-        out[name] = {"rtf": round(total / (units / FRAME_RATE[args.graph]), 4), "rss_mb": rss_mb(),
+        rss = round(status_mb("VmRSS") or 0)
+        out[name] = {"rtf": round(total / (units / FRAME_RATE[args.graph]), 4), "rss_mb": rss,
                      "calls": len(lengths) - 1}  # fmt: skip
     if args.graph == "hift_decode":  # the same inputs' output, saved for the SNR
         wave = run(feeds(args.graph, repeat_n, np.random.default_rng(7)))

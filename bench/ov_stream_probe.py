@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from cosyvoice_cpu.hardware.pages import status_mb
+
 
 def child(args: argparse.Namespace) -> None:
     n, c, p = args.frames, args.context, args.prompt
@@ -64,10 +66,9 @@ def child(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         run()
         times.append(time.perf_counter() - t0)
-    status = dict(line.split(":", 1) for line in open("/proc/self/status"))
     print(json.dumps({"backend": args.backend, "frames": n, "context": c, "prompt": p,
                       "first_ms": round(first * 1000), "median_ms": round(statistics.median(times) * 1000),
-                      "rss_mb": int(status["VmRSS"].split()[0]) // 1024}))  # fmt: skip
+                      "rss_mb": round(status_mb("VmRSS") or 0)}))  # fmt: skip
 
 
 def main() -> None:

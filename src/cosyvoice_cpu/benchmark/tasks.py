@@ -29,6 +29,7 @@ import numpy as np
 from cosyvoice_cpu.backends.plan import CHOICES, describe
 from cosyvoice_cpu.config import DEFAULT_LM_BATCH_ROWS, EngineConfig, SynthesisConfig
 from cosyvoice_cpu.engine import Engine, Timings
+from cosyvoice_cpu.hardware.pages import status_mb
 
 logger = logging.getLogger(__name__)
 
@@ -59,17 +60,6 @@ def energy_counters() -> dict[str, Path]:
 def read_energy_j(counters: dict[str, Path]) -> float | None:
     """The counters' sum in joules, or None without counters (wrap-around is ignored: runs are short)."""
     return sum(int(f.read_text()) for f in counters.values()) / 1e6 if counters else None
-
-
-def status_mb(field: str) -> float | None:
-    """A memory field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ...) in MB; None where it cannot be read."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    except (OSError, ValueError):
-        pass
-    return None
 
 
 def peak_rss_mb() -> float:

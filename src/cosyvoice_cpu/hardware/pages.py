@@ -10,6 +10,8 @@ modified one is swapped out or kept. So it is safe on any address range, even on
 between. Kernels that read the file at run time (fp32-compute ``MatMulNBits``, convolutions) touch their pages
 first at their first run, so at load there is nothing of theirs to release.
 
+:func:`status_mb` reads this process's memory fields (``VmRSS``, ``VmHWM``) for the benchmarks.
+
 Nothing here runs at import; off Linux (no ``/proc/self/smaps``) or on kernels before 5.4 (no
 ``MADV_PAGEOUT``) every function returns 0 and nothing happens.
 """
@@ -110,3 +112,14 @@ def release_file_pages(path: str | Path) -> int:
             break  # EINVAL: a kernel before 5.4; the rest would fail the same way
         released += rss
     return released
+
+
+def status_mb(field: str) -> float | None:
+    """A memory field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ...) in MB; None where it cannot be read."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        pass
+    return None
