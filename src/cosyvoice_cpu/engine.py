@@ -127,8 +127,7 @@ class Engine:
         background compile of the flow estimator, if one is running (nothing of the engine runs after close)."""
         if self.scheduler is not None:
             self.scheduler.close()
-        if self.family.warming is not None:
-            self.family.warming.join()
+        self.family.wait_warm()
 
     # ------------------------------------------------------------------ voices
 

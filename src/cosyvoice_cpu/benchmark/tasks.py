@@ -92,8 +92,7 @@ def load(model_dir: Path, threads: int, spinning: bool = False, lm_batch_rows: i
 
     rows = DEFAULT_LM_BATCH_ROWS if lm_batch_rows is None else lm_batch_rows
     engine = Engine.load(model_dir, EngineConfig(threads=threads, spinning=spinning, lm_batch_rows=rows, **config))
-    if engine.family.warming is not None:  # the OpenVINO estimator compiling in the background: not measured
-        engine.family.warming.join()
+    engine.family.wait_warm()  # the OpenVINO estimator compiling in the background: not measured
     with tempfile.TemporaryDirectory() as tmp:
         voice = engine.make_voice(_prompt_wav(Path(tmp) / "prompt.wav"), PROMPT_TEXT, name="bench")
     return engine, voice

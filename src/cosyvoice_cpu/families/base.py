@@ -98,6 +98,11 @@ class Family:
             self._plans[choice] = plan_backends(self.manifest.graphs, choice)
         return self._plans[choice]
 
+    def wait_warm(self) -> None:
+        """Wait for the background compile of the flow estimator that :meth:`load` started, if any."""
+        if self.warming is not None:
+            self.warming.join()
+
     @property
     def name(self) -> str:
         return self.facts.name
