@@ -171,6 +171,22 @@ def test_the_v1_openvino_graph_pads_exactly_where_the_official_one_does_not(tiny
         assert any(type(b).__name__ == "GroupNorm" for b in est.modules())  # the original is left untouched
 
 
+def test_only_layers_on_a_data_path_from_the_inputs_are_kept_out_of_int8() -> None:
+    # the Fun-CosyVoice3 DiT's shape: a layer reads x, a later one gets a reshape whose shape comes from x
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    from cosyvoice_cpu.export.openvino_graphs import input_layers
+
+    x = ops.parameter([-1, -1, 8], np.float32, name="x")
+    first = ops.matmul(x, ops.constant(np.ones((8, 8), np.float32)), False, False)
+    first.set_friendly_name("first")
+    flat = ops.reshape(ops.relu(first), ops.shape_of(x), special_zero=False)
+    later = ops.matmul(flat, ops.constant(np.ones((8, 8), np.float32)), False, False)
+    later.set_friendly_name("later")
+    assert input_layers(ov.Model([later], [x])) == ["first"]
+
+
 def test_bad_openvino_options_fail_before_any_work(tiny_model_dir: Path, tmp_path: Path) -> None:
     from cosyvoice_cpu.errors import ConfigError
 

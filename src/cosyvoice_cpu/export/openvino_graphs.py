@@ -185,7 +185,8 @@ def flow_samples(stage: Any, family: str, mel_cfg: dict[str, Any] | None,
 def input_layers(model: Any, inputs: tuple[str, ...] = ("x", "mu", "cond")) -> list[str]:
     """Names of the first Convolution/MatMul nodes reached from these inputs of an OpenVINO model: the layers
     that see the prompt mel (cond) as it is, whose int8 activation scale a prompt outside the calibrated range
-    would clip."""
+    would clip. Only data paths count: a ``ShapeOf`` ends the walk (the Fun-CosyVoice3 DiT reshapes every
+    attention output to a shape read from ``x``, and following that reached all 22 ``to_out`` layers)."""
     found, seen = set(), set()
     frontier = [p for p in model.get_parameters() if p.get_friendly_name() in inputs]
     while frontier:
@@ -198,7 +199,7 @@ def input_layers(model: Any, inputs: tuple[str, ...] = ("x", "mu", "cond")) -> l
                 seen.add(nxt.get_friendly_name())
                 if nxt.get_type_name() in ("Convolution", "MatMul"):
                     found.add(nxt.get_friendly_name())
-                else:
+                elif nxt.get_type_name() not in ("ShapeOf",):
                     frontier.append(nxt)
     return sorted(found)
 
