@@ -1,0 +1,156 @@
+"""One whole-sentence estimator call in every form the runtime can run it, alternated in one process.
+
+    python bench/ov_estimator_forms.py -m MODEL_DIR [--frames 650] [--runs 5] [--threads 2] [--profile] [--switch]
+
+``MODEL_DIR`` holds ``flow_estimator.onnx`` and an OpenVINO model (``export --openvino``). Forms, batch 2 (CFG),
+``--frames`` frames (650: a 10 s sentence after a 3 s voice), medians of ``--runs`` alternated calls:
+
+- ``ort``: ONNX Runtime's estimator, unpadded (what the ORT engine runs);
+- ``ov dynamic``: the OpenVINO model compiled once with its dynamic axes (the runtime's default,
+  ``--compiled-shapes 0``), unpadded and padded to the frame bucket (what the runtime runs: ``flow/buckets.py``);
+- ``ov static``: compiled for the bucket's shape alone (``--compiled-shapes N``).
+
+Also printed, from the model's graph at the bucket's shape: the multiply-accumulates of one call in weight layers
+(MatMul/Convolution with constant weights) and in attention products (activation x activation). ``--profile``
+adds OpenVINO's per-node time by node and kernel type for both compiles, and the rate the weight layers ran at;
+``--switch`` the time to bring a static bucket from OpenVINO's model cache (what a bucket change costs the
+static form). Appends one JSON line to ``--out``. Nothing here is imported by the runtime.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cosyvoice_cpu.backends.openvino import precision_for_cpu
+from cosyvoice_cpu.flow.buckets import bucket, pad_time
+
+
+def feeds(frames: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Estimator inputs (x, mask, mu, t, spks, cond) of one CFG call, batch 2."""
+    f = {k: rng.standard_normal((2, 80, frames)).astype(np.float32) for k in ("x", "mu", "cond")}
+    return {**f, "mask": np.ones((2, 1, frames), np.float32), "t": np.full(2, 0.3, np.float32),
+            "spks": rng.standard_normal((2, 80)).astype(np.float32)}  # fmt: skip
+
+
+def _constant(node: Any) -> bool:
+    """Whether ``node`` is a constant weight (through Convert/FakeQuantize/Multiply/... of one)."""
+    for _ in range(6):
+        if node.get_type_name() == "Constant":
+            return True
+        if node.get_type_name() in ("Parameter", "MatMul", "ScaledDotProductAttention", "Softmax"):
+            return False
+        node = node.input_value(0).get_node()
+    return False
+
+
+def macs(model: Any) -> dict[str, float]:
+    """GMAC of one call of a statically shaped OpenVINO model: weight layers and attention products."""
+    out = {"weights": 0.0, "attention": 0.0}
+    for op in model.get_ops():
+        kind = op.get_type_name()
+        if kind == "MatMul":
+            a = list(op.get_input_shape(0))
+            k = a[-2] if op.get_transpose_a() else a[-1]
+            n = float(np.prod(list(op.get_output_shape(0)))) * k
+            out["weights" if _constant(op.input_value(1).get_node()) else "attention"] += n / 1e9
+        elif kind in ("Convolution", "GroupConvolution"):
+            w = list(op.get_input_shape(1))
+            per_out = float(np.prod(w[2:] if kind == "GroupConvolution" else w[1:]))
+            out["weights"] += float(np.prod(list(op.get_output_shape(0)))) * per_out / 1e9
+        elif kind == "ScaledDotProductAttention":  # q (B, H, L, E) . k (B, H, S, E), then . v
+            q, k = list(op.get_input_shape(0)), list(op.get_input_shape(1))
+            out["attention"] += 2 * float(np.prod(q)) * k[-2] / 1e9
+    return {key: round(v, 1) for key, v in out.items()}
+
+
+def profile(request: Any) -> dict[str, float]:
+    """ms per (node type, kernel) of the last call (PERF_COUNT compiles only), largest first."""
+    agg: dict[str, float] = defaultdict(float)
+    for p in request.profiling_info:
+        agg[f"{p.node_type}/{p.exec_type}"] += p.real_time.total_seconds() * 1000
+    return {k: round(v, 1) for k, v in sorted(agg.items(), key=lambda kv: -kv[1]) if v >= 1.0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-m", "--model-dir", type=Path, required=True)
+    ap.add_argument("--frames", type=int, default=650)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--switch", action="store_true")
+    ap.add_argument("--out", default="bench/results/ov-estimator-forms.jsonl")
+    args = ap.parse_args()
+    import onnxruntime as ort
+    import openvino as ov
+
+    xml = args.model_dir / "flow_estimator.ov.xml"
+    size = bucket(args.frames)
+    plain = feeds(args.frames, np.random.default_rng(0))
+    padded = pad_time(plain, size)
+    props = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": precision_for_cpu(),
+             "INFERENCE_NUM_THREADS": args.threads, "PERF_COUNT": args.profile}  # fmt: skip
+    core = ov.Core()
+    static_model = core.read_model(str(xml))
+    static_model.reshape({k: list(v.shape) for k, v in padded.items()})
+    dynamic = core.compile_model(core.read_model(str(xml)), "CPU", props).create_infer_request()
+    static = core.compile_model(static_model, "CPU", props).create_infer_request()
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = args.threads
+    sess = ort.InferenceSession(str(args.model_dir / "flow_estimator.onnx"), so, providers=["CPUExecutionProvider"])
+    forms = {f"ort {args.frames}": lambda: sess.run(None, plain),
+             f"ov dynamic {args.frames}": lambda: dynamic.infer(plain),
+             f"ov dynamic {size}": lambda: dynamic.infer(padded),
+             f"ov static {size}": lambda: static.infer(padded)}  # fmt: skip
+    for run in forms.values():  # first calls (kernels for the shape, arenas) not timed
+        run()
+    times: dict[str, list[float]] = {k: [] for k in forms}
+    for _ in range(args.runs):
+        for name, run in forms.items():
+            t0 = time.perf_counter()
+            run()
+            times[name].append((time.perf_counter() - t0) * 1000)
+    ref = statistics.median(times[f"ort {args.frames}"])
+    row: dict[str, Any] = {"model_dir": str(args.model_dir), "frames": args.frames, "bucket": size,
+                           "threads": args.threads, "date": time.strftime("%Y-%m-%d"), "ms": {},
+                           "gmac": macs(static_model)}  # fmt: skip
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        row["ms"][name] = round(med, 1)
+        print(f"{name:22s} {med:7.1f} ms  ({ref / med:.2f}x ONNX Runtime)  runs: {', '.join(f'{t:.0f}' for t in ts)}")
+    print(f"one call at {size} frames: {row['gmac']['weights']} GMAC in weight layers, "
+          f"{row['gmac']['attention']} GMAC in attention products")  # fmt: skip
+    if args.profile:
+        row["profile"] = {"dynamic": profile(dynamic), "static": profile(static)}
+        for form, prof in row["profile"].items():
+            gemm = sum(v for k, v in prof.items() if k.split("/")[0] in ("FullyConnected", "Convolution",
+                       "GroupConvolution", "FullyConnectedQuantizedLegacy"))  # fmt: skip
+            print(f"ov {form} at {size}: weight layers {gemm:.0f} ms "
+                  f"({row['gmac']['weights'] / max(gemm, 1e-9) * 1000:.0f} GMAC/s); top: "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in list(prof.items())[:6]))  # fmt: skip
+    if args.switch:
+        with tempfile.TemporaryDirectory() as cache:
+            core.set_property({"CACHE_DIR": cache})
+            core.compile_model(static_model, "CPU", props)  # fills the cache
+            t0 = time.perf_counter()
+            request = core.compile_model(static_model, "CPU", props).create_infer_request()
+            loaded = time.perf_counter() - t0
+            request.infer(padded)
+            first = time.perf_counter() - t0 - loaded
+        row["switch_s"] = {"cache_load": round(loaded, 2), "first_call": round(first, 2)}
+        print(f"a static bucket from the model cache: {loaded:.2f} s, then its first call {first:.2f} s")
+    with open(args.out, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
