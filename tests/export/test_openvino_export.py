@@ -187,6 +187,30 @@ def test_only_layers_on_a_data_path_from_the_inputs_are_kept_out_of_int8() -> No
     assert input_layers(ov.Model([later], [x])) == ["first"]
 
 
+def test_the_estimator_forms_probe_counts_the_work_and_times_every_form(ov_int8_dir: Path, tmp_path: Path) -> None:
+    import importlib.util
+    import json
+
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "ov_estimator_forms.py"
+    spec = importlib.util.spec_from_file_location("bench_ov_forms", script)
+    forms = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(forms)
+    x = ops.parameter([2, 10, 8], np.float32, name="x")
+    y = ops.matmul(x, ops.convert(ops.constant(np.ones((8, 4), np.float16)), "f32"), False, False)  # weights
+    att = ops.matmul(x, ops.transpose(x, ops.constant([0, 2, 1])), False, False)  # activation x activation
+    gmac = forms.macs(ov.Model([y, att], [x]))
+    assert gmac == {"weights": 2 * 10 * 4 * 8 / 1e9, "attention": 2 * 10 * 10 * 8 / 1e9}
+    out = tmp_path / "forms.jsonl"
+    subprocess.run([sys.executable, str(script), "-m", str(ov_int8_dir), "--frames", "100", "--runs", "1",
+                    "--profile", "--switch", "--out", str(out)], check=True, capture_output=True)  # fmt: skip
+    row = json.loads(out.read_text())
+    assert set(row["ms"]) == {"ort 100", "ov dynamic 100", f"ov dynamic {bucket(100)}", f"ov static {bucket(100)}"}
+    assert row["gmac"]["weights"] > 0 and row["profile"]["static"] and row["switch_s"]["cache_load"] > 0
+
+
 def test_bad_openvino_options_fail_before_any_work(tiny_model_dir: Path, tmp_path: Path) -> None:
     from cosyvoice_cpu.errors import ConfigError
 
