@@ -199,7 +199,7 @@ def input_layers(model: Any, inputs: tuple[str, ...] = ("x", "mu", "cond")) -> l
                 seen.add(nxt.get_friendly_name())
                 if nxt.get_type_name() in ("Convolution", "MatMul"):
                     found.add(nxt.get_friendly_name())
-                elif nxt.get_type_name() not in ("ShapeOf",):
+                elif nxt.get_type_name() != "ShapeOf":
                     frontier.append(nxt)
     return sorted(found)
 
