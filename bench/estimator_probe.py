@@ -20,6 +20,7 @@ import numpy as np
 
 from cosyvoice_cpu.backends.base import SessionConfig
 from cosyvoice_cpu.backends.onnxruntime import make_session
+from cosyvoice_cpu.benchmark.feeds import estimator_feeds
 from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.quantize import quantize_int8_dynamic, quantize_nbits
 
@@ -30,12 +31,7 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=650)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    rng = np.random.default_rng(0)
-    t = args.frames
-    feeds = {"x": rng.standard_normal((2, 80, t)), "mask": np.ones((2, 1, t)), "mu": rng.standard_normal((2, 80, t)),
-             "t": np.array([0.3, 0.3]), "spks": rng.standard_normal((2, 80)),
-             "cond": rng.standard_normal((2, 80, t))}  # fmt: skip
-    feeds = {k: v.astype(np.float32) for k, v in feeds.items()}
+    feeds = estimator_feeds(args.frames, np.random.default_rng(0))
 
     def bench(path: Path, name: str, ref: np.ndarray | None = None) -> np.ndarray:
         sess = make_session(path, SessionConfig(threads=args.threads))

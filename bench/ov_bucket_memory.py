@@ -24,6 +24,7 @@ import numpy as np
 
 from cosyvoice_cpu.backends.base import SessionConfig
 from cosyvoice_cpu.backends.openvino import OpenVino
+from cosyvoice_cpu.benchmark.feeds import estimator_feeds
 from cosyvoice_cpu.flow.buckets import bucket
 from cosyvoice_cpu.hardware.pages import status_mb
 
@@ -47,9 +48,7 @@ def main() -> None:
     passes = [sizes, sizes] if not args.unpadded else [[100 + 5 * i for i in range(args.unpadded)]]
     for rep, lengths in enumerate(passes):
         for t in lengths:
-            shapes = {"x": (2, 80, t), "mu": (2, 80, t), "spks": (2, 80), "cond": (2, 80, t)}
-            feeds = {k: rng.standard_normal(shape).astype(np.float32) for k, shape in shapes.items()}
-            feeds.update(mask=np.ones((2, 1, t), np.float32), t=np.full(2, 0.3, np.float32))
+            feeds = estimator_feeds(t, rng)
             t0 = time.perf_counter()
             session.run(None, feeds)
             seconds = time.perf_counter() - t0

@@ -31,14 +31,8 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.backends.openvino import precision_for_cpu
+from cosyvoice_cpu.benchmark.feeds import estimator_feeds
 from cosyvoice_cpu.flow.buckets import bucket, pad_time
-
-
-def feeds(frames: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """Estimator inputs (x, mask, mu, t, spks, cond) of one CFG call, batch 2."""
-    f = {k: rng.standard_normal((2, 80, frames)).astype(np.float32) for k in ("x", "mu", "cond")}
-    return {**f, "mask": np.ones((2, 1, frames), np.float32), "t": np.full(2, 0.3, np.float32),
-            "spks": rng.standard_normal((2, 80)).astype(np.float32)}  # fmt: skip
 
 
 def _constant(node: Any) -> bool:
@@ -95,7 +89,7 @@ def main() -> None:
 
     xml = args.model_dir / "flow_estimator.ov.xml"
     size = bucket(args.frames)
-    plain = feeds(args.frames, np.random.default_rng(0))
+    plain = estimator_feeds(args.frames, np.random.default_rng(0))
     padded = pad_time(plain, size)
     props = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": precision_for_cpu(),
              "INFERENCE_NUM_THREADS": args.threads, "PERF_COUNT": args.profile}  # fmt: skip
