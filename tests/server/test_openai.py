@@ -5,18 +5,35 @@ from __future__ import annotations
 
 import io
 import struct
+import typing
 import wave
 from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile as sf
+import typing_extensions
 
 from .conftest import VOICE, Server
 
 openai = pytest.importorskip("openai")  # the dev extra installs it
 TEXT = "Warning: line three is overheating."
-OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer", "verse")
+
+
+def sdk_names(alias: object) -> set[str]:
+    """Every string of the Literal types inside ``alias`` (an SDK type such as ``Union[str, Literal[...], ...]``)."""
+    if typing.get_origin(alias) in (typing.Literal, typing_extensions.Literal):
+        return {a for a in typing.get_args(alias) if isinstance(a, str)}
+    return set().union(*(sdk_names(a) for a in typing.get_args(alias)))
+
+
+def sdk_voices() -> set[str]:
+    """The voice names the installed SDK's ``audio.speech.create`` lists (13 in openai 3.60, with marin and cedar)."""
+    from openai.types.audio import speech_create_params
+
+    names = sdk_names(speech_create_params.Voice)
+    assert len(names) >= 13, names  # the SDK's own list was found
+    return names
 
 
 def client(server: Server) -> object:
@@ -27,11 +44,23 @@ def test_openai_voice_names_speak_the_default_voice(tuned: Server) -> None:
     c = client(tuned)
     want = c.audio.speech.create(model="tts-1", voice=VOICE, input="Hi.", response_format="pcm",
                                  extra_body={"seed": 5}).content  # fmt: skip
-    for name in OPENAI_VOICES:
+    names = sdk_voices()
+    for name in sorted(names):
         r = c.audio.speech.with_raw_response.create(model="tts-1", voice=name, input="Hi.", response_format="pcm",
                                                     extra_body={"seed": 5})  # fmt: skip
         assert r.headers["x-voice"] == VOICE
         assert r.content == want, name
+    from cosyvoice_cpu.server.checks import OPENAI_VOICES
+
+    assert set(OPENAI_VOICES) == names  # what docs/server.md lists too
+
+
+def test_every_openai_model_name_of_the_sdk_is_taken(tuned: Server) -> None:
+    from openai.types.audio.speech_model import SpeechModel
+
+    for model in sorted(sdk_names(SpeechModel)):
+        r = client(tuned).audio.speech.create(model=model, voice=VOICE, input="Hi.", response_format="pcm")
+        assert len(r.content) > 2400, model
 
 
 def test_openai_voice_names_without_a_default_voice_say_how(server: Server) -> None:

@@ -19,8 +19,11 @@ from cosyvoice_cpu.server.voices import VoiceNotFoundError
 
 logger = logging.getLogger(__name__)
 
-OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # accepted as aliases of the loaded model
-OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer", "verse")
+# OpenAI's model and voice names, as the openai SDK's types list them (``SpeechModel`` and the ``voice`` Literal of
+# ``openai.types.audio.speech_create_params``; tests/server/test_openai.py compares these with the installed SDK)
+OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-mini-tts-2025-12-15")  # aliases of the loaded model
+OPENAI_VOICES = ("alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage",
+                 "shimmer", "verse")  # fmt: skip
 OPENAI_SPEED = (0.25, 4.0)  # what OpenAI's API takes
 ENGINE_SPEED = (0.5, 2.0)  # what the engine does (SynthesisConfig.speed); OpenAI's range is clamped to it
 MAX_MODEL_CHARS = 128

@@ -46,7 +46,8 @@ class SpeechRequest(BaseModel):
     )
 
     model: str = Field(max_length=MAX_MODEL_CHARS, description="the served model id (GET /v1/models), its family "
-                       "name (cosyvoice2, ...) or an OpenAI name: tts-1, tts-1-hd, gpt-4o-mini-tts")  # fmt: skip
+                       "name (cosyvoice2, ...) or an OpenAI name: tts-1, tts-1-hd, gpt-4o-mini-tts, "
+                       "gpt-4o-mini-tts-2025-12-15")  # fmt: skip
     input: str = Field(description="text to speak")
     voice: str = Field(max_length=MAX_VOICE_CHARS, description="a saved voice (GET /v1/audio/voices), or an OpenAI "
                        "voice name (alloy, ...) when the server has a --default-voice")  # fmt: skip
