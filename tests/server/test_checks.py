@@ -168,3 +168,23 @@ def test_no_redirect_built_from_the_host_header(server: Server) -> None:
     with server.client() as c:
         r = c.get("/metrics/", headers={"Host": "127.0.0.1:1"})
     assert r.status_code == 404 and "location" not in r.headers
+
+
+def test_the_upload_field_text_is_taken_as_prompt_text(server: Server) -> None:
+    """Clients of the first server sent the transcript as ``text`` (ignored then); it was refused as an unknown
+    field after the strict upload checks. It is another name of ``prompt_text`` now (docs/server.md, Changes)."""
+
+    def upload(**data: str) -> httpx.Response:
+        return c.post("/v1/audio/voices", files={"file": ("p.wav", _tone_wav(), "audio/wav")}, data=data)
+
+    with server.client() as c:
+        r = upload(name="old client", text="Good morning everyone.")
+        assert r.status_code == 201, r.text
+        assert r.json()["prompt_text"] == "Good morning everyone."
+        voices = {v["name"]: v for v in c.get("/v1/audio/voices").json()["voices"]}
+        assert voices["old client"]["mode"] == "zero-shot"
+        assert c.delete("/v1/audio/voices/old client").status_code == 204
+        expect(upload(name="twice", text="One thing.", prompt_text="Another."), 400,
+               "sent twice with different text, as prompt_text and text", "invalid_field")  # fmt: skip
+        expect(upload(name="odd", words="Hi."), 400, r"unknown form fields \['words'\].*'text'", "unknown_field")
+    assert not (server.voices / "twice.npz").exists()

@@ -108,7 +108,8 @@ def _upload_body(settings: Any) -> dict[str, Any]:
     schema = {"type": "object", "required": ["name", "file"], "additionalProperties": False,
               "properties": {"name": name, "file": {"type": "string", "format": "binary",
                                                     "description": "3-10 s of clean speech: wav, flac, ogg or mp3"},
-                             "prompt_text": text, "transcript": {**text, "description": "old name of prompt_text"},
+                             "prompt_text": text, "text": {**text, "description": "another name of prompt_text"},
+                             "transcript": {**text, "description": "another name of prompt_text"},
                              "overwrite": {"type": "boolean", "default": False,
                                            "description": "replace a voice of that name"}}}  # fmt: skip
     return {"required": True, "content": {"multipart/form-data": {"schema": schema}}}

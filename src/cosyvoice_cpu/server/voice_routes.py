@@ -25,7 +25,8 @@ from cosyvoice_cpu.voices.voice import VoiceError, check_name
 logger = logging.getLogger(__name__)
 
 VOICES = "/v1/audio/voices"
-FIELDS = ("name", "file", "prompt_text", "transcript", "overwrite")
+TRANSCRIPT_FIELDS = ("prompt_text", "text", "transcript")  # the current name first, then the aliases old clients send
+FIELDS = ("name", "file", *TRANSCRIPT_FIELDS, "overwrite")
 BOOLEANS = {"true": True, "1": True, "false": False, "0": False}
 
 
@@ -49,15 +50,17 @@ def add_routes(app: Any, state: Any) -> None:
 
     @app.post(VOICES, status_code=201)
     async def add_voice(request: Request) -> dict[str, Any]:
-        """Save a voice from 3-10 s of speech and its transcript (multipart: name, file, prompt_text, overwrite)."""
+        """Save a voice from 3-10 s of speech and its transcript (multipart: name, file, prompt_text, overwrite;
+        ``text`` and ``transcript`` are other names of prompt_text)."""
         limit = int(settings.max_upload_mb * 2**20)
         form = await _read_form(request, limit, settings.max_upload_mb)
         unknown = sorted(set(form.keys()) - set(FIELDS))
         if unknown:
-            raise RequestProblem(f"unknown form fields {unknown}; send name, file, prompt_text and overwrite",
+            raise RequestProblem(f"unknown form fields {unknown}; send name, file, prompt_text (the transcript; "
+                                 "'text' and 'transcript' are taken as its other names) and overwrite",
                                  "unknown_field")  # fmt: skip
         name, upload = form.get("name"), form.get("file")
-        text, overwrite = form.get("prompt_text", form.get("transcript", "")), form.get("overwrite", "false")
+        text, overwrite = _transcript(form), form.get("overwrite", "false")
         if not isinstance(name, str) or not isinstance(text, str) or not isinstance(overwrite, str):
             raise RequestProblem("fields 'name', 'prompt_text' and 'overwrite' must be text", "bad_upload")
         check_text("name", name, MAX_VOICE_CHARS, required=False)
@@ -104,6 +107,18 @@ def add_routes(app: Any, state: Any) -> None:
             raise ApiError(409, str(e), code="voice_builtin") from e
         m.count(VOICES, "ok")
         return Response(status_code=204)
+
+
+def _transcript(form: Any) -> Any:
+    """The upload's transcript: ``prompt_text``, or one of its other names ``text`` (what clients of the first
+    server sent; it was ignored then, and the voice silently became cross-lingual) and ``transcript``. Two of them
+    with different values are refused rather than one picked."""
+    given = {f: form.get(f) for f in TRANSCRIPT_FIELDS if f in form}
+    values = {v for v in given.values() if isinstance(v, str)}
+    if len(values) > 1:
+        raise RequestProblem(f"the transcript was sent twice with different text, as {' and '.join(given)}; send it "
+                             "once, as prompt_text", "invalid_field")  # fmt: skip
+    return next(iter(given.values()), "")
 
 
 def _checked_name(name: str) -> str:
