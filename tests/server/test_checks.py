@@ -188,3 +188,40 @@ def test_the_upload_field_text_is_taken_as_prompt_text(server: Server) -> None:
                "sent twice with different text, as prompt_text and text", "invalid_field")  # fmt: skip
         expect(upload(name="odd", words="Hi."), 400, r"unknown form fields \['words'\].*'text'", "unknown_field")
     assert not (server.voices / "twice.npz").exists()
+
+
+def test_bodies_the_json_parser_refuses_get_invalid_json_saying_why(server: Server) -> None:
+    """Invalid UTF-8 and deep nesting got FastAPI's "There was an error parsing the body" with the undocumented
+    code http_error (issue #35)."""
+    json_type = {"content-type": "application/json"}
+    with server.client() as c:
+        bad_utf8 = b'{"model": "tts-1", "voice": "demo", "input": "caf\xe9 \xff"}'
+        expect(c.post("/v1/audio/speech", content=bad_utf8, headers=json_type), 400,
+               r"not valid UTF-8 text: byte 0xe9 at offset 49.*encoded as UTF-8", "invalid_json")  # fmt: skip
+        deep = b'{"model": "tts-1", "voice": "demo", "input": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+        expect(c.post("/v1/audio/speech", content=deep, headers=json_type), 400, "nested too deeply",
+               "invalid_json")  # fmt: skip
+        assert c.get("/health").json()["status"] == "ok"
+
+
+SPEECH_BODY = json.dumps({"model": "tts-1", "voice": VOICE, "input": "Hello.", "response_format": "pcm"}).encode()
+
+
+@pytest.mark.parametrize(("content_type", "words"), [
+    ("application/x-www-form-urlencoded", r"says Content-Type: application/x-www-form-urlencoded \(curl -d sends that: "
+                                          r"add -H 'Content-Type: application/json'\)"),
+    ("text/plain;charset=UTF-8", "says Content-Type: text/plain"),
+    (None, "has no Content-Type"),
+])  # fmt: skip
+def test_a_json_body_without_the_json_content_type_gets_a_415_that_says_so(server: Server, content_type: str | None,
+                                                                          words: str) -> None:  # fmt: skip
+    """curl's ``-d`` declares form data; the body was then read as bytes and refused with "Input should be a valid
+    dictionary or object to extract fields from" (issue #35)."""
+    headers = {} if content_type is None else {"content-type": content_type}
+    with server.client() as c:
+        r = c.post("/v1/audio/speech", content=SPEECH_BODY, headers=headers)
+        expect(r, 415, "the body must be a JSON object sent with Content-Type: application/json; this request "
+               + words, "unsupported_media_type")  # fmt: skip
+        assert "valid dictionary" not in r.text
+        for ok in ("application/json; charset=utf-8", "Application/JSON"):
+            assert c.post("/v1/audio/speech", content=SPEECH_BODY, headers={"content-type": ok}).status_code == 200

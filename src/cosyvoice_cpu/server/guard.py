@@ -12,6 +12,10 @@ the routed ones (``scope["path"]``), never rebuilt from the Host header.
   on another site may send without asking. Requests other than GET/HEAD/OPTIONS whose Origin is neither the
   server's own (scheme, host and port as the Host header says) nor an ``--allow-origin`` one are refused (403).
   Clients that send no Origin (curl, SDKs) are not browsers and pass.
+* **Content type**: the speech route takes JSON declared as ``application/json`` (or ``application/*+json``);
+  anything else (curl's ``-d`` default ``application/x-www-form-urlencoded``, ``text/plain``, none) is a 415 that
+  says so, before the body is read. Besides the clear message, this keeps cross-site pages to the CORS preflight
+  that a JSON request needs.
 * **Body limit**: a JSON body is refused (413) past ``max_body`` bytes, from ``Content-Length`` before it is read
   or while it streams in; the voice upload has its own limit (``--max-upload-mb``) in its route.
 """
@@ -34,6 +38,23 @@ LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # noqa: S104 (names of the bind-all addresses, compared, not bound)
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 UPLOAD_PATH = "/v1/audio/voices"  # limited in its route (multipart, --max-upload-mb)
+JSON_ROUTES = (("POST", "/v1/audio/speech"),)  # take a JSON body: other Content-Types are a 415 before the body is read
+
+
+def is_json_type(content_type: str | None) -> bool:
+    """Whether a Content-Type declares JSON: ``application/json`` or ``application/*+json``, any parameters."""
+    if not content_type:
+        return False
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
+def json_type_problem(content_type: str | None) -> str:
+    """The message of a 415: the body must be JSON declared as such (what curl's ``-d`` does not declare)."""
+    given = "has no Content-Type" if not content_type else f"says Content-Type: {content_type[:100]}"
+    hint = " (curl -d sends that: add -H 'Content-Type: application/json')" if content_type and (
+        "x-www-form-urlencoded" in content_type.lower()) else ""  # fmt: skip
+    return f"the body must be a JSON object sent with Content-Type: application/json; this request {given}{hint}"
 
 
 def _header(scope: Any, name: bytes) -> str | None:
@@ -128,6 +149,11 @@ class HostOriginGuard:
             return
         if scope.get("method") in SAFE_METHODS or scope.get("path") == UPLOAD_PATH:
             await self.app(scope, receive, send)
+            return
+        ctype = _header(scope, b"content-type")
+        if (scope.get("method"), scope.get("path")) in JSON_ROUTES and not is_json_type(ctype):
+            self.metrics.count(label, "bad_request")
+            await send_error(send, 415, json_type_problem(ctype), "invalid_request_error", "unsupported_media_type")
             return
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body:

@@ -60,6 +60,23 @@ async def send_error(send: Any, status: int, message: str, kind: str, code: str,
     await send({"type": "http.response.body", "body": body})
 
 
+HTTP_CODES = {400: "invalid_json", 408: "request_timeout", 413: "body_too_large"}  # of HTTPExceptions outside routes
+
+
+def body_problem(cause: BaseException) -> str:
+    """What is wrong with a JSON body the parser raised ``cause`` on (FastAPI answers only "There was an error
+    parsing the body" for anything but a JSON syntax error)."""
+    if isinstance(cause, UnicodeDecodeError):
+        byte = cause.object[cause.start : cause.start + 1].hex() if isinstance(cause.object, bytes) else "?"
+        return (f"the body is not valid {cause.encoding.upper()} text: byte 0x{byte} at offset {cause.start} "
+                f"({cause.reason}); send the JSON encoded as UTF-8")  # fmt: skip
+    if isinstance(cause, RecursionError):
+        return ("the body's JSON is nested too deeply to parse (arrays or objects hundreds of levels deep); a speech "
+                "request is one flat JSON object of strings, numbers and booleans")  # fmt: skip
+    return (f"the body could not be read as JSON ({type(cause).__name__}); send one JSON object encoded as UTF-8 "
+            "with Content-Type: application/json")  # fmt: skip
+
+
 def allowed_methods(app: Any, scope: Any) -> list[str]:
     """Every method the routes matching ``scope``'s path take, plus OPTIONS (sorted)."""
     from starlette.routing import Match
@@ -106,7 +123,9 @@ def install(app: Any, metrics: Metrics) -> None:
         if e.status_code == 404:
             return answer(request, 404, f"no endpoint {request.method} {request.url.path} (see /docs for the API)",
                           "invalid_request_error", "not_found")  # fmt: skip
-        code = "body_too_large" if e.status_code == 413 else "http_error"
+        if e.status_code == 400 and e.__cause__ is not None:  # FastAPI's "There was an error parsing the body"
+            return answer(request, 400, body_problem(e.__cause__), "invalid_request_error", "invalid_json")
+        code = HTTP_CODES.get(e.status_code, "internal_error" if e.status_code >= 500 else "invalid_request")
         return answer(request, e.status_code, str(e.detail), "invalid_request_error", code,
                       getattr(e, "headers", None))  # fmt: skip
 

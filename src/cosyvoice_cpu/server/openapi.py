@@ -60,6 +60,7 @@ _ERRORS = {
     404: "no voice of that name",
     409: "the voice exists (send overwrite=true), is a built-in speaker, or is the server's default voice",
     413: "the body (or the uploaded audio) is over the server's limit",
+    415: "the body is not declared as JSON: send it with Content-Type: application/json",
     429: "the server is busy: retry after Retry-After seconds",
     500: "the synthesis failed; the server keeps running",
     503: "the server is shutting down: retry on another instance",
@@ -129,7 +130,7 @@ def amend(schema: dict[str, Any], settings: Any) -> dict[str, Any]:
     props["response_format"]["enum"] = list(FORMATS)
     paths = schema["paths"]
     ops = {
-        ("/v1/audio/speech", "post"): ({"200": _speech_ok()}, (400, 413, 429, 500, 503, 504)),
+        ("/v1/audio/speech", "post"): ({"200": _speech_ok()}, (400, 413, 415, 429, 500, 503, 504)),
         ("/v1/models", "get"): ({"200": _json("the loaded model", "ModelList")}, ()),
         ("/v1/audio/voices", "get"): ({"200": _json("the saved voices", "VoiceList")}, ()),
         ("/v1/audio/voices", "post"): ({"201": _json("the voice was saved", "NewVoice")}, (400, 409, 413)),
