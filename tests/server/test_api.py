@@ -240,6 +240,19 @@ def test_api_key_is_required(strict: Server) -> None:
     assert "other" in labels
 
 
+def test_options_needs_the_key_like_every_method(strict: Server) -> None:
+    """docs/server.md said OPTIONS answers 204 with Allow on any path; with --api-key, /v1/* and /metrics answer
+    it only with the key (nothing under the key is reached by a method without it)."""
+    with strict.client() as c:
+        r = c.options("/v1/audio/speech")
+        _expect_error(r, 401, "API key")
+        assert "allow" not in r.headers
+        r = c.options("/v1/audio/speech", headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 204 and r.headers["allow"] == "OPTIONS, POST"
+        r = c.options("/health")  # open paths stay open
+        assert r.status_code == 204 and r.headers["allow"] == "GET, OPTIONS"
+
+
 def test_a_full_queue_answers_429_with_retry_after(strict: Server) -> None:
     codes: list[httpx.Response] = []
     long = " ".join(["The pump on line three is overheating."] * 3)

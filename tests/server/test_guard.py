@@ -41,7 +41,13 @@ def test_writes_from_another_sites_page_are_refused(server: Server) -> None:
         assert "--allow-origin" in r.json()["error"]["message"]
         assert not (server.voices / "planted.npz").exists()
         speech = {"model": "tts-1", "voice": VOICE, "input": "Hello.", "response_format": "pcm"}
-        for origin in (EVIL, "null", f"http://localhost:{port_of(server)}", "http://127.0.0.1:1"):
+        for origin in (
+            EVIL,
+            "null",
+            f"http://localhost:{port_of(server)}",
+            "http://127.0.0.1:1",
+            f"https://127.0.0.1:{port_of(server)}",
+        ):  # the last one: the right host and port, not scheme
             r = c.post("/v1/audio/speech", json=speech, headers={"Origin": origin})
             assert r.status_code == 403, (origin, r.status_code)
         r = c.delete(f"/v1/audio/voices/{VOICE}", headers={"Origin": EVIL})
@@ -49,6 +55,9 @@ def test_writes_from_another_sites_page_are_refused(server: Server) -> None:
         # the server's own page (same scheme, host and port) and clients without Origin (curl, SDKs) are served
         assert c.post("/v1/audio/speech", json=speech, headers={"Origin": server.url}).status_code == 200
         assert c.post("/v1/audio/speech", json=speech).status_code == 200
+        # behind a TLS proxy on this host that says so, the server's own origin is the https one
+        proxied = {"Origin": f"https://127.0.0.1:{port_of(server)}", "X-Forwarded-Proto": "https"}
+        assert c.post("/v1/audio/speech", json=speech, headers=proxied).status_code == 200
         # reads carry no CORS header, so another site's page cannot read them anyway
         r = c.get("/v1/audio/voices", headers={"Origin": EVIL})
         assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
@@ -113,7 +122,10 @@ def test_guard_rules() -> None:
     local = HostOriginGuard(None, "127.0.0.1", ("tts.example",), ("https://app.example",), 1, Metrics())
     assert local.host_allowed("tts.example:443") and not local.host_allowed("192.168.1.20:8000")
     assert local.origin_allowed("http://127.0.0.1:8000", "127.0.0.1:8000")
-    assert local.origin_allowed("https://tts.example", "tts.example")  # default ports: 443 for https
+    assert local.origin_allowed("https://tts.example", "tts.example", "https")  # default ports: 443 for https
+    assert not local.origin_allowed("https://tts.example", "tts.example")  # an https page, this http server
+    assert not local.origin_allowed("https://127.0.0.1:8000", "127.0.0.1:8000")  # the same host and port
+    assert not local.origin_allowed("http://127.0.0.1:8000", "127.0.0.1:8000", "https")
     assert local.origin_allowed("https://app.example/", "127.0.0.1:8000")
     assert not local.origin_allowed("http://127.0.0.1:8001", "127.0.0.1:8000")
     assert not local.origin_allowed("http://tts.example:99999", "tts.example")

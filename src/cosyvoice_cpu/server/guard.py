@@ -10,8 +10,8 @@ the routed ones (``scope["path"]``), never rebuilt from the Host header.
   bound to all interfaces (an address in Host cannot come from a rebound name). Anything else is a 403.
 * **Origin** (cross-site writes): a browser sends ``Origin`` with every POST, even a ``no-cors`` one that a page
   on another site may send without asking. Requests other than GET/HEAD/OPTIONS whose Origin is neither the
-  server's own (scheme, host and port as the Host header says) nor an ``--allow-origin`` one are refused (403).
-  Clients that send no Origin (curl, SDKs) are not browsers and pass.
+  server's own (the request's scheme, and host and port as the Host header says) nor an ``--allow-origin`` one
+  are refused (403). Clients that send no Origin (curl, SDKs) are not browsers and pass.
 * **Content type**: the speech route takes JSON declared as ``application/json`` (or ``application/*+json``);
   anything else (curl's ``-d`` default ``application/x-www-form-urlencoded``, ``text/plain``, none) is a 415 that
   says so, before the body is read. Besides the clear message, this keeps cross-site pages to the CORS preflight
@@ -110,8 +110,10 @@ class HostOriginGuard:
         name, _ = split_host(host)
         return name in self.hosts or (self.any_ip and _is_ip(name))
 
-    def origin_allowed(self, origin: str, host: str | None) -> bool:
-        """Whether a write from a page of ``origin`` is taken: the server's own origin, or an allowed one."""
+    def origin_allowed(self, origin: str, host: str | None, scheme: str = "http") -> bool:
+        """Whether a write from a page of ``origin`` is taken: the server's own origin (``scheme``, the request's:
+        ``https`` behind a TLS proxy that says so in ``X-Forwarded-Proto``; host and port as in ``host``), or an
+        allowed one."""
         origin = origin.strip().lower().rstrip("/")
         if "*" in self.origins or origin in self.origins:
             return True
@@ -120,8 +122,8 @@ class HostOriginGuard:
             o_port = o.port
         except ValueError:
             return False
-        if o.scheme not in ("http", "https") or not o.hostname or host is None:
-            return False
+        if o.scheme != scheme or scheme not in ("http", "https") or not o.hostname or host is None:
+            return False  # a page of https://HOST:PORT is another origin than this http://HOST:PORT server
         default = 443 if o.scheme == "https" else 80
         name, port = split_host(host)
         return o.hostname.rstrip(".") == name and (o_port or default) == (port or default)
@@ -140,7 +142,11 @@ class HostOriginGuard:
                              "permission_error", "host_not_allowed")  # fmt: skip
             return
         origin = _header(scope, b"origin")
-        if scope.get("method") not in SAFE_METHODS and origin is not None and not self.origin_allowed(origin, host):
+        if (
+            scope.get("method") not in SAFE_METHODS
+            and origin is not None
+            and not self.origin_allowed(origin, host, scope.get("scheme", "http"))
+        ):
             self.metrics.count(label, "bad_request")
             logger.warning("refused a %s %s from Origin %r", scope.get("method"), scope.get("path"), origin)
             await send_error(send, 403, f"requests from pages of {origin[:200]!r} may not change or use this server "
