@@ -102,3 +102,43 @@ def test_a_cached_export_from_other_exporter_code_or_recipe_is_stale(tiny_export
     data["created_by"] = "cosyvoice-cpu 0.1.0 (export code 000000000000)"
     manifest.write_text(json.dumps(data))
     assert not cached_export_is_fresh(old, DEFAULT_RECIPE)
+
+
+FORKING_CHILD = """
+import json, os, sys
+from tokenizers import Tokenizer, models, pre_tokenizers
+tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+tok.pre_tokenizer = pre_tokenizers.Whitespace()
+tok.encode_batch(["a b"] * 20000)  # the thread pool runs (when parallelism is on)
+pid = os.fork()  # as the export's and the peers' libraries do
+if pid == 0:
+    os._exit(0)
+os.waitpid(pid, 0)
+print(json.dumps({"TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM")}))
+"""
+
+
+def test_bench_children_do_not_print_the_tokenizers_fork_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench printed "The current process just got forked, after parallelism has already been used..." dozens
+    of times (issue #35): its children run with TOKENIZERS_PARALLELISM=false unless the user set it."""
+    import subprocess
+    import sys
+
+    from cosyvoice_cpu.cli import bench
+
+    pytest.importorskip("tokenizers")
+    runs: list[subprocess.CompletedProcess] = []
+    real_run = subprocess.run
+
+    def run(*args: object, **kw: object) -> subprocess.CompletedProcess:
+        runs.append(real_run(*args, **kw))
+        return runs[-1]
+
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    assert bench._child([sys.executable, "-c", FORKING_CHILD], "forking child") == {"TOKENIZERS_PARALLELISM": "false"}
+    assert "forked" not in runs[-1].stderr, runs[-1].stderr
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")  # a user's own choice is kept (and silences it too)
+    assert bench._child([sys.executable, "-c", FORKING_CHILD], "forking child") == {"TOKENIZERS_PARALLELISM": "true"}
+    assert "forked" not in runs[-1].stderr
+    assert bench.quiet_forks({}) == {"TOKENIZERS_PARALLELISM": "false"}

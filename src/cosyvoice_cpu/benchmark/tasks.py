@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import resource
 import statistics
 import sys
@@ -270,6 +271,7 @@ def task_threads(model_dir: Path, threads: int, tokens: int, runs: int, backend:
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # run alone too: no tokenizers fork warnings
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model_dir", type=Path)
     ap.add_argument("--task", choices=["single", "concurrent", "threads"], required=True)

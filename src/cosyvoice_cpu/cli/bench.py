@@ -37,10 +37,24 @@ logger = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[3]  # a source checkout: bench/peer.py lives there
 
 
+QUIET_FORKS = {"TOKENIZERS_PARALLELISM": "false"}
+
+
+def quiet_forks(environ: Any = os.environ) -> Any:
+    """Settle what the HF ``tokenizers`` library would otherwise warn about at every fork ("The current process
+    just got forked, after parallelism has already been used. Disabling parallelism to avoid deadlocks..."): its
+    parallelism is off in ``environ`` unless the user chose (``TOKENIZERS_PARALLELISM`` set either way). The
+    bench's processes tokenize one sentence at a time, so the thread pool buys nothing; the children inherit it.
+    Returns ``environ``."""
+    for name, value in QUIET_FORKS.items():
+        environ.setdefault(name, value)
+    return environ
+
+
 def _child(cmd: list[str], what: str) -> dict[str, Any]:
-    """Run a benchmark child; its last stdout line is JSON."""
+    """Run a benchmark child (with :func:`quiet_forks`' environment); its last stdout line is JSON."""
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=quiet_forks(dict(os.environ)))
     if p.returncode:
         raise ConfigError(f"{what} failed (exit {p.returncode}): {p.stderr.strip().splitlines()[-1:] or p.stdout}")
     text = p.stdout.strip()
@@ -135,6 +149,7 @@ def machine_facts(threads: int) -> dict[str, Any]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    quiet_forks()  # before anything tokenizes: the export and the peers fork after using tokenizers
 
     threads = args.threads or detect().threads()
     args.backends = [b.strip() for b in args.backend.split(",") if b.strip()] or ["auto"]
