@@ -87,3 +87,67 @@ def test_a_joining_client_uses_the_clusters_token_when_one_is_at_hand(tmp_path: 
     assert join_auth_mode(env, home=tmp_path / "nowhere") and env["RAY_AUTH_MODE"] == "token"
     env = {"RAY_AUTH_MODE": "disabled"}  # the user's explicit choice stands
     assert not join_auth_mode(env, home=tmp_path) and env["RAY_AUTH_MODE"] == "disabled"
+
+
+def _fake_raylet(tmp_path: Path, seconds: str) -> subprocess.Popen:
+    """A child process whose command name is ``raylet`` (a copy of ``sleep``), as ray.init starts one."""
+    import shutil
+
+    exe = tmp_path / "raylet"
+    shutil.copy(shutil.which("sleep"), exe)
+    return subprocess.Popen([str(exe), seconds])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_raylet_that_dies_while_ray_starts_fails_the_start_at_once(tmp_path: Path, monkeypatch) -> None:
+    """``serve --replicas 2`` waited 76 s for "Failed to connect to GCS within 60 seconds" after its raylet died 7 s
+    in (issue #35); now the start fails within a second of the death and says what to do."""
+    import threading
+    import time
+
+    ray = pytest.importorskip("ray")
+    from cosyvoice_cpu.server.app import ServerSettings
+    from cosyvoice_cpu.server.replicas import RayStartError, ray_children, serve_replicas
+
+    released, children = threading.Event(), []
+
+    def init(**kw: object) -> None:  # Ray's start: the raylet comes up, dies after a second, init waits on
+        children.append(_fake_raylet(tmp_path, "1"))
+        released.wait(60)
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path / "ray"))
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RayStartError) as e:
+            serve_replicas(tmp_path, ServerSettings(voices_dir=tmp_path), object(), ReplicaPlan(replicas=2))
+    finally:
+        released.set()
+    took = time.monotonic() - t0
+    message = str(e.value)
+    assert f"raylet (pid {children[0].pid}) exited" in message, message
+    assert "`ray stop`" in message and "--ray-address" in message and f"{tmp_path}/ray/session_latest" in message
+    assert took < 5, took
+    children[0].wait(5)
+    assert ray_children() == {}
+
+
+def test_a_failed_ray_start_and_a_daemon_lost_while_serving_say_what_to_do(tmp_path: Path) -> None:
+    import threading
+
+    from cosyvoice_cpu.server.replicas import RayStartError, RayWatch, _wait, start_local_ray
+
+    def init(**kw: object) -> None:
+        raise RuntimeError("Failed to connect to GCS within 60 seconds")
+
+    with pytest.raises(RayStartError, match=r"did not start \(RuntimeError: Failed to connect to GCS.*`ray stop`"):
+        start_local_ray(init)
+    running = {41: "raylet", 42: "gcs_server"}
+    watch = RayWatch(lambda: dict(running))
+    watch.dead()
+    stop = threading.Event()
+    threading.Timer(1.5, lambda: running.pop(41)).start()
+    assert _wait(stop, watch) == 1  # the raylet is gone: exit instead of serving errors
+    assert watch.dead() == ["raylet (pid 41)"]
+    stop.set()
+    assert _wait(stop, RayWatch(lambda: {})) == 0

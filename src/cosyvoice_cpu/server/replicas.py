@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cosyvoice_cpu.errors import ConfigError, MissingExtraError
+from cosyvoice_cpu.errors import ConfigError, CosyVoiceCpuError, MissingExtraError
 from cosyvoice_cpu.server.identity import ReplicaInfo
 
 logger = logging.getLogger(__name__)
@@ -31,6 +31,126 @@ APP_NAME = "cosyvoice"
 DEPLOYMENT_NAME = "CosyVoiceReplica"
 COUNT_TTL_S = 2.0  # /health asks Serve's controller for the replica count at most this often
 TEARDOWN_S = 30.0  # at most this long for Serve to take the replicas down at exit
+RAY_DAEMONS = ("gcs_server", "raylet")  # the processes of a local Ray instance that ray.init starts as our children
+WATCH_S = 0.5  # how often they are looked at while ray.init runs
+
+
+class RayStartError(CosyVoiceCpuError):
+    """The local Ray instance did not come up, or one of its daemons died."""
+
+
+def ray_children(names: tuple[str, ...] = RAY_DAEMONS, parent: int | None = None) -> dict[int, str]:
+    """The living (not zombie) child processes of ``parent`` (default: this process) whose command name is one of
+    ``names``: pid -> name. Read from ``/proc``; empty where there is none."""
+    parent = os.getpid() if parent is None else parent
+    found: dict[int, str] = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return found
+    for pid in entries:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+        comm, rest = stat[stat.find("(") + 1 : stat.rfind(")")], stat[stat.rfind(")") + 2 :].split()
+        if len(rest) > 1 and rest[0] != "Z" and int(rest[1]) == parent and comm in names:
+            found[int(pid)] = comm
+    return found
+
+
+class RayWatch:
+    """Which daemons of our local Ray instance were seen running, to tell when one died (``dead``).
+
+    A raylet that dies while ``ray.init`` waits for it (another Ray session shutting down on the host, a port
+    taken) left ``ray.init`` waiting 60 s before "Failed to connect to GCS within 60 seconds"; watched, the start
+    fails within a second of the death, with what to do.
+    """
+
+    def __init__(self, list_children: Any = ray_children) -> None:
+        self.list_children = list_children
+        self.seen: dict[int, str] = {}
+        self.release = threading.Event()  # ends the thread that started the instance (see start_local_ray)
+
+    def dead(self) -> list[str]:
+        """Descriptions of the daemons seen before that are gone now (zombies count as gone)."""
+        alive = self.list_children()
+        self.seen.update(alive)
+        return [f"{name} (pid {pid})" for pid, name in sorted(self.seen.items()) if pid not in alive]
+
+
+def ray_logs() -> str:
+    """Where the newest local Ray session keeps its logs."""
+    root = os.environ.get("RAY_TMPDIR") or "/tmp/ray"  # noqa: S108 (Ray's own default, named in a message)
+    return f"{root}/session_latest/logs (raylet.out, gcs_server.out)"
+
+
+def what_to_do() -> str:
+    return ("Another Ray instance on this host (one shutting down, or left over) is the usual cause: run `ray stop` "
+            "and start again, or join a healthy cluster with --ray-address HOST:6379. Ray's logs: "
+            + ray_logs())  # fmt: skip
+
+
+def start_local_ray(init: Any, watch: RayWatch | None = None, poll_s: float = WATCH_S, **kw: Any) -> RayWatch:
+    """``init(**kw)`` (``ray.init`` of a local instance) in a thread while this one watches the daemons it starts;
+    raises :class:`RayStartError` as soon as one that was running died, or with what to do when ``init`` failed.
+    Returns the watch (with the daemons seen) for the serving loop to keep an eye on; set its ``release`` once the
+    instance is shut down.
+
+    The starting thread stays alive until then: Ray starts its daemons with a parent-death signal
+    (``PR_SET_PDEATHSIG``), which Linux sends when the *thread* that started them ends, not the process.
+    """
+    watch = watch or RayWatch()
+    started, failure = threading.Event(), []
+
+    def run() -> None:
+        quiet = _Without("not the main thread")  # Ray's SIGTERM handler: serve_replicas sets its own
+        logging.getLogger("ray._private.worker").addFilter(quiet)
+        try:
+            init(**kw)
+        except BaseException as e:  # handed to the waiting thread
+            failure.append(e)
+            return
+        finally:
+            logging.getLogger("ray._private.worker").removeFilter(quiet)
+            started.set()
+        watch.release.wait()  # the daemons live as long as this thread (their parent-death signal)
+
+    threading.Thread(target=run, name="ray-owner", daemon=True).start()
+    while not started.wait(poll_s):
+        dead = watch.dead()
+        if dead and not started.is_set():
+            _stop_children(watch)
+            raise RayStartError(f"the local Ray instance failed while starting: {', '.join(dead)} exited. "
+                                + what_to_do())  # fmt: skip
+    if failure:
+        e = failure[0]
+        if isinstance(e, KeyboardInterrupt):
+            raise e
+        raise RayStartError(f"the local Ray instance did not start ({type(e).__name__}: {e}). {what_to_do()}") from e
+    watch.dead()  # the daemons running now
+    return watch
+
+
+class _Without(logging.Filter):
+    """Drops log records whose message contains ``words``."""
+
+    def __init__(self, words: str) -> None:
+        super().__init__()
+        self.words = words
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.words not in record.getMessage()
+
+
+def _stop_children(watch: RayWatch) -> None:
+    """SIGTERM the daemons of our own failed instance that still run (they are our children)."""
+    for pid in watch.list_children():
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
 
 
 @dataclass
@@ -162,12 +282,13 @@ def serve_replicas(model_dir: Path, settings: Any, engine_config: Any, plan: Rep
         raise MissingExtraError("--replicas needs the [ray] extra: pip install 'cosyvoice-cpu[ray]'") from e
     if local:  # our own instance: no usage reports (Ray leaves them off for ray.init() clusters; say so anyway)
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    init: dict[str, Any] = {"include_dashboard": False} if local else {"address": plan.ray_address}
+    watch = None
     try:
-        ray.init(logging_level=logging.WARNING, **init)
-    except ConnectionError as e:
         if local:
-            raise
+            watch = start_local_ray(ray.init, logging_level=logging.WARNING, include_dashboard=False)
+        else:
+            ray.init(logging_level=logging.WARNING, address=plan.ray_address)
+    except ConnectionError as e:
         raise ConfigError(f"could not join the Ray cluster at {plan.ray_address} ({e}). Check the address (HEAD:6379 "
                           "or ray://HEAD:10001); a cluster with token authentication (Ray 2.60 clusters have it) "
                           "needs RAY_AUTH_MODE=token and its token here (RAY_AUTH_TOKEN, or ~/.ray/auth_token from "
@@ -185,10 +306,11 @@ def serve_replicas(model_dir: Path, settings: Any, engine_config: Any, plan: Rep
         count = "auto" if plan.replicas is None else plan.replicas
         print(f"serving {model_dir} on http://{plan.host}:{plan.port} as {count} replicas on Ray Serve "
               f"({plan.threads} threads each, voices in {settings.voices_dir})", flush=True)  # fmt: skip
-        _wait(stop)
+        return _wait(stop, watch)
     finally:
         _teardown(local)
-    return 0
+        if watch is not None:
+            watch.release.set()
 
 
 def join_auth_mode(environ: dict[str, str] | Any, home: Path | None = None) -> bool:
@@ -226,11 +348,16 @@ def _teardown(local: bool, timeout_s: float = TEARDOWN_S) -> None:
     ray.shutdown()
 
 
-def _wait(stop: threading.Event | None) -> None:
-    """Block until SIGINT/SIGTERM (main thread) or ``stop`` is set."""
+def _wait(stop: threading.Event | None, watch: RayWatch | None = None) -> int:
+    """Block until SIGINT/SIGTERM (main thread) or ``stop`` is set (0), or a daemon of our local Ray instance died
+    (1: nothing can be served any more, so say so and exit instead of answering every request with an error)."""
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(1.0):
-        pass
+        dead = watch.dead() if watch is not None else []
+        if dead and not stop.wait(0.5):  # not the same Ctrl-C/SIGTERM reaching the process group
+            logger.error("the local Ray instance lost %s: stopping. %s", ", ".join(dead), what_to_do())
+            return 1
+    return 0
