@@ -38,6 +38,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allow_hosts=tuple(args.allow_host or ()),
         allow_origins=tuple(args.allow_origin or ()),
         default_voice=args.default_voice,
+        body_timeout=args.body_timeout,
     ).validate()
     rows = args.max_active if args.lm_batch_rows is None else args.lm_batch_rows
     engine_config = EngineConfig(threads=args.threads, lm_batch_rows=rows, prompt_cache_fp16=args.prompt_cache_fp16,
@@ -50,8 +51,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logger.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)", args.host)
     print(f"serving {engine.model_dir} on http://{args.host}:{args.port} ({settings.max_active} at once, "
           f"voices in {settings.voices_dir})", flush=True)  # fmt: skip
+    from cosyvoice_cpu.server.protocol import timed_protocol
+
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=10)  # fmt: skip
+                            timeout_graceful_shutdown=10, timeout_keep_alive=args.keep_alive_timeout,
+                            http=timed_protocol(args.header_timeout))  # fmt: skip
     try:
         _draining_server(config, app).run()
     finally:
@@ -77,6 +81,17 @@ def _serve_replicas(args: argparse.Namespace, settings: object, engine_config: o
     if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
         logger.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)", args.host)
     return serve_replicas(args.model.resolve(), settings, dataclasses.replace(engine_config, threads=threads), plan)
+
+
+def _seconds(value: str) -> float:
+    """A timeout: seconds above 0, at most a day."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds <= 86_400:
+        raise argparse.ArgumentTypeError(f"takes seconds above 0 and at most 86400, not {value!r}")
+    return seconds
 
 
 def _replicas(value: str) -> int | None:
@@ -116,6 +131,13 @@ def add_parser(sub: argparse._SubParsersAction, positive: type, non_negative: ty
                    "0 = every request decodes alone, for comparisons)")  # fmt: skip
     s.add_argument("--max-queue", type=non_negative, default=32, help="requests waiting beyond that (then 429)")
     s.add_argument("--timeout", type=float, default=300.0, help="seconds one synthesis may take")
+    s.add_argument("--header-timeout", type=_seconds, default=10.0, metavar="S", help="seconds a client may take "
+                   "to send a request's line and headers (from the connection's start, or the first byte of a "
+                   "next request on a kept-alive one); then 408 and the connection is closed (default 10)")  # fmt: skip
+    s.add_argument("--body-timeout", type=_seconds, default=60.0, metavar="S", help="seconds a request body may "
+                   "take to arrive after its headers; then 408 and the connection is closed (default 60)")  # fmt: skip
+    s.add_argument("--keep-alive-timeout", type=_seconds, default=5.0, metavar="S", help="seconds an idle "
+                   "kept-alive connection stays open (uvicorn's timeout_keep_alive; default 5)")  # fmt: skip
     s.add_argument("--max-upload-mb", type=float, default=20.0, help="largest voice upload")
     s.add_argument("--max-input-chars", type=positive, default=4096, help="longest speech input (characters)")
     s.add_argument("--max-instructions-chars", type=positive, default=1000, help="longest speech instructions")

@@ -48,6 +48,7 @@ class ServerSettings:
         host: the address the server is bound to; allow_hosts: more Host header names served (``*``: any);
             allow_origins: more browser origins that may send writes (``server.guard``).
         default_voice: the saved voice OpenAI's voice names (``alloy``, ...) speak with (None: they are refused).
+        body_timeout: seconds a request body may take to arrive after its headers (408 beyond).
         defaults: the synthesis settings a request starts from.
     """
 
@@ -65,6 +66,7 @@ class ServerSettings:
     allow_hosts: tuple[str, ...] = ()
     allow_origins: tuple[str, ...] = ()
     default_voice: str | None = None
+    body_timeout: float = 60.0
     defaults: SynthesisConfig = field(default_factory=SynthesisConfig)
 
     @property
@@ -82,6 +84,7 @@ class ServerSettings:
             (1 <= self.max_instructions_chars <= 100_000, "max_instructions_chars", "1 to 100000"),
             (1 <= self.max_prompt_chars <= 100_000, "max_prompt_chars", "1 to 100000"),
             (0 < self.max_upload_mb <= 1024, "max_upload_mb", "above 0, at most 1024"),
+            (0 < self.body_timeout <= 86_400, "body_timeout", "above 0, at most 86400 seconds"),
         ]
         for ok, name, rule in checks:
             need(ok, f"server setting {name}", getattr(self, name), rule)
@@ -175,7 +178,8 @@ def create_app(engine: Any, settings: ServerSettings, replica: ReplicaInfo | Non
                            expose_headers=["X-Sample-Rate", "X-Speed-Clamped", "X-Voice", "X-Replica",
                                            "Retry-After"])  # fmt: skip
     app.add_middleware(HostOriginGuard, bind=settings.host, allow_hosts=settings.allow_hosts,
-                       allow_origins=settings.allow_origins, max_body=settings.max_body_bytes, metrics=m)  # fmt: skip
+                       allow_origins=settings.allow_origins, max_body=settings.max_body_bytes, metrics=m,
+                       body_timeout=settings.body_timeout)  # fmt: skip
     app.add_middleware(ReplicaHeaderMiddleware, info=state.replica)  # outermost: every response says who answered
 
     def static(name: str) -> Any:

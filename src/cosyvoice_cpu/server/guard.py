@@ -16,6 +16,9 @@ the routed ones (``scope["path"]``), never rebuilt from the Host header.
   anything else (curl's ``-d`` default ``application/x-www-form-urlencoded``, ``text/plain``, none) is a 415 that
   says so, before the body is read. Besides the clear message, this keeps cross-site pages to the CORS preflight
   that a JSON request needs.
+* **Body deadline**: a request body must have arrived ``body_timeout`` seconds (``--body-timeout``) after its
+  headers, or the request is answered 408 (``request_timeout``) and its connection closed: a client that sends
+  half a body and stops holds nothing for longer. The headers' own deadline is in ``server.protocol``.
 * **Body limit**: a JSON body is refused (413) past ``max_body`` bytes, from ``Content-Length`` before it is read
   or while it streams in; the voice upload has its own limit (``--max-upload-mb``) in its route.
 """
@@ -95,8 +98,8 @@ class HostOriginGuard:
     """
 
     def __init__(self, app: Any, bind: str, allow_hosts: Iterable[str], allow_origins: Iterable[str],
-                 max_body: int, metrics: Metrics) -> None:  # fmt: skip
-        self.app, self.metrics, self.max_body = app, metrics, max_body
+                 max_body: int, metrics: Metrics, body_timeout: float = 60.0) -> None:  # fmt: skip
+        self.app, self.metrics, self.max_body, self.body_timeout = app, metrics, max_body, body_timeout
         self.any_ip = bind.strip("[]") in WILDCARD_HOSTS
         hosts = {split_host(h)[0] for h in allow_hosts}
         self.any_host = "*" in hosts
@@ -153,7 +156,11 @@ class HostOriginGuard:
                              "(cross-site request); start it with --allow-origin ORIGIN to allow that origin",
                              "permission_error", "origin_not_allowed")  # fmt: skip
             return
-        if scope.get("method") in SAFE_METHODS or scope.get("path") == UPLOAD_PATH:
+        if scope.get("method") in SAFE_METHODS:
+            await self.app(scope, receive, send)
+            return
+        receive = self.deadline(receive)
+        if scope.get("path") == UPLOAD_PATH:
             await self.app(scope, receive, send)
             return
         ctype = _header(scope, b"content-type")
@@ -174,6 +181,31 @@ class HostOriginGuard:
             f"{what} is over this server's limit of {self.max_body} bytes; the text fields have their own "
             "limits in characters (docs/server.md)"
         )
+
+    def deadline(self, receive: Any) -> Any:
+        """``receive`` that raises a 408 (``request_timeout``, and the connection is closed) when the body has not
+        fully arrived ``body_timeout`` seconds after the headers; once it has, ``receive`` as it is."""
+        import asyncio
+
+        from starlette.exceptions import HTTPException
+
+        loop = asyncio.get_running_loop()
+        until, complete = loop.time() + self.body_timeout, False
+
+        async def wrapped() -> Any:
+            nonlocal complete
+            if complete:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(until - loop.time(), 0.0))
+            except asyncio.TimeoutError:
+                raise HTTPException(408, f"the request body did not arrive within {self.body_timeout:g} s of its "
+                                    "headers; send it at once (the server's --body-timeout)",
+                                    headers={"Connection": "close"}) from None  # fmt: skip
+            complete = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        return wrapped
 
     def limited(self, receive: Any) -> Any:
         """``receive`` that raises a 413 once the body passes the limit (bodies sent without Content-Length)."""

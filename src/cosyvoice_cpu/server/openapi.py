@@ -58,6 +58,8 @@ _ERRORS = {
     401: "missing or wrong API key",
     403: "a Host name this server does not serve (--allow-host), or a write from another site's page (--allow-origin)",
     404: "no voice of that name",
+    408: "the request's headers or body did not arrive in time (--header-timeout, --body-timeout); the connection "
+    "is closed",
     409: "the voice exists (send overwrite=true), is a built-in speaker, or is the server's default voice",
     413: "the body (or the uploaded audio) is over the server's limit",
     415: "the body is not declared as JSON: send it with Content-Type: application/json",
@@ -130,10 +132,10 @@ def amend(schema: dict[str, Any], settings: Any) -> dict[str, Any]:
     props["response_format"]["enum"] = list(FORMATS)
     paths = schema["paths"]
     ops = {
-        ("/v1/audio/speech", "post"): ({"200": _speech_ok()}, (400, 413, 415, 429, 500, 503, 504)),
+        ("/v1/audio/speech", "post"): ({"200": _speech_ok()}, (400, 408, 413, 415, 429, 500, 503, 504)),
         ("/v1/models", "get"): ({"200": _json("the loaded model", "ModelList")}, ()),
         ("/v1/audio/voices", "get"): ({"200": _json("the saved voices", "VoiceList")}, ()),
-        ("/v1/audio/voices", "post"): ({"201": _json("the voice was saved", "NewVoice")}, (400, 409, 413)),
+        ("/v1/audio/voices", "post"): ({"201": _json("the voice was saved", "NewVoice")}, (400, 408, 409, 413)),
         ("/v1/audio/voices/{name}", "delete"): ({"204": {"description": "deleted"}}, (400, 404, 409)),
         ("/health", "get"): ({"200": _json("the server's state", "Health")}, ()),
         ("/metrics", "get"): ({"200": {"description": "Prometheus text format",
