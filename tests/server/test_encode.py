@@ -186,3 +186,33 @@ def test_push_after_finish(fmt: str) -> None:
         encoder.push(sine(24000, 0.1))
     with pytest.raises(RuntimeError):
         encoder.finish()
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_a_long_whole_file_is_spooled_to_disk_not_held_in_memory(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``"stream": false`` held the whole encoded file in memory (77.5 MB of WAV for 1,615 s of audio in issue
+    #35). Past the spool size the file is on disk: the Python memory it takes stays at a chunk's worth however long
+    the audio, and the file is the one encode_all makes."""
+    import tracemalloc
+
+    from cosyvoice_cpu.server import encode as encode_module
+
+    monkeypatch.setattr(encode_module, "SPOOL_BYTES", 256 << 10)
+    rate, second = 24000, sine(24000, 1.0)
+    tracemalloc.start()
+    try:
+        encoder = Encoder(fmt, rate, streaming=False, spool=True)
+        for _ in range(120):  # 2 minutes: 5.8 MB as wav or pcm
+            assert encoder.push(second) == b""
+        assert encoder.finish() == b""
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < (1 << 20) + (256 << 10), peak  # the spool's 256 KB and a chunk, not the file
+    file, size = encoder.output()
+    with file:
+        data = file.read()
+    assert size == len(data) and (fmt not in ("wav", "pcm") or size >= 120 * rate * 2)
+    assert data == encode_all(fmt, np.tile(second, 120), rate) or fmt in ("mp3", "opus")  # lossy: same length
+    got_rate, y = decode(fmt, data, rate)
+    assert got_rate == expected_rate(fmt, rate) and abs(len(y) - 120 * got_rate) <= 1

@@ -39,6 +39,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allow_origins=tuple(args.allow_origin or ()),
         default_voice=args.default_voice,
         body_timeout=args.body_timeout,
+        max_audio_seconds=args.max_audio_seconds,
+        max_audio_per_char=args.max_audio_per_char,
     ).validate()
     rows = args.max_active if args.lm_batch_rows is None else args.lm_batch_rows
     engine_config = EngineConfig(threads=args.threads, lm_batch_rows=rows, prompt_cache_fp16=args.prompt_cache_fp16,
@@ -141,6 +143,11 @@ def add_parser(sub: argparse._SubParsersAction, positive: type, non_negative: ty
     s.add_argument("--max-upload-mb", type=float, default=20.0, help="largest voice upload")
     s.add_argument("--max-input-chars", type=positive, default=4096, help="longest speech input (characters)")
     s.add_argument("--max-instructions-chars", type=positive, default=1000, help="longest speech instructions")
+    s.add_argument("--max-audio-seconds", type=_seconds, default=1200.0, metavar="S", help="the most audio one "
+                   "request may produce (default 1200); beyond, it is stopped (422 audio_too_long)")  # fmt: skip
+    s.add_argument("--max-audio-per-char", type=_seconds, default=0.6, metavar="S", help="the most audio per input "
+                   "character, plus 10 s, divided by the speed (default 0.6: about twice slow Chinese speech); a "
+                   "model that does not stop is cut there")  # fmt: skip
     s.add_argument("--max-prompt-chars", type=positive, default=1000, help="longest voice transcript (prompt_text)")
     s.add_argument("--default-voice", metavar="NAME", help="the saved voice that OpenAI's voice names (alloy, ash, "
                    "coral, ...) speak with; without it they are refused with a 400 that says so")  # fmt: skip

@@ -26,7 +26,7 @@ from cosyvoice_cpu.server import handlers
 from cosyvoice_cpu.server.guard import ApiKeyMiddleware, HostOriginGuard
 from cosyvoice_cpu.server.identity import ReplicaHeaderMiddleware, ReplicaInfo
 from cosyvoice_cpu.server.metrics import Metrics
-from cosyvoice_cpu.server.speech import Admission
+from cosyvoice_cpu.server.speech import Admission, AudioBound
 from cosyvoice_cpu.server.voices import VoiceStore
 from cosyvoice_cpu.voices.voice import check_name
 
@@ -49,6 +49,8 @@ class ServerSettings:
             allow_origins: more browser origins that may send writes (``server.guard``).
         default_voice: the saved voice OpenAI's voice names (``alloy``, ...) speak with (None: they are refused).
         body_timeout: seconds a request body may take to arrive after its headers (408 beyond).
+        max_audio_seconds, max_audio_per_char: the most audio one request may produce, and per input character
+            (``server.speech.AudioBound``; 422 ``audio_too_long`` beyond).
         defaults: the synthesis settings a request starts from.
     """
 
@@ -67,7 +69,14 @@ class ServerSettings:
     allow_origins: tuple[str, ...] = ()
     default_voice: str | None = None
     body_timeout: float = 60.0
+    max_audio_seconds: float = 1200.0
+    max_audio_per_char: float = 0.6
     defaults: SynthesisConfig = field(default_factory=SynthesisConfig)
+
+    @property
+    def audio_bound(self) -> AudioBound:
+        """The audio one request may produce (``--max-audio-per-char``, ``--max-audio-seconds``)."""
+        return AudioBound(per_char_s=self.max_audio_per_char, max_s=self.max_audio_seconds)
 
     @property
     def max_body_bytes(self) -> int:
@@ -85,6 +94,8 @@ class ServerSettings:
             (1 <= self.max_prompt_chars <= 100_000, "max_prompt_chars", "1 to 100000"),
             (0 < self.max_upload_mb <= 1024, "max_upload_mb", "above 0, at most 1024"),
             (0 < self.body_timeout <= 86_400, "body_timeout", "above 0, at most 86400 seconds"),
+            (1 <= self.max_audio_seconds <= 86_400, "max_audio_seconds", "1 to 86400 seconds"),
+            (0 < self.max_audio_per_char <= 60, "max_audio_per_char", "above 0, at most 60 seconds"),
         ]
         for ok, name, rule in checks:
             need(ok, f"server setting {name}", getattr(self, name), rule)

@@ -28,6 +28,8 @@ from __future__ import annotations
 import io
 import logging
 import struct
+import tempfile
+from typing import IO
 
 import numpy as np
 import soundfile as sf
@@ -50,6 +52,7 @@ _MP3_COMPRESSION = 0.63  # libsndfile maps 0..1 to 160..8 kbit/s at 16-32 kHz: 6
 _OGG_PAGE_LATENCY_MS = 100.0
 _SFC_SET_OGG_PAGE_LATENCY_MS = 0x1302  # sndfile.h; soundfile has no wrapper for it
 _UNKNOWN_SIZE = 0xFFFFFFFF
+SPOOL_BYTES = 4 << 20  # a whole file is held in memory up to this size, then in a temporary file
 
 
 class UnsupportedFormatError(ValueError):
@@ -162,28 +165,39 @@ class _Sink:
 class Encoder:
     """Incremental encoder for one response: ``push`` float mono samples, then ``finish`` once.
 
+    Not streaming, the file is written into a temporary file held in memory up to :data:`SPOOL_BYTES` and on disk
+    beyond (``tempfile.SpooledTemporaryFile``, in ``$TMPDIR``), so a long whole file does not sit in memory; with
+    ``spool``, ``finish`` leaves it there for :meth:`output` instead of returning its bytes.
+
     Args:
         fmt: a name in :data:`FORMATS` (any case); sample_rate: of the pushed samples, in Hz;
-        streaming: emit bytes as they become ready (chunked HTTP) rather than all at ``finish``.
+        streaming: emit bytes as they become ready (chunked HTTP) rather than all at ``finish``;
+        spool: (not streaming) keep the file for :meth:`output`; ``finish`` then returns ``b""``.
     """
 
-    def __init__(self, fmt: str, sample_rate: int, streaming: bool) -> None:
+    def __init__(self, fmt: str, sample_rate: int, streaming: bool, spool: bool = False) -> None:
         self.fmt = check_format(fmt)
         if int(sample_rate) != sample_rate or sample_rate <= 0:
             raise ValueError(f"bad sample rate {sample_rate!r}")
         self.sample_rate = int(sample_rate)
         self.streaming = streaming
+        self.spool = spool and not streaming
         self.media_type = FORMATS[self.fmt]
         self._done = False
-        self._pcm: list[bytes] = []  # wav, not streaming
+        self._out: IO[bytes] | None = None  # the whole file (not streaming)
         self._pcm_bytes = 0
         self._resampler: soxr.ResampleStream | None = None
         self._sink: _Sink | None = None
         self._file: sf.SoundFile | None = None
         self._written = 0  # samples given to libsndfile
         self._header = b""
-        if self.fmt == "wav" and streaming:
-            self._header = _wav_header(self.sample_rate, None)
+        if not streaming:
+            self._out = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES, prefix="cosyvoice-speech-")
+        if self.fmt == "wav":
+            if streaming:
+                self._header = _wav_header(self.sample_rate, None)
+            else:
+                self._out.write(_wav_header(self.sample_rate, 0))  # sizes filled in at finish
         elif self.fmt in _SOUNDFILE:
             self._open_soundfile()
 
@@ -195,8 +209,9 @@ class Encoder:
             logger.debug("%s: resampling %d Hz to %d Hz", self.fmt, self.sample_rate, rate)
         major, subtype = _SOUNDFILE[self.fmt]
         extra = {"compression_level": _MP3_COMPRESSION, "bitrate_mode": "CONSTANT"} if self.fmt == "mp3" else {}
-        self._sink = _Sink()
-        self._file = sf.SoundFile(self._sink, "w", rate, 1, subtype, format=major, **extra)
+        self._sink = _Sink() if self.streaming else None
+        target = self._sink if self.streaming else self._out  # whole: a real file, so the header patches land
+        self._file = sf.SoundFile(target, "w", rate, 1, subtype, format=major, **extra)
         if self.fmt == "opus" and self.streaming:
             self._set_ogg_page_latency(_OGG_PAGE_LATENCY_MS)
 
@@ -216,10 +231,10 @@ class Encoder:
         x = np.clip(np.nan_to_num(np.asarray(samples, dtype=np.float32).reshape(-1)), -1.0, 1.0)
         if self.fmt in ("wav", "pcm"):
             pcm = _to_int16(x).tobytes()
-            if self.streaming or self.fmt == "pcm":  # raw pcm has no header: always ready
+            if self.streaming:
                 out, self._header = self._header + pcm, b""
                 return out
-            self._pcm.append(pcm)
+            self._out.write(pcm)
             self._pcm_bytes += len(pcm)
             return b""
         self._write(x, last=False)
@@ -238,17 +253,40 @@ class Encoder:
         return self._sink.take(skip_blank_mp3_tag=self.fmt == "mp3", final=final)
 
     def finish(self) -> bytes:
-        """Flush the encoder and return the remaining bytes; call once."""
+        """Flush the encoder and return the remaining bytes (with ``spool``: ``b""``, the file is in
+        :meth:`output`); call once."""
         if self._done:
             raise RuntimeError("finish called twice")
         self._done = True
-        if self.fmt == "wav" and not self.streaming:
-            return _wav_header(self.sample_rate, self._pcm_bytes) + b"".join(self._pcm)
-        if self.fmt in ("wav", "pcm"):
+        if self.streaming and self.fmt in ("wav", "pcm"):
             return self._header  # streaming wav: the header if nothing was pushed
-        self._write(np.zeros(0, np.float32), last=True)
-        self._file.close()  # flushes; flac and mp3 seek back to patch their headers here
-        return self._take(final=True)
+        if self.fmt in _SOUNDFILE:
+            self._write(np.zeros(0, np.float32), last=True)
+            self._file.close()  # flushes; flac and mp3 seek back to patch their headers here
+            if self.streaming:
+                return self._take(final=True)
+        elif self.fmt == "wav":
+            self._out.seek(0)
+            self._out.write(_wav_header(self.sample_rate, self._pcm_bytes))
+        if self.spool:
+            return b""
+        file, _ = self.output()
+        with file:
+            return file.read()
+
+    def output(self) -> tuple[IO[bytes], int]:
+        """(the whole file, rewound, and its size in bytes) after :meth:`finish` of a non-streaming encoder; the
+        caller closes it (a file on disk is deleted then)."""
+        if self.streaming or not self._done:
+            raise RuntimeError("output is the whole file of a finished, non-streaming encoder")
+        size = self._out.seek(0, io.SEEK_END)
+        self._out.seek(0)
+        return self._out, size
+
+    def close(self) -> None:
+        """Drop the whole file (a response that will not be sent); no-op when streaming."""
+        if self._out is not None:
+            self._out.close()
 
 
 def encode_all(fmt: str, samples: np.ndarray, sample_rate: int) -> bytes:

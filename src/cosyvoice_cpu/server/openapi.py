@@ -63,6 +63,7 @@ _ERRORS = {
     409: "the voice exists (send overwrite=true), is a built-in speaker, or is the server's default voice",
     413: "the body (or the uploaded audio) is over the server's limit",
     415: "the body is not declared as JSON: send it with Content-Type: application/json",
+    422: "the speech passed the audio this server allows for the input (--max-audio-per-char, --max-audio-seconds)",
     429: "the server is busy: retry after Retry-After seconds",
     500: "the synthesis failed; the server keeps running",
     503: "the server is shutting down: retry on another instance",
@@ -132,7 +133,7 @@ def amend(schema: dict[str, Any], settings: Any) -> dict[str, Any]:
     props["response_format"]["enum"] = list(FORMATS)
     paths = schema["paths"]
     ops = {
-        ("/v1/audio/speech", "post"): ({"200": _speech_ok()}, (400, 408, 413, 415, 429, 500, 503, 504)),
+        ("/v1/audio/speech", "post"): ({"200": _speech_ok()}, (400, 408, 413, 415, 422, 429, 500, 503, 504)),
         ("/v1/models", "get"): ({"200": _json("the loaded model", "ModelList")}, ()),
         ("/v1/audio/voices", "get"): ({"200": _json("the saved voices", "VoiceList")}, ()),
         ("/v1/audio/voices", "post"): ({"201": _json("the voice was saved", "NewVoice")}, (400, 408, 409, 413)),

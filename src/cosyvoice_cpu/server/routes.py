@@ -15,17 +15,18 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.server.checks import RequestProblem, check_model, check_speed, check_text, resolve_voice
 from cosyvoice_cpu.server.encode import Encoder, UnsupportedFormatError, check_format
 from cosyvoice_cpu.server.handlers import ApiError
-from cosyvoice_cpu.server.speech import Cancelled, Job, SpeechRequest, StreamAborted, TimedOut
+from cosyvoice_cpu.server.speech import AudioTooLong, Cancelled, Job, SpeechRequest, StreamAborted, TimedOut
 
 logger = logging.getLogger(__name__)
 
 SPEECH = "/v1/audio/speech"
+FILE_BLOCK = 256 << 10  # a whole file is sent in blocks of this size
 
 
 def add_routes(app: Any, state: Any) -> None:
@@ -63,35 +64,45 @@ def add_routes(app: Any, state: Any) -> None:
             _check_instruction_room(state.engine, voice, instruct, config)
         sse = body.stream_format == "sse"
         whole = not body.stream and not sse  # the whole file at the end: real lengths in wav/flac, an mp3 Info tag
-        encoder = Encoder(fmt, state.engine.sample_rate, streaming=not whole)  # before taking a slot: it may fail
+        encoder = Encoder(fmt, state.engine.sample_rate, streaming=not whole, spool=True)  # before taking a slot
         headers = {"Cache-Control": "no-store", "X-Sample-Rate": str(state.engine.sample_rate)}
         if clamped:
             headers["X-Speed-Clamped"] = f"{speed:g}"
         if voice_name != body.voice:
             headers["X-Voice"] = voice_name.encode("ascii", "backslashreplace").decode()
-        queue_wait = await state.admission.enter()
+        try:
+            queue_wait = await state.admission.enter()
+        except BaseException:
+            encoder.close()
+            raise
+        bound = settings.audio_bound
+        rate = float(getattr(state.engine.manifest, "token_frame_rate", 25) or 25)
         job = Job(lambda check: state.engine.synthesize(body.input, voice, config, instruct, check=check),
-                  settings.timeout)  # fmt: skip
+                  settings.timeout, max_audio_s=bound.seconds(len(body.input), speed),
+                  too_long=bound.problem(len(body.input), speed), token_seconds=1.0 / rate / speed,
+                  sample_rate=state.engine.sample_rate)  # fmt: skip
         state.jobs.add(job)
         watcher = asyncio.create_task(_watch_disconnect(request, job))
         parts: list[bytes] = []
         try:
             chunks = job.chunks(state.executor, encoder)
             async for data in chunks:  # streamed: the first chunk before the status line, so early failures
-                parts.append(data)  # still get their 4xx/5xx; whole: every chunk
+                parts.append(data)  # still get their 4xx/5xx; whole: every chunk (empty: the file is spooled)
                 if not whole:
                     break
         except BaseException as e:
             watcher.cancel()
             job.cancel.set()
             job.when_done(lambda: _release(state, job))
+            encoder.close()
             if isinstance(e, asyncio.CancelledError):
                 raise
             raise _as_api_error(e, m) from e
         stream = _SpeechStream(b"".join(parts), chunks, job, sse, queue_wait, state, watcher)
         if whole:
             await stream.close("ok")
-            return Response(stream.first, media_type=encoder.media_type, headers=headers)
+            file, size = encoder.output()
+            return _FileResponse(file, size, media_type=encoder.media_type, headers=headers)
         media = "text/event-stream" if sse else encoder.media_type
         return _StreamResponse(stream, media_type=media, headers=headers)
 
@@ -117,7 +128,9 @@ def _check_instruction_room(engine: Any, voice: Any, instruct: str, config: Any)
 
 def _outcome(e: BaseException) -> str:
     """The metrics outcome of a synthesis that raised ``e``."""
-    for kind, outcome in ((ConfigError, "bad_request"), (TimedOut, "timeout"), (Cancelled, "cancelled")):
+    kinds = ((ConfigError, "bad_request"), (AudioTooLong, "bad_request"), (TimedOut, "timeout"),
+             (Cancelled, "cancelled"))  # fmt: skip
+    for kind, outcome in kinds:
         if isinstance(e, kind):
             return outcome
     return "error"
@@ -127,6 +140,9 @@ def _as_api_error(e: BaseException, m: Any) -> Exception:
     """The ApiError for a synthesis that failed before its first audio (or, sent whole, before its end; counted)."""
     outcome = _outcome(e)
     m.count(SPEECH, outcome)
+    if isinstance(e, AudioTooLong):
+        logger.warning("speech stopped at its audio bound: %s", e)
+        return ApiError(422, str(e), code="audio_too_long", counted=True)
     if outcome == "bad_request":
         return ApiError(400, str(e), code="invalid_request", counted=True)
     if outcome == "timeout":
@@ -189,12 +205,13 @@ class _SpeechStream:
         except Cancelled:
             pass  # the client is gone (or the server is stopping): nobody to tell
         except Exception as e:  # the status line is sent: SSE clients get an error event, others a cut connection
-            outcome = "timeout" if isinstance(e, TimedOut) else "error"
+            outcome = _outcome(e) if isinstance(e, (TimedOut, AudioTooLong)) else "error"
             logger.warning("stream stopped: %s", e, exc_info=outcome == "error")
             if not self.sse:
                 raise StreamAborted(f"speech stream aborted: {e}") from e  # no final chunk: clients see truncation
-            kind, message = ("timeout", str(e)) if outcome == "timeout" else ("server_error", "synthesis failed")
-            code = "timeout" if outcome == "timeout" else "synthesis_failed"
+            kind, message, code = {"timeout": ("timeout", str(e), "timeout"),
+                                   "bad_request": ("invalid_request_error", str(e), "audio_too_long")}.get(
+                outcome, ("server_error", "synthesis failed", "synthesis_failed"))  # fmt: skip
             yield _sse({"type": "error", "error": {"message": message, "type": kind, "code": code}})
         finally:
             await self.close(outcome)
@@ -214,6 +231,27 @@ class _SpeechStream:
             audio = job.audio / state.engine.sample_rate
             state.metrics.speech_done(self.queue_wait, first, time.perf_counter() - job.started, audio)
         await self.chunks.aclose()
+
+
+class _FileResponse(StreamingResponse):
+    """A whole file (``"stream": false``) from the encoder's spooled temporary file, sent in blocks with its
+    ``Content-Length``; the file is closed (and deleted, when on disk) however the response ends."""
+
+    def __init__(self, file: Any, size: int, **kw: Any) -> None:
+        super().__init__(self._blocks(file), **kw)
+        self.headers["content-length"] = str(size)
+        self.file = file
+
+    @staticmethod
+    async def _blocks(file: Any) -> AsyncIterator[bytes]:
+        while block := file.read(FILE_BLOCK):
+            yield block
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.file.close()
 
 
 class _StreamResponse(StreamingResponse):

@@ -109,6 +109,37 @@ class TimedOut(Exception):
     """The request ran past the server's per-request timeout."""
 
 
+class AudioTooLong(Exception):
+    """The request's audio ran past the bound the server sets for its input (``AudioBound``)."""
+
+
+@dataclass(frozen=True)
+class AudioBound:
+    """The most audio one request may produce: ``floor_s`` plus ``per_char_s`` per input character, divided by the
+    speed (slower speech is longer), and at most ``max_s`` (``--max-audio-per-char``, ``--max-audio-seconds``).
+
+    Speech runs at ~0.07 s per character in English and ~0.25 in Chinese; numbers read out digit by digit reach
+    ~0.4. A model that does not stop (random weights; a real one on odd input) ran on to the engine's own per
+    sentence cap: 1,615 s of audio for 4,096 characters in issue #35.
+    """
+
+    per_char_s: float = 0.6
+    max_s: float = 1200.0
+    floor_s: float = 10.0
+
+    def seconds(self, chars: int, speed: float = 1.0) -> float:
+        return min(self.max_s, self.floor_s + self.per_char_s * chars / speed)
+
+    def problem(self, chars: int, speed: float) -> str:
+        """The message of a request stopped at its bound."""
+        limit = self.seconds(chars, speed)
+        rule = (f"{self.floor_s:g} s + {self.per_char_s:g} s per input character"
+                + (f" at speed {speed:g}" if speed != 1 else "") + f", at most {self.max_s:g} s")  # fmt: skip
+        return (f"the speech passed the server's limit of {limit:g} s of audio for {chars} characters of input "
+                f"({rule}: --max-audio-per-char, --max-audio-seconds) and was stopped: the model did not come to an "
+                "end on this text; split it into shorter requests, or try another seed")  # fmt: skip
+
+
 class Admission:
     """Bounds the work: ``max_active`` syntheses run, up to ``max_queue`` more wait; beyond that, 429."""
 
@@ -150,6 +181,13 @@ class Job:
     first_audio: float | None = None
     audio: float = 0.0
     future: Any = None  # the worker's asyncio future, once started
+    # the audio bound: its seconds, the message, and how tokens and samples count towards it (0: not counted)
+    max_audio_s: float = float("inf")
+    too_long: str = ""
+    token_seconds: float = 0.0  # seconds of audio per speech token (1 / token rate / speed)
+    sample_rate: int = 0
+    tokens: int = 0
+    samples: int = 0
 
     def when_done(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (in the event loop) once the worker thread has stopped, or now if it never ran or
@@ -164,6 +202,20 @@ class Job:
             raise Cancelled("the client disconnected")
         if time.perf_counter() - self.started > self.timeout:
             raise TimedOut(f"synthesis took longer than the server's timeout of {self.timeout:g} s")
+
+    def token_check(self) -> None:
+        """:meth:`check`, called by the engine after every speech token; also stops the request at its audio
+        bound, counted in tokens (before the flow renders them: a runaway sentence costs nothing more)."""
+        self.tokens += 1
+        if self.tokens * self.token_seconds > self.max_audio_s:
+            raise AudioTooLong(self.too_long)
+        self.check()
+
+    def count_samples(self, n: int) -> None:
+        """Count ``n`` samples of made audio towards the bound (exact, where tokens are an estimate)."""
+        self.samples += n
+        if self.sample_rate and self.samples > self.max_audio_s * self.sample_rate:
+            raise AudioTooLong(self.too_long)
 
     async def chunks(self, executor: Any, encoder: Any) -> AsyncIterator[bytes]:
         """Run the synthesis on ``executor`` and yield each chunk as ``encoder`` (a server ``Encoder``) encodes it,
@@ -187,8 +239,9 @@ class Job:
 
         def work() -> None:
             try:
-                for chunk in self.run(self.check):
+                for chunk in self.run(self.token_check):
                     self.check()
+                    self.count_samples(len(chunk.samples))
                     put(len(chunk.samples), encoder.push(chunk.samples))
                 put(0, encoder.finish())
                 loop.call_soon_threadsafe(q.put_nowait, done)
