@@ -82,6 +82,9 @@ def _serve_replicas(args: argparse.Namespace, settings: object, engine_config: o
                        max_ongoing=settings.max_active + settings.max_queue)  # fmt: skip
     if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
         logger.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)", args.host)
+    if (args.header_timeout, args.keep_alive_timeout) != (10.0, 5.0):
+        logger.warning("--header-timeout and --keep-alive-timeout are not applied under --replicas: Serve's proxy "
+                       "reads the requests (--body-timeout is, in each replica)")  # fmt: skip
     return serve_replicas(args.model.resolve(), settings, dataclasses.replace(engine_config, threads=threads), plan)
 
 
