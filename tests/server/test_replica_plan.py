@@ -128,7 +128,7 @@ def test_a_raylet_that_dies_while_ray_starts_fails_the_start_at_once(tmp_path: P
     assert f"raylet (pid {children[0].pid}) exited" in message, message
     assert "`ray stop`" in message and "--ray-address" in message and f"{tmp_path}/ray/session_latest" in message
     assert took < 5, took
-    children[0].wait(5)
+    children[0].wait(5)  # reaped: no child of that name is left
     assert ray_children() == {}
 
 
@@ -142,12 +142,14 @@ def test_a_failed_ray_start_and_a_daemon_lost_while_serving_say_what_to_do(tmp_p
 
     with pytest.raises(RayStartError, match=r"did not start \(RuntimeError: Failed to connect to GCS.*`ray stop`"):
         start_local_ray(init)
-    running = {41: "raylet", 42: "gcs_server"}
+    running = {41: ("raylet", True), 42: ("gcs_server", True)}
     watch = RayWatch(lambda: dict(running))
-    watch.dead()
+    assert watch.dead() == []
     stop = threading.Event()
     threading.Timer(1.5, lambda: running.pop(41)).start()
     assert _wait(stop, watch) == 1  # the raylet is gone: exit instead of serving errors
     assert watch.dead() == ["raylet (pid 41)"]
+    running[43] = ("raylet", False)  # a zombie never seen running: it died too
+    assert watch.dead() == ["raylet (pid 41)", "raylet (pid 43)"]
     stop.set()
     assert _wait(stop, RayWatch(lambda: {})) == 0

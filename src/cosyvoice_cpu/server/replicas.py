@@ -39,11 +39,12 @@ class RayStartError(CosyVoiceCpuError):
     """The local Ray instance did not come up, or one of its daemons died."""
 
 
-def ray_children(names: tuple[str, ...] = RAY_DAEMONS, parent: int | None = None) -> dict[int, str]:
-    """The living (not zombie) child processes of ``parent`` (default: this process) whose command name is one of
-    ``names``: pid -> name. Read from ``/proc``; empty where there is none."""
+def ray_children(names: tuple[str, ...] = RAY_DAEMONS, parent: int | None = None) -> dict[int, tuple[str, bool]]:
+    """The child processes of ``parent`` (default: this process) whose command name is one of ``names``: pid ->
+    (name, alive); a child that exited and was not reaped yet (a zombie) is there, not alive. Read from
+    ``/proc``; empty where there is none."""
     parent = os.getpid() if parent is None else parent
-    found: dict[int, str] = {}
+    found: dict[int, tuple[str, bool]] = {}
     try:
         entries = [e for e in os.listdir("/proc") if e.isdigit()]
     except OSError:
@@ -55,8 +56,8 @@ def ray_children(names: tuple[str, ...] = RAY_DAEMONS, parent: int | None = None
         except OSError:  # gone meanwhile
             continue
         comm, rest = stat[stat.find("(") + 1 : stat.rfind(")")], stat[stat.rfind(")") + 2 :].split()
-        if len(rest) > 1 and rest[0] != "Z" and int(rest[1]) == parent and comm in names:
-            found[int(pid)] = comm
+        if len(rest) > 1 and int(rest[1]) == parent and comm in names:
+            found[int(pid)] = (comm, rest[0] not in ("Z", "X"))
     return found
 
 
@@ -74,9 +75,11 @@ class RayWatch:
         self.release = threading.Event()  # ends the thread that started the instance (see start_local_ray)
 
     def dead(self) -> list[str]:
-        """Descriptions of the daemons seen before that are gone now (zombies count as gone)."""
-        alive = self.list_children()
-        self.seen.update(alive)
+        """Descriptions of the daemons that exited: seen running before and gone now, or seen as zombies (a
+        daemon that died before it was ever seen running)."""
+        children = self.list_children()
+        self.seen.update({pid: name for pid, (name, _) in children.items()})
+        alive = {pid for pid, (_, running) in children.items() if running}
         return [f"{name} (pid {pid})" for pid, name in sorted(self.seen.items()) if pid not in alive]
 
 
@@ -92,11 +95,13 @@ def what_to_do() -> str:
             + ray_logs())  # fmt: skip
 
 
-def start_local_ray(init: Any, watch: RayWatch | None = None, poll_s: float = WATCH_S, **kw: Any) -> RayWatch:
-    """``init(**kw)`` (``ray.init`` of a local instance) in a thread while this one watches the daemons it starts;
-    raises :class:`RayStartError` as soon as one that was running died, or with what to do when ``init`` failed.
-    Returns the watch (with the daemons seen) for the serving loop to keep an eye on; set its ``release`` once the
-    instance is shut down.
+def start_local_ray(init: Any, watch: RayWatch | None = None, poll_s: float = WATCH_S, then: Any = None,
+                    **kw: Any) -> RayWatch:  # fmt: skip
+    """``init(**kw)`` (``ray.init`` of a local instance), then ``then()`` (Serve's start and the app), in a thread
+    while this one watches the daemons ``init`` starts; raises :class:`RayStartError` as soon as one of them
+    died (a dead raylet left ``ray.init`` or ``serve.run`` waiting for a minute, or for good), or with what to do
+    when ``init`` failed; an exception of ``then`` is raised as it is. Returns the watch (with the daemons seen)
+    for the serving loop to keep an eye on; set its ``release`` once the instance is shut down.
 
     The starting thread stays alive until then: Ray starts its daemons with a parent-death signal
     (``PR_SET_PDEATHSIG``), which Linux sends when the *thread* that started them ends, not the process.
@@ -107,10 +112,14 @@ def start_local_ray(init: Any, watch: RayWatch | None = None, poll_s: float = WA
     def run() -> None:
         quiet = _Without("not the main thread")  # Ray's SIGTERM handler: serve_replicas sets its own
         logging.getLogger("ray._private.worker").addFilter(quiet)
+        phase = "init"
         try:
             init(**kw)
+            phase = "then"
+            if then is not None:
+                then()
         except BaseException as e:  # handed to the waiting thread
-            failure.append(e)
+            failure.append((phase, e))
             return
         finally:
             logging.getLogger("ray._private.worker").removeFilter(quiet)
@@ -120,13 +129,12 @@ def start_local_ray(init: Any, watch: RayWatch | None = None, poll_s: float = WA
     threading.Thread(target=run, name="ray-owner", daemon=True).start()
     while not started.wait(poll_s):
         dead = watch.dead()
-        if dead and not started.is_set():
-            _stop_children(watch)
+        if dead and not started.is_set():  # the daemons left end with the starting thread, at exit
             raise RayStartError(f"the local Ray instance failed while starting: {', '.join(dead)} exited. "
                                 + what_to_do())  # fmt: skip
     if failure:
-        e = failure[0]
-        if isinstance(e, KeyboardInterrupt):
+        phase, e = failure[0]
+        if phase == "then" or isinstance(e, KeyboardInterrupt):
             raise e
         raise RayStartError(f"the local Ray instance did not start ({type(e).__name__}: {e}). {what_to_do()}") from e
     watch.dead()  # the daemons running now
@@ -142,15 +150,6 @@ class _Without(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return self.words not in record.getMessage()
-
-
-def _stop_children(watch: RayWatch) -> None:
-    """SIGTERM the daemons of our own failed instance that still run (they are our children)."""
-    for pid in watch.list_children():
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except OSError:
-            pass
 
 
 @dataclass
@@ -282,18 +281,8 @@ def serve_replicas(model_dir: Path, settings: Any, engine_config: Any, plan: Rep
         raise MissingExtraError("--replicas needs the [ray] extra: pip install 'cosyvoice-cpu[ray]'") from e
     if local:  # our own instance: no usage reports (Ray leaves them off for ray.init() clusters; say so anyway)
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    watch = None
-    try:
-        if local:
-            watch = start_local_ray(ray.init, logging_level=logging.WARNING, include_dashboard=False)
-        else:
-            ray.init(logging_level=logging.WARNING, address=plan.ray_address)
-    except ConnectionError as e:
-        raise ConfigError(f"could not join the Ray cluster at {plan.ray_address} ({e}). Check the address (HEAD:6379 "
-                          "or ray://HEAD:10001); a cluster with token authentication (Ray 2.60 clusters have it) "
-                          "needs RAY_AUTH_MODE=token and its token here (RAY_AUTH_TOKEN, or ~/.ray/auth_token from "
-                          "`ray get-auth-token`)") from e  # fmt: skip
-    try:
+
+    def deploy() -> None:  # Serve and the app on the instance
         cpus = ray.cluster_resources().get("CPU", 0)
         want = plan.threads * (plan.replicas or plan.min_replicas)
         if want > cpus:
@@ -303,12 +292,33 @@ def serve_replicas(model_dir: Path, settings: Any, engine_config: Any, plan: Rep
         deployment = _build_deployment(plan)
         serve.run(deployment.bind(str(model_dir), settings, engine_config), name=APP_NAME, route_prefix="/",
                   blocking=False)  # fmt: skip
+
+    if not local:
+        try:
+            ray.init(logging_level=logging.WARNING, address=plan.ray_address)
+        except ConnectionError as e:
+            raise ConfigError(f"could not join the Ray cluster at {plan.ray_address} ({e}). Check the address "
+                              "(HEAD:6379 or ray://HEAD:10001); a cluster with token authentication (Ray 2.60 "
+                              "clusters have it) needs RAY_AUTH_MODE=token and its token here (RAY_AUTH_TOKEN, or "
+                              "~/.ray/auth_token from `ray get-auth-token`)") from e  # fmt: skip
+    watch, lost = None, False
+    try:
+        if local:  # Ray, Serve and the app come up in a thread while this one watches Ray's daemons
+            watch = RayWatch()
+            start_local_ray(ray.init, watch, then=deploy, logging_level=logging.WARNING, include_dashboard=False)
+        else:
+            deploy()
         count = "auto" if plan.replicas is None else plan.replicas
         print(f"serving {model_dir} on http://{plan.host}:{plan.port} as {count} replicas on Ray Serve "
               f"({plan.threads} threads each, voices in {settings.voices_dir})", flush=True)  # fmt: skip
-        return _wait(stop, watch)
+        code = _wait(stop, watch)
+        lost = code != 0
+        return code
+    except RayStartError:
+        lost = True
+        raise
     finally:
-        _teardown(local)
+        _teardown(local, lost=lost)
         if watch is not None:
             watch.release.set()
 
@@ -327,14 +337,17 @@ def join_auth_mode(environ: dict[str, str] | Any, home: Path | None = None) -> b
     return False
 
 
-def _teardown(local: bool, timeout_s: float = TEARDOWN_S) -> None:
+def _teardown(local: bool, timeout_s: float = TEARDOWN_S, lost: bool = False) -> None:
     """Delete the app (its replicas drain through their lifespans), stop Serve if the instance is ours, and
     disconnect; bounded, so a Ray whose processes already died (a Ctrl-C reaches the whole process group) cannot
-    hold the exit."""
+    hold the exit. ``lost``: a daemon of our instance died, so there is nothing to drain: only disconnect."""
     import ray
     from ray import serve
 
     def down() -> None:
+        if lost:  # a disconnect that talks to a dead raylet must not hold the exit either
+            ray.shutdown()
+            return
         serve.delete(APP_NAME)
         if local:
             serve.shutdown()
@@ -345,7 +358,8 @@ def _teardown(local: bool, timeout_s: float = TEARDOWN_S) -> None:
     worker.join(timeout_s)
     if worker.is_alive():
         logger.warning("Serve did not stop in %.0f s; disconnecting anyway", timeout_s)
-    ray.shutdown()
+    if not lost:
+        ray.shutdown()
 
 
 def _wait(stop: threading.Event | None, watch: RayWatch | None = None) -> int:
