@@ -114,6 +114,7 @@ def test_a_raylet_that_dies_while_ray_starts_fails_the_start_at_once(tmp_path: P
     def init(**kw: object) -> None:  # Ray's start: the raylet comes up, dies after a second, init waits on
         children.append(_fake_raylet(tmp_path, "1"))
         released.wait(60)
+        raise RuntimeError("the test is over")  # never on to Serve's start: no real Ray in this test
 
     monkeypatch.setattr(ray, "init", init)
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path / "ray"))
