@@ -85,7 +85,10 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/ov-estimator-forms.jsonl")
     args = ap.parse_args()
     import onnxruntime as ort
-    import openvino as ov
+
+    from cosyvoice_cpu.backends.openvino import import_openvino
+
+    ov = import_openvino()
 
     xml = args.model_dir / "flow_estimator.ov.xml"
     size = bucket(args.frames)

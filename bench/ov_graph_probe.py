@@ -51,9 +51,9 @@ def session(backend: str, onnx_path: Path, threads: int):
         so.intra_op_num_threads = threads
         sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
         return lambda f: sess.run(None, f)[0]
-    import openvino as ov
+    from cosyvoice_cpu.backends.openvino import import_openvino, precision_for_cpu
 
-    from cosyvoice_cpu.backends.openvino import precision_for_cpu
+    ov = import_openvino()
 
     xml = TMP / f"ov_probe_{onnx_path.stem}.xml"
     ov.save_model(ov.convert_model(str(onnx_path)), str(xml), compress_to_fp16=True)

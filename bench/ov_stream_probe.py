@@ -44,7 +44,9 @@ def child(args: argparse.Namespace) -> None:
         def run() -> None:
             sess.run(None, feeds)
     else:
-        import openvino as ov
+        from cosyvoice_cpu.backends.openvino import import_openvino
+
+        ov = import_openvino()
 
         props = {
             "INFERENCE_PRECISION_HINT": "bf16",

@@ -30,11 +30,13 @@ opened, never at import time.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -49,6 +51,9 @@ logger = logging.getLogger(__name__)
 # distinct input shapes one dynamic compile serves before it is recompiled (more than the 21 frame buckets of
 # cosyvoice_cpu.flow.buckets from 64 to 2048 frames, so the padded estimator never recompiles)
 DYNAMIC_SHAPES = 24
+# OpenVINO's usage-telemetry package, hidden while ``openvino`` is imported (import_openvino)
+TELEMETRY_MODULE = "openvino_telemetry"
+_IMPORT_LOCK = threading.Lock()
 # OpenVINO element type names -> the ONNX type strings the graph contracts are written in
 _TYPES = {"f32": "tensor(float)", "f16": "tensor(float16)", "i64": "tensor(int64)", "i32": "tensor(int32)",
           "bf16": "tensor(bfloat16)", "boolean": "tensor(bool)"}  # fmt: skip
@@ -69,6 +74,37 @@ def _nodes(ports: Any) -> list[Node]:
         dims = [int(d.get_length()) if d.is_static else f"d{i}" for i, d in enumerate(port.get_partial_shape())]
         out.append(Node(port.get_any_name(), _TYPES.get(port.get_element_type().get_type_name(), "tensor(?)"), dims))
     return out
+
+
+def import_openvino() -> ModuleType:
+    """``openvino``, imported without the usage telemetry its import sends.
+
+    ``import openvino`` imports ``openvino.tools.ovc``, whose ``__init__`` sends a usage event through the
+    ``openvino_telemetry`` package (unless ``CI=true`` or the user declined in ``~/intel/openvino_telemetry``). The
+    event is posted from a thread pool, and on Linux from a ``multiprocessing`` child made with ``fork()`` in that
+    thread. A fork runs every ``pthread_atfork`` handler of the process, and OpenBLAS's (NumPy's BLAS) shuts its
+    worker threads down, even while another thread is inside a threaded matrix product: that thread then waits
+    for the workers forever (a voice made while the engine loaded hung 1 run in 3 on a busy machine). The forked
+    child is also a copy of a process running ONNX Runtime's and TBB's threads, and the event phones home from a
+    gateway whose user never asked for it.
+
+    While ``openvino`` imports, ``openvino_telemetry`` is hidden (``sys.modules`` entry None), so ``ovc`` takes the
+    stub it ships for installs without the package; afterwards the package is importable again (NNCF uses it at
+    export time). Nothing is hidden when the process imported either package before: that choice was its own.
+    """
+    with _IMPORT_LOCK:
+        loaded = sys.modules.get("openvino")
+        if loaded is not None:
+            return loaded
+        hide = TELEMETRY_MODULE not in sys.modules
+        if hide:
+            sys.modules[TELEMETRY_MODULE] = None  # type: ignore[assignment]  # import raises ImportError
+        try:
+            import openvino
+        finally:
+            if hide and sys.modules.get(TELEMETRY_MODULE, False) is None:
+                del sys.modules[TELEMETRY_MODULE]
+        return openvino
 
 
 class OpenVinoSession:
@@ -212,9 +248,7 @@ class OpenVino(Backend):
                 if not self.available():
                     raise ConfigError("the OpenVINO backend needs the openvino package: pip install "
                                       "'cosyvoice-cpu[openvino]' (or choose --backend onnxruntime)")  # fmt: skip
-                import openvino as ov
-
-                core = ov.Core()
+                core = import_openvino().Core()
                 cache = self._cache_dir()
                 if cache:
                     Path(cache).mkdir(parents=True, exist_ok=True)

@@ -269,9 +269,10 @@ def export_openvino(estimator_graph: Any, out: Path, work: Path, family: str, se
     ONNX flow graphs; ``settings`` are the flow stage's facts, ``attrs`` the ONNX estimator's); return its
     artifact and gate results (none when ``verify`` is False: then ``pad_exact`` is False, so the runtime never
     pads an unchecked graph)."""
-    import openvino as ov
+    from cosyvoice_cpu.backends.openvino import import_openvino
 
     check_extra(variant)
+    ov = import_openvino()  # before NNCF imports it: no import-time telemetry fork (import_openvino)
     t0 = time.perf_counter()
     plain = work / "flow_estimator_plain.onnx"
     step(f"flow: OpenVINO {variant} model (plain-attention estimator)")
