@@ -10,6 +10,11 @@ The official frontend (``cosyvoice/cli/frontend.py``) computes three features fr
 
 These mirror that arithmetic (float64 FFTs, float32 outputs); ``tests/unit/test_audio.py`` checks them against goldens
 written by the real implementations (``scripts/make_audio_goldens.py``).
+
+The filter-bank products are ``np.einsum`` (NumPy's own loop), not ``@``: the runtime makes no BLAS call at all
+(``tests/unit/test_no_blas.py``). OpenBLAS's threaded GEMM can wait forever for worker threads that a ``fork()``
+in another thread shut down (its ``pthread_atfork`` handler does that mid-product); a voice is made while other
+libraries' threads run (the OpenVINO compile at load, a server's requests), so this path must not depend on it.
 """
 
 from __future__ import annotations
@@ -147,7 +152,7 @@ def kaldi_fbank(
     spec = np.fft.rfft(frames * povey, n=padded, axis=1)
     power = spec.real**2 + spec.imag**2
     banks = kaldi_mel_banks(num_mel_bins, padded, float(sample_frequency), low_freq, high_freq)
-    return np.log(np.maximum(power @ banks.T, _KALDI_EPS)).astype(np.float32)
+    return np.log(np.maximum(np.einsum("tf,mf->tm", power, banks), _KALDI_EPS)).astype(np.float32)
 
 
 def spk_embedding_input(samples_16k: np.ndarray) -> np.ndarray:
@@ -172,7 +177,7 @@ def whisper_log_mel(samples_16k: np.ndarray, n_mels: int = 128) -> np.ndarray:
     window = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(n_fft) / n_fft)
     spec = np.fft.rfft(_frames(x, n_fft, hop)[:-1] * window, axis=1)  # (T, 201)
     power = spec.real**2 + spec.imag**2
-    mel = slaney_mel_filters(16000, n_fft, n_mels).astype(np.float64) @ power.T  # (n_mels, T)
+    mel = np.einsum("mf,tf->mt", slaney_mel_filters(16000, n_fft, n_mels).astype(np.float64), power)  # (n_mels, T)
     log_spec = np.log10(np.maximum(mel, 1e-10))
     log_spec = np.maximum(log_spec, log_spec.max() - 8.0)
     return ((log_spec + 4.0) / 4.0).astype(np.float32)
@@ -203,5 +208,6 @@ def matcha_mel(
     window = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(win_size) / win_size)
     spec = np.fft.rfft(_frames(x, n_fft, hop_size) * window, axis=1)  # (T, n_fft//2+1)
     mag = np.sqrt(spec.real**2 + spec.imag**2 + 1e-9)
-    mel = mag @ slaney_mel_filters(sampling_rate, n_fft, num_mels, fmin, fmax).astype(np.float64).T  # (T, num_mels)
+    filters = slaney_mel_filters(sampling_rate, n_fft, num_mels, fmin, fmax).astype(np.float64)
+    mel = np.einsum("tf,mf->tm", mag, filters)  # (T, num_mels)
     return np.log(np.maximum(mel, 1e-5)).astype(np.float32)
