@@ -100,6 +100,11 @@ class EngineConfig:
             Each compiled shape holds its own copy of everything, and a shape not in memory costs a compile or a
             load from OpenVINO's on-disk cache on the request path (``SessionConfig.max_shapes``; measured:
             docs/backends.md).
+        compile_ahead: compile the whole-sentence OpenVINO estimator in a background thread at load, so the first
+            sentence does not wait for it (a no-op on ONNX Runtime). False compiles it on the first sentence: for
+            a process that only makes voices (``voice add``). Either way :meth:`Engine.close` (and the interpreter
+            at exit) waits for a compile in flight: OpenVINO's compile cannot be cancelled, and a process that
+            exits under it dies in its C++ runtime.
     """
 
     threads: int = 0
@@ -116,6 +121,7 @@ class EngineConfig:
     arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES
     backend: str = "auto"
     compiled_shapes: int = 0
+    compile_ahead: bool = True
 
     def validate(self) -> EngineConfig:
         _types(self, ("threads", "leave_cores", "prompt_cache_mb", "lm_batch_rows", "malloc_mmap_threshold_kb",
@@ -135,6 +141,7 @@ class EngineConfig:
         need(0 <= self.prompt_cache_mb <= 1 << 20, "prompt_cache_mb", self.prompt_cache_mb, "0 to 1048576")
         need(0 <= self.threads <= 512, "threads", self.threads, "0 (auto) to 512")
         need(0 <= self.leave_cores <= 64, "leave_cores", self.leave_cores, "0 to 64")
+        need(isinstance(self.compile_ahead, bool), "compile_ahead", self.compile_ahead, "True or False")
         return self
 
 

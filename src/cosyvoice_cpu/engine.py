@@ -124,10 +124,17 @@ class Engine:
 
     def close(self) -> None:
         """Stop the LM scheduler's thread, if any (requests still running end with an error), and wait for the
-        background compile of the flow estimator, if one is running (nothing of the engine runs after close)."""
+        background compile of the flow estimator, if one is running (nothing of the engine runs after close).
+        ``with Engine.load(...) as engine:`` closes it on every way out of the block."""
         if self.scheduler is not None:
             self.scheduler.close()
         self.family.wait_warm()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ voices
 

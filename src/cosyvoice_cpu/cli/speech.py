@@ -13,12 +13,18 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from cosyvoice_cpu.backends.plan import describe
 from cosyvoice_cpu.cli.common import add_backend_args
 from cosyvoice_cpu.errors import ConfigError
+
+if TYPE_CHECKING:
+    from cosyvoice_cpu.config import SynthesisConfig
+    from cosyvoice_cpu.engine import Engine
+    from cosyvoice_cpu.voices.voice import Voice
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +42,8 @@ def _voice_path(directory: Path, name: str) -> Path:
     return directory / f"{check_name(name)}.npz"
 
 
-def _engine(args: argparse.Namespace):
+def _engine(args: argparse.Namespace, compile_ahead: bool = True) -> Engine:
+    """The engine a command asked for; use it as a context manager (closed on every way out of the command)."""
     from cosyvoice_cpu.config import EngineConfig
     from cosyvoice_cpu.engine import Engine
 
@@ -45,7 +52,11 @@ def _engine(args: argparse.Namespace):
     return Engine.load(
         args.model,
         EngineConfig(
-            threads=args.threads, streaming_estimator=stream, backend=args.backend, compiled_shapes=args.compiled_shapes
+            threads=args.threads,
+            streaming_estimator=stream,
+            backend=args.backend,
+            compiled_shapes=args.compiled_shapes,
+            compile_ahead=compile_ahead,
         ),
     )
 
@@ -77,7 +88,8 @@ def cmd_voice(args: argparse.Namespace) -> int:
         raise ConfigError("voice add needs -m MODEL_DIR and --prompt-wav FILE (and --prompt-text TRANSCRIPT)")
     if path.exists() and not args.force:
         raise VoiceError(f"voice {args.name!r} already exists in {directory}; pass --force to replace it")
-    voice = _engine(args).make_voice(args.prompt_wav, args.prompt_text or "", name=args.name)
+    with _engine(args, compile_ahead=False) as engine:  # makes a voice only: no flow estimator compile
+        voice = engine.make_voice(args.prompt_wav, args.prompt_text or "", name=args.name)
     voice.save(path)
     print(f"saved voice {args.name!r} ({voice.duration:.1f} s prompt) to {path}")
     return 0
@@ -96,7 +108,6 @@ def _texts(args: argparse.Namespace) -> Iterator[str]:
 
 def cmd_say(args: argparse.Namespace) -> int:
     from cosyvoice_cpu.config import SynthesisConfig
-    from cosyvoice_cpu.engine import Timings
     from cosyvoice_cpu.voices.voice import Voice
 
     config = SynthesisConfig(seed=args.seed, flow_steps=args.flow_steps, cfg_rate=args.cfg_rate, speed=args.speed,
@@ -113,8 +124,16 @@ def cmd_say(args: argparse.Namespace) -> int:
     elif not args.prompt_wav:
         raise ConfigError("give --voice NAME or --prompt-wav FILE [--prompt-text T]: a saved voice, a built-in "
                           "speaker (CosyVoice-300M-SFT: 中文女 ...), or prompt audio to clone")  # fmt: skip
-    engine = _engine(args)
+    with _engine(args) as engine:
+        return _say(args, engine, config, voice)
+
+
+def _say(args: argparse.Namespace, engine: Engine, config: SynthesisConfig, voice: Voice | None) -> int:
+    """``say`` on a loaded engine: the voice (saved, built-in or from prompt audio), then every text."""
+    from cosyvoice_cpu.engine import Timings
+
     if args.voice and voice is None:  # not saved: a built-in speaker of the model?
+        path = _voice_path(voices_dir(args.voices), args.voice)
         builtin = engine.builtin_voices()
         if args.voice not in builtin:
             extra = f"; built-in speakers of this model: {', '.join(builtin)}" if builtin else ""
@@ -186,32 +205,32 @@ def demo_runtime(args: argparse.Namespace) -> int:
 
     model = Path(args.model) if args.model else DEMO_MODEL
     t0 = time.perf_counter()
-    engine = Engine.load(
+    with Engine.load(
         model, EngineConfig(threads=args.threads, backend=args.backend, compiled_shapes=args.compiled_shapes)
-    )
-    t1 = time.perf_counter()
-    voice = engine.make_voice(_tone_wav(), "Good morning everyone.", name="demo")
-    t2 = time.perf_counter()
-    timings = Timings()
-    config = SynthesisConfig(seed=args.seed, flow_steps=args.flow_steps)
-    wave = np.concatenate([c.samples for c in engine.synthesize(args.text, voice, config, timings=timings)])
-    total = time.perf_counter() - t2
-    write_wav(args.out, wave, engine.sample_rate)
-    m = engine.manifest
-    rate = timings.tokens / timings.lm if timings.lm else float("nan")
-    print(f"model   {model} ({m.family}, recipe {m.recipe['name']}, {engine.threads} threads, no torch)")
-    for line in describe(engine.plan):
-        print(f"backend {line}")
-    print(f"load    {(t1 - t0) * 1000:8.1f} ms")
-    print(f"voice   {(t2 - t1) * 1000:8.1f} ms  (x-vector, speech tokens, prompt mel of a 3 s prompt)")
-    print(f"lm      {timings.lm * 1000:8.1f} ms  {timings.tokens} tokens, {rate:.1f} tokens/s")
-    print(f"flow    {timings.flow * 1000:8.1f} ms  {config.flow_steps} Euler steps, CFG {config.cfg_rate}")
-    print(f"hift    {timings.vocoder * 1000:8.1f} ms")
-    print(f"first   {(timings.first_audio or 0) * 1000:8.1f} ms  to the first audio chunk")
-    rtf = total / max(timings.audio, 1e-9)
-    print(f"total   {total * 1000:8.1f} ms  for {timings.audio:.2f} s of audio (RTF {rtf:.3f})")
-    print(f"wrote   {args.out}")
-    return 0
+    ) as engine:
+        t1 = time.perf_counter()
+        voice = engine.make_voice(_tone_wav(), "Good morning everyone.", name="demo")
+        t2 = time.perf_counter()
+        timings = Timings()
+        config = SynthesisConfig(seed=args.seed, flow_steps=args.flow_steps)
+        wave = np.concatenate([c.samples for c in engine.synthesize(args.text, voice, config, timings=timings)])
+        total = time.perf_counter() - t2
+        write_wav(args.out, wave, engine.sample_rate)
+        m = engine.manifest
+        rate = timings.tokens / timings.lm if timings.lm else float("nan")
+        print(f"model   {model} ({m.family}, recipe {m.recipe['name']}, {engine.threads} threads, no torch)")
+        for line in describe(engine.plan):
+            print(f"backend {line}")
+        print(f"load    {(t1 - t0) * 1000:8.1f} ms")
+        print(f"voice   {(t2 - t1) * 1000:8.1f} ms  (x-vector, speech tokens, prompt mel of a 3 s prompt)")
+        print(f"lm      {timings.lm * 1000:8.1f} ms  {timings.tokens} tokens, {rate:.1f} tokens/s")
+        print(f"flow    {timings.flow * 1000:8.1f} ms  {config.flow_steps} Euler steps, CFG {config.cfg_rate}")
+        print(f"hift    {timings.vocoder * 1000:8.1f} ms")
+        print(f"first   {(timings.first_audio or 0) * 1000:8.1f} ms  to the first audio chunk")
+        rtf = total / max(timings.audio, 1e-9)
+        print(f"total   {total * 1000:8.1f} ms  for {timings.audio:.2f} s of audio (RTF {rtf:.3f})")
+        print(f"wrote   {args.out}")
+        return 0
 
 
 def add_commands(sub: argparse._SubParsersAction, positive: type, non_negative: type) -> None:

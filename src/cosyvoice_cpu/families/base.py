@@ -117,8 +117,12 @@ class Family:
                                      min_rows=2 if lm_entry.precision == "int4" else None)  # fmt: skip
         lm = self.load_lm(model_dir, session, sessions)
         flow = self.load_flow(model_dir, config, sessions)
-        if flow.whole is not None:  # compile the OpenVINO estimator while the rest loads and the first text arrives
-            self.warming = threading.Thread(target=_warm, args=(flow,), name="flow-warm", daemon=True)
+        if flow.whole is not None and config.compile_ahead:
+            # compile the OpenVINO estimator while the rest loads and the first text arrives. Not a daemon: the
+            # interpreter joins it at exit, so a process that ends during the compile (an exception, Ctrl-C, a
+            # command that never closed its engine) does not exit under it (OpenVINO's C++ runtime then aborts:
+            # "terminate called without an active exception", or a segmentation fault)
+            self.warming = threading.Thread(target=_warm, args=(flow,), name="flow-warm")
             self.warming.start()
         vocoder = Vocoder.from_dir(model_dir, m.graphs["hift_decode"].attrs, threads=sessions,
                                    window_frames=config.vocoder_window_frames)  # fmt: skip
