@@ -67,3 +67,15 @@ def tiny_v3_export_dir(tiny_v3_model_dir: Path, tmp_path_factory: pytest.TempPat
     out = tmp_path_factory.mktemp("export") / "tiny-v3-default"
     export_model(tiny_v3_model_dir, out, ExportOptions(max_len=1024))
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_ov_export_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny CosyVoice2 fixture exported with ``--openvino int8`` (needs torch, openvino and nncf)."""
+    for extra in ("torch", "openvino", "nncf"):
+        pytest.importorskip(extra)
+    from cosyvoice_cpu.export.exporter import ExportOptions, export_model
+
+    out = tmp_path_factory.mktemp("export") / "tiny-ov-int8"
+    export_model(tiny_model_dir, out, ExportOptions(max_len=256, openvino="int8"))
+    return out
