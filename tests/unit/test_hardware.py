@@ -168,3 +168,32 @@ def test_doctor_reports_the_machine_and_a_model(tiny_export_dir: Path, tmp_path:
     assert code in (0, 1) and "cpu " in out and "threads " in out and "files ok (sha256 checked)" in out
     assert main(["doctor", "-m", str(tmp_path)]) == 1
     assert "PROBLEM      " in capsys.readouterr().out
+
+
+def test_the_pools_report_reads_numpys_blas_and_says_when_stages_overlap(tmp_path: Path) -> None:
+    import numpy  # noqa: F401
+
+    from cosyvoice_cpu.hardware.pools import blas_pool, pool_lines, thread_pools
+
+    found = blas_pool()
+    if found is None:
+        pytest.skip("NumPy here is not built on OpenBLAS")
+    assert "openblas" in found[0].lower() and found[1] >= 1
+    none = tmp_path / "maps"
+    none.write_text("7f00-7f01 r-xp 00000000 00:00 0 /usr/lib/libc.so.6\n")
+    assert blas_pool(none) is None and blas_pool(tmp_path / "missing") is None
+    names = [p.name for p in thread_pools(2, 4, max_active=8)]
+    assert names[:4] == ["onnxruntime", "openvino", "lm-scheduler", "server"] and names[-1] == "numpy-blas"
+    assert "lm-scheduler" not in [p.name for p in thread_pools(2, 0)]
+    assert pool_lines(1, 4, cores=2)[-1].startswith("at most 2 threads compute at once")
+    assert pool_lines(2, 0, cores=2)[-1].startswith("at most 2 threads compute at once")
+    assert "up to 4 computing threads on 2" in pool_lines(2, 4, cores=2)[-1]
+
+
+def test_doctor_shows_every_pool() -> None:
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "cosyvoice_cpu", "doctor"], capture_output=True, text=True, timeout=120)
+    pools = [line for line in p.stdout.splitlines() if line.startswith("pools ")]
+    assert any("onnxruntime:" in line for line in pools) and any("lm-scheduler:" in line for line in pools), p.stdout

@@ -179,6 +179,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                     hw.mem_available), ("container limit", hw.mem_limit)) if v is not None)  # fmt: skip
     print(f"memory       {mem or 'unknown'}")
     print(f"threads      {hw.threads()} intra-op by default (usable physical cores)")
+    from cosyvoice_cpu.config import DEFAULT_LM_BATCH_ROWS
+    from cosyvoice_cpu.hardware.pools import pool_lines
+
+    for line in pool_lines(hw.threads(), DEFAULT_LM_BATCH_ROWS, hw.usable_cores):
+        print(f"pools        {line}")
     for note in hw.notes:
         print(f"note         {note}")
     if not problems:  # import onnxruntime only once the CPU is known to run it
