@@ -149,13 +149,13 @@ def test_the_other_families_export_a_gated_bf16_model(family: str, request: pyte
 def test_the_v1_openvino_graph_pads_exactly_where_the_official_one_does_not(tiny_v1_model_dir: Path) -> None:
     import torch
 
-    from cosyvoice_cpu.export.flow_graph import _estimator_inputs
+    from cosyvoice_cpu.export.flow_graph import estimator_inputs
     from cosyvoice_cpu.export.flow_graph_v1 import EstimatorGraphV1, padded_estimator_graph
     from cosyvoice_cpu.reference.model_dir import load_reference
 
     est = load_reference(tiny_v1_model_dir, ("flow",)).flow.decoder.estimator.eval()
     official, masked = EstimatorGraphV1(est), padded_estimator_graph(est)
-    feeds = {k: torch.from_numpy(v) for k, v in _estimator_inputs(np.random.default_rng(0), [71, 71], 71).items()}
+    feeds = {k: torch.from_numpy(v) for k, v in estimator_inputs(np.random.default_rng(0), [71, 71], 71).items()}
     padded = {k: (torch.nn.functional.pad(v, (0, 9)) if v.ndim == 3 else v) for k, v in feeds.items()}
 
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -166,7 +166,7 @@ class EstimatorGraph(nn.Module):
 ESTIMATOR_GRAPH = EstimatorGraph
 
 
-def _estimator_inputs(rng: np.random.Generator, lengths: list[int], size: int) -> dict[str, np.ndarray]:
+def estimator_inputs(rng: np.random.Generator, lengths: list[int], size: int) -> dict[str, np.ndarray]:
     """Random estimator feeds, batch len(lengths), row b valid on its first lengths[b] of ``size`` frames."""
     b = len(lengths)
     mask = (np.arange(size)[None, None, :] < np.asarray(lengths)[:, None, None]).astype(np.float32)
@@ -181,7 +181,7 @@ def _estimator_inputs(rng: np.random.Generator, lengths: list[int], size: int) -
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in feeds.items()}
 
 
-def _pin_output_shape(path: Path, name: str, shape: list[int | str]) -> None:
+def pin_output_shape(path: Path, name: str, shape: list[int | str]) -> None:
     """Write a graph output's declared shape (the tracer leaves batch-1 dims symbolic); weights stay put."""
     import onnx
 
@@ -213,19 +213,19 @@ def export_encoder(graph: nn.Module, cfg: Any, path: Path, chunk_size: int) -> N
     torch_export(graph, args, path, input_names=["token", "context", "embedding", "chunk_size"],
                  output_names=["mu", "spks"],
                  dynamic_axes={"token": {1: "tokens"}, "context": {1: "context"}, "mu": {2: "frames"}})  # fmt: skip
-    _pin_output_shape(path, "mu", [1, cfg.output_size, "frames"])
+    pin_output_shape(path, "mu", [1, cfg.output_size, "frames"])
 
 
 def export_estimator(graph: nn.Module, path: Path) -> None:
     """Trace a ``flow_estimator.onnx`` under the official contract (``x, mask, mu, t, spks, cond`` ->
     ``estimator_out``), batch and time dynamic (the UNets of CosyVoice-300M/CosyVoice2 and the DiT)."""
     rng = np.random.default_rng(0)
-    args = tuple(torch.from_numpy(v) for v in _estimator_inputs(rng, [71, 60], 71).values())
+    args = tuple(torch.from_numpy(v) for v in estimator_inputs(rng, [71, 60], 71).values())
     names = ["x", "mask", "mu", "t", "spks", "cond"]
     axes: dict[str, dict[int, str]] = {n: {0: "batch", 2: "time"} for n in ("x", "mask", "mu", "cond")}
     axes.update(t={0: "batch"}, spks={0: "batch"}, estimator_out={0: "batch", 2: "time"})
     torch_export(graph, args, path, input_names=names, output_names=["estimator_out"], dynamic_axes=axes)
-    _pin_output_shape(path, "estimator_out", ["batch", 80, "time"])  # the tracer cannot infer through fused ops
+    pin_output_shape(path, "estimator_out", ["batch", 80, "time"])  # the tracer cannot infer through fused ops
     unmasked_when_unpadded(path)
 
 
@@ -322,7 +322,7 @@ def verify_flow(
     sess = make_session(paths["flow_estimator"], SessionConfig(threads=threads))
     for size in (64, 131):
         lengths = [size, size - 17]
-        feeds = _estimator_inputs(rng, lengths, size)
+        feeds = estimator_inputs(rng, lengths, size)
         ours = sess.run(None, feeds)[0]
         ref = est(*(torch.from_numpy(v) for v in feeds.values())).numpy()
         what = f"batch 2, T={size}, lengths {lengths}"

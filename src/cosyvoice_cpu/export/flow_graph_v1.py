@@ -37,9 +37,9 @@ from cosyvoice_cpu.backends.onnxruntime import make_session
 from cosyvoice_cpu.export.common import GateResult, GraphArtifact, gate, torch_export, verify_setup
 from cosyvoice_cpu.export.flow_graph import (
     ENCODER_QUERY_BLOCKS,
-    _estimator_inputs,
-    _pin_output_shape,
+    estimator_inputs,
     export_estimator,
+    pin_output_shape,
     query_blocks,
     rel_position_encoding,
 )
@@ -209,7 +209,7 @@ def export_flow(flow: FlowV1, out_dir: Path) -> list[GraphArtifact]:
                      input_names=["token", "embedding", "stretch"], output_names=["mu", "spks"],
                      dynamic_axes={"token": {1: "tokens"}, "stretch": {0: "tokens", 1: "frames"},
                                    "mu": {2: "frames"}})  # fmt: skip
-    _pin_output_shape(out_dir / FILES["flow_encoder"], "mu", [1, cfg.output_size, "frames"])
+    pin_output_shape(out_dir / FILES["flow_encoder"], "mu", [1, cfg.output_size, "frames"])
     with export_forms(flow.decoder.estimator) as est:  # fused attention, one-Exp Mish (fused_ops.py)
         export_estimator(EstimatorGraphV1(est), out_dir / FILES["flow_estimator"])
     logger.info("exported the v1 flow to %s in %.1f s", out_dir, time.perf_counter() - t0)
@@ -278,7 +278,7 @@ def verify_flow(
     sess = make_session(paths["flow_estimator"], SessionConfig(threads=threads))
     for size in (64, 121):
         lengths = [size, size - 17]
-        feeds = _estimator_inputs(rng, lengths, size)
+        feeds = estimator_inputs(rng, lengths, size)
         ours = sess.run(None, feeds)[0]
         ref = est(*(_t(v) for v in feeds.values())).numpy()
         what = f"batch 2, T={size}, lengths {lengths}"

@@ -35,7 +35,7 @@ from torch import nn
 from cosyvoice_cpu.backends.base import SessionConfig
 from cosyvoice_cpu.backends.onnxruntime import make_session
 from cosyvoice_cpu.export.common import GateResult, GraphArtifact, gate, verify_setup
-from cosyvoice_cpu.export.flow_graph import _estimator_inputs, _pin_output_shape, export_encoder, export_estimator
+from cosyvoice_cpu.export.flow_graph import estimator_inputs, export_encoder, export_estimator, pin_output_shape
 from cosyvoice_cpu.export.flow_stream_graph_v3 import (
     DiTRun,
     export_stream_estimator,
@@ -153,8 +153,8 @@ def export_flow(flow: FlowV3, out_dir: Path) -> list[GraphArtifact]:
     export_time_graph(est, out_dir / FILES["flow_time"])
     layers, width, state, hist = stream_layout(est)
     for name in ("new_k", "new_v"):  # the tracer names the key width after a Concat
-        _pin_output_shape(out_dir / FILES["flow_estimator_stream"], name, [layers, "batch", "kept", width])
-    _pin_output_shape(out_dir / FILES["flow_estimator_stream"], "velocity", ["batch", 80, "time"])  # fused ops
+        pin_output_shape(out_dir / FILES["flow_estimator_stream"], name, [layers, "batch", "kept", width])
+    pin_output_shape(out_dir / FILES["flow_estimator_stream"], "velocity", ["batch", 80, "time"])  # fused ops
     np.save(out_dir / FILES["flow_noise"], official_fixed_noise().numpy().astype(np.float32))  # v2's table
     logger.info("exported the v3 flow to %s in %.1f s", out_dir, time.perf_counter() - t0)
 
@@ -241,7 +241,7 @@ def verify_flow(
     sess = make_session(paths["flow_estimator"], SessionConfig(threads=threads))
     for size in (64, 131):
         lengths = [size, size - 17]
-        feeds = _estimator_inputs(rng, lengths, size)
+        feeds = estimator_inputs(rng, lengths, size)
         ours = sess.run(None, feeds)[0]
         ref = est(*(_t(v) for v in feeds.values())).numpy() * feeds["mask"]
         what = f"batch 2, T={size}, lengths {lengths} (valid frames)"

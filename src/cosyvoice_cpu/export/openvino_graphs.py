@@ -74,9 +74,9 @@ def export_plain_estimator(estimator_graph: Any, path: Path) -> None:
     import torch
 
     from cosyvoice_cpu.export.common import torch_export
-    from cosyvoice_cpu.export.flow_graph import _estimator_inputs
+    from cosyvoice_cpu.export.flow_graph import estimator_inputs
 
-    args = tuple(torch.from_numpy(v) for v in _estimator_inputs(np.random.default_rng(0), [71, 60], 71).values())
+    args = tuple(torch.from_numpy(v) for v in estimator_inputs(np.random.default_rng(0), [71, 60], 71).values())
     names = ["x", "mask", "mu", "t", "spks", "cond"]
     axes: dict[str, dict[int, str]] = {n: {0: "batch", 2: "time"} for n in ("x", "mask", "mu", "cond")}
     axes.update(t={0: "batch"}, spks={0: "batch"}, estimator_out={0: "batch", 2: "time"})

@@ -71,7 +71,7 @@ def time_span(n_timesteps: int, scheduler: str = "cosine") -> np.ndarray:
     return span
 
 
-def _ids(tokens: Any, what: str) -> np.ndarray:
+def token_ids(tokens: Any, what: str) -> np.ndarray:
     """Token ids (T,) or (1, T) -> int64 (1, T)."""
     arr = np.asarray(tokens)
     if arr.ndim == 1:
@@ -236,9 +236,9 @@ class FlowStage:
         Returns:
             mu (1, 80, 2 (T_p + T)) float32, spks (1, 80) float32.
         """
-        new = _ids(tokens, "tokens")
-        token = np.concatenate([_ids(prompt_tokens, "prompt_tokens"), new], axis=1)
-        ctx = np.zeros((1, 0), np.int64) if context is None else _ids(context, "context")
+        new = token_ids(tokens, "tokens")
+        token = np.concatenate([token_ids(prompt_tokens, "prompt_tokens"), new], axis=1)
+        ctx = np.zeros((1, 0), np.int64) if context is None else token_ids(context, "context")
         if ctx.shape[1] > self.settings.pre_lookahead_len:
             raise ConfigError(f"context has {ctx.shape[1]} tokens, at most pre_lookahead_len = "
                              f"{self.settings.pre_lookahead_len} are used")  # fmt: skip

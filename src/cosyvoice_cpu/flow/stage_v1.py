@@ -26,7 +26,7 @@ import numpy as np
 from cosyvoice_cpu.backends.base import DEFAULT_SHRINK_FRAMES, SessionConfig
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.flow.buckets import ShapedGraph
-from cosyvoice_cpu.flow.stage import N_MELS, FlowSettings, FlowStage, _ids
+from cosyvoice_cpu.flow.stage import N_MELS, FlowSettings, FlowStage, token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ class FlowStageV1(FlowStage):
         Returns:
             mu (1, 80, mel_len1 + mel_len2) float32, spks (1, 80) float32, mel_len1.
         """
-        new, prompt = _ids(tokens, "tokens"), _ids(prompt_tokens, "prompt_tokens")
+        new, prompt = token_ids(tokens, "tokens"), token_ids(prompt_tokens, "prompt_tokens")
         rate = self.settings.input_frame_rate
         mel_len1, mel_len2 = int(prompt_mel_frames), frames_for_tokens(new.shape[1], rate)
         stretch = stretch_matrix(prompt.shape[1], new.shape[1], mel_len1, mel_len2, rate)

@@ -32,7 +32,7 @@ import numpy as np
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.flow.graphs import cache_dtype, cache_storage, stream_layout
 from cosyvoice_cpu.flow.guidance import guidance_rows, guide, guided_rows
-from cosyvoice_cpu.flow.stage import N_MELS, FlowStage, _ids
+from cosyvoice_cpu.flow.stage import N_MELS, FlowStage, token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +67,8 @@ class PromptCache:
         sess = _stream_session(stage)
         wire, dtype = cache_storage(sess, "prompt_h", dtype)
         steps, cfg_rate = stage.solver_params(n_timesteps, cfg_rate)
-        tokens = _ids(prompt_tokens, "prompt_tokens")
-        feat = _prompt_feat(prompt_feat, tokens.shape[1] * stage.settings.token_mel_ratio)
+        tokens = token_ids(prompt_tokens, "prompt_tokens")
+        feat = prompt_frames(prompt_feat, tokens.shape[1] * stage.settings.token_mel_ratio)
         mu, spks = _encode(stage, tokens, embedding)
         layers, width, state = stream_layout(sess)
         rows, n = guidance_rows(cfg_rate), feat.shape[2]
@@ -122,7 +122,7 @@ class FlowStream:
         self.rows = guidance_rows(self.cfg_rate)
         self.schedule = stage.schedule(self.steps)
         self.context_tokens = context_tokens
-        self.prompt_tokens = _ids(prompt_tokens, "prompt_tokens")
+        self.prompt_tokens = token_ids(prompt_tokens, "prompt_tokens")
         self.n_prompt = self.prompt_tokens.shape[1] * self.ratio
         self.embedding = np.asarray(embedding, dtype=np.float32)
         if prompt_cache is None:
@@ -200,10 +200,10 @@ def chunk_ids(tokens: Any, lookahead: Any, finished: bool, stream: str) -> tuple
     (1, K) or None (None or no ids: the last chunk). ``finished``: the stream already had its last chunk."""
     if finished:
         raise ConfigError(f"this stream is finished (its last chunk had no look-ahead); start a new {stream}")
-    new = _ids(tokens, "tokens")
+    new = token_ids(tokens, "tokens")
     if new.shape[1] == 0:
         raise ConfigError("push needs at least one new token")
-    ahead = None if lookahead is None else _ids(lookahead, "lookahead")
+    ahead = None if lookahead is None else token_ids(lookahead, "lookahead")
     return new, ahead if ahead is not None and ahead.shape[1] else None
 
 
@@ -214,7 +214,7 @@ def _stream_session(stage: FlowStage) -> Any:
     return stage.stream_estimator
 
 
-def _prompt_feat(prompt_feat: np.ndarray, frames: int) -> np.ndarray:
+def prompt_frames(prompt_feat: np.ndarray, frames: int) -> np.ndarray:
     """(frames, 80) or (1, frames, 80) prompt mel -> (1, 80, frames) float32."""
     feat = np.asarray(prompt_feat, dtype=np.float32)
     feat = feat[0] if feat.ndim == 3 else feat

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.flow.stage import N_MELS, _ids
+from cosyvoice_cpu.flow.stage import N_MELS, token_ids
 from cosyvoice_cpu.flow.stage_v1 import FlowStageV1, frames_for_tokens
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class FlowStreamV1:
     ) -> None:
         s = stage.settings
         self.stage = stage
-        self.prompt_tokens = _ids(prompt_tokens, "prompt_tokens")
+        self.prompt_tokens = token_ids(prompt_tokens, "prompt_tokens")
         self.prompt_feat = np.asarray(prompt_feat, dtype=np.float32).reshape(-1, N_MELS)
         self.embedding = np.asarray(embedding, dtype=np.float32)
         self.n_timesteps, self.cfg_rate = stage.solver_params(n_timesteps, cfg_rate)
@@ -133,7 +133,7 @@ class FlowStreamV1:
         """
         if self.finished:
             raise ConfigError("this utterance's stream already ended with a final window; start a new FlowStreamV1")
-        ids = _ids(tokens, "tokens")
+        ids = token_ids(tokens, "tokens")
         n = ids.shape[1]
         if self._tail is not None and not np.array_equal(ids[0, : self.overlap], self._tail):
             raise ConfigError(f"a window must start with the previous window's last {self.overlap} tokens "

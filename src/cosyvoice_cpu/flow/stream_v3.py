@@ -35,9 +35,9 @@ import numpy as np
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.flow.graphs import cache_dtype, cache_storage
 from cosyvoice_cpu.flow.guidance import guidance_rows, guide, guided_rows
-from cosyvoice_cpu.flow.stage import _ids
+from cosyvoice_cpu.flow.stage import token_ids
 from cosyvoice_cpu.flow.stage_v3 import FlowStageV3, stream_layout_v3
-from cosyvoice_cpu.flow.stream import _prompt_feat, chunk_ids
+from cosyvoice_cpu.flow.stream import chunk_ids, prompt_frames
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +74,8 @@ class PromptCacheV3:
         wire, dtype = cache_storage(sess, "prompt_k", dtype)
         steps, cfg_rate = stage.solver_params(n_timesteps, cfg_rate)
         s = stage.settings
-        tokens = _ids(prompt_tokens, "prompt_tokens")
-        feat = _prompt_feat(prompt_feat, tokens.shape[1] * s.token_mel_ratio)
+        tokens = token_ids(prompt_tokens, "prompt_tokens")
+        feat = prompt_frames(prompt_feat, tokens.shape[1] * s.token_mel_ratio)
         stable = max(0, tokens.shape[1] - s.pre_lookahead_len) * s.token_mel_ratio
         frames = stable // stage.chunk_frames * stage.chunk_frames
         rows = guidance_rows(cfg_rate)
@@ -144,9 +144,9 @@ class FlowStreamV3:
         self.rows = guidance_rows(self.cfg_rate)
         self.schedule = stage.schedule(self.steps)
         self.context_tokens = context_tokens
-        self.tokens = _ids(prompt_tokens, "prompt_tokens")
+        self.tokens = token_ids(prompt_tokens, "prompt_tokens")
         self.n_prompt = self.tokens.shape[1] * self.ratio
-        self.feat = _prompt_feat(prompt_feat, self.n_prompt)
+        self.feat = prompt_frames(prompt_feat, self.n_prompt)
         self.embedding = np.asarray(embedding, dtype=np.float32)
         if prompt_cache is None:
             prompt_cache = PromptCacheV3.build(stage, self.tokens, prompt_feat, self.embedding, self.steps,
