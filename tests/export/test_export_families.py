@@ -54,25 +54,21 @@ def test_source_files_come_from_the_facts(family: str, required: tuple[str, ...]
     ],
 )  # fmt: skip
 def test_each_family_names_its_graph_modules(family: str, modules: tuple, lm_graphs: set, flow_graphs: set) -> None:
-    import importlib
-
     plans = export_family(family).plans
-    assert tuple(p.module for p in plans) == modules
+    assert tuple(p.graphs().__name__.rsplit(".", 1)[1] for p in plans) == modules
     assert [p.ref for p in plans] == ["lm", "flow", "hift"]
     assert set(plans[0].quantized) == lm_graphs and set(plans[1].quantized) == flow_graphs
     assert plans[2].quantized == {"hift_decode": "hift"}
     for p in plans:
-        module = importlib.import_module(f"cosyvoice_cpu.export.{p.module}")
+        module = p.graphs()
         assert callable(getattr(module, f"export_{p.ref}")) and callable(getattr(module, f"verify_{p.ref}"))
 
 
 def test_each_lm_graph_module_gives_the_gate_its_family(tmp_path: Path) -> None:
     """The LM gate is told the family by the graph module (no sniffing of the reference LM's attributes)."""
-    import importlib
-
     for name in FAMILIES:
         fam = export_family(name)
-        gate = importlib.import_module(f"cosyvoice_cpu.export.{fam.plans[0].module}").GATE
+        gate = fam.plans[0].graphs().GATE
         assert gate.facts is facts(name)
         assert gate.text_encoder == facts(name).lm_speaker == facts(name).builtin_speakers  # CosyVoice-300M only
         if not facts(name).builtin_speakers:

@@ -7,7 +7,6 @@ the largest stage (the LM) instead of the whole model.
 from __future__ import annotations
 
 import gc
-import importlib
 import logging
 import shutil
 from collections.abc import Callable
@@ -153,7 +152,7 @@ def export_stage_files(
     gates: list[GateResult] = []
     try:
         for plan in export_family(cfg.family).plans:  # the family's graph module per stage
-            module = importlib.import_module(f"cosyvoice_cpu.export.{plan.module}")
+            module = plan.graphs()
             export, verify = getattr(module, f"export_{plan.ref}"), getattr(module, f"verify_{plan.ref}")
             step(f"{plan.name}: loading {CHECKPOINTS[plan.ref]}")
             model = getattr(load_reference(src, (plan.ref,)), plan.ref)

@@ -177,20 +177,17 @@ def _read_v2(cfg: ModelConfig, data: dict[str, Any], yaml_path: Path) -> None:
 
 
 def v3_stage_classes() -> tuple[Any, Any]:
-    """(FlowV3, CausalHiFT): the v3 flow and vocoder modules, imported lazily."""
-    try:
-        from cosyvoice_cpu.reference.flow_v3 import FlowV3
-        from cosyvoice_cpu.reference.hift_v3 import CausalHiFT
-    except ImportError as e:
-        raise ModelDirError(
-            f"the CosyVoice3 flow/vocoder reference is not available ({e}): reference/flow_v3.py and "
-            "reference/hift_v3.py are needed; load the LM alone with load_reference(dir, stages=('lm',))"
-        ) from e
+    """(FlowV3, CausalHiFT): the v3 flow and vocoder modules, imported when called."""
+    from cosyvoice_cpu.reference.flow_v3 import FlowV3
+    from cosyvoice_cpu.reference.hift_v3 import CausalHiFT
+
     return FlowV3, CausalHiFT
 
 
 def _read_v3(cfg: ModelConfig, data: dict[str, Any], yaml_path: Path) -> None:
-    """Fill a cosyvoice3 ``cfg`` (LM always; flow/HiFT configs when their modules are installed)."""
+    """Fill a cosyvoice3 ``cfg``: the LM, flow and HiFT configs."""
+    from cosyvoice_cpu.reference.flow_v3 import FlowV3Config
+    from cosyvoice_cpu.reference.hift_v3 import CausalHiFTConfig
     from cosyvoice_cpu.reference.lm_v3 import CosyVoice3LMConfig
     from cosyvoice_cpu.reference.qwen2 import Qwen2Config
 
@@ -203,25 +200,26 @@ def _read_v3(cfg: ModelConfig, data: dict[str, Any], yaml_path: Path) -> None:
                 f"{expected}: the yaml mixes model families; use the cosyvoice3.yaml of the same download"
             )
     cfg.lm = CosyVoice3LMConfig.from_yaml(data["llm"], Qwen2Config.from_json(cfg.blank_en_dir / "config.json"))
-    try:
-        from cosyvoice_cpu.reference.flow_v3 import FlowV3Config
-        from cosyvoice_cpu.reference.hift_v3 import CausalHiFTConfig
-    except ImportError as e:
-        logger.warning("%s: v3 flow/HiFT reference modules missing (%s); only the LM can be loaded", yaml_path, e)
-        return
     cfg.flow = FlowV3Config.from_yaml(data["flow"])
     cfg.hift = CausalHiFTConfig.from_yaml(data["hift"])
 
 
-def _classes(*paths: str) -> Callable[[tuple[str, ...]], tuple[Any, ...]]:
-    """A :class:`FamilyLoader`'s ``classes``: ``module:Class`` of the LM, flow, HiFT, imported when called."""
-    import importlib
+def _classes_v1(stages: tuple[str, ...]) -> tuple[Any, Any, Any]:
+    """(TransformerLM, FlowV1, HiFT): CosyVoice-300M's reference classes, imported when called."""
+    from cosyvoice_cpu.reference.flow_v1 import FlowV1
+    from cosyvoice_cpu.reference.hift import HiFT
+    from cosyvoice_cpu.reference.lm_v1 import TransformerLM
 
-    def load(stages: tuple[str, ...]) -> tuple[Any, ...]:
-        split = [p.split(":") for p in paths]
-        return tuple(getattr(importlib.import_module(f"cosyvoice_cpu.reference.{m}"), c) for m, c in split)
+    return TransformerLM, FlowV1, HiFT
 
-    return load
+
+def _classes_v2(stages: tuple[str, ...]) -> tuple[Any, Any, Any]:
+    """(Qwen2LM, Flow, HiFT): CosyVoice2's reference classes, imported when called."""
+    from cosyvoice_cpu.reference.flow import Flow
+    from cosyvoice_cpu.reference.hift import HiFT
+    from cosyvoice_cpu.reference.lm import Qwen2LM
+
+    return Qwen2LM, Flow, HiFT
 
 
 def _classes_v3(stages: tuple[str, ...]) -> tuple[Any, Any, Any]:
@@ -243,9 +241,8 @@ class FamilyLoader(NamedTuple):
 
 # One loader per family of the facts table, keyed by its name.
 LOADERS: dict[str, FamilyLoader] = {
-    "cosyvoice": FamilyLoader({"n_fft": 1024, "win_size": 1024}, _read_v1,
-                              _classes("lm_v1:TransformerLM", "flow_v1:FlowV1", "hift:HiFT")),
-    "cosyvoice2": FamilyLoader({}, _read_v2, _classes("lm:Qwen2LM", "flow:Flow", "hift:HiFT")),
+    "cosyvoice": FamilyLoader({"n_fft": 1024, "win_size": 1024}, _read_v1, _classes_v1),
+    "cosyvoice2": FamilyLoader({}, _read_v2, _classes_v2),
     "cosyvoice3": FamilyLoader({"fmax": None}, _read_v3, _classes_v3),
 }  # fmt: skip
 
