@@ -106,3 +106,46 @@ def test_the_runtime_imports_nothing_of_the_export_side() -> None:
     bad = sorted(f"{m} -> {t}" for m, ts in graph.items() if not m.startswith(allowed)
                  for t in ts if t.startswith(EXPORT_SIDE))  # fmt: skip
     assert not bad, "runtime modules import the export side:\n" + "\n".join(bad)
+
+
+def _sources() -> dict[str, ast.Module]:
+    return {_module_name(p): ast.parse(p.read_text(), str(p)) for p in PACKAGE.rglob("*.py")}
+
+
+def _loads_by_name(node: ast.AST) -> bool:
+    """``importlib.import_module(...)``, ``import_module(...)`` or ``__import__(...)``."""
+    if not isinstance(node, ast.Call):
+        return False
+    f = node.func
+    return (isinstance(f, ast.Attribute) and f.attr == "import_module") or (
+        isinstance(f, ast.Name) and f.id in ("import_module", "__import__")
+    )
+
+
+def test_no_module_is_loaded_by_a_string_name() -> None:
+    """Plans and loaders reference functions and modules directly (a reader, an IDE and :func:`import_graph`
+    follow them); only the package's lazy ``__init__`` (the public API) imports by name."""
+    sources = _sources()
+    bad = sorted(
+        f"{name}:{node.lineno}"
+        for name, tree in sources.items()
+        if name != "cosyvoice_cpu"
+        for node in ast.walk(tree)
+        if _loads_by_name(node)
+    )
+    assert not bad, "modules imported from strings:\n" + "\n".join(bad)
+    assert any(_loads_by_name(n) for n in ast.walk(sources["cosyvoice_cpu"]))  # the check sees a real one
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    """``from cosyvoice_cpu.x import _name`` couples a module to another's internals: make the name public (or
+    move it where both can use it)."""
+    bad = sorted(
+        f"{name}:{node.lineno}: {a.name}"
+        for name, tree in _sources().items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("cosyvoice_cpu")
+        for a in node.names
+        if a.name.startswith("_") and not a.name.startswith("__")
+    )
+    assert not bad, "imports of private names:\n" + "\n".join(bad)
