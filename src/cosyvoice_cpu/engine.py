@@ -146,7 +146,7 @@ class Engine:
         for text: such a voice could never speak, so it is refused now rather than at every request.
         """
         voice = self.frontend.make_voice(prompt, prompt_text, name)
-        self._segment_cap(self.lm_prompt(voice), minimum=1)
+        self.segment_cap(self.lm_prompt(voice), minimum=1)
         return voice
 
     def builtin_voices(self) -> dict[str, Voice]:
@@ -161,9 +161,19 @@ class Engine:
         family's rules: :meth:`~cosyvoice_cpu.families.base.Family.lm_prompt`)."""
         return self.family.lm_prompt(self.tokenizer, voice, instruct, normalize)
 
-    def _segment_cap(self, prompt: LMPrompt, max_tokens: int | None = None, minimum: int = 8) -> int:
-        """Text tokens per segment so that the LM prompt + text + the longest speech fits the KV cache (at least
-        ``minimum``, else ConfigError)."""
+    @property
+    def token_rate(self) -> float:
+        """Speech tokens per second of audio (the family's: 25, or 50 for CosyVoice-300M)."""
+        return float(self.family.facts.token_rate)
+
+    @property
+    def kv_cache_positions(self) -> int:
+        """Positions of the LM's KV cache (the export's ``--max-len``): prompt, text and speech must fit in it."""
+        return int(self.lm.session.spec.max_len)
+
+    def segment_cap(self, prompt: LMPrompt, max_tokens: int | None = None, minimum: int = 8) -> int:
+        """Text tokens per LM call so that ``prompt`` (:meth:`lm_prompt`) + text + the longest speech fits the KV
+        cache; ConfigError when that leaves fewer than ``minimum`` (a prompt or instruction too long)."""
         facts = self.lm.facts
         free = self.lm.session.spec.max_len - (2 + len(prompt.text_ids) + len(prompt.speech)
                                                + (prompt.speaker is not None))  # fmt: skip
@@ -200,7 +210,7 @@ class Engine:
         voice.check_model(self.manifest.family, self.sample_rate)
         prompt = self.lm_prompt(voice, instruct, config.normalize)
         segments = prepare(text, self.tokenizer, normalize=config.normalize,
-                           max_tokens=self._segment_cap(prompt, config.max_tokens))  # fmt: skip
+                           max_tokens=self.segment_cap(prompt, config.max_tokens))  # fmt: skip
         lm_rng, rng = config.rngs()
         req = _Request(voice, config, prompt, RngDraw(lm_rng), self.sampling_for(config), rng, check)
         return self._run(segments, req, timings or Timings())

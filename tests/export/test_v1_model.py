@@ -68,6 +68,8 @@ def test_export_writes_a_v1_model_directory(v1_int8w: Path, tiny_v1_model_dir: P
     assert set(builtin) == set(speakers)
     assert np.array_equal(builtin[SPEAKER].embedding, speakers[SPEAKER].numpy().reshape(-1))
     assert builtin[SPEAKER].builtin and builtin[SPEAKER].prompt_text == ""
+    # what a server asks of the engine (the audio bound counts 50 Hz tokens; the instruction-room message)
+    assert engine.token_rate == 50.0 and engine.kv_cache_positions == m.graphs["lm"].attrs["max_len"]
 
 
 @pytest.mark.parametrize(("mode", "seed"), [("sft", 3), ("zero-shot", 11), ("cross-lingual", 5)])

@@ -112,7 +112,7 @@ class State:
     def __init__(self, engine: Any, settings: ServerSettings) -> None:
         self.engine, self.settings = engine, settings
         self.model_id = settings.model_id or Path(engine.model_dir).name
-        builtin = engine.builtin_voices() if hasattr(engine, "builtin_voices") else {}  # CosyVoice-300M-SFT speakers
+        builtin = engine.builtin_voices()  # CosyVoice-300M-SFT speakers ({} for other models)
         self.voices = VoiceStore(settings.voices_dir, engine.manifest.family, engine.sample_rate, builtin)
         self.metrics = Metrics()
         self.admission: Admission | None = None  # made inside the event loop (lifespan)
@@ -152,7 +152,7 @@ def create_app(engine: Any, settings: ServerSettings, replica: ReplicaInfo | Non
     m.gauges["cosyvoice_requests_active"] = ("Syntheses running.", lambda: state.admission.active)
     m.gauges["cosyvoice_requests_queued"] = ("Syntheses waiting for a worker.", lambda: state.admission.waiting)
     m.gauges["cosyvoice_voices"] = ("Saved voices served.", lambda: len(state.voices))
-    scheduler = getattr(engine, "scheduler", None)
+    scheduler = engine.scheduler
     if scheduler is not None:
         s = scheduler.stats
         m.batch_sizes = lambda: dict(s.batch_sizes)

@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -22,6 +22,11 @@ from cosyvoice_cpu.server.checks import RequestProblem, check_model, check_speed
 from cosyvoice_cpu.server.encode import Encoder, UnsupportedFormatError, check_format
 from cosyvoice_cpu.server.handlers import ApiError
 from cosyvoice_cpu.server.speech import AudioTooLong, Cancelled, Job, SpeechRequest, StreamAborted, TimedOut
+
+if TYPE_CHECKING:
+    from cosyvoice_cpu.config import SynthesisConfig
+    from cosyvoice_cpu.engine import Engine
+    from cosyvoice_cpu.voices.voice import Voice
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +81,7 @@ def add_routes(app: Any, state: Any) -> None:
             encoder.close()
             raise
         bound = settings.audio_bound
-        rate = float(getattr(state.engine.manifest, "token_frame_rate", 25) or 25)
+        rate = state.engine.token_rate
         job = Job(lambda check: state.engine.synthesize(body.input, voice, config, instruct, check=check),
                   settings.timeout, max_audio_s=bound.seconds(len(body.input), speed),
                   too_long=bound.problem(len(body.input), speed), token_seconds=1.0 / rate / speed,
@@ -107,23 +112,17 @@ def add_routes(app: Any, state: Any) -> None:
         return _StreamResponse(stream, media_type=media, headers=headers)
 
 
-def _check_instruction_room(engine: Any, voice: Any, instruct: str, config: Any) -> None:
+def _check_instruction_room(engine: Engine, voice: Voice, instruct: str, config: SynthesisConfig) -> None:
     """Refuse instructions that leave the LM's KV cache no room for text (the engine's message would blame the
     voice prompt). The instructions are short by now (``max_instructions_chars``): tokenizing them is cheap."""
-    lm_prompt, segment_cap = getattr(engine, "lm_prompt", None), getattr(engine, "_segment_cap", None)
-    if lm_prompt is None or segment_cap is None:
-        return
-    prompt = lm_prompt(voice, instruct, config.normalize)
+    prompt = engine.lm_prompt(voice, instruct, config.normalize)
     try:
-        segment_cap(prompt, config.max_tokens)
+        engine.segment_cap(prompt, config.max_tokens)
     except ConfigError as e:
-        try:
-            cache = f"KV cache of {engine.lm.session.spec.max_len} positions"
-        except AttributeError:
-            cache = "KV cache"
-        raise RequestProblem(f"instructions take {len(prompt.text_ids)} tokens and leave the model's {cache} no "
-                             "room for the text to speak; shorten the instructions (or re-export the model with a "
-                             "larger --max-len)", "instructions_too_long") from e  # fmt: skip
+        raise RequestProblem(f"instructions take {len(prompt.text_ids)} tokens and leave the model's KV cache of "
+                             f"{engine.kv_cache_positions} positions no room for the text to speak; shorten the "
+                             "instructions (or re-export the model with a larger --max-len)",
+                             "instructions_too_long") from e  # fmt: skip
 
 
 def _outcome(e: BaseException) -> str:
