@@ -9,6 +9,7 @@ import pytest
 from cosyvoice_cpu.cli.main import main
 from cosyvoice_cpu.config import EngineConfig
 from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.hardware import cpu as cpu_module
 from cosyvoice_cpu.hardware.cpu import (
     SKIP_CHECK_ENV,
     Hardware,
@@ -18,6 +19,7 @@ from cosyvoice_cpu.hardware.cpu import (
     malloc_free_bytes,
     read_cpuinfo,
 )
+from cosyvoice_cpu.hardware.features import floor_problem, kernel_level, probe_kernels, speed_expectation
 
 
 def _cpuinfo(flags: str, sockets: int = 1, cores: int = 2, threads: int = 2, model: str = "Test CPU") -> str:
@@ -79,17 +81,130 @@ def test_hyperthreads_count_as_half_a_core_and_v1_cgroups_are_read(tmp_path: Pat
     assert hw.usable_cores == 4
 
 
-def test_cpu_without_avx2_gets_an_explanation_not_a_crash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    hw = detect(_root(tmp_path, {"proc/cpuinfo": _cpuinfo("fpu sse2 sse4_2 avx", model="Old Atom")}))
-    with pytest.raises(UnsupportedCpuError, match=r"Old Atom\) has no AVX2.*Illegal instruction.*SKIP_CPU_CHECK=1"):
+# NumPy's __cpu_features__ as qemu-x86_64 -cpu IvyBridge / -cpu Denverton would make it read cpuid
+_X86_KEYS = ("SSE", "SSE2", "SSE3", "SSSE3", "SSE41", "SSE42", "POPCNT", "AVX", "F16C", "FMA3", "AVX2", "AVX512F",
+             "AVX512VNNI", "AVX512BF16", "ASIMD", "ASIMDDP")  # fmt: skip
+IVY_BRIDGE = {k: k in {"SSE", "SSE2", "SSE3", "SSSE3", "SSE41", "SSE42", "POPCNT", "AVX", "F16C"} for k in _X86_KEYS}
+DENVERTON = {k: k in {"SSE", "SSE2", "SSE3", "SSSE3", "SSE41", "SSE42", "POPCNT"} for k in _X86_KEYS}
+HOST_FLAGS = "fpu sse sse2 pni ssse3 sse4_1 sse4_2 popcnt avx f16c fma avx2 avx512f avx512_vnni avx_vnni amx_int8 lm"
+
+
+@pytest.mark.parametrize(("name", "flags", "cpuid", "level", "isa"), [
+    ("Xeon E5-2680 v2", "fpu sse sse2 pni ssse3 sse4_1 sse4_2 popcnt avx f16c", None, "AVX (no AVX2/FMA)", "avx"),
+    ("Atom C3758", "fpu sse sse2 pni ssse3 sse4_1 sse4_2 popcnt", None, "SSE4.1", "sse4"),
+    ("qemu IvyBridge", HOST_FLAGS, IVY_BRIDGE, "AVX (no AVX2/FMA)", "avx"),
+    ("qemu Denverton", HOST_FLAGS, DENVERTON, "SSE4.1", "sse4"),
+])  # fmt: skip
+def test_x86_without_avx2_runs_and_is_told_its_kernels(
+    tmp_path: Path, name: str, flags: str, cpuid: dict[str, bool] | None, level: str, isa: str
+) -> None:
+    """No refusal on an AVX-only Ivy Bridge-EP Xeon or an SSE4.2 Atom (issue 40): they run ORT's AVX/SSE kernels.
+    Under qemu's user mode cpuinfo is the host's (AVX-512, AMX): cpuid (NumPy's view) decides, and the host's
+    AVX-VNNI and AMX, which NumPy does not report, do not leak in."""
+    root = _root(tmp_path, {"proc/cpuinfo": _cpuinfo(flags, model=name)})
+    hw = detect(root, cpuid=cpuid) if cpuid else detect(root)
+    hw.check_cpu()  # the old code raised UnsupportedCpuError here
+    assert (hw.cpu.arch, hw.cpu.isa, kernel_level(hw.cpu.arch, hw.cpu.flags)) == ("x86_64", isa, level)
+    assert not ({"avx2", "avx_vnni", "amx_int8", "avx512f"} & hw.cpu.flags) and "sse4_2" in hw.cpu.flags
+    assert hw.features_from == ("/proc/cpuinfo" if cpuid is None else "cpuid (NumPy)")
+    assert ("lm" in hw.cpu.flags) == ("lm" in flags) and not hw.cpu.vnni  # non-vector flags pass through
+    said = speed_expectation(hw.cpu.arch, hw.cpu.flags)
+    assert ("AVX kernels without FMA" if "avx" in hw.cpu.flags else "SSE kernels") in said and "not measured" in said
+
+
+def test_cpuid_keeps_what_numpy_does_not_report_only_on_its_base(tmp_path: Path) -> None:
+    host = dict(IVY_BRIDGE, AVX2=True, FMA3=True, AVX512F=True, AVX512VNNI=True)
+    hw = detect(_root(tmp_path, {"proc/cpuinfo": _cpuinfo(HOST_FLAGS)}), cpuid=host)
+    assert {"avx_vnni", "amx_int8", "avx512_vnni"} <= hw.cpu.flags and hw.cpu.isa == "avx512-vnni"
+    assert kernel_level("x86_64", hw.cpu.flags) == "AMX (with AVX-512 VNNI)"
+
+
+RK3588_FEATURES = ("fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop "
+                   "asimddp")  # fmt: skip
+
+
+def _arm_root(tmp_path: Path, features: str, capacities: list[int], key: str = "cpu_capacity") -> Path:
+    files = {"proc/cpuinfo": "".join(f"processor\t: {n}\nBogoMIPS\t: 48.00\nFeatures\t: {features}\n"
+                                     f"CPU part\t: 0xd0{5 if c < 1000 else 'b'}\n\n"
+                                     for n, c in enumerate(capacities))}  # fmt: skip
+    for n, c in enumerate(capacities):
+        files[f"sys/devices/system/cpu/cpu{n}/{key}"] = f"{c}\n"
+    return _root(tmp_path, files)
+
+
+def test_arm64_features_line_gives_the_neon_kernel_level(tmp_path: Path) -> None:
+    hw = detect(_arm_root(tmp_path, RK3588_FEATURES, [1024] * 4))
+    hw.check_cpu()
+    assert (hw.cpu.arch, hw.cpu.isa, hw.cpu.logical) == ("aarch64", "neon-dot", 4)
+    assert kernel_level("aarch64", hw.cpu.flags) == "NEON + dot product (asimddp)"
+    assert "dot-product instructions" in speed_expectation("aarch64", hw.cpu.flags)
+    # Graviton 3 / Neoverse V1 class: i8mm and bf16 (NumPy does not report them: kept as ASIMD is confirmed)
+    cpuid = {"ASIMD": True, "ASIMDDP": True, "ASIMDHP": True, "SVE": True, "AVX2": False, "SSE2": False}
+    hw = detect(_arm_root(tmp_path / "v1", RK3588_FEATURES + " sve i8mm bf16", [1024] * 4), cpuid=cpuid)
+    assert hw.cpu.isa == "neon-i8mm" and kernel_level("aarch64", hw.cpu.flags) == (
+        "NEON + dot product (asimddp) + i8mm + bf16"
+    )
+    pi3 = detect(_arm_root(tmp_path / "a53", "fp asimd evtstrm crc32 cpuid", [1024] * 4)).cpu
+    assert pi3.isa == "neon" and "no dot-product instructions" in speed_expectation("aarch64", pi3.flags)
+
+
+def test_big_little_threads_on_the_big_cores_only(tmp_path: Path) -> None:
+    """RK3588: cpu0-3 Cortex-A55 (capacity 414), cpu4-7 Cortex-A76 (1024): 4 threads, not 8 (or 7)."""
+    hw = detect(_arm_root(tmp_path, RK3588_FEATURES, [414] * 4 + [1024] * 4))
+    assert hw.threads() == 4 and hw.threads(leave_for_os=1) == 3
+    assert hw.usable_cores == 8 and hw.big_cpus == frozenset({4, 5, 6, 7})
+    assert "the big cores only, CPUs 4-7 of 0-7 (sysfs relative speeds 1024, 414)" in hw.thread_plan()
+    hw.quota = 2.0  # the cgroup quota still caps
+    assert hw.threads() == 2
+    # no cpu_capacity: the maximum clocks (kHz); a server's few faster-boosting cores are no big.LITTLE
+    hybrid = detect(
+        _arm_root(tmp_path / "f", RK3588_FEATURES, [1800000] * 2 + [2400000] * 2, "cpufreq/cpuinfo_max_freq")
+    )
+    assert hybrid.threads() == 2 and hybrid.big_cpus == frozenset({2, 3})
+    turbo = detect(
+        _arm_root(tmp_path / "t", RK3588_FEATURES, [4600000] * 6 + [4800000] * 2, "cpufreq/cpuinfo_max_freq")
+    )
+    assert turbo.big_cpus == frozenset() and turbo.threads() == 8 and "usable physical cores" in turbo.thread_plan()
+
+
+def test_doctor_shows_arm64_kernels_and_the_big_little_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys) -> None:  # fmt: skip
+    hw = detect(_arm_root(tmp_path, RK3588_FEATURES, [414] * 4 + [1024] * 4))
+    monkeypatch.setattr(cpu_module, "detect", lambda: hw)
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "(aarch64): NEON yes, dot product (asimddp) yes, i8mm no, bf16 no" in out
+    assert "kernels      NEON + dot product (asimddp) (features from /proc/cpuinfo): onnxruntime runs its NEON" in out
+    assert "threads      4 intra-op by default: the big cores only, CPUs 4-7" in out
+
+
+NUMPY_REFUSAL = "NumPy was built with baseline optimizations: (X86_V2) but your machine doesn't support: (X86_V2)."
+
+
+def test_only_a_cpu_below_a_wheels_floor_is_refused(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """The floor left is NumPy's baseline (its own RuntimeError at import), explained with what to do."""
+    monkeypatch.setattr(cpu_module, "numpy_cpu_features", lambda: (None, NUMPY_REFUSAL))
+    hw = detect()
+    assert hw.floor_error == floor_problem(hw.cpu.arch, NUMPY_REFUSAL) and hw.features_from == "/proc/cpuinfo"
+    with pytest.raises(UnsupportedCpuError, match=r"NumPy cannot run on this CPU .*X86_V2.*cpu-baseline=none.*"
+                                                  r"COSYVOICE_CPU_SKIP_CPU_CHECK=1 skips"):  # fmt: skip
         hw.check_cpu()
+    assert main(["doctor"]) == 1 and "PROBLEM      NumPy cannot run on this CPU" in capsys.readouterr().out
     monkeypatch.setenv(SKIP_CHECK_ENV, "1")
     hw.check_cpu()
+    assert floor_problem("x86_64", None) is None
+
+
+def test_a_sigill_in_the_kernel_probe_becomes_an_explanation() -> None:
+    assert probe_kernels() is None  # this machine's wheels run their kernels
+    said = probe_kernels(code="import os, signal; os.kill(os.getpid(), signal.SIGILL)")
+    assert "died of SIGILL (Illegal instruction)" in said and "report it" in said
+    assert "exit 3: boom" in probe_kernels(code="import sys; print('boom', file=sys.stderr); sys.exit(3)")
 
 
 def test_non_x86_and_missing_files_are_not_errors(tmp_path: Path) -> None:
     hw = detect(_root(tmp_path, {"proc/cpuinfo": "processor\t: 0\nFeatures\t: fp asimd\n"}))
-    hw.check_cpu()  # ARM cpuinfo: no x86 flags, nothing to check
+    hw.check_cpu()  # ARM cpuinfo: nothing below a floor
     assert read_cpuinfo(tmp_path / "nowhere") is None
     bare = Hardware(None, 2, None, None, None, None)
     bare.check_cpu()

@@ -158,27 +158,38 @@ def _print_speed(threads: int) -> None:
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Report what this machine can run; exit 1 when something needs attention."""
     from cosyvoice_cpu.hardware.cpu import detect
+    from cosyvoice_cpu.hardware.features import kernel_level, probe_kernels, speed_expectation
 
     hw = detect()
     problems: list[str] = []
     cpu = hw.cpu
     if cpu:
         yes = {True: "yes", False: "no"}
-        print(f"cpu          {cpu.model}: AVX2 {yes[cpu.avx2]}, AVX-512 {yes[cpu.avx512]}, VNNI {yes[cpu.vnni]}, "
-              f"BF16 {yes[cpu.bf16]}, AMX {yes[cpu.amx]} (int8 kernels: {cpu.isa})")  # fmt: skip
+        if cpu.arch == "aarch64":
+            print(f"cpu          {cpu.model} (aarch64): NEON {yes['asimd' in cpu.flags]}, dot product (asimddp) "
+                  f"{yes['asimddp' in cpu.flags]}, i8mm {yes['i8mm' in cpu.flags]}, bf16 {yes['bf16' in cpu.flags]}, "
+                  f"SVE {yes['sve' in cpu.flags]}")  # fmt: skip
+        else:
+            print(f"cpu          {cpu.model}: AVX {yes['avx' in cpu.flags]}, AVX2 {yes[cpu.avx2]}, AVX-512 "
+                  f"{yes[cpu.avx512]}, VNNI {yes[cpu.vnni]}, BF16 {yes[cpu.bf16]}, AMX {yes[cpu.amx]} (int8 kernels: "
+                  f"{cpu.isa})")  # fmt: skip
+        print(f"kernels      {kernel_level(cpu.arch, cpu.flags)} (features from {hw.features_from}): "
+              f"{speed_expectation(cpu.arch, cpu.flags)}")  # fmt: skip
         print(f"cores        {cpu.logical} logical, {cpu.physical} physical; usable {hw.usable_cores} "
               f"(affinity {hw.affinity}, quota {'none' if hw.quota is None else f'{hw.quota:g}'})")  # fmt: skip
-        try:
-            hw.check_cpu()
-        except CosyVoiceCpuError as e:
-            problems.append(str(e))
     else:
         print(f"cpu          /proc/cpuinfo not readable; {os.cpu_count()} logical CPUs")
+    try:
+        hw.check_cpu()
+    except CosyVoiceCpuError as e:
+        problems.append(str(e))
+    if not problems:  # a wheel built for a newer CPU dies of SIGILL: in a child process, explained
+        problems += [p for p in (probe_kernels(),) if p]
     gib = 2**30
     mem = ", ".join(f"{name} {v / gib:.1f} GiB" for name, v in (("total", hw.mem_total), ("available",
                     hw.mem_available), ("container limit", hw.mem_limit)) if v is not None)  # fmt: skip
     print(f"memory       {mem or 'unknown'}")
-    print(f"threads      {hw.threads()} intra-op by default (usable physical cores)")
+    print(f"threads      {hw.thread_plan()}")
     from cosyvoice_cpu.config import DEFAULT_LM_BATCH_ROWS
     from cosyvoice_cpu.hardware.pools import pool_lines
 

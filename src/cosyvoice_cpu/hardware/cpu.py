@@ -1,8 +1,7 @@
 """What this machine (or container) can run: CPU features, usable cores, memory, and the thread plan.
 
-Everything is read from the OS (``/proc``, ``/sys/fs/cgroup``) with the standard library only, *before*
-onnxruntime is imported: a CPU without AVX2 gets an explanation instead of ``Illegal instruction``. Every reader
-takes a ``root`` directory so tests can point it at a fake filesystem.
+Everything is read from the OS (``/proc``, ``/sys``) and NumPy's ``cpuid`` reading (:mod:`.features`), *before*
+onnxruntime is imported. Every reader takes a ``root`` directory so tests can point it at a fake filesystem.
 """
 
 from __future__ import annotations
@@ -10,11 +9,14 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass, field
+import platform
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cosyvoice_cpu.errors import ConfigError, CosyVoiceCpuError
+from cosyvoice_cpu.hardware.features import floor_problem, merge_features, numpy_cpu_features
+from cosyvoice_cpu.hardware.topology import big_cpus, ranges, read_capacity
 
 if TYPE_CHECKING:
     from cosyvoice_cpu.manifest import GraphEntry, Manifest
@@ -26,7 +28,7 @@ ROOT = Path("/")
 
 
 class UnsupportedCpuError(CosyVoiceCpuError):
-    """The CPU lacks an instruction set the prebuilt onnxruntime wheels need."""
+    """The CPU is below the instruction-set floor of a wheel the runtime loads (hardware/features.py)."""
 
 
 def _read(root: Path, rel: str) -> str | None:
@@ -38,13 +40,18 @@ def _read(root: Path, rel: str) -> str | None:
 
 @dataclass(frozen=True)
 class CpuInfo:
-    """Facts of ``/proc/cpuinfo``: model name, flags of the first CPU, logical and physical core counts."""
+    """Facts of ``/proc/cpuinfo``: model name, flags of the first CPU, logical and physical core counts.
+
+    ``flags`` are x86 ``flags`` or arm64 ``Features``; :func:`detect` replaces them with what ``cpuid`` says
+    (:func:`~cosyvoice_cpu.hardware.features.merge_features`). ``arch`` is "x86_64", "aarch64" or another name.
+    """
 
     model: str
     flags: frozenset[str]
     logical: int
     physical: int
     core_of: tuple[tuple[int, str], ...] = ()  # (processor id, "physical id/core id") pairs
+    arch: str = ""
 
     def physical_in(self, cpus: set[int]) -> int | None:
         """Distinct physical cores among logical CPUs ``cpus`` (None when cpuinfo has no core ids)."""
@@ -77,19 +84,24 @@ class CpuInfo:
 
     @property
     def isa(self) -> str:
+        """A short label of the int8 kernel family (bench reports): avx512-vnni ... sse2, neon-i8mm, neon-dot, neon."""
+        if self.arch == "aarch64":
+            return "neon-i8mm" if "i8mm" in self.flags else "neon-dot" if "asimddp" in self.flags else "neon"
         if self.avx512 and self.vnni:
             return "avx512-vnni"
         if self.avx2 and self.vnni:
             return "avx2-vnni"
-        return "avx512" if self.avx512 else "avx2" if self.avx2 else "pre-avx2"
+        if self.avx512 or self.avx2:
+            return "avx512" if self.avx512 else "avx2"
+        return "avx" if "avx" in self.flags else "sse4" if "sse4_1" in self.flags else "sse2"
 
 
 def read_cpuinfo(root: Path = ROOT) -> CpuInfo | None:
-    """Parse ``/proc/cpuinfo`` (x86 Linux); None where it does not exist (other OSes)."""
+    """Parse ``/proc/cpuinfo`` (x86 or arm64 Linux); None where it does not exist (other OSes)."""
     text = _read(root, "proc/cpuinfo")
     if not text:
         return None
-    model, flags = "", frozenset()
+    model, flags, arch = "", frozenset(), ""
     logical, cores, core_of = 0, set(), []
     processor = physical_id = core_id = None
     for line in text.splitlines() + [""]:
@@ -107,13 +119,14 @@ def read_cpuinfo(root: Path = ROOT) -> CpuInfo | None:
             processor = int(value) if value.isdigit() else None
         elif key == "model name" and not model:
             model = value
-        elif key == "flags" and not flags:
+        elif key in ("flags", "Features") and not flags:
             flags = frozenset(value.split())
+            arch = "x86_64" if key == "flags" else "aarch64" if "asimd" in flags else "arm"
         elif key == "physical id":
             physical_id = value
         elif key == "core id":
             core_id = value
-    return CpuInfo(model or "unknown CPU", flags, logical, len(cores) or logical, tuple(core_of))
+    return CpuInfo(model or "unknown CPU", flags, logical, len(cores) or logical, tuple(core_of), arch)
 
 
 def cgroup_cpu_limit(root: Path = ROOT) -> float | None:
@@ -160,6 +173,9 @@ class Hardware:
     mem_limit: int | None
     notes: list[str] = field(default_factory=list)
     affinity_set: frozenset[int] = frozenset()  # the logical CPU ids, when known
+    features_from: str = "/proc/cpuinfo"  # or "cpuid (NumPy)": where cpu.flags came from
+    floor_error: str | None = None  # why a shipped wheel cannot run on this CPU (features.floor_problem)
+    capacity: tuple[tuple[int, int], ...] = ()  # (logical CPU, relative speed) of the usable CPUs, from sysfs
 
     @property
     def usable_cores(self) -> int:
@@ -181,24 +197,46 @@ class Hardware:
         values = [v for v in (self.mem_available, self.mem_limit) if v is not None]
         return min(values) if values else None
 
+    @property
+    def big_cpus(self) -> frozenset[int]:
+        """The usable logical CPUs of the fastest kind on a heterogeneous (big.LITTLE, P/E-core) CPU; empty when
+        the usable CPUs are alike (or sysfs says nothing): :func:`~cosyvoice_cpu.hardware.topology.big_cpus`."""
+        return big_cpus(self.capacity)
+
+    @property
+    def compute_cores(self) -> int:
+        """Cores the thread plan computes on: the usable cores, or on a heterogeneous CPU its big ones only (a
+        thread on a little core makes every parallel kernel wait for it), capped by the cgroup quota."""
+        big = self.big_cpus
+        if not big:
+            return self.usable_cores
+        cores = (self.cpu.physical_in(set(big)) if self.cpu else None) or len(big)
+        return max(1, min(cores, self.usable_cores))
+
     def threads(self, leave_for_os: int = 0) -> int:
-        """Default intra-op threads: the usable physical cores minus ``leave_for_os`` (at least 1)."""
+        """Default intra-op threads: :attr:`compute_cores` minus ``leave_for_os`` (at least 1)."""
         if leave_for_os < 0:
             raise ConfigError(f"leave_for_os must be >= 0, got {leave_for_os}")
-        return max(1, self.usable_cores - leave_for_os)
+        return max(1, self.compute_cores - leave_for_os)
+
+    def thread_plan(self) -> str:
+        """The default thread plan in words (``cosyvoice-cpu doctor``)."""
+        big = self.big_cpus
+        if not big:
+            return f"{self.threads()} intra-op by default (usable physical cores)"
+        speeds = sorted({c for _, c in self.capacity}, reverse=True)
+        return (
+            f"{self.threads()} intra-op by default: the big cores only, CPUs {ranges(big)} of "
+            f"{ranges({cpu for cpu, _ in self.capacity})} (sysfs relative speeds {', '.join(map(str, speeds))})"
+        )
 
     def check_cpu(self) -> None:
-        """Raise :class:`UnsupportedCpuError` on an x86 CPU without AVX2 (``COSYVOICE_CPU_SKIP_CPU_CHECK=1`` skips)."""
-        if self.cpu is None or os.environ.get(SKIP_CHECK_ENV) == "1":
+        """Raise :class:`UnsupportedCpuError` when this CPU is below a shipped wheel's instruction-set floor
+        (hardware/features.py); ``COSYVOICE_CPU_SKIP_CPU_CHECK=1`` skips. CPUs without AVX2 run (on SSE/AVX kernels).
+        """
+        if self.floor_error is None or os.environ.get(SKIP_CHECK_ENV) == "1":
             return
-        if not self.cpu.flags or "sse2" not in self.cpu.flags:  # not an x86 cpuinfo (e.g. ARM): nothing to check
-            return
-        if not self.cpu.avx2:
-            raise UnsupportedCpuError(
-                f"this CPU ({self.cpu.model}) has no AVX2/FMA: the prebuilt onnxruntime wheels can stop the process "
-                "with 'Illegal instruction' on it. Run on an AVX2 machine (Intel Haswell 2013+, AMD Zen+), or build "
-                f"onnxruntime from source for this CPU and set {SKIP_CHECK_ENV}=1 to skip this check"
-            )
+        raise UnsupportedCpuError(f"{self.floor_error} ({SKIP_CHECK_ENV}=1 skips this check)")
 
     def memory_warning(self, model_bytes: int) -> str | None:
         """A warning when the model (plus per-request working memory) may not fit; None when it fits or unknown."""
@@ -246,8 +284,12 @@ class Hardware:
         return [w for w in found if w]
 
 
-def detect(root: Path = ROOT) -> Hardware:
-    """Read everything once (cheap: a few small files)."""
+def detect(root: Path = ROOT, cpuid: dict[str, bool] | None = None) -> Hardware:
+    """Read everything once (cheap: a few small files, and NumPy's ``cpuid`` reading for the real root).
+
+    ``cpuid`` replaces NumPy's ``__cpu_features__`` (tests); for a ``root`` other than ``/`` without it, the
+    features are cpuinfo's flags.
+    """
     cpus: frozenset[int] = frozenset()
     try:
         if root == ROOT:
@@ -255,6 +297,16 @@ def detect(root: Path = ROOT) -> Hardware:
     except AttributeError:  # not Linux
         pass
     cpu = read_cpuinfo(root)
+    floor, source = None, "/proc/cpuinfo"
+    if cpuid is None and root == ROOT:
+        cpuid, numpy_error = numpy_cpu_features()
+        machine = platform.machine().lower()  # qemu's user mode reports the emulated CPU's
+        arch = {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+        floor = floor_problem(arch, numpy_error)
+        if cpu:
+            cpu = replace(cpu, arch=arch)
+    if cpu and cpuid is not None:
+        cpu, source = replace(cpu, flags=merge_features(cpu.flags, cpuid)), "cpuid (NumPy)"
     affinity = len(cpus) or (cpu.logical if cpu else (os.cpu_count() or 1))
     total, available, limit = memory_bytes(root)
     try:
@@ -262,7 +314,9 @@ def detect(root: Path = ROOT) -> Hardware:
     except ValueError:
         quota = None
         logger.warning("the cgroup CPU quota file is malformed; ignoring it")
-    hw = Hardware(cpu, affinity, quota, total, available, limit, affinity_set=cpus)
+    capacity = read_capacity(root, sorted(cpus) or list(range(cpu.logical if cpu else affinity)))
+    hw = Hardware(cpu, affinity, quota, total, available, limit, affinity_set=cpus, features_from=source,
+                  floor_error=floor, capacity=capacity)  # fmt: skip
     if cpu and cpu.avx2 and not cpu.vnni:
         hw.notes.append(
             "no VNNI: onnxruntime's int8 products run only ~2x faster than fp32 on such a CPU, and the LM's decode "
