@@ -17,7 +17,7 @@ from typing import Any
 
 from cosyvoice_cpu.errors import ModelDirError
 from cosyvoice_cpu.families.facts import FAMILIES, facts
-from cosyvoice_cpu.lm.session import EMBEDDING_FILES
+from cosyvoice_cpu.lm.files import EMBEDDING_FILES
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,8 @@ import numpy as np
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import OPSET, GateResult, GraphArtifact, LMGate, io_specs, rel_err, save_onnx
 from cosyvoice_cpu.families.facts import facts
-from cosyvoice_cpu.lm.session import EMBEDDING_FILES, GRAPH_FILE, SPECIALS, past_names, present_names
+from cosyvoice_cpu.lm.files import EMBEDDING_FILES, GRAPH_FILE, SPECIALS
+from cosyvoice_cpu.lm.kv_cache import past_names, present_names
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +170,7 @@ def build_lm_model(weights: dict[str, np.ndarray], cos: np.ndarray, sin: np.ndar
 
 
 def lm_attrs(lm: Any, max_len: int) -> dict[str, Any]:
-    """The ``attrs`` of the lm GraphArtifact (:class:`cosyvoice_cpu.lm.session.LMSpec` fields plus file names)."""
+    """The ``attrs`` of the lm GraphArtifact (:class:`cosyvoice_cpu.lm.kv_cache.LMSpec` fields plus file names)."""
     q = lm.cfg.qwen
     return {
         "max_len": max_len,
@@ -273,8 +274,9 @@ def _open(lm: Any, out_dir: Path, graph_file: str, gate: LMGate = GATE) -> tuple
     """The runtime session on a written graph and its prompt builder ``(text ids, speech ids, speaker) -> (T, D)``."""
     from functools import partial
 
+    from cosyvoice_cpu.lm.files import TEXT_ENCODER_FILE
     from cosyvoice_cpu.lm.prompt import TextEncoder, assemble
-    from cosyvoice_cpu.lm.session import TEXT_ENCODER_FILE, LMSession
+    from cosyvoice_cpu.lm.session import LMSession
 
     inputs, _ = io_specs(Path(out_dir) / graph_file)
     max_len = next(int(s.shape[2]) for s in inputs if s.name == past_names(0)[0])

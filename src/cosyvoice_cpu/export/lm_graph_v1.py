@@ -36,7 +36,8 @@ from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import OPSET, GraphArtifact, LMGate, save_onnx, torch_export
 from cosyvoice_cpu.export.lm_graph import IO_DOCS, IR_VERSION
 from cosyvoice_cpu.families.facts import facts
-from cosyvoice_cpu.lm.session import EMBEDDING_FILES, GRAPH_FILE, SPECIALS, TEXT_ENCODER_FILE, past_names, present_names
+from cosyvoice_cpu.lm.files import EMBEDDING_FILES, GRAPH_FILE, SPECIALS, TEXT_ENCODER_FILE
+from cosyvoice_cpu.lm.kv_cache import past_names, present_names
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +231,7 @@ class _TextEncoderGraph:
 
 
 def lm_attrs_v1(lm: Any, max_len: int) -> dict[str, Any]:
-    """The ``attrs`` of the v1 ``lm`` artifact (:class:`cosyvoice_cpu.lm.session.LMSpec` fields plus facts)."""
+    """The ``attrs`` of the v1 ``lm`` artifact (:class:`cosyvoice_cpu.lm.kv_cache.LMSpec` fields plus facts)."""
     c = lm.cfg
     return {
         "max_len": max_len,

@@ -38,7 +38,7 @@ from cosyvoice_cpu.export.lm_graph import build_lm_model, lm_attrs, lm_weights, 
 from cosyvoice_cpu.export.lm_graph import compare_lm as _compare_lm
 from cosyvoice_cpu.export.lm_graph import verify_lm as _verify_lm
 from cosyvoice_cpu.families.facts import facts
-from cosyvoice_cpu.lm.session import EMBEDDING_FILES, GRAPH_FILE, SPECIALS
+from cosyvoice_cpu.lm.files import EMBEDDING_FILES, GRAPH_FILE, SPECIALS
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def lm_facts_v3(lm: Any) -> dict[str, Any]:
 
 
 def lm_tables_v3(lm: Any) -> dict[str, np.ndarray]:
-    """The three embedding tables (float32) keyed like :data:`cosyvoice_cpu.lm.session.EMBEDDING_FILES`."""
+    """The three embedding tables (float32) keyed like :data:`cosyvoice_cpu.lm.files.EMBEDDING_FILES`."""
     import torch
 
     c = lm.cfg

@@ -23,7 +23,7 @@ from cosyvoice_cpu.export.quantize import (
     quantize_int8_dynamic,
     quantize_nbits,
 )
-from cosyvoice_cpu.lm.session import MIN_ROWS_KEY
+from cosyvoice_cpu.lm.files import MIN_ROWS_KEY
 
 logger = logging.getLogger(__name__)
 

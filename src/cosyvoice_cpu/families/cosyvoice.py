@@ -21,9 +21,10 @@ from cosyvoice_cpu.families.facts import FamilyFacts, facts
 from cosyvoice_cpu.flow.stage import FlowStage
 from cosyvoice_cpu.flow.stage_v1 import FlowStageV1
 from cosyvoice_cpu.flow.stream_v1 import FlowStreamV1
+from cosyvoice_cpu.lm.files import TEXT_ENCODER_FILE
 from cosyvoice_cpu.lm.generate import SpeechTokenGenerator
 from cosyvoice_cpu.lm.prompt import TextEncoder
-from cosyvoice_cpu.lm.session import TEXT_ENCODER_FILE, LMSession
+from cosyvoice_cpu.lm.session import LMSession
 from cosyvoice_cpu.sentence import Piece, Sentence, stream_pieces
 from cosyvoice_cpu.vocoder.overlap_stream import VocoderStream
 

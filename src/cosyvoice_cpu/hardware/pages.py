@@ -57,7 +57,7 @@ def span_resident_bytes(start: int, length: int) -> int:
 
     Exact for one array, unlike :func:`mappings`: the kernel merges adjacent anonymous mappings with the same
     flags into one, so a mapping's ``Rss`` may count memory of its neighbours (a probe: a fresh 192 MB
-    anonymous mapping, as :func:`~cosyvoice_cpu.lm.session.zero_pages` made before it set ``MADV_NOHUGEPAGE``, shared
+    anonymous mapping, as :func:`~cosyvoice_cpu.lm.kv_cache.zero_pages` made before it set ``MADV_NOHUGEPAGE``, shared
     its smaps entry with resident buffers mapped before it; docs/benchmarks-log.md, "Memory"). The range must be mapped.
     """
     if not sys.platform.startswith("linux") or length <= 0:

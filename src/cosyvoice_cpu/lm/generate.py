@@ -30,10 +30,11 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.lm.kv_cache import KVCache
 from cosyvoice_cpu.lm.prefix import PrefixCache, prefix_key
 from cosyvoice_cpu.lm.prompt import TextEncoder, assemble
 from cosyvoice_cpu.lm.sampling import Draw, RngDraw, SamplingConfig, sample_next
-from cosyvoice_cpu.lm.session import KVCache, LMSession
+from cosyvoice_cpu.lm.session import LMSession
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,8 @@ from collections import OrderedDict
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.lm.session import KVCache, LMSession
+from cosyvoice_cpu.lm.kv_cache import KVCache
+from cosyvoice_cpu.lm.session import LMSession
 
 logger = logging.getLogger(__name__)
 

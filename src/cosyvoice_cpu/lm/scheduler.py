@@ -32,7 +32,7 @@ import numpy as np
 from cosyvoice_cpu.config import need
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.lm.generate import SpeechTokenGenerator, TokenRequest
-from cosyvoice_cpu.lm.session import KEEP_POSITIONS
+from cosyvoice_cpu.lm.kv_cache import KEEP_POSITIONS
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class LMScheduler:
         generator: the engine's :class:`SpeechTokenGenerator` (its session runs the batched calls).
         max_rows: KV-cache rows, i.e. requests decoded at once; more wait in line (FIFO) for a free row.
         keep_positions: KV-cache positions a freed row keeps resident; a longer request's pages beyond them are
-            given back when it leaves its row (:meth:`~cosyvoice_cpu.lm.session.KVCache.release`).
+            given back when it leaves its row (:meth:`~cosyvoice_cpu.lm.kv_cache.KVCache.release`).
     """
 
     def __init__(self, generator: SpeechTokenGenerator, max_rows: int = 8,

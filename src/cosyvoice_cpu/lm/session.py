@@ -28,9 +28,7 @@ Nothing here samples: :meth:`LMSession.decode` returns log-probabilities for a s
 from __future__ import annotations
 
 import logging
-import mmap
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,176 +37,11 @@ import numpy as np
 from cosyvoice_cpu.backends.base import SessionConfig, as_config, check_io
 from cosyvoice_cpu.backends.onnxruntime import make_session
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
+from cosyvoice_cpu.lm.files import EMBEDDING_FILES, EXPORT_HINT, GRAPH_FILE, MIN_ROWS_KEY, SPECIALS
+from cosyvoice_cpu.lm.kv_cache import KVCache, LMSpec, past_names, present_names
 from cosyvoice_cpu.lm.row_table import open_table
 
 logger = logging.getLogger(__name__)
-
-GRAPH_FILE = "lm.onnx"
-EMBEDDING_FILES = {
-    "text": "lm_text_embedding.npy",  # (text_vocab, D): Qwen2 embed_tokens
-    "speech": "lm_speech_embedding.npy",  # (speech_vocab, D): speech tokens + 3 stop ids
-    "special": "lm_special_embedding.npy",  # (2, D): llm_embedding rows below
-}
-SPECIALS = {"sos": 0, "task_id": 1}
-TEXT_ENCODER_FILE = "lm_text_encoder.onnx"  # v1 only: the Conformer text encoder (runtime: lm_prompt.TextEncoder)
-EXPORT_HINT = "re-export the model directory with `cosyvoice-cpu export`"
-MIN_ROWS_KEY = "min_rows"  # lm.onnx metadata: see LMSession's min_rows
-
-
-def past_names(i: int) -> tuple[str, str]:
-    """Graph input names of layer i's cache: (past_key_i, past_value_i)."""
-    return f"past_key_{i}", f"past_value_{i}"
-
-
-def present_names(i: int) -> tuple[str, str]:
-    """Graph output names of layer i's cache: (present_key_i, present_value_i)."""
-    return f"present_key_{i}", f"present_value_{i}"
-
-
-@dataclass(frozen=True)
-class LMSpec:
-    """The facts of an exported LM the runtime needs (the ``lm`` GraphArtifact's ``attrs``).
-
-    ``speech_rows`` (rows of the speech table; default ``speech_vocab``, the head size) and ``text_dim`` (width of
-    the text table; default ``hidden``) differ for CosyVoice-300M, whose text table feeds a text encoder and whose
-    speech table has no EOS row.
-    """
-
-    max_len: int
-    num_layers: int
-    kv_heads: int
-    head_dim: int
-    hidden: int
-    speech_vocab: int
-    text_vocab: int
-    speech_rows: int = 0
-    text_dim: int = 0
-
-    @classmethod
-    def from_attrs(cls, attrs: Mapping[str, Any]) -> LMSpec:
-        optional = ("speech_rows", "text_dim")
-        missing = [k for k in cls.__dataclass_fields__ if k not in attrs and k not in optional]
-        if missing:
-            raise ModelDirError(f"LM attributes lack {', '.join(missing)}; {EXPORT_HINT}")
-        spec = cls(**{k: int(attrs[k]) for k in cls.__dataclass_fields__ if k in attrs})
-        return replace(spec, speech_rows=spec.speech_rows or spec.speech_vocab, text_dim=spec.text_dim or spec.hidden)
-
-
-def zero_pages(shape: tuple[int, ...]) -> np.ndarray:
-    """A float32 array of ``shape`` in its own anonymous private mapping: zero, and resident only where written
-    (the kernel maps a page on its first write); the mapping is unmapped when the last view of it is freed."""
-    n = int(np.prod(shape))
-    if n == 0 or not hasattr(mmap, "MAP_PRIVATE"):  # no POSIX mmap flags (Windows): calloc'd zeros
-        return np.zeros(shape, np.float32)
-    buf = mmap.mmap(-1, n * 4, flags=mmap.MAP_PRIVATE)
-    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # with transparent huge pages "always", the first write to a 2 MB
-        buf.madvise(mmap.MADV_NOHUGEPAGE)  # region would make all of it resident: 4 KB pages keep the promise
-    return np.frombuffer(buf, np.float32).reshape(shape)
-
-
-def _mapping_of(array: np.ndarray) -> mmap.mmap | None:
-    """The :func:`zero_pages` mapping under ``array`` (None for a plain NumPy array)."""
-    base: Any = array
-    while base is not None and not isinstance(base, mmap.mmap):
-        base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)  # frombuffer: a memoryview
-    return base
-
-
-# KVCache.release's default: positions a freed row keeps resident (full-size CosyVoice2: 12 MB per row; a 10 s
-# sentence with a 3 s voice fills ~420 positions). A long sentence's pages beyond it are given back.
-KEEP_POSITIONS = 512
-
-
-class KVCache:
-    """Per-request decoding state: a preallocated cache for ``rows`` sequences and their lengths.
-
-    ``keys[i]`` / ``values[i]``: float32 (rows + spare, Hkv, max_len, Dh) for layer i; ``lengths``: (rows + spare,)
-    int64 number of valid positions per row. Spare rows (last) are never a caller's: they only pad a lone row's
-    call (:class:`LMSession`'s ``min_rows``).
-
-    All layers live in one anonymous private mapping (:func:`zero_pages`), so a page of the cache costs memory
-    only once a position in it is written. ``np.zeros`` does not promise that: once glibc's dynamic mmap
-    threshold has risen above an array's size, ``calloc`` serves it from the heap and clears it, touching every
-    page. Full-size CosyVoice2 LM (max_len 2048, 192 MB for 4 rows; a development probe in an engine's process):
-    prefilling the bench prompt's 166 positions into row 0 of an ``np.zeros`` cache made a large part of it
-    resident, in one mapping only the pages written (measured: docs/benchmarks-log.md, "Memory").
-    """
-
-    def __init__(self, spec: LMSpec, rows: int, spare: int = 0) -> None:
-        if rows <= 0:
-            raise ConfigError(f"a KV cache needs at least one row, got {rows}")
-        if spare < 0:
-            raise ConfigError(f"a KV cache's spare rows cannot be negative, got {spare}")
-        shape = (rows + spare, spec.kv_heads, spec.max_len, spec.head_dim)
-        self.spec = spec
-        layers = zero_pages((2, spec.num_layers, *shape))
-        self.keys, self.values = list(layers[0]), list(layers[1])
-        self.lengths = np.zeros(rows + spare, np.int64)
-        self._rows = rows
-        self._bindings: dict[tuple[int, int, int], tuple[Any, Any]] = {}  # see LMSession._binding
-
-    @property
-    def rows(self) -> int:
-        """Rows a caller may use; ``keys[i]`` may hold ``spare`` more, which only pad a call's row range."""
-        return self._rows
-
-    def reset(self, row: int) -> None:
-        """Forget row ``row`` (its buffer is overwritten by the next prefill)."""
-        self._check_row(row)
-        self.lengths[row] = 0
-
-    def release(self, row: int, keep: int = KEEP_POSITIONS) -> int:
-        """Give row ``row``'s memory past its first ``keep`` positions back to the OS; return the bytes of the
-        ranges released (written or not).
-
-        For a row no request uses any more: its length is set to ``min(length, keep)``. A written page stays
-        resident for the cache's lifetime, so without this one long sentence would keep its row's pages (the
-        full-size CosyVoice-300M LM: ~115 KB per position, up to 235 MB per row; CosyVoice2: ~24 KB, 50 MB) in a
-        scheduler that runs for months. ``madvise(MADV_DONTNEED)`` on the private anonymous mapping: the pages
-        read as zeros again and cost memory only when written. A no-op (0) for a row no longer than ``keep``, for
-        a cache not in a :func:`zero_pages` mapping, and where ``madvise`` is missing.
-        """
-        self._check_row(row)
-        if keep < 0:
-            raise ConfigError(f"keep must be >= 0 positions, got {keep}")
-        length = int(self.lengths[row])
-        self.lengths[row] = min(length, keep)
-        buf = _mapping_of(self.keys[0])
-        if length <= keep or buf is None or not hasattr(mmap, "MADV_DONTNEED"):
-            return 0
-        page, item = mmap.PAGESIZE, self.keys[0].itemsize
-        span = self.spec.max_len * self.spec.head_dim * item  # bytes of one (row, head) position range
-        base = np.frombuffer(buf, np.uint8).ctypes.data
-        released = 0
-        for layer in self.keys + self.values:
-            for head in range(layer.shape[1]):
-                start = layer[row, head].ctypes.data - base
-                lo = -(-(start + keep * self.spec.head_dim * item) // page) * page  # whole pages only
-                hi = (start + span) // page * page
-                if hi > lo:
-                    buf.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-                    released += hi - lo
-        return released
-
-    def read(self, row: int, n: int) -> np.ndarray:
-        """A copy of row ``row``'s first ``n`` positions: float32 (2, layers, Hkv, n, Dh), keys then values."""
-        self._check_row(row)
-        return np.stack([np.stack([layer[row, :, :n] for layer in part]) for part in (self.keys, self.values)])
-
-    def write(self, row: int, kv: np.ndarray) -> None:
-        """Make ``kv`` (as :meth:`read` returns it) the whole content of row ``row``."""
-        s, n = self.spec, kv.shape[3]
-        if kv.shape != (2, s.num_layers, s.kv_heads, n, s.head_dim) or n > s.max_len:
-            raise ConfigError(f"KV entries of shape {kv.shape} do not fit this LM's cache")
-        self._check_row(row)
-        for part, layers in zip((self.keys, self.values), kv):
-            for buf, entries in zip(part, layers):
-                buf[row, :, :n] = entries
-        self.lengths[row] = n
-
-    def _check_row(self, row: int) -> None:
-        if not 0 <= row < self.rows:
-            raise ConfigError(f"row {row} is out of range for a KV cache of {self.rows} rows")
 
 
 class LMSession:
