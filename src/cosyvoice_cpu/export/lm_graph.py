@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ import numpy as np
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import OPSET, GateResult, GraphArtifact, LMGate, io_specs, rel_err, save_onnx
 from cosyvoice_cpu.families.facts import facts
-from cosyvoice_cpu.lm.files import EMBEDDING_FILES, GRAPH_FILE, SPECIALS
+from cosyvoice_cpu.lm.files import EMBEDDING_FILES, GRAPH_FILE, SPECIALS, TEXT_ENCODER_FILE
 from cosyvoice_cpu.lm.kv_cache import past_names, present_names
 
 logger = logging.getLogger(__name__)
@@ -272,9 +273,6 @@ GATE = LMGate(facts("cosyvoice2"), lm_attrs, lambda lm: lm.cfg.qwen.vocab_size)
 
 def _open(lm: Any, out_dir: Path, graph_file: str, gate: LMGate = GATE) -> tuple[Any, Any]:
     """The runtime session on a written graph and its prompt builder ``(text ids, speech ids, speaker) -> (T, D)``."""
-    from functools import partial
-
-    from cosyvoice_cpu.lm.files import TEXT_ENCODER_FILE
     from cosyvoice_cpu.lm.prompt import TextEncoder, assemble
     from cosyvoice_cpu.lm.session import LMSession
 
