@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cosyvoice_cpu.errors import ModelDirError
-from cosyvoice_cpu.families.facts import FAMILIES, facts
+from cosyvoice_cpu.facts import FAMILIES, facts
 from cosyvoice_cpu.lm.files import EMBEDDING_FILES
 
 logger = logging.getLogger(__name__)

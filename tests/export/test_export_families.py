@@ -10,7 +10,7 @@ import pytest
 
 from cosyvoice_cpu.errors import ExportError
 from cosyvoice_cpu.export.families import REGISTRY, ExportCosyVoice, ExportCosyVoice3, export_family
-from cosyvoice_cpu.families.facts import FAMILIES, facts
+from cosyvoice_cpu.facts import FAMILIES, facts
 
 EXPORT = Path(__file__).parents[2] / "src" / "cosyvoice_cpu" / "export"
 BLANK_EN = ("CosyVoice-BlankEN/config.json", "CosyVoice-BlankEN/vocab.json", "CosyVoice-BlankEN/merges.txt",

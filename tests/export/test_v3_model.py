@@ -17,7 +17,7 @@ from cosyvoice_cpu.engine import Engine
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.exporter import ExportOptions, export_model
-from cosyvoice_cpu.families.facts import facts
+from cosyvoice_cpu.facts import facts
 from cosyvoice_cpu.lm.sampling import RngDraw
 from cosyvoice_cpu.lm.silence import drop_long_silences
 from cosyvoice_cpu.manifest import Manifest

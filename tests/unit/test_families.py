@@ -10,7 +10,7 @@ import pytest
 
 import cosyvoice_cpu
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
-from cosyvoice_cpu.families.facts import FACTS, FAMILIES, facts
+from cosyvoice_cpu.facts import FACTS, FAMILIES, facts
 from cosyvoice_cpu.families.registry import CLASSES, family_for
 from cosyvoice_cpu.voices.voice import Voice
 

@@ -47,7 +47,7 @@ def test_refuses_to_overwrite_and_bad_specs(tiny_model_dir: Path) -> None:
 
 
 def test_one_fixture_writer_per_family_of_the_facts_table() -> None:
-    from cosyvoice_cpu.families.facts import FAMILIES
+    from cosyvoice_cpu.facts import FAMILIES
 
     assert fx.FAMILIES == FAMILIES and set(fx.WRITERS) == set(FAMILIES)
 

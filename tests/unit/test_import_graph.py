@@ -149,3 +149,10 @@ def test_no_module_imports_another_modules_private_names() -> None:
         if a.name.startswith("_") and not a.name.startswith("__")
     )
     assert not bad, "imports of private names:\n" + "\n".join(bad)
+
+
+def test_the_facts_table_is_on_the_ground_floor() -> None:
+    """``cosyvoice_cpu.facts`` imports nothing of the package but ``errors`` (the manifest, the LM's silence
+    filter, voices and the PyTorch side read it: nothing they import may sit above them)."""
+    assert import_graph()["cosyvoice_cpu.facts"] <= {"cosyvoice_cpu.errors"}
+    assert import_graph()["cosyvoice_cpu.errors"] == set()

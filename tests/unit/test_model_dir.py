@@ -97,7 +97,7 @@ def test_hift_checkpoint_mismatch_is_a_model_dir_error(tiny_model_dir: Path, tmp
 
 def test_one_loader_per_family_with_the_released_mel_defaults() -> None:
     """LOADERS is keyed by the facts table; a yaml without ``feat_extractor`` gets the family's released values."""
-    from cosyvoice_cpu.families.facts import FAMILIES, facts
+    from cosyvoice_cpu.facts import FAMILIES, facts
     from cosyvoice_cpu.reference.model_dir import LOADERS, MelConfig
 
     assert set(LOADERS) == set(FAMILIES)

@@ -27,7 +27,7 @@ from cosyvoice_cpu.benchmark.tasks import energy_counters
 from cosyvoice_cpu.cli.common import need_export_extra
 from cosyvoice_cpu.config import cache_dir
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.families.facts import FAMILIES, facts
+from cosyvoice_cpu.facts import FAMILIES, facts
 from cosyvoice_cpu.hardware.calibrate import calibrate
 from cosyvoice_cpu.hardware.cpu import detect
 from cosyvoice_cpu.manifest import Manifest

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.families.facts import FamilyFacts
+from cosyvoice_cpu.facts import FamilyFacts
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from cosyvoice_cpu.export.common import GateResult, GraphArtifact, replace_dir
 from cosyvoice_cpu.export.families import ExportFamily, export_family
 from cosyvoice_cpu.export.quantize import DEFAULT_RECIPE, Recipe, parse_recipe
 from cosyvoice_cpu.export.stages import export_stage_files
-from cosyvoice_cpu.families.facts import FAMILIES
+from cosyvoice_cpu.facts import FAMILIES
 from cosyvoice_cpu.lm.files import SPECIALS
 from cosyvoice_cpu.manifest import (
     FORMAT_VERSION,

@@ -15,7 +15,7 @@ each LM graph module (its ``GATE``, a :class:`cosyvoice_cpu.export.common.LMGate
 the plans name those modules, which never import this one.
 
 The facts (sample rate, speech tokenizer, text tokenizer, built-in speakers, ...) come from the one table
-:mod:`cosyvoice_cpu.families.facts`; the registry is keyed by its family names. Torch, onnx and the tokenizer
+:mod:`cosyvoice_cpu.facts`; the registry is keyed by its family names. Torch, onnx and the tokenizer
 converters are imported inside the methods, so importing this module stays cheap.
 """
 
@@ -29,7 +29,7 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 from cosyvoice_cpu.errors import ExportError
-from cosyvoice_cpu.families.facts import FAMILIES, FamilyFacts, facts
+from cosyvoice_cpu.facts import FAMILIES, FamilyFacts, facts
 from cosyvoice_cpu.manifest import VOICES_DIR
 
 logger = logging.getLogger(__name__)

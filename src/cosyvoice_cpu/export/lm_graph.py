@@ -33,7 +33,7 @@ import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import OPSET, GateResult, GraphArtifact, LMGate, io_specs, rel_err, save_onnx
-from cosyvoice_cpu.families.facts import facts
+from cosyvoice_cpu.facts import facts
 from cosyvoice_cpu.lm.files import EMBEDDING_FILES, GRAPH_FILE, SPECIALS, TEXT_ENCODER_FILE
 from cosyvoice_cpu.lm.kv_cache import past_names, present_names
 

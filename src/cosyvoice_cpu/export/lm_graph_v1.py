@@ -35,7 +35,7 @@ import numpy as np
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import OPSET, GraphArtifact, LMGate, save_onnx, torch_export
 from cosyvoice_cpu.export.lm_graph import IO_DOCS, IR_VERSION
-from cosyvoice_cpu.families.facts import facts
+from cosyvoice_cpu.facts import facts
 from cosyvoice_cpu.lm.files import EMBEDDING_FILES, GRAPH_FILE, SPECIALS, TEXT_ENCODER_FILE
 from cosyvoice_cpu.lm.kv_cache import past_names, present_names
 

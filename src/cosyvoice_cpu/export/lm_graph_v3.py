@@ -37,7 +37,7 @@ from cosyvoice_cpu.export.lm_graph import GATE as V2_GATE
 from cosyvoice_cpu.export.lm_graph import build_lm_model, lm_attrs, lm_weights, rope_tables
 from cosyvoice_cpu.export.lm_graph import compare_lm as _compare_lm
 from cosyvoice_cpu.export.lm_graph import verify_lm as _verify_lm
-from cosyvoice_cpu.families.facts import facts
+from cosyvoice_cpu.facts import facts
 from cosyvoice_cpu.lm.files import EMBEDDING_FILES, GRAPH_FILE, SPECIALS
 
 logger = logging.getLogger(__name__)

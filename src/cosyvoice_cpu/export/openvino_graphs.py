@@ -153,7 +153,7 @@ def _sentences(stage: Any, family: str, lengths: tuple[int, ...], seed: int, mel
                f0s: tuple[float | None, ...]) -> list[dict[str, Any]]:  # fmt: skip
     """Inference arguments for sentences of ``lengths`` tokens (random speech tokens), sentence ``i`` after a 3 s
     voice prompt made by :func:`_prompt` with ``f0s[i % len(f0s)]`` and its own x-vector."""
-    from cosyvoice_cpu.families.facts import facts
+    from cosyvoice_cpu.facts import facts
 
     f = facts(family)
     rng = np.random.default_rng(seed)

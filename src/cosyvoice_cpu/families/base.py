@@ -6,7 +6,7 @@ name (the shape sherpa-onnx uses in ``OfflineTtsImpl::Create``):
 - :meth:`Family.load`: the stages of an exported directory (:class:`Stages`), each given what it needs from the
   engine's config at construction;
 - :meth:`Family.lm_prompt`: the LM's prompt rules per mode (markers, system prompt, x-vector use), from the
-  family's facts (:mod:`cosyvoice_cpu.families.facts`);
+  family's facts (:mod:`cosyvoice_cpu.facts`);
 - :meth:`Family.keep_tokens` / :meth:`Family.token_filter`: which decoded speech tokens reach the flow;
 - :attr:`Family.prompt_cache`: the kind of per-voice prompt cache the streamed flow keeps (or None);
 - :meth:`Family.speak_stream`: the stream recipe (whole sentences share :func:`~cosyvoice_cpu.sentence.speak_whole`).
@@ -29,7 +29,7 @@ from cosyvoice_cpu.backends.base import SessionConfig
 from cosyvoice_cpu.backends.plan import GraphPlan, plan_backends
 from cosyvoice_cpu.config import EngineConfig
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.families.facts import FamilyFacts
+from cosyvoice_cpu.facts import FamilyFacts
 from cosyvoice_cpu.flow.buckets import ShapedGraph
 from cosyvoice_cpu.flow.prompt_caches import PromptCaches
 from cosyvoice_cpu.flow.stage import FlowStage

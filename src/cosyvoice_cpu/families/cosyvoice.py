@@ -16,8 +16,8 @@ from typing import ClassVar
 import numpy as np
 
 from cosyvoice_cpu.backends.base import SessionConfig
+from cosyvoice_cpu.facts import FamilyFacts, facts
 from cosyvoice_cpu.families.base import Family, Stages
-from cosyvoice_cpu.families.facts import FamilyFacts, facts
 from cosyvoice_cpu.flow.stage import FlowStage
 from cosyvoice_cpu.flow.stage_v1 import FlowStageV1
 from cosyvoice_cpu.flow.stream_v1 import FlowStreamV1

@@ -8,8 +8,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from cosyvoice_cpu.facts import FamilyFacts, facts
 from cosyvoice_cpu.families.base import Family, Stages
-from cosyvoice_cpu.families.facts import FamilyFacts, facts
 from cosyvoice_cpu.flow.stage import FlowStage
 from cosyvoice_cpu.flow.stream import FlowStream, PromptCache
 from cosyvoice_cpu.sentence import Piece, Sentence, speak_chunks

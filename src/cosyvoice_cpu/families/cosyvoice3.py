@@ -10,8 +10,8 @@ import numpy as np
 
 from cosyvoice_cpu.backends.base import SessionConfig
 from cosyvoice_cpu.config import EngineConfig
+from cosyvoice_cpu.facts import FamilyFacts, facts
 from cosyvoice_cpu.families.cosyvoice2 import CosyVoice2
-from cosyvoice_cpu.families.facts import FamilyFacts, facts
 from cosyvoice_cpu.flow.stage import FlowStage
 from cosyvoice_cpu.flow.stage_v3 import FlowStageV3
 from cosyvoice_cpu.flow.stream_v3 import FlowStreamV3, PromptCacheV3

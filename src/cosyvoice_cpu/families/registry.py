@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from cosyvoice_cpu.facts import facts
 from cosyvoice_cpu.families.base import Family
 from cosyvoice_cpu.families.cosyvoice import CosyVoice
 from cosyvoice_cpu.families.cosyvoice2 import CosyVoice2
 from cosyvoice_cpu.families.cosyvoice3 import CosyVoice3
-from cosyvoice_cpu.families.facts import facts
 from cosyvoice_cpu.manifest import Manifest
 
 CLASSES: dict[str, type[Family]] = {cls.facts.name: cls for cls in (CosyVoice2, CosyVoice, CosyVoice3)}

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Iterable, Iterator
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.families.facts import V3_MAX_SILENT_RUN, V3_SILENT_TOKENS
+from cosyvoice_cpu.facts import V3_MAX_SILENT_RUN, V3_SILENT_TOKENS
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ older CosyVoice2-0.5B downloads ship ``cosyvoice.yaml``. The yaml is read as dat
 :mod:`cosyvoice_cpu.reference.yamlconf`); nothing in it is executed. Checkpoints are loaded with
 ``weights_only=True`` and every module with ``strict=True``.
 
-Families (:mod:`cosyvoice_cpu.families.facts`; how each is read: :data:`LOADERS`): ``cosyvoice`` (v1,
+Families (:mod:`cosyvoice_cpu.facts`; how each is read: :data:`LOADERS`): ``cosyvoice`` (v1,
 CosyVoice-300M: TransformerLM, MaskedDiffWithXvec, 22.05 kHz HiFT), ``cosyvoice2`` (v2, CosyVoice2-0.5B: Qwen2LM,
 CausalMaskedDiffWithXvec, HiFT) and ``cosyvoice3`` (v3, Fun-CosyVoice3-0.5B: CosyVoice3LM, CausalMaskedDiffWithDiT,
 CausalHiFTGenerator; mel fmax null). v3's flow and vocoder are imported lazily (:func:`v3_stage_classes`): without
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from cosyvoice_cpu.errors import ModelDirError
-from cosyvoice_cpu.families.facts import facts
+from cosyvoice_cpu.facts import facts
 from cosyvoice_cpu.reference.yamlconf import Tagged, load_yaml_data
 
 logger = logging.getLogger(__name__)

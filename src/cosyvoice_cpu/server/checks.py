@@ -14,7 +14,7 @@ import re
 import unicodedata
 from typing import Any
 
-from cosyvoice_cpu.families.facts import FAMILIES, facts
+from cosyvoice_cpu.facts import FAMILIES, facts
 from cosyvoice_cpu.server.voices import VoiceNotFoundError
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
-from cosyvoice_cpu.families.facts import FamilyFacts, facts
+from cosyvoice_cpu.facts import FamilyFacts, facts
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class Voice:
         speech_tokens: (T_tok,) int32 speech tokens of the prompt (25 Hz for CosyVoice2, 50 Hz for CosyVoice-300M).
         mel: (T_mel, 80) float32 log-mel of the prompt at the model's sample rate (CosyVoice2: T_mel = 2 * T_tok).
         embedding: (192,) float32 speaker x-vector (campplus).
-        family: model family the features were made for (a name of :data:`~cosyvoice_cpu.families.facts.FAMILIES`).
+        family: model family the features were made for (a name of :data:`~cosyvoice_cpu.facts.FAMILIES`).
         A CosyVoice-300M built-in (SFT) speaker is a voice with no prompt: no tokens, no mel, no transcript.
         sample_rate: the model's sample rate the mel was computed at.
         meta: free-form facts (source file, duration, creation time).
@@ -135,7 +135,7 @@ class Voice:
 
     @property
     def family_facts(self) -> FamilyFacts:
-        """The facts of the voice's family (:mod:`cosyvoice_cpu.families.facts`); VoiceError for an unknown one."""
+        """The facts of the voice's family (:mod:`cosyvoice_cpu.facts`); VoiceError for an unknown one."""
         try:
             return facts(self.family)
         except ModelDirError:
