@@ -158,7 +158,7 @@ def _print_speed(threads: int) -> None:
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Report what this machine can run; exit 1 when something needs attention."""
     from cosyvoice_cpu.hardware.cpu import detect
-    from cosyvoice_cpu.hardware.features import kernel_level, probe_kernels, speed_expectation
+    from cosyvoice_cpu.hardware.features import kernel_level, numpy_cpu_features, probe_kernels, speed_expectation
 
     hw = detect()
     problems: list[str] = []
@@ -184,7 +184,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     except CosyVoiceCpuError as e:
         problems.append(str(e))
     if not problems:  # a wheel built for a newer CPU dies of SIGILL: in a child process, explained
-        problems += [p for p in (probe_kernels(),) if p]
+        problem, note = probe_kernels(cpuid=numpy_cpu_features()[0] if hw.features_from.startswith("cpuid") else None)
+        problems += [problem] if problem else []
+        hw.notes += [note] if note else []
     gib = 2**30
     mem = ", ".join(f"{name} {v / gib:.1f} GiB" for name, v in (("total", hw.mem_total), ("available",
                     hw.mem_available), ("container limit", hw.mem_limit)) if v is not None)  # fmt: skip

@@ -44,7 +44,10 @@ NUMPY_TO_CPUINFO = {
 _NEEDS = (("amx", "avx512f"), ("avx512", "avx512f"), ("avx", "avx2"), ("i8mm", "asimd"), ("bf16", "asimd"),
           ("sve", "asimd"))  # fmt: skip
 
-PROBE = "from cosyvoice_cpu.hardware.calibrate import calibrate; calibrate(1, budget_s=0.01, scale=0.05)"
+# the probe's child runs the calibration kernels at a tiny size, then prints the CPU features its NumPy saw
+PROBE = ("from cosyvoice_cpu.hardware.calibrate import calibrate; calibrate(1, budget_s=0.01, scale=0.05)\n"
+         "from cosyvoice_cpu.hardware.features import numpy_cpu_features\n"
+         "print(' '.join(sorted(k for k, on in (numpy_cpu_features()[0] or {}).items() if on)))")  # fmt: skip
 
 
 def numpy_cpu_features() -> tuple[dict[str, bool] | None, str | None]:
@@ -134,25 +137,45 @@ def floor_problem(arch: str, numpy_error: str | None) -> str | None:
     )
 
 
-def probe_kernels(timeout: float = 120.0, code: str = PROBE) -> str | None:
-    """Run NumPy and onnxruntime's GEMM and attention kernels once in a child process; None when it ran.
+def probe_kernels(
+    timeout: float = 120.0, code: str = PROBE, cpuid: Mapping[str, bool] | None = None
+) -> tuple[str | None, str | None]:
+    """Run NumPy and onnxruntime's GEMM and attention kernels once in a child process: (problem, note), None
+    where there is nothing to say.
 
     A wheel built for a newer CPU stops the process with ``SIGILL`` (Illegal instruction), which no ``except``
-    catches: in a child it becomes this explanation. ``code`` is what the child runs (tests replace it).
+    catches: in a child it becomes the problem's explanation. With ``cpuid`` (this process's NumPy view) the note
+    says when the child saw another CPU: under qemu's user mode a child process runs natively unless binfmt_misc
+    sends it to qemu, and then the probe vouches for the host, not the emulated CPU. ``code`` is what the child
+    runs (tests replace it); its last line of output is the features it saw.
     """
     try:
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return f"the kernel probe (NumPy and onnxruntime in a child process) did not finish in {timeout:g} s"
+        return f"the kernel probe (NumPy and onnxruntime in a child process) did not finish in {timeout:g} s", None
     if p.returncode == -signal.SIGILL:
         return (
             "a child process running NumPy's and onnxruntime's kernels (calibration GEMMs) died of SIGILL "
             "(Illegal instruction): a wheel here was built for a newer CPU than this one. Find which with "
             "`python -c 'import numpy'` and `python -c 'import onnxruntime'`, build that one from source for this "
             "CPU, and please report it with `cosyvoice-cpu doctor` output (README, 'Platforms')"
-        )
+        ), None
     if p.returncode != 0:
         tail = (p.stderr.strip().splitlines() or ["no output"])[-1]
-        return f"the kernel probe (NumPy and onnxruntime in a child process) failed with exit {p.returncode}: {tail}"
+        return (
+            f"the kernel probe (NumPy and onnxruntime in a child process) failed with exit {p.returncode}: {tail}",
+            None,
+        )
     logger.debug("kernel probe ran")
-    return None
+    if cpuid is None:
+        return None, None
+    seen = set((p.stdout.strip().splitlines() or [""])[-1].split())
+    mine = {k for k, on in cpuid.items() if on}
+    if seen == mine:
+        return None, None
+    more, less = " ".join(sorted(seen - mine)) or "none more", " ".join(sorted(mine - seen)) or "none"
+    return None, (
+        f"the kernel probe's child process saw other CPU features than this one (it has {more}; lacks {less}): "
+        "under qemu's user mode a child runs natively unless binfmt_misc sends it to qemu, so the probe ran the "
+        "host's kernels, not this CPU's"
+    )
