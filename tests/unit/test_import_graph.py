@@ -1,7 +1,7 @@
 """The package's import graph: no cycles, and the runtime imports none of the ``[export]`` side.
 
 Every import counts, function-level ones too (a cycle held apart by an import inside a function is still a
-cycle); imports under ``if TYPE_CHECKING:`` do not run and are left out.
+cycle), and so do imports under ``if TYPE_CHECKING:``: they do not run, but a reader follows them all the same.
 """
 
 from __future__ import annotations
@@ -21,21 +21,12 @@ def _module_name(path: Path) -> str:
 
 
 def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
-    """Module -> the package modules it imports (anywhere in the file, TYPE_CHECKING blocks excluded)."""
+    """Module -> the package modules it imports (anywhere in the file, TYPE_CHECKING blocks included)."""
     files = {_module_name(p): p for p in root.rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in files}
     for name, path in files.items():
         tree = ast.parse(path.read_text(), str(path))
-        typing_only = {
-            id(x)
-            for node in ast.walk(tree)
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-            for stmt in node.body
-            for x in ast.walk(stmt)
-        }
         for node in ast.walk(tree):
-            if id(node) in typing_only:
-                continue
             if isinstance(node, ast.ImportFrom) and node.module:
                 targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
             elif isinstance(node, ast.Import):

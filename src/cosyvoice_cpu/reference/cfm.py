@@ -7,13 +7,14 @@ Shapes: mu/cond/x (B, 80, T), mask (B, 1, T), spks (B, 80).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from cosyvoice_cpu.reference.flow import CFMConfig
+from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.reference.yamlconf import Tagged
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,60 @@ def official_fixed_noise(frames: int = NOISE_FRAMES) -> torch.Tensor:
     columns. Drawn from a private generator, so the global RNG is left alone. -> (1, 80, frames)."""
     gen = torch.Generator().manual_seed(NOISE_SEED)
     return torch.randn(1, 80, NOISE_FRAMES, generator=gen)[:, :, :frames]
+
+
+def need(ok: bool, field_name: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"flow config: {field_name} {msg}")
+
+
+def class_args(node: Tagged | None, expected: str, where: str) -> dict[str, Any]:
+    """The arguments of a yaml ``!new:`` node of class ``expected`` ({} for None); ConfigError otherwise."""
+    if node is None:
+        return {}
+    if not isinstance(node, Tagged) or node.class_name != expected:
+        name = node.class_name if isinstance(node, Tagged) else type(node).__name__
+        raise ConfigError(f"flow config: {where} is {name}, expected {expected}")
+    return dict(node.args) if isinstance(node.args, dict) else {}
+
+
+@dataclass
+class CFMConfig:
+    """``CausalConditionalCFM`` settings: ODE solver, schedule, guidance, fixed noise."""
+
+    in_channels: int = 240
+    n_spks: int = 1
+    spk_emb_dim: int = 80
+    sigma_min: float = 1e-6
+    solver: str = "euler"
+    t_scheduler: str = "cosine"
+    training_cfg_rate: float = 0.2
+    inference_cfg_rate: float = 0.7
+    n_timesteps: int = 10  # hard-coded by the official flow inference
+
+    def validate(self) -> None:
+        need(self.solver == "euler", "cfm.solver", f"= {self.solver!r} is not supported (want 'euler')")
+        need(self.t_scheduler in ("cosine", "linear"), "cfm.t_scheduler", "must be 'cosine' or 'linear'")
+        need(self.inference_cfg_rate >= 0, "cfm.inference_cfg_rate", "must be >= 0")
+        need(self.n_timesteps >= 1, "cfm.n_timesteps", "must be >= 1")
+        need(self.spk_emb_dim > 0, "cfm.spk_emb_dim", "must be > 0")
+
+    @classmethod
+    def from_yaml(cls, node: Tagged, expected: str = "CausalConditionalCFM") -> CFMConfig:
+        """Read ``flow.decoder`` (v2 ``CausalConditionalCFM``; v1 passes ``expected="ConditionalCFM"``)."""
+        a = class_args(node, expected, "flow.decoder")
+        params = a.get("cfm_params")
+        p = class_args(params, "DictConfig", "flow.decoder.cfm_params").get("content", {}) if params else {}
+        return cls(
+            in_channels=int(a.get("in_channels", cls.in_channels)),
+            n_spks=int(a.get("n_spks", 1)),
+            spk_emb_dim=int(a.get("spk_emb_dim", 64)),
+            sigma_min=float(p.get("sigma_min", cls.sigma_min)),
+            solver=str(p.get("solver", cls.solver)),
+            t_scheduler=str(p.get("t_scheduler", cls.t_scheduler)),
+            training_cfg_rate=float(p.get("training_cfg_rate", cls.training_cfg_rate)),
+            inference_cfg_rate=float(p.get("inference_cfg_rate", cls.inference_cfg_rate)),
+        )
 
 
 class ConditionalCFM(nn.Module):

@@ -10,7 +10,7 @@
 ``strict=True``.
 
 v1 ``MaskedDiffWithXvec`` lives in :mod:`.flow_v1` (length regulator, fresh noise per call, the multi-resolution
-UNet of :mod:`.flow_estimator_v1`) and reuses this module's :class:`CFMConfig` and :class:`FlowConditions`. Seam
+UNet of :mod:`.flow_estimator_v1`) and reuses :class:`.cfm.CFMConfig` and this module's :class:`FlowConditions`. Seam
 for v3 ``CausalMaskedDiffWithDiT``: another estimator behind the same ``forward(x, mask, mu, t, spks, cond,
 streaming)`` contract.
 """
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.reference.cfm import ConditionalCFM
+from cosyvoice_cpu.reference.cfm import CFMConfig, ConditionalCFM, class_args, need
 from cosyvoice_cpu.reference.flow_encoder import FlowEncoder, valid_mask
 from cosyvoice_cpu.reference.flow_estimator import FlowEstimator
 from cosyvoice_cpu.reference.yamlconf import Tagged
@@ -34,21 +34,6 @@ from cosyvoice_cpu.reference.yamlconf import Tagged
 logger = logging.getLogger(__name__)
 
 SUPPORTED_FLOWS = ("CausalMaskedDiffWithXvec",)  # v1 MaskedDiffWithXvec: flow_v1.py; v3 CausalMaskedDiffWithDiT: later
-
-
-def need(ok: bool, field_name: str, msg: str) -> None:
-    if not ok:
-        raise ConfigError(f"flow config: {field_name} {msg}")
-
-
-def class_args(node: Tagged | None, expected: str, where: str) -> dict[str, Any]:
-    """The arguments of a yaml ``!new:`` node of class ``expected`` ({} for None); ConfigError otherwise."""
-    if node is None:
-        return {}
-    if not isinstance(node, Tagged) or node.class_name != expected:
-        name = node.class_name if isinstance(node, Tagged) else type(node).__name__
-        raise ConfigError(f"flow config: {where} is {name}, expected {expected}")
-    return dict(node.args) if isinstance(node.args, dict) else {}
 
 
 def unet_args(a: dict[str, Any]) -> dict[str, Any]:
@@ -143,45 +128,6 @@ class FlowEstimatorConfig:
             **unet_args(a),
             static_chunk_size=int(a.get("static_chunk_size", 50)),
             num_decoding_left_chunks=int(a.get("num_decoding_left_chunks", 2)),
-        )
-
-
-@dataclass
-class CFMConfig:
-    """``CausalConditionalCFM`` settings: ODE solver, schedule, guidance, fixed noise."""
-
-    in_channels: int = 240
-    n_spks: int = 1
-    spk_emb_dim: int = 80
-    sigma_min: float = 1e-6
-    solver: str = "euler"
-    t_scheduler: str = "cosine"
-    training_cfg_rate: float = 0.2
-    inference_cfg_rate: float = 0.7
-    n_timesteps: int = 10  # hard-coded by the official flow inference
-
-    def validate(self) -> None:
-        need(self.solver == "euler", "cfm.solver", f"= {self.solver!r} is not supported (want 'euler')")
-        need(self.t_scheduler in ("cosine", "linear"), "cfm.t_scheduler", "must be 'cosine' or 'linear'")
-        need(self.inference_cfg_rate >= 0, "cfm.inference_cfg_rate", "must be >= 0")
-        need(self.n_timesteps >= 1, "cfm.n_timesteps", "must be >= 1")
-        need(self.spk_emb_dim > 0, "cfm.spk_emb_dim", "must be > 0")
-
-    @classmethod
-    def from_yaml(cls, node: Tagged, expected: str = "CausalConditionalCFM") -> CFMConfig:
-        """Read ``flow.decoder`` (v2 ``CausalConditionalCFM``; v1 passes ``expected="ConditionalCFM"``)."""
-        a = class_args(node, expected, "flow.decoder")
-        params = a.get("cfm_params")
-        p = class_args(params, "DictConfig", "flow.decoder.cfm_params").get("content", {}) if params else {}
-        return cls(
-            in_channels=int(a.get("in_channels", cls.in_channels)),
-            n_spks=int(a.get("n_spks", 1)),
-            spk_emb_dim=int(a.get("spk_emb_dim", 64)),
-            sigma_min=float(p.get("sigma_min", cls.sigma_min)),
-            solver=str(p.get("solver", cls.solver)),
-            t_scheduler=str(p.get("t_scheduler", cls.t_scheduler)),
-            training_cfg_rate=float(p.get("training_cfg_rate", cls.training_cfg_rate)),
-            inference_cfg_rate=float(p.get("inference_cfg_rate", cls.inference_cfg_rate)),
         )
 
 

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.reference.flow import class_args, need, unet_args
+from cosyvoice_cpu.reference.cfm import class_args, need
+from cosyvoice_cpu.reference.flow import unet_args
 from cosyvoice_cpu.reference.flow_estimator import (
     MASK_BIAS,
     CausalResnetBlock,

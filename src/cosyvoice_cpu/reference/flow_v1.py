@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.reference.cfm import ConditionalCFM
+from cosyvoice_cpu.reference.cfm import CFMConfig, ConditionalCFM, need
 from cosyvoice_cpu.reference.espnet import ConformerEncoder, EncoderConfig
-from cosyvoice_cpu.reference.flow import CFMConfig, FlowConditions, need
+from cosyvoice_cpu.reference.flow import FlowConditions
 from cosyvoice_cpu.reference.flow_encoder import valid_mask
 from cosyvoice_cpu.reference.flow_estimator_v1 import UNetEstimator, UNetEstimatorConfig
 from cosyvoice_cpu.reference.length_regulator import InterpolateRegulator, frames_for_tokens

@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.reference.cfm import ConditionalCFM
+from cosyvoice_cpu.reference.cfm import CFMConfig, ConditionalCFM, class_args, need
 from cosyvoice_cpu.reference.dit import DiT, DiTConfig
-from cosyvoice_cpu.reference.flow import CFMConfig, FlowConditions, class_args, need
+from cosyvoice_cpu.reference.flow import FlowConditions
 from cosyvoice_cpu.reference.flow_encoder import PreLookaheadLayer, valid_mask
 from cosyvoice_cpu.reference.yamlconf import Tagged
 
