@@ -147,3 +147,18 @@ def test_the_facts_table_is_on_the_ground_floor() -> None:
     filter, voices and the PyTorch side read it: nothing they import may sit above them)."""
     assert import_graph()["cosyvoice_cpu.facts"] <= {"cosyvoice_cpu.errors"}
     assert import_graph()["cosyvoice_cpu.errors"] == set()
+
+
+def test_only_the_backends_import_the_inference_libraries() -> None:
+    """The runtime reaches ONNX Runtime and OpenVINO through ``backends/`` alone (versions too:
+    ``Backend.version``). The export side may use their tools (ORT's quantizers, OpenVINO's graph API)."""
+    libraries = ("onnxruntime", "openvino")
+    bad = sorted(
+        f"{name}:{node.lineno}"
+        for name, tree in _sources().items()
+        if not name.startswith(("cosyvoice_cpu.backends", *EXPORT_SIDE))
+        for node in ast.walk(tree)
+        if (isinstance(node, ast.Import) and any(a.name.split(".")[0] in libraries for a in node.names))
+        or (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in libraries)
+    )
+    assert not bad, "runtime modules importing an inference library directly:\n" + "\n".join(bad)

@@ -51,6 +51,11 @@ class Backend(ABC):
     def open(self, path: Path, config: SessionConfig) -> GraphSession:
         """Open the graph at ``path``; a missing or unreadable file is a :class:`ModelDirError`."""
 
+    def version(self) -> str | None:
+        """The backend library's version (``doctor``, bench reports); None when the library is not installed.
+        Imports the library: call it once the CPU is known to run it."""
+        return None
+
     def shrink_options(self) -> Any:
         """Run options that give the backend's unused working memory back to the OS after a run (None: the
         backend has no such option)."""

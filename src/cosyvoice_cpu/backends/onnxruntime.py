@@ -101,5 +101,12 @@ class OnnxRuntime(Backend):
     def open(self, path: Path, config: SessionConfig) -> GraphSession:
         return make_session(path, config)
 
+    def version(self) -> str | None:
+        if not self.available():
+            return None
+        import onnxruntime as ort
+
+        return str(ort.__version__)
+
     def shrink_options(self) -> Any:
         return shrink_after_run()

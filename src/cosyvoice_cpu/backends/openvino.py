@@ -241,6 +241,11 @@ class OpenVino(Backend):
 
         return importlib.util.find_spec("openvino") is not None
 
+    def version(self) -> str | None:
+        if not self.available():
+            return None
+        return str(import_openvino().get_version())
+
     def core(self) -> Any:
         """The process's ``openvino.Core`` (made once, with the model cache configured)."""
         with self._lock:

@@ -134,7 +134,7 @@ def machine_facts(threads: int) -> dict[str, Any]:
     """CPU, cores, memory, versions, the load average and the kernel calibration
     (:mod:`cosyvoice_cpu.hardware.calibrate`) of this machine: what a result must carry to be compared with one
     from another day or machine."""
-    import onnxruntime as ort
+    from cosyvoice_cpu.backends.registry import backend_for
 
     hw = detect()
     cpu = hw.cpu
@@ -143,7 +143,7 @@ def machine_facts(threads: int) -> dict[str, Any]:
         "cpu": cpu.model if cpu else "unknown", "isa": cpu.isa if cpu else "unknown",
         "logical_cpus": cpu.logical if cpu else None, "physical_cores": cpu.physical if cpu else None,
         "usable_cores": hw.usable_cores, "memory_gb": round(memory / 2**30, 1) if memory else None,
-        "threads": threads, "onnxruntime": ort.__version__, "python": sys.version.split()[0],
+        "threads": threads, "onnxruntime": backend_for("onnxruntime").version(), "python": sys.version.split()[0],
         "load_avg_before": os.getloadavg(), "calibration": calibrate(threads).as_dict(),
     }  # fmt: skip
 

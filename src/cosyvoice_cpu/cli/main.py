@@ -200,9 +200,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     for note in hw.notes:
         print(f"note         {note}")
     if not problems:  # import onnxruntime only once the CPU is known to run it
-        import onnxruntime as ort
+        from cosyvoice_cpu.backends.registry import backend_for
 
-        print(f"onnxruntime  {ort.__version__}, providers {', '.join(ort.get_available_providers())}")
+        for name in ("onnxruntime", "openvino"):
+            version = backend_for(name).version()
+            print(f"{name:<12} {version or 'not installed'}")
         if args.speed:
             _print_speed(hw.threads())
     if args.model:
