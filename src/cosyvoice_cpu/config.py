@@ -87,7 +87,7 @@ class EngineConfig:
         arena_shrink_frames: after a flow-encoder call for more mel frames of new speech than this (the voice
             prompt's not counted: a long prompt makes every call of its voice big, and those calls reuse the
             memory), ORT's arena gives its unused memory back to the OS
-            (:func:`~cosyvoice_cpu.backends.onnxruntime.shrink_after_run`).
+            (:func:`~cosyvoice_cpu.backends.registry.shrink_options`).
             The encoder's attention grows with the square of the length (even with its query rows in 4 blocks;
             measured: docs/benchmarks-log.md, "Memory"), and the arena would otherwise keep that for the life of
             the process; the calls after a shrink fault their working memory in again. 0 never shrinks.

@@ -162,3 +162,7 @@ def test_only_the_backends_import_the_inference_libraries() -> None:
         or (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in libraries)
     )
     assert not bad, "runtime modules importing an inference library directly:\n" + "\n".join(bad)
+    concrete = ("cosyvoice_cpu.backends.onnxruntime", "cosyvoice_cpu.backends.openvino")
+    outside = [m for m in import_graph().items() if not m[0].startswith(("cosyvoice_cpu.backends", *EXPORT_SIDE))]
+    around = sorted(f"{m} -> {t}" for m, ts in outside for t in ts if t in concrete)
+    assert not around, "runtime modules opening graphs around the seam (use backends.registry):\n" + "\n".join(around)

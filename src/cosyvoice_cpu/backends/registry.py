@@ -26,3 +26,9 @@ def open_graph(path: str | Path, config: SessionConfig | None = None) -> GraphSe
     config = config or SessionConfig()
     config.validate()
     return backend_for(config.backend).open(Path(path), config)
+
+
+def shrink_options(config: SessionConfig) -> object:
+    """Run options that have the backend of ``config`` give its unused working memory back to the OS when the run
+    ends (ONNX Runtime: arena shrinkage); None for a backend with no such option."""
+    return backend_for(config.backend).shrink_options()

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from cosyvoice_cpu.backends.base import DEFAULT_SHRINK_FRAMES, SessionConfig, as_config
-from cosyvoice_cpu.backends.onnxruntime import shrink_after_run
+from cosyvoice_cpu.backends.registry import shrink_options
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.flow.buckets import BucketedSession, ShapedGraph
 from cosyvoice_cpu.flow.graphs import ENCODER_IO, ESTIMATOR_IO, STREAM_IO, cache_dtype, open_checked, stream_layout
@@ -251,7 +251,7 @@ class FlowStage:
         chunk = np.array(self.settings.static_chunk_size if streaming else 0, dtype=np.int64)
         feeds = {"token": token, "context": ctx, "embedding": emb, "chunk_size": chunk}
         frames = (new.shape[1] + ctx.shape[1]) * self.settings.token_mel_ratio
-        options = self.encoder_run_options(frames) if shrink is None else (shrink_after_run() if shrink else None)
+        options = self.encoder_run_options(frames) if shrink is None else (self._shrink() if shrink else None)
         mu, spks = self.encoder.run(None, feeds, options)
         return mu, spks
 
@@ -260,8 +260,13 @@ class FlowStage:
         counted: a long prompt makes every call of that voice big, and those calls reuse the arena's memory;
         shrinking after each would fault it in again per streamed chunk): arena shrinkage after the call when
         that exceeds :attr:`arena_shrink_frames`
-        (:func:`~cosyvoice_cpu.backends.onnxruntime.shrink_after_run`), else None."""
-        return shrink_after_run() if 0 < self.arena_shrink_frames < frames else None
+        (:func:`~cosyvoice_cpu.backends.registry.shrink_options`), else None."""
+        return self._shrink() if 0 < self.arena_shrink_frames < frames else None
+
+    def _shrink(self) -> Any:
+        """Run options that have the encoder's backend give its free memory back
+        (:func:`~cosyvoice_cpu.backends.registry.shrink_options`)."""
+        return shrink_options(as_config(self._threads))
 
     def solve(
         self,

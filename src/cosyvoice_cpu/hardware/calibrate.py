@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.backends.base import SessionConfig
-from cosyvoice_cpu.backends.onnxruntime import make_session
+from cosyvoice_cpu.backends.registry import open_graph
 from cosyvoice_cpu.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ def _session(name: str, threads: int) -> Any:
     path = GRAPHS / name
     if not path.is_file():
         raise ConfigError(f"calibration graph {path} is missing: reinstall cosyvoice-cpu")
-    return make_session(path, SessionConfig(threads=threads, release_weight_pages=False))
+    return open_graph(path, SessionConfig(threads=threads, release_weight_pages=False))
 
 
 def calibrate(threads: int, budget_s: float = 0.5, scale: float = 1.0) -> Calibration:

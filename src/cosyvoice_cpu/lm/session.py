@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from cosyvoice_cpu.backends.base import SessionConfig, as_config, check_io
-from cosyvoice_cpu.backends.onnxruntime import make_session
+from cosyvoice_cpu.backends.registry import open_graph
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.lm.files import EMBEDDING_FILES, EXPORT_HINT, GRAPH_FILE, MIN_ROWS_KEY, SPECIALS
 from cosyvoice_cpu.lm.kv_cache import KVCache, LMSpec, past_names, present_names
@@ -73,7 +74,8 @@ class LMSession:
         if not self.graph.is_file():
             raise ModelDirError(f"{self.graph} is missing; {EXPORT_HINT}")
         self.tables = {k: self._load_table(k, embeddings) for k in EMBEDDING_FILES}
-        self.session = make_session(self.graph, config)
+        # ONNX Runtime: the KV cache is bound in place with its IO binding (_binding), which no other backend has
+        self.session = open_graph(self.graph, replace(config, backend="onnxruntime"))
         self._check_graph()
         if min_rows is None:
             meta = self.session.get_modelmeta().custom_metadata_map

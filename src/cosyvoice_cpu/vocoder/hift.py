@@ -23,8 +23,7 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.backends.base import SessionConfig, as_config, check_io
-from cosyvoice_cpu.backends.onnxruntime import shrink_after_run
-from cosyvoice_cpu.backends.registry import open_graph
+from cosyvoice_cpu.backends.registry import open_graph, shrink_options
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.vocoder.source import SourceConfig, SourceNoise, harmonic_source
 from cosyvoice_cpu.vocoder.windows import DEFAULT_WINDOW_FRAMES, check_window, context_of, decode_windows, plan
@@ -74,6 +73,7 @@ class Vocoder:
             if not p.is_file():
                 raise ModelDirError(f"hift graph {p} not found; export the model directory first")
         config = as_config(threads)
+        self.config = config
         self.f0_sess = open_graph(paths[0], config)
         self.decode_sess = open_graph(paths[1], config)
         f32 = "tensor(float)"
@@ -108,7 +108,7 @@ class Vocoder:
         # the last window of a call long enough to be split gives the shared ORT arena's free memory back: ORT
         # keeps what a run grew it to, and a long sentence grows it past the usual (LM, flow, vocoder)
         return decode_windows(run, mel, source, up, plan(mel.shape[2], self.window_frames, self.context),
-                              run_last=lambda m, s: run(m, s, shrink_after_run()))  # fmt: skip
+                              run_last=lambda m, s: run(m, s, shrink_options(self.config)))  # fmt: skip
 
     def __call__(
         self,
