@@ -73,29 +73,20 @@ class SessionConfig:
         mem_pattern: ORT's per-shape memory planning (off for graphs fed many shapes: it caches a plan each).
         shared_arena: allocate activations from one CPU arena shared by every session of the process that sets
             it (see :func:`_register_shared_arena`), instead of one arena per session.
-        priority_order: ORT's priority-based node order instead of its default. For graphs with side outputs
-            gathered from every layer: with the default order the measured memory behaves as if the gathers ran
-            after the whole main output, keeping every layer's input alive until then (pruning the side outputs
-            away gives the same arena growth as this option). On CosyVoice2's stream estimator it brings a
-            whole sentence's arena growth down to that of the whole-sentence graph, at the same speed (whole
-            sentences and streamed chunks). Other graphs (HiFT, the flow encoder) grow the arena a little more
-            with it, so it is per session (measured: docs/benchmarks-log.md, "Memory").
-        release_weight_pages: once the session is built, have the kernel reclaim the pages of the graph's
-            ``<graph>.data`` file that building it touched (:func:`~cosyvoice_cpu.hardware.pages.release_file_pages`).
-            ORT keeps the file mapped, but kernels that packed their weights at load (the LM's ``MatMulNBits``)
-            never read it again: full-size CosyVoice2 int8w, the LM's 44 MB of block scales. Kernels that read
-            the file at run time (fp32-compute ``MatMulNBits``, convolutions) touch their pages again at their
-            first run; those pages are not touched at load, so nothing is released for them. OpenVINO: the
-            pages of the IR's ``.bin`` after each compile (the compiled model holds its own copy).
+        priority_order: ORT's priority-based node order instead of its default, for graphs with side outputs
+            gathered from every layer (the stream estimator's caches): it frees each layer's input early. Per
+            session, because other graphs grow the arena a little more with it.
+        release_weight_pages: once the session is built, have the kernel reclaim the pages of the graph's weight
+            file that building it touched (:func:`~cosyvoice_cpu.hardware.pages.release_file_pages`): ORT's
+            ``<graph>.data``, OpenVINO's ``.bin`` after each compile. Kernels that read the file at run time
+            touch their pages again.
         max_shapes: for a backend that compiles (OpenVINO): 0 compiles each graph once with its dynamic axes; N > 0
             compiles per input shape and keeps N shapes compiled per session.
 
-    ORT's CPU memory arena stays on for every graph: without it the whole-sentence flow estimator was far slower
-    (its freed activations went back to the OS and were faulted in again at every call) for a modestly lower
-    peak RSS. An arena never returns memory, so with one arena per session the stages' peaks *add up*: the LM,
-    the flow and the vocoder run one after the other, and a shared arena serves each from the memory the previous
-    one freed. That lowers the peak at the same speed, for whole sentences and more so for a process that also
-    streams (measured: docs/benchmarks-log.md, "Memory").
+    ORT's CPU memory arena stays on for every graph, and by default one arena is shared by every session of the
+    process, so the LM, the flow and the vocoder, which run one after the other, reuse one another's memory
+    instead of each keeping its own peak. Why each option is set as it is, with the measurements:
+    docs/benchmarks-log.md, "Memory".
     """
 
     threads: int = 0

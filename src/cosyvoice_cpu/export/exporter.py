@@ -1,4 +1,4 @@
-"""``cosyvoice-cpu export``: an official CosyVoice2 directory -> a deployable model directory (DESIGN.md §3).
+"""``cosyvoice-cpu export``: an official model directory (any family) -> a deployable one (docs/model-format.md).
 
 Stage by stage (so only one stage's PyTorch weights are resident at a time): load the reference, write fp32
 graphs, check them against the reference (the numerics gate), apply the quantization recipe, check the
