@@ -53,7 +53,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logger.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)", args.host)
     print(f"serving {engine.model_dir} on http://{args.host}:{args.port} ({settings.max_active} at once, "
           f"voices in {settings.voices_dir})", flush=True)  # fmt: skip
+    from cosyvoice_cpu.hardware.cpu import detect
+    from cosyvoice_cpu.hardware.pools import pool_lines
     from cosyvoice_cpu.server.protocol import timed_protocol
+
+    for line in pool_lines(engine.threads, rows, detect().usable_cores, settings.max_active):
+        logger.info("thread pools: %s", line)  # the server's synthesis threads beside the engine's (doctor: none)
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=10, timeout_keep_alive=args.keep_alive_timeout,
