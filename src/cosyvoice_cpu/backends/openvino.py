@@ -84,7 +84,7 @@ def import_openvino() -> ModuleType:
     event is posted from a thread pool, and on Linux from a ``multiprocessing`` child made with ``fork()`` in that
     thread. A fork runs every ``pthread_atfork`` handler of the process, and OpenBLAS's (NumPy's BLAS) shuts its
     worker threads down, even while another thread is inside a threaded matrix product: that thread then waits
-    for the workers forever (a voice made while the engine loaded hung 1 run in 3 on a busy machine). The forked
+    for the workers forever (docs/backends.md, "Threads, forks and the compile at load"). The forked
     child is also a copy of a process running ONNX Runtime's and TBB's threads, and the event phones home from a
     gateway whose user never asked for it.
 

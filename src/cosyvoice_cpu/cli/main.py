@@ -200,11 +200,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     for note in hw.notes:
         print(f"note         {note}")
     if not problems:  # import onnxruntime only once the CPU is known to run it
-        from cosyvoice_cpu.backends.registry import backend_for
+        from cosyvoice_cpu.backends.registry import BACKENDS
 
-        for name in ("onnxruntime", "openvino"):
-            version = backend_for(name).version()
-            print(f"{name:<12} {version or 'not installed'}")
+        for backend in BACKENDS.values():
+            print(f"{backend.name:<12} {backend.version() or 'not installed'}")
         if args.speed:
             _print_speed(hw.threads())
     if args.model:
