@@ -124,8 +124,20 @@ class EngineConfig:
     compile_ahead: bool = True
 
     def validate(self) -> EngineConfig:
-        _types(self, ("threads", "leave_cores", "prompt_cache_mb", "lm_batch_rows", "malloc_mmap_threshold_kb",
-                      "vocoder_window_frames", "arena_shrink_frames", "compiled_shapes"), ())  # fmt: skip
+        _types(
+            self,
+            (
+                "threads",
+                "leave_cores",
+                "prompt_cache_mb",
+                "lm_batch_rows",
+                "malloc_mmap_threshold_kb",
+                "vocoder_window_frames",
+                "arena_shrink_frames",
+                "compiled_shapes",
+            ),
+            (),
+        )
         need(self.backend in BACKEND_CHOICES, "backend", self.backend, "one of " + ", ".join(BACKEND_CHOICES))
         need(0 <= self.compiled_shapes <= 64, "compiled_shapes", self.compiled_shapes, "0 (one dynamic compile) to 64")
         need(self.arena_shrink_frames >= 0, "arena_shrink_frames", self.arena_shrink_frames, "0 (never) or more")
@@ -135,8 +147,12 @@ class EngineConfig:
             self.vocoder_window_frames,
             f"0 (never split) or >= {MIN_WINDOW_FRAMES}",
         )
-        need(0 <= self.malloc_mmap_threshold_kb <= 32768, "malloc_mmap_threshold_kb", self.malloc_mmap_threshold_kb,
-             "0 (leave malloc alone) to 32768")  # fmt: skip
+        need(
+            0 <= self.malloc_mmap_threshold_kb <= 32768,
+            "malloc_mmap_threshold_kb",
+            self.malloc_mmap_threshold_kb,
+            "0 (leave malloc alone) to 32768",
+        )
         need(0 <= self.lm_batch_rows <= 256, "lm_batch_rows", self.lm_batch_rows, "0 (off) to 256")
         need(0 <= self.prompt_cache_mb <= 1 << 20, "prompt_cache_mb", self.prompt_cache_mb, "0 to 1048576")
         need(0 <= self.threads <= 512, "threads", self.threads, "0 (auto) to 512")

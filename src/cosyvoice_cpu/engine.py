@@ -108,15 +108,25 @@ class Engine:
         model_dir = Path(model_dir)
         m = Manifest.load(model_dir, check_hashes=config.verify_hashes)
         family = family_for(m)
-        sessions = SessionConfig(threads=threads, spinning=config.spinning, max_shapes=config.compiled_shapes,
-                                 release_weight_pages=config.release_weight_pages)  # fmt: skip
+        sessions = SessionConfig(
+            threads=threads,
+            spinning=config.spinning,
+            max_shapes=config.compiled_shapes,
+            release_weight_pages=config.release_weight_pages,
+        )
         stages = family.load(model_dir, config, sessions)
         for note in hw.notes:
             logger.info("%s", note)
         for warning in hw.model_warnings(m, config.streaming_estimator):
             logger.warning("%s", warning)
-        logger.info("loaded %s (%s, recipe %s) in %.2f s, %d threads", model_dir, family.name, m.recipe["name"],
-                    time.perf_counter() - t0, threads)  # fmt: skip
+        logger.info(
+            "loaded %s (%s, recipe %s) in %.2f s, %d threads",
+            model_dir,
+            family.name,
+            m.recipe["name"],
+            time.perf_counter() - t0,
+            threads,
+        )
         engine = cls(model_dir, family, stages, config, threads)
         for line in describe(engine.plan):
             logger.info("backend plan: %s", line)
@@ -138,8 +148,9 @@ class Engine:
 
     # ------------------------------------------------------------------ voices
 
-    def make_voice(self, prompt: str | Path | np.ndarray | tuple[np.ndarray, int], prompt_text: str = "",
-                   name: str = "voice") -> Voice:  # fmt: skip
+    def make_voice(
+        self, prompt: str | Path | np.ndarray | tuple[np.ndarray, int], prompt_text: str = "", name: str = "voice"
+    ) -> Voice:
         """A :class:`~cosyvoice_cpu.voices.voice.Voice` from prompt audio and its transcript (see ``Frontend``).
 
         Raises ConfigError (besides the frontend's) when the prompt is too long to leave the LM's KV cache room
@@ -175,8 +186,9 @@ class Engine:
         """Text tokens per LM call so that ``prompt`` (:meth:`lm_prompt`) + text + the longest speech fits the KV
         cache; ConfigError when that leaves fewer than ``minimum`` (a prompt or instruction too long)."""
         facts = self.lm.facts
-        free = self.lm.session.spec.max_len - (2 + len(prompt.text_ids) + len(prompt.speech)
-                                               + (prompt.speaker is not None))  # fmt: skip
+        free = self.lm.session.spec.max_len - (
+            2 + len(prompt.text_ids) + len(prompt.speech) + (prompt.speaker is not None)
+        )
         cap = int(free - max_tokens if max_tokens else free // (1 + facts.max_token_text_ratio))
         if cap < minimum:
             raise ConfigError(
@@ -209,8 +221,9 @@ class Engine:
             raise ConfigError(f"voice must be a Voice (engine.make_voice or Voice.load), got {type(voice).__name__}")
         voice.check_model(self.manifest.family, self.sample_rate)
         prompt = self.lm_prompt(voice, instruct, config.normalize)
-        segments = prepare(text, self.tokenizer, normalize=config.normalize,
-                           max_tokens=self.segment_cap(prompt, config.max_tokens))  # fmt: skip
+        segments = prepare(
+            text, self.tokenizer, normalize=config.normalize, max_tokens=self.segment_cap(prompt, config.max_tokens)
+        )
         lm_rng, rng = config.rngs()
         req = _Request(voice, config, prompt, RngDraw(lm_rng), self.sampling_for(config), rng, check)
         return self._run(segments, req, timings or Timings())
@@ -263,8 +276,12 @@ class Engine:
     ) -> Iterator[int]:
         """One sentence's speech tokens, from the LM scheduler when there is one (``hold``: see its submit);
         ``check()`` after each token (it may raise to stop)."""
-        kw = {"draw": draw, "sampling": sampling, "budget": (config.min_tokens, config.max_tokens),
-              "speaker": prompt.speaker}  # fmt: skip
+        kw = {
+            "draw": draw,
+            "sampling": sampling,
+            "budget": (config.min_tokens, config.max_tokens),
+            "speaker": prompt.speaker,
+        }
         if self.scheduler is not None:  # decoded in batched steps with every other running request
             tokens = self.scheduler.submit(text_ids, prompt.text_ids, prompt.speech, hold=hold, **kw)
         else:
@@ -277,8 +294,9 @@ class Engine:
         changes = {k: v for k in ("top_p", "top_k", "win_size", "tau_r") if (v := getattr(config, k)) is not None}
         return replace(base, **changes) if changes else base
 
-    def synthesize_wav(self, text: str, voice: Voice, config: SynthesisConfig | None = None,
-                       instruct: str | None = None) -> np.ndarray:  # fmt: skip
+    def synthesize_wav(
+        self, text: str, voice: Voice, config: SynthesisConfig | None = None, instruct: str | None = None
+    ) -> np.ndarray:
         """All of :meth:`synthesize` as one (N,) float32 array at :attr:`sample_rate`."""
         chunks = [c.samples for c in self.synthesize(text, voice, config, instruct)]
         return np.concatenate(chunks).astype(np.float32)

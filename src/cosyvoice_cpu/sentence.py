@@ -83,8 +83,7 @@ class ChunkPlan:
 
     def __post_init__(self) -> None:
         if not 1 <= self.first <= self.largest or self.lookahead < 0:
-            raise ConfigError(f"bad chunk plan: first {self.first}, largest {self.largest}, "
-                              f"lookahead {self.lookahead}")  # fmt: skip
+            raise ConfigError(f"bad chunk plan: first {self.first}, largest {self.largest}, lookahead {self.lookahead}")
         self.size = self.first
 
     def ready(self, available: int) -> bool:
@@ -128,8 +127,15 @@ def speak_whole(s: Sentence, flow: Any, vocoder: Any, keep: Callable[[list[int]]
     if not tokens:
         return
     voice, config = s.voice, s.config
-    mel = flow.inference(tokens, voice.speech_tokens, voice.mel, voice.embedding, n_timesteps=config.flow_steps,
-                         cfg_rate=config.cfg_rate, rng=s.rng)  # fmt: skip
+    mel = flow.inference(
+        tokens,
+        voice.speech_tokens,
+        voice.mel,
+        voice.embedding,
+        n_timesteps=config.flow_steps,
+        cfg_rate=config.cfg_rate,
+        rng=s.rng,
+    )
     mel = change_speed(mel, config.speed)
     t2 = time.perf_counter()
     wave, _ = vocoder(mel, rng=s.rng)
@@ -138,8 +144,12 @@ def speak_whole(s: Sentence, flow: Any, vocoder: Any, keep: Callable[[list[int]]
     yield wave[0].astype(np.float32), True
 
 
-def speak_chunks(s: Sentence, flow: Any, vocoder: Any, keep: Callable[[int], bool] | None = None,
-                 ) -> Iterator[Piece]:  # fmt: skip
+def speak_chunks(
+    s: Sentence,
+    flow: Any,
+    vocoder: Any,
+    keep: Callable[[int], bool] | None = None,
+) -> Iterator[Piece]:
     """Chunks of ``first_chunk_tokens`` doubling up to ``chunk_tokens``, each cut once its look-ahead tokens
     exist. ``flow`` is a flow stream (``push(tokens, lookahead)``, ``lookahead``), ``vocoder`` a vocoder stream
     (``push(mel, final)``); ``keep`` (or None) says per decoded token whether the flow sees it."""

@@ -55,8 +55,14 @@ DYNAMIC_SHAPES = 24
 TELEMETRY_MODULE = "openvino_telemetry"
 _IMPORT_LOCK = threading.Lock()
 # OpenVINO element type names -> the ONNX type strings the graph contracts are written in
-_TYPES = {"f32": "tensor(float)", "f16": "tensor(float16)", "i64": "tensor(int64)", "i32": "tensor(int32)",
-          "bf16": "tensor(bfloat16)", "boolean": "tensor(bool)"}  # fmt: skip
+_TYPES = {
+    "f32": "tensor(float)",
+    "f16": "tensor(float16)",
+    "i64": "tensor(int64)",
+    "i32": "tensor(int32)",
+    "bf16": "tensor(bfloat16)",
+    "boolean": "tensor(bool)",
+}
 
 
 @dataclass(frozen=True)
@@ -120,8 +126,16 @@ class OpenVinoSession:
             shape recompiles it (:data:`DYNAMIC_SHAPES`).
     """
 
-    def __init__(self, core: Any, model: Any, properties: dict[str, Any], max_shapes: int, name: str,
-                 weights: Path | None = None, dynamic_shapes: int = DYNAMIC_SHAPES) -> None:  # fmt: skip
+    def __init__(
+        self,
+        core: Any,
+        model: Any,
+        properties: dict[str, Any],
+        max_shapes: int,
+        name: str,
+        weights: Path | None = None,
+        dynamic_shapes: int = DYNAMIC_SHAPES,
+    ) -> None:
         if dynamic_shapes < 1:
             raise ConfigError(f"dynamic_shapes must be >= 1, got {dynamic_shapes}")
         self._core, self._model, self._properties, self.name = core, model, properties, name
@@ -155,8 +169,11 @@ class OpenVinoSession:
             hit = self._compiled.get(key)
             if hit is not None and dynamic and shape not in self._met and len(self._met) >= self.dynamic_shapes:
                 # calls in flight keep the old compiled model alive until they finish
-                logger.info("%s: %d input shapes ran on one dynamic compile; recompiling to free their kernels",
-                            self.name, len(self._met))  # fmt: skip
+                logger.info(
+                    "%s: %d input shapes ran on one dynamic compile; recompiling to free their kernels",
+                    self.name,
+                    len(self._met),
+                )
                 del self._compiled[key]
                 self._met.clear()
                 hit = None
@@ -230,8 +247,9 @@ class OpenVino(Backend):
 
     name = "openvino"
 
-    def __init__(self, cache_dir: str | Path | None = None, max_shapes: int | None = None,
-                 precision: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, cache_dir: str | Path | None = None, max_shapes: int | None = None, precision: str | None = None
+    ) -> None:
         self.cache_dir, self.max_shapes, self.precision = cache_dir, max_shapes, precision
         self._core: Any = None
         self._lock = threading.Lock()
@@ -251,8 +269,10 @@ class OpenVino(Backend):
         with self._lock:
             if self._core is None:
                 if not self.available():
-                    raise ConfigError("the OpenVINO backend needs the openvino package: pip install "
-                                      "'cosyvoice-cpu[openvino]' (or choose --backend onnxruntime)")  # fmt: skip
+                    raise ConfigError(
+                        "the OpenVINO backend needs the openvino package: pip install "
+                        "'cosyvoice-cpu[openvino]' (or choose --backend onnxruntime)"
+                    )
                 core = import_openvino().Core()
                 cache = self._cache_dir()
                 if cache:
@@ -272,8 +292,10 @@ class OpenVino(Backend):
             model = core.read_model(str(path))
         except Exception as e:  # OpenVINO raises RuntimeError subclasses with multi-line messages
             raise ModelDirError(f"OpenVINO cannot read {path}: {str(e).splitlines()[0]}; re-export the model") from e
-        properties: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY",
-                                      "INFERENCE_PRECISION_HINT": self.precision or precision_for_cpu()}  # fmt: skip
+        properties: dict[str, Any] = {
+            "PERFORMANCE_HINT": "LATENCY",
+            "INFERENCE_PRECISION_HINT": self.precision or precision_for_cpu(),
+        }
         if config.threads:
             properties["INFERENCE_NUM_THREADS"] = int(config.threads)
         weights = path.with_suffix(".bin") if config.release_weight_pages and path.suffix == ".xml" else None

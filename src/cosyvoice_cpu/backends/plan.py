@@ -69,8 +69,9 @@ def check_choice(choice: str) -> str:
     return choice
 
 
-def plan_backends(graphs: dict[str, Any], choice: str, cpu: Any = None, installed: bool | None = None,
-                  memory: int | None = -1) -> dict[str, GraphPlan]:  # fmt: skip
+def plan_backends(
+    graphs: dict[str, Any], choice: str, cpu: Any = None, installed: bool | None = None, memory: int | None = -1
+) -> dict[str, GraphPlan]:
     """The plan for a manifest's ``graphs`` (key -> :class:`~cosyvoice_cpu.manifest.GraphEntry`).
 
     Args:
@@ -96,12 +97,16 @@ def plan_backends(graphs: dict[str, Any], choice: str, cpu: Any = None, installe
     with_ov = [k for k in onnx if k + OV_SUFFIX in graphs]
     if choice == "openvino":
         if not with_ov:
-            raise ConfigError("--backend openvino: this model directory has no OpenVINO model; export it with "
-                              "`cosyvoice-cpu export ... --openvino int8` (or bf16), or use --backend "
-                              "auto")  # fmt: skip
+            raise ConfigError(
+                "--backend openvino: this model directory has no OpenVINO model; export it with "
+                "`cosyvoice-cpu export ... --openvino int8` (or bf16), or use --backend "
+                "auto"
+            )
         if not installed:
-            raise ConfigError("--backend openvino needs the openvino package: pip install 'cosyvoice-cpu[openvino]' "
-                              "(or use --backend auto or onnxruntime)")  # fmt: skip
+            raise ConfigError(
+                "--backend openvino needs the openvino package: pip install 'cosyvoice-cpu[openvino]' "
+                "(or use --backend auto or onnxruntime)"
+            )
     plan = {}
     for key in onnx:
         backend, reason = "onnxruntime", "no OpenVINO model of this graph in the directory"
@@ -121,17 +126,23 @@ def _auto(entry: Any, cpu: Any, installed: bool, memory: int | None) -> tuple[st
     if not installed:
         return "onnxruntime", f"{what} present, but openvino is not installed (pip install 'cosyvoice-cpu[openvino]')"
     if cpu is None or not (cpu.bf16 or cpu.amx):
-        return "onnxruntime", (f"{what} present, but this CPU has neither AVX-512 BF16 nor AMX: OpenVINO's gain is "
-                               "bf16/VNNI, its f32 is no faster than ONNX Runtime")  # fmt: skip
+        return "onnxruntime", (
+            f"{what} present, but this CPU has neither AVX-512 BF16 nor AMX: OpenVINO's gain is "
+            "bf16/VNNI, its f32 is no faster than ONNX Runtime"
+        )
     if not entry.attrs.get("pad_exact", False):
-        return "onnxruntime", (f"{what} present, but padding changes this graph's output (pad_exact false: it "
-                               "would run unpadded, each sentence length compiled anew; a CosyVoice-300M export "
-                               "from before its masked GroupNorm, or one without the gate: re-export) "
-                               "(--backend openvino to use it anyway)")  # fmt: skip
+        return "onnxruntime", (
+            f"{what} present, but padding changes this graph's output (pad_exact false: it "
+            "would run unpadded, each sentence length compiled anew; a CosyVoice-300M export "
+            "from before its masked GroupNorm, or one without the gate: re-export) "
+            "(--backend openvino to use it anyway)"
+        )
     if memory is not None and memory < OV_MIN_MEMORY:
-        return "onnxruntime", (f"{what} present, but only {memory / 2**30:.1f} GiB of memory is available and it "
-                               "holds more than ONNX Runtime's (docs/backends.md); auto wants "
-                               f"{OV_MIN_MEMORY >> 30} GiB (--backend openvino to use it anyway)")  # fmt: skip
+        return "onnxruntime", (
+            f"{what} present, but only {memory / 2**30:.1f} GiB of memory is available and it "
+            "holds more than ONNX Runtime's (docs/backends.md); auto wants "
+            f"{OV_MIN_MEMORY >> 30} GiB (--backend openvino to use it anyway)"
+        )
     isa = "AMX" if cpu.amx else "AVX-512 BF16"
     return "openvino", f"{what}; the CPU has {isa}"
 

@@ -10,5 +10,9 @@ def estimator_feeds(frames: int, rng: np.random.Generator, rows: int = 2) -> dic
     (rows, 1, frames) ones (nothing padded), ``t`` (rows,) 0.3, ``spks`` (rows, 80) standard normal. Two rows are
     one CFG call; values do not move the speed."""
     f = {k: rng.standard_normal((rows, 80, frames)).astype(np.float32) for k in ("x", "mu", "cond")}
-    return {**f, "mask": np.ones((rows, 1, frames), np.float32), "t": np.full(rows, 0.3, np.float32),
-            "spks": rng.standard_normal((rows, 80)).astype(np.float32)}  # fmt: skip
+    return {
+        **f,
+        "mask": np.ones((rows, 1, frames), np.float32),
+        "t": np.full(rows, 0.3, np.float32),
+        "spks": rng.standard_normal((rows, 80)).astype(np.float32),
+    }

@@ -46,8 +46,10 @@ def peer_rows(result: dict[str, Any]) -> list[tuple[str, str, dict[str, float | 
         ("end-to-end RTF (LM + flow + vocoder)", ".3f", "e2e_s", d["rtf"], True),
         ("peak RSS, MB", ".0f", "peak_rss_mb", ours["peak_rss_mb"], False),
     ]
-    return [(label, fmt, {"official": peer("official", key, per), "reference": peer("reference", key, per),
-                          "ours": mine}) for label, fmt, key, mine, per in rows]  # fmt: skip
+    return [
+        (label, fmt, {"official": peer("official", key, per), "reference": peer("reference", key, per), "ours": mine})
+        for label, fmt, key, mine, per in rows
+    ]
 
 
 def _ratio(label: str, v: dict[str, float | None]) -> str:
@@ -69,22 +71,45 @@ def targets(result: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
     batched = {r["streams"]: r["aggregate_tok_s"] for r in ours.get("lm_batched", [])}
     return [
         ("end-to-end RTF, default quality", "≤ 0.5, ≥ 9× official", f"{d['rtf']:.3f}{vs}", d["rtf"] <= 0.5),
-        (f"end-to-end RTF, fast preset ({fast['flow_steps']} steps; mel L1 {fast['fast_mel_l1']:.3f} vs 10 steps)",
-         "≤ 0.3", f"{fast['rtf']:.3f}", fast["rtf"] <= 0.3),
-        ("first audio, streaming, 8-character sentence", "≤ 1.0 s (stretch 0.5)",
-         f"{ours['first_audio_short']['first_audio_s']:.2f} s", ours["first_audio_short"]["first_audio_s"] <= 1.0),
-        (f"first audio, streaming, {_audio_s(result):.0f} s utterance", "–",
-         f"{ours['first_audio_long']['first_audio_s']:.2f} s", None),
+        (
+            f"end-to-end RTF, fast preset ({fast['flow_steps']} steps; mel L1 {fast['fast_mel_l1']:.3f} vs 10 steps)",
+            "≤ 0.3",
+            f"{fast['rtf']:.3f}",
+            fast["rtf"] <= 0.3,
+        ),
+        (
+            "first audio, streaming, 8-character sentence",
+            "≤ 1.0 s (stretch 0.5)",
+            f"{ours['first_audio_short']['first_audio_s']:.2f} s",
+            ours["first_audio_short"]["first_audio_s"] <= 1.0,
+        ),
+        (
+            f"first audio, streaming, {_audio_s(result):.0f} s utterance",
+            "–",
+            f"{ours['first_audio_long']['first_audio_s']:.2f} s",
+            None,
+        ),
         ("LM decode, 1 stream", "≥ 60 tokens/s", f"{ours['lm_decode_tok_s']:.1f}", ours["lm_decode_tok_s"] >= 60),
-        ("LM decode, aggregate over 4 streams (batch API: 4 KV rows, one call per step)", "≥ 150 tokens/s",
-         f"{batched[4]:.1f} (1 row: {batched[1]:.1f})" if batched else "not measured",
-         batched[4] >= 150 if batched else None),
+        (
+            "LM decode, aggregate over 4 streams (batch API: 4 KV rows, one call per step)",
+            "≥ 150 tokens/s",
+            f"{batched[4]:.1f} (1 row: {batched[1]:.1f})" if batched else "not measured",
+            batched[4] >= 150 if batched else None,
+        ),
         ("flow, default quality", "RTF ≤ 0.35", f"{d['flow_rtf']:.3f}", d["flow_rtf"] <= 0.35),
-        ("peak RSS of the whole engine (1 stream)", "≤ 1100 MB (stretch 800)", f"{ours['peak_rss_mb']:.0f} MB",
-         ours["peak_rss_mb"] <= 1100),
-        ("throughput, 4 concurrent vs 1", "≥ 2×", "–" if gain is None else f"{gain:.2f}×",
-         None if gain is None else gain >= 2.0),
-    ]  # fmt: skip
+        (
+            "peak RSS of the whole engine (1 stream)",
+            "≤ 1100 MB (stretch 800)",
+            f"{ours['peak_rss_mb']:.0f} MB",
+            ours["peak_rss_mb"] <= 1100,
+        ),
+        (
+            "throughput, 4 concurrent vs 1",
+            "≥ 2×",
+            "–" if gain is None else f"{gain:.2f}×",
+            None if gain is None else gain >= 2.0,
+        ),
+    ]
 
 
 def markdown(result: dict[str, Any], plots: list[str]) -> str:
@@ -94,35 +119,54 @@ def markdown(result: dict[str, Any], plots: list[str]) -> str:
         f"per sentence, a registered 3 s voice, medians of {result['runs']} runs after a warm-up.",
         f"Machine: {m['cpu']} ({m['isa']}), {m['usable_cores']} usable cores, {m['memory_gb']} GB; {m['threads']} "
         f"threads; onnxruntime {m['onnxruntime']}; load average before the run {m['load_avg_before'][0]:.2f}.",
-        *([f"Calibration (cosyvoice_cpu.hardware.calibrate): {Calibration.from_dict(m['calibration']).summary()}."]
-          if "calibration" in m else []),  # results from before the calibration have none
-        "", "### Official PyTorch vs ours, stage by stage (same tokens, frames and threads)", "",
+        *(
+            [f"Calibration (cosyvoice_cpu.hardware.calibrate): {Calibration.from_dict(m['calibration']).summary()}."]
+            if "calibration" in m
+            else []
+        ),  # results from before the calibration have none
+        "",
+        "### Official PyTorch vs ours, stage by stage (same tokens, frames and threads)",
+        "",
         "| stage | official (PyTorch) | our PyTorch reference | ours (ONNX Runtime) | ours vs official |",
         "|---|---|---|---|---|",
-    ]  # fmt: skip
+    ]
     for label, fmt, v in peer_rows(result):
-        lines.append(f"| {label} | {_f(v['official'], fmt)} | {_f(v['reference'], fmt)} | {_f(v['ours'], fmt)} | "
-                     f"{_ratio(label, v)} |")  # fmt: skip
+        lines.append(
+            f"| {label} | {_f(v['official'], fmt)} | {_f(v['reference'], fmt)} | {_f(v['ours'], fmt)} | "
+            f"{_ratio(label, v)} |"
+        )
     lines += ["", "### Targets (issue 5)", "", "| metric | target | measured | met |", "|---|---|---|---|"]
     for metric, target, measured, met in targets(result):
         lines.append(f"| {metric} | {target} | {measured} | {'–' if met is None else 'yes' if met else '**no**'} |")
     o = result["ours"]
-    lines += ["", f"Streaming: first chunk after {o['first_audio_short']['first_audio_s']:.2f} s (8-character "
-              f"sentence) / {o['first_audio_long']['first_audio_s']:.2f} s ({_audio_s(result):.0f} s "
-              "utterance), whole streamed RTF "
-              f"{o['first_audio_long']['stream_rtf']:.3f}; prompt cache {o['prompt_cache_mb']:.0f} MB."]  # fmt: skip
+    lines += [
+        "",
+        f"Streaming: first chunk after {o['first_audio_short']['first_audio_s']:.2f} s (8-character "
+        f"sentence) / {o['first_audio_long']['first_audio_s']:.2f} s ({_audio_s(result):.0f} s "
+        "utterance), whole streamed RTF "
+        f"{o['first_audio_long']['stream_rtf']:.3f}; prompt cache {o['prompt_cache_mb']:.0f} MB.",
+    ]
     if o.get("lm_prefix_positions"):  # results from before the LM prefix cache have none
-        lines.append(f"LM prefill: {o['lm_prefill_positions']} positions, the first {o['lm_prefix_positions']} (sos "
-                     "and the voice's transcript) copied from the LM prefix cache.")  # fmt: skip
+        lines.append(
+            f"LM prefill: {o['lm_prefill_positions']} positions, the first {o['lm_prefix_positions']} (sos "
+            "and the voice's transcript) copied from the LM prefix cache."
+        )
     if len(result.get("backends", {})) > 1:
-        lines += ["", "### Backends (the single task per backend, one after the other)", "",
-                  "| backend | flow RTF | end-to-end RTF | vocoder RTF | streamed RTF | first audio (short) | "
-                  "peak RSS MB | plan |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            "",
+            "### Backends (the single task per backend, one after the other)",
+            "",
+            "| backend | flow RTF | end-to-end RTF | vocoder RTF | streamed RTF | first audio (short) | "
+            "peak RSS MB | plan |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for name, r in result["backends"].items():
             d = r["default"]
             stream, first = r["first_audio_long"]["stream_rtf"], r["first_audio_short"]["first_audio_s"]
-            lines.append(f"| {name} | {d['flow_rtf']:.3f} | {d['rtf']:.3f} | {d['vocoder_rtf']:.3f} | {stream:.3f} | "
-                         f"{first:.2f} s | {r['peak_rss_mb']:.0f} | {'; '.join(r.get('plan', []))} |")  # fmt: skip
+            lines.append(
+                f"| {name} | {d['flow_rtf']:.3f} | {d['rtf']:.3f} | {d['vocoder_rtf']:.3f} | {stream:.3f} | "
+                f"{first:.2f} s | {r['peak_rss_mb']:.0f} | {'; '.join(r.get('plan', []))} |"
+            )
     if result.get("concurrency"):
         lines += [
             "",
@@ -132,8 +176,10 @@ def markdown(result: dict[str, Any], plots: list[str]) -> str:
             "|---|---|---|---|---|",
         ]
         for r in result["concurrency"]:
-            lines.append(f"| {r['streams']} | {r['sentences_per_s']:.3f} | {r['rtf_aggregate']:.3f} | "
-                         f"{r['peak_rss_mb']:.0f} | {_f(r.get('joules_per_sentence'), '.1f')} |")  # fmt: skip
+            lines.append(
+                f"| {r['streams']} | {r['sentences_per_s']:.3f} | {r['rtf_aggregate']:.3f} | "
+                f"{r['peak_rss_mb']:.0f} | {_f(r.get('joules_per_sentence'), '.1f')} |"
+            )
         energy = result.get("energy")
         lines.append(f"\nEnergy counters: {energy if isinstance(energy, str) else ', '.join(energy)}.")
     if result.get("thread_sweep"):

@@ -85,8 +85,9 @@ def _prompt_wav(path: Path, seconds: float = 3.0, sr: int = 16000) -> Path:
     return path
 
 
-def load(model_dir: Path, threads: int, spinning: bool = False, lm_batch_rows: int | None = None,
-         **config: Any) -> tuple[Any, Any]:  # fmt: skip
+def load(
+    model_dir: Path, threads: int, spinning: bool = False, lm_batch_rows: int | None = None, **config: Any
+) -> tuple[Any, Any]:
     """The engine (``lm_batch_rows`` None: the engine's default, what users get; ``config``: other
     :class:`~cosyvoice_cpu.config.EngineConfig` fields) and a registered voice (voice creation is setup, not
     timed)."""
@@ -99,8 +100,9 @@ def load(model_dir: Path, threads: int, spinning: bool = False, lm_batch_rows: i
     return engine, voice
 
 
-def alternate(engines: dict[str, tuple[Any, Any]], runs: int,
-              measure: Callable[[Any, Any], dict[str, float]]) -> dict[str, list[dict[str, float]]]:  # fmt: skip
+def alternate(
+    engines: dict[str, tuple[Any, Any]], runs: int, measure: Callable[[Any, Any], dict[str, float]]
+) -> dict[str, list[dict[str, float]]]:
     """``runs`` x ``measure(engine, voice)`` for each labelled (engine, voice), the engines taking turns (an A/B
     in one process under the same load); the engines are closed afterwards. Returns label -> the results."""
     results: dict[str, list[dict[str, float]]] = {label: [] for label in engines}
@@ -136,9 +138,13 @@ def measure_lm(engine: Any, voice: Any, tokens: int, runs: int) -> dict[str, flo
     positions = len(engine.lm.prompt_embeddings(text_ids, prompt_ids, prompt_speech, speaker))
     step = statistics.median(steps[tokens - 1 :])  # the warm-up run's steps excluded
     # the voice transcript's positions come from the LM prefix cache after the warm-up (lm_prefix)
-    return {"lm_prefill_s": statistics.median(prefill[1:]), "lm_prefill_positions": positions,
-            "lm_prefix_positions": req.prefix[1] if req.prefix else 0,
-            "lm_decode_ms": step * 1000, "lm_decode_tok_s": 1.0 / step}  # fmt: skip
+    return {
+        "lm_prefill_s": statistics.median(prefill[1:]),
+        "lm_prefill_positions": positions,
+        "lm_prefix_positions": req.prefix[1] if req.prefix else 0,
+        "lm_decode_ms": step * 1000,
+        "lm_decode_tok_s": 1.0 / step,
+    }
 
 
 def measure_lm_batched(engine: Any, voice: Any, streams: int, steps: int = 100) -> dict[str, float]:
@@ -172,13 +178,25 @@ def measure_e2e(engine: Any, voice: Any, tokens: int, runs: int, **kw: Any) -> d
         wave = np.concatenate([c.samples for c in engine.synthesize(TEXT, voice, _config(tokens, **kw), timings=t)])
         wall = time.perf_counter() - t0
         if i:
-            rows.append({"wall_s": wall, "lm_s": t.lm, "flow_s": t.flow, "vocoder_s": t.vocoder,
-                         "audio_s": len(wave) / engine.sample_rate})  # fmt: skip
+            rows.append(
+                {
+                    "wall_s": wall,
+                    "lm_s": t.lm,
+                    "flow_s": t.flow,
+                    "vocoder_s": t.vocoder,
+                    "audio_s": len(wave) / engine.sample_rate,
+                }
+            )
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     audio = med["audio_s"]
     steps = kw.get("flow_steps", 10)
-    return {**med, "rtf": med["wall_s"] / audio, "flow_rtf": med["flow_s"] / audio,
-            "vocoder_rtf": med["vocoder_s"] / audio, "flow_ms_per_step": med["flow_s"] / steps * 1000}  # fmt: skip
+    return {
+        **med,
+        "rtf": med["wall_s"] / audio,
+        "flow_rtf": med["flow_s"] / audio,
+        "vocoder_rtf": med["vocoder_s"] / audio,
+        "flow_ms_per_step": med["flow_s"] / steps * 1000,
+    }
 
 
 def first_audio(engine: Any, voice: Any, text: str, tokens: int, runs: int) -> dict[str, float]:
@@ -202,24 +220,33 @@ def fast_preset_quality(engine: Any, voice: Any, tokens: int, steps: int) -> dic
     toks = np.random.default_rng(0).integers(0, engine.lm.facts.speech_token_size, tokens)
 
     def mel(n: int) -> np.ndarray:  # a flow that draws fresh noise (CosyVoice-300M) gets the same seed for both
-        return engine.flow.inference(toks, voice.speech_tokens, voice.mel, voice.embedding, n_timesteps=n,
-                                     rng=np.random.default_rng(0))  # fmt: skip
+        return engine.flow.inference(
+            toks, voice.speech_tokens, voice.mel, voice.embedding, n_timesteps=n, rng=np.random.default_rng(0)
+        )
 
     ref, fast = mel(10), mel(steps)
     return {"fast_mel_l1": float(np.abs(fast - ref).mean()), "mel_abs_mean": float(np.abs(ref).mean())}
 
 
-def task_single(model_dir: Path, threads: int, tokens: int, short_tokens: int, runs: int, fast_steps: int,
-                backend: str = "auto") -> dict:  # fmt: skip
+def task_single(
+    model_dir: Path, threads: int, tokens: int, short_tokens: int, runs: int, fast_steps: int, backend: str = "auto"
+) -> dict:
     t0 = time.perf_counter()
     engine, voice = load(model_dir, threads, backend=backend)
-    out: dict[str, Any] = {"load_s": time.perf_counter() - t0, "rss_after_load_mb": peak_rss_mb(),
-                           "backend": backend, "plan": describe(engine.plan)}  # fmt: skip
+    out: dict[str, Any] = {
+        "load_s": time.perf_counter() - t0,
+        "rss_after_load_mb": peak_rss_mb(),
+        "backend": backend,
+        "plan": describe(engine.plan),
+    }
     out.update(measure_lm(engine, voice, tokens, runs))
     out["lm_batched"] = [measure_lm_batched(engine, voice, n) for n in (1, 4)]
     out["default"] = measure_e2e(engine, voice, tokens, runs)
-    out["fast"] = {**measure_e2e(engine, voice, tokens, runs, flow_steps=fast_steps), "flow_steps": fast_steps,
-                   **fast_preset_quality(engine, voice, tokens, fast_steps)}  # fmt: skip
+    out["fast"] = {
+        **measure_e2e(engine, voice, tokens, runs, flow_steps=fast_steps),
+        "flow_steps": fast_steps,
+        **fast_preset_quality(engine, voice, tokens, fast_steps),
+    }
     out["first_audio_short"] = first_audio(engine, voice, SHORT_TEXT, short_tokens, runs)
     out["first_audio_long"] = first_audio(engine, voice, TEXT, tokens, runs)
     out["prompt_cache_mb"] = engine.prompt_caches.nbytes / 1e6 if engine.prompt_caches else 0.0
@@ -227,8 +254,7 @@ def task_single(model_dir: Path, threads: int, tokens: int, short_tokens: int, r
     return out
 
 
-def task_concurrent(model_dir: Path, threads: int, tokens: int, streams: int, runs: int,
-                    backend: str = "auto") -> dict:  # fmt: skip
+def task_concurrent(model_dir: Path, threads: int, tokens: int, streams: int, runs: int, backend: str = "auto") -> dict:
     """``streams`` threads share one engine, each synthesizing ``runs`` sentences; sentences per second.
 
     The engine runs the LM scheduler (as the server does), so the streams' LM steps are batched.
@@ -260,9 +286,17 @@ def task_concurrent(model_dir: Path, threads: int, tokens: int, streams: int, ru
     audio = done * tokens / engine.manifest.token_frame_rate
     joules = None if e0 is None or e1 is None else (e1 - e0) / done
     engine.close()
-    return {"streams": streams, "sentences": done, "wall_s": wall, "sentences_per_s": done / wall, "lm_batched": True,
-            "rtf_aggregate": wall / audio, "peak_rss_mb": peak_rss_mb(), "joules_per_sentence": joules,
-            "energy_zones": sorted(counters)}  # fmt: skip
+    return {
+        "streams": streams,
+        "sentences": done,
+        "wall_s": wall,
+        "sentences_per_s": done / wall,
+        "lm_batched": True,
+        "rtf_aggregate": wall / audio,
+        "peak_rss_mb": peak_rss_mb(),
+        "joules_per_sentence": joules,
+        "energy_zones": sorted(counters),
+    }
 
 
 def task_threads(model_dir: Path, threads: int, tokens: int, runs: int, backend: str = "auto") -> dict:
@@ -285,8 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.task == "single":
-        out = task_single(args.model_dir, args.threads, args.tokens, args.short_tokens, args.runs, args.fast_steps,
-                          args.backend)  # fmt: skip
+        out = task_single(
+            args.model_dir, args.threads, args.tokens, args.short_tokens, args.runs, args.fast_steps, args.backend
+        )
     elif args.task == "concurrent":
         out = task_concurrent(args.model_dir, args.threads, args.tokens, args.streams, args.runs, args.backend)
     else:

@@ -68,8 +68,20 @@ def _child(cmd: list[str], what: str) -> dict[str, Any]:
 
 def _task(model_dir: Path, task: str, threads: int, args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
     extra.setdefault("backend", args.backends[0])
-    cmd = [sys.executable, "-m", "cosyvoice_cpu.benchmark", str(model_dir), "--task", task, "--threads", str(threads),
-           "--tokens", str(args.tokens), "--runs", str(args.runs)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "cosyvoice_cpu.benchmark",
+        str(model_dir),
+        "--task",
+        task,
+        "--threads",
+        str(threads),
+        "--tokens",
+        str(args.tokens),
+        "--runs",
+        str(args.runs),
+    ]
     for k, v in extra.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
     return _child(cmd, f"{task} {threads} threads {extra or ''}".strip())
@@ -85,8 +97,9 @@ def cached_export_is_fresh(dst: Path, recipe: str) -> bool:
         cached = Manifest.load(dst)
     except Exception:
         return False
-    return (cached.recipe.get("stages") == parse_recipe(recipe).stages()
-            and cached.created_by.endswith(f"(export code {export_code_digest()})"))  # fmt: skip
+    return cached.recipe.get("stages") == parse_recipe(recipe).stages() and cached.created_by.endswith(
+        f"(export code {export_code_digest()})"
+    )
 
 
 def resolve_model(args: argparse.Namespace) -> tuple[Path, Path | None, str]:
@@ -122,8 +135,21 @@ def run_peers(official_dir: Path | None, names: list[str], threads: int, tokens:
     peers: dict[str, Any] = {}
     for n in names:
         try:
-            peers[n] = _child([sys.executable, str(script), "--model-dir", str(official_dir), "--impl", n,
-                               "--threads", str(threads), "--tokens", str(tokens)], f"peer {n}")  # fmt: skip
+            peers[n] = _child(
+                [
+                    sys.executable,
+                    str(script),
+                    "--model-dir",
+                    str(official_dir),
+                    "--impl",
+                    n,
+                    "--threads",
+                    str(threads),
+                    "--tokens",
+                    str(tokens),
+                ],
+                f"peer {n}",
+            )
         except (ConfigError, ValueError) as e:  # a peer that cannot run is reported, not fatal
             print(f"  peer {n} failed: {e}", file=sys.stderr)
             peers[n] = {"skipped": f"failed: {e}"}
@@ -140,12 +166,18 @@ def machine_facts(threads: int) -> dict[str, Any]:
     cpu = hw.cpu
     memory = hw.memory_for_us
     return {
-        "cpu": cpu.model if cpu else "unknown", "isa": cpu.isa if cpu else "unknown",
-        "logical_cpus": cpu.logical if cpu else None, "physical_cores": cpu.physical if cpu else None,
-        "usable_cores": hw.usable_cores, "memory_gb": round(memory / 2**30, 1) if memory else None,
-        "threads": threads, "onnxruntime": backend_for("onnxruntime").version(), "python": sys.version.split()[0],
-        "load_avg_before": os.getloadavg(), "calibration": calibrate(threads).as_dict(),
-    }  # fmt: skip
+        "cpu": cpu.model if cpu else "unknown",
+        "isa": cpu.isa if cpu else "unknown",
+        "logical_cpus": cpu.logical if cpu else None,
+        "physical_cores": cpu.physical if cpu else None,
+        "usable_cores": hw.usable_cores,
+        "memory_gb": round(memory / 2**30, 1) if memory else None,
+        "threads": threads,
+        "onnxruntime": backend_for("onnxruntime").version(),
+        "python": sys.version.split()[0],
+        "load_avg_before": os.getloadavg(),
+        "calibration": calibrate(threads).as_dict(),
+    }
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -166,18 +198,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if any(n < 1 for n in streams) or args.tokens < 1 or args.runs < 1:
         raise ConfigError("--concurrency counts, --tokens and --runs must be >= 1")
     print(f"benchmarking {what} with {threads} threads ...", file=sys.stderr, flush=True)
-    result: dict[str, Any] = {"model": what, "model_dir": str(model_dir), "tokens": args.tokens, "token_rate": rate,
-                              "runs": args.runs, "machine": machine_facts(threads),
-                              "started": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
+    result: dict[str, Any] = {
+        "model": what,
+        "model_dir": str(model_dir),
+        "tokens": args.tokens,
+        "token_rate": rate,
+        "runs": args.runs,
+        "machine": machine_facts(threads),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     partial = args.out / "bench.partial.json"  # progress survives a failure later in the run
     args.out.mkdir(parents=True, exist_ok=True)
-    result["ours"] = _task(model_dir, "single", threads, args, short_tokens=args.short_tokens,
-                           fast_steps=args.fast_steps)  # fmt: skip
+    result["ours"] = _task(
+        model_dir, "single", threads, args, short_tokens=args.short_tokens, fast_steps=args.fast_steps
+    )
     partial.write_text(json.dumps(result, indent=1))
     result["backends"] = {args.backends[0]: result["ours"]}
     for backend in args.backends[1:]:  # the backend axis: the same single task per backend, one after the other
-        result["backends"][backend] = _task(model_dir, "single", threads, args, short_tokens=args.short_tokens,
-                                            fast_steps=args.fast_steps, backend=backend)  # fmt: skip
+        result["backends"][backend] = _task(
+            model_dir,
+            "single",
+            threads,
+            args,
+            short_tokens=args.short_tokens,
+            fast_steps=args.fast_steps,
+            backend=backend,
+        )
         partial.write_text(json.dumps(result, indent=1))
     result["concurrency"] = []
     for n in streams:  # energy, where RAPL/powercap is readable, is read by the child around its timed work
@@ -201,17 +247,27 @@ def add_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="benchmark the engine (and its PyTorch peers) on one workload")
     src = b.add_mutually_exclusive_group()
     src.add_argument("-m", "--model", type=Path, help="an exported model directory")
-    src.add_argument("--recipe", default="int8w", help="else: the full-size random --family model exported with "
-                     "this recipe (cached; needs the [export] extra)")  # fmt: skip
-    b.add_argument("--family", choices=FAMILIES, default="cosyvoice2",
-                   help="the random fixture's family (without -m): CosyVoice2-0.5B, CosyVoice-300M or "
-                        "Fun-CosyVoice3-0.5B (its official code is not on PyPI: use --peer reference)")  # fmt: skip
+    src.add_argument(
+        "--recipe",
+        default="int8w",
+        help="else: the full-size random --family model exported with this recipe (cached; needs the [export] extra)",
+    )
+    b.add_argument(
+        "--family",
+        choices=FAMILIES,
+        default="cosyvoice2",
+        help="the random fixture's family (without -m): CosyVoice2-0.5B, CosyVoice-300M or "
+        "Fun-CosyVoice3-0.5B (its official code is not on PyPI: use --peer reference)",
+    )
     b.add_argument("--threads", type=int, default=0, help="ORT threads (default: usable physical cores)")
-    b.add_argument("--backend", default="auto",
-                   help="inference backends to measure, comma-separated (auto, onnxruntime, openvino): the single "
-                        "task runs once per backend and the report compares them; the first also runs the "
-                        "concurrency and thread tasks. Without -m, a backend other than onnxruntime exports the "
-                        "fixture with --openvino int8")  # fmt: skip
+    b.add_argument(
+        "--backend",
+        default="auto",
+        help="inference backends to measure, comma-separated (auto, onnxruntime, openvino): the single "
+        "task runs once per backend and the report compares them; the first also runs the "
+        "concurrency and thread tasks. Without -m, a backend other than onnxruntime exports the "
+        "fixture with --openvino int8",
+    )
     b.add_argument("--tokens", type=int, default=0, help="speech tokens per sentence (default 10 s: 250 at 25 Hz)")
     b.add_argument("--short-tokens", type=int, default=0, help="tokens for the 8-character sentence (default 2 s)")
     b.add_argument("--runs", type=int, default=3, help="timed repetitions after a warm-up (medians)")

@@ -70,8 +70,10 @@ def cmd_fixture(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     out = write_fixture(FixtureSpec(args.family, args.size, args.seed, args.variant), args.out, force=args.force)
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    print(f"wrote {args.size} {args.family} fixture (seed {args.seed}) to {out}: {size / 1e6:.1f} MB "
-          f"in {time.perf_counter() - t0:.1f} s")  # fmt: skip
+    print(
+        f"wrote {args.size} {args.family} fixture (seed {args.seed}) to {out}: {size / 1e6:.1f} MB "
+        f"in {time.perf_counter() - t0:.1f} s"
+    )
     return 0
 
 
@@ -166,17 +168,25 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if cpu:
         yes = {True: "yes", False: "no"}
         if cpu.arch == "aarch64":
-            print(f"cpu          {cpu.model} (aarch64): NEON {yes['asimd' in cpu.flags]}, dot product (asimddp) "
-                  f"{yes['asimddp' in cpu.flags]}, i8mm {yes['i8mm' in cpu.flags]}, bf16 {yes['bf16' in cpu.flags]}, "
-                  f"SVE {yes['sve' in cpu.flags]}")  # fmt: skip
+            print(
+                f"cpu          {cpu.model} (aarch64): NEON {yes['asimd' in cpu.flags]}, dot product (asimddp) "
+                f"{yes['asimddp' in cpu.flags]}, i8mm {yes['i8mm' in cpu.flags]}, bf16 {yes['bf16' in cpu.flags]}, "
+                f"SVE {yes['sve' in cpu.flags]}"
+            )
         else:
-            print(f"cpu          {cpu.model}: AVX {yes['avx' in cpu.flags]}, AVX2 {yes[cpu.avx2]}, AVX-512 "
-                  f"{yes[cpu.avx512]}, VNNI {yes[cpu.vnni]}, BF16 {yes[cpu.bf16]}, AMX {yes[cpu.amx]} (int8 kernels: "
-                  f"{cpu.isa})")  # fmt: skip
-        print(f"kernels      {kernel_level(cpu.arch, cpu.flags)} (features from {hw.features_from}): "
-              f"{speed_expectation(cpu.arch, cpu.flags)}")  # fmt: skip
-        print(f"cores        {cpu.logical} logical, {cpu.physical} physical; usable {hw.usable_cores} "
-              f"(affinity {hw.affinity}, quota {'none' if hw.quota is None else f'{hw.quota:g}'})")  # fmt: skip
+            print(
+                f"cpu          {cpu.model}: AVX {yes['avx' in cpu.flags]}, AVX2 {yes[cpu.avx2]}, AVX-512 "
+                f"{yes[cpu.avx512]}, VNNI {yes[cpu.vnni]}, BF16 {yes[cpu.bf16]}, AMX {yes[cpu.amx]} (int8 kernels: "
+                f"{cpu.isa})"
+            )
+        print(
+            f"kernels      {kernel_level(cpu.arch, cpu.flags)} (features from {hw.features_from}): "
+            f"{speed_expectation(cpu.arch, cpu.flags)}"
+        )
+        print(
+            f"cores        {cpu.logical} logical, {cpu.physical} physical; usable {hw.usable_cores} "
+            f"(affinity {hw.affinity}, quota {'none' if hw.quota is None else f'{hw.quota:g}'})"
+        )
     else:
         print(f"cpu          /proc/cpuinfo not readable; {os.cpu_count()} logical CPUs")
     try:
@@ -188,8 +198,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         problems += [problem] if problem else []
         hw.notes += [note] if note else []
     gib = 2**30
-    mem = ", ".join(f"{name} {v / gib:.1f} GiB" for name, v in (("total", hw.mem_total), ("available",
-                    hw.mem_available), ("container limit", hw.mem_limit)) if v is not None)  # fmt: skip
+    mem = ", ".join(
+        f"{name} {v / gib:.1f} GiB"
+        for name, v in (("total", hw.mem_total), ("available", hw.mem_available), ("container limit", hw.mem_limit))
+        if v is not None
+    )
     print(f"memory       {mem or 'unknown'}")
     print(f"threads      {hw.thread_plan()}")
     from cosyvoice_cpu.config import DEFAULT_LM_BATCH_ROWS
@@ -212,8 +225,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         try:
             m = Manifest.load(args.model, check_hashes=not args.quick)
             size = sum(f.size for f in m.all_files())
-            print(f"model        {args.model}: {m.family}, recipe {m.recipe['name']}, {size / 1e9:.2f} GB, files ok"
-                  f"{'' if args.quick else ' (sha256 checked)'}")  # fmt: skip
+            print(
+                f"model        {args.model}: {m.family}, recipe {m.recipe['name']}, {size / 1e9:.2f} GB, files ok"
+                f"{'' if args.quick else ' (sha256 checked)'}"
+            )
             problems += hw.model_warnings(m)
             from cosyvoice_cpu.backends.plan import describe, plan_backends
 
@@ -244,8 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="cosyvoice = CosyVoice-300M (v1), cosyvoice3 = Fun-CosyVoice3-0.5B",
     )
     f.add_argument("--size", default="tiny", choices=["tiny", "full"])
-    f.add_argument("--variant", default="sft", choices=["base", "sft", "instruct"],
-                   help="CosyVoice-300M download to mimic: base has no built-in speakers (spk2info.pt)")  # fmt: skip
+    f.add_argument(
+        "--variant",
+        default="sft",
+        choices=["base", "sft", "instruct"],
+        help="CosyVoice-300M download to mimic: base has no built-in speakers (spk2info.pt)",
+    )
     f.add_argument("--seed", type=_non_negative, default=0)
     f.add_argument("--out", required=True, type=Path, help="directory to create")
     f.add_argument("--force", action="store_true", help="replace an existing directory")
@@ -259,10 +278,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-verify", action="store_true", help="skip the numerics gate (ORT vs PyTorch reference)")
     e.add_argument("--max-len", type=_positive, default=2048, help="LM KV-cache positions (default 2048)")
     e.add_argument("--list-recipes", action="store_true", help="print the quantization recipes and exit")
-    e.add_argument("--openvino", default="none", choices=["none", "bf16", "int8"],
-                   help="also write an OpenVINO model of the whole-sentence flow estimator: int8 (NNCF, calibrated "
-                        "on the flow's own inputs) or bf16 weights-as-float16; run by --backend auto on CPUs with "
-                        "bf16 (needs the [openvino-export] extra)")  # fmt: skip
+    e.add_argument(
+        "--openvino",
+        default="none",
+        choices=["none", "bf16", "int8"],
+        help="also write an OpenVINO model of the whole-sentence flow estimator: int8 (NNCF, calibrated "
+        "on the flow's own inputs) or bf16 weights-as-float16; run by --backend auto on CPUs with "
+        "bf16 (needs the [openvino-export] extra)",
+    )
     e.set_defaults(func=cmd_export)
 
     from cosyvoice_cpu.cli.speech import add_commands
@@ -279,15 +302,22 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("-m", "--model", type=Path, help="also check an exported model directory")
     h.add_argument("--quick", action="store_true", help="check the model's file sizes only, not their sha256")
     add_backend_args(h)
-    h.add_argument("--speed", action="store_true",
-                   help="also time the kernels the engine spends its time on (~3 s) and compare with the "
-                        "machines docs/benchmarks.md was measured on")  # fmt: skip
+    h.add_argument(
+        "--speed",
+        action="store_true",
+        help="also time the kernels the engine spends its time on (~3 s) and compare with the "
+        "machines docs/benchmarks.md was measured on",
+    )
     h.set_defaults(func=cmd_doctor)
 
     d = sub.add_parser("demo", help="synthesize a sentence with a small model and print stage timings")
     d.add_argument("--text", default=DEMO_TEXT)
-    d.add_argument("-m", "--model", help="exported model directory (default: the packaged demo model); with "
-                   "--reference, an official directory (default: a generated tiny fixture)")  # fmt: skip
+    d.add_argument(
+        "-m",
+        "--model",
+        help="exported model directory (default: the packaged demo model); with "
+        "--reference, an official directory (default: a generated tiny fixture)",
+    )
     d.add_argument("--reference", action="store_true", help="run the PyTorch reference instead (needs [export])")
     d.add_argument("-o", "--out", default="demo.wav", type=Path)
     d.add_argument("--seed", type=_non_negative, default=0)

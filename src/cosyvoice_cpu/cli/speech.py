@@ -110,9 +110,15 @@ def cmd_say(args: argparse.Namespace) -> int:
     from cosyvoice_cpu.config import SynthesisConfig
     from cosyvoice_cpu.voices.voice import Voice
 
-    config = SynthesisConfig(seed=args.seed, flow_steps=args.flow_steps, cfg_rate=args.cfg_rate, speed=args.speed,
-                             normalize=not args.no_normalize, stream=args.stream,
-                             first_chunk_tokens=args.first_chunk_tokens).validate()  # fmt: skip
+    config = SynthesisConfig(
+        seed=args.seed,
+        flow_steps=args.flow_steps,
+        cfg_rate=args.cfg_rate,
+        speed=args.speed,
+        normalize=not args.no_normalize,
+        stream=args.stream,
+        first_chunk_tokens=args.first_chunk_tokens,
+    ).validate()
     if not args.text and sys.stdin.isatty():
         raise ConfigError("give the text as an argument or on standard input")
     if args.voice and args.prompt_wav:
@@ -122,8 +128,10 @@ def cmd_say(args: argparse.Namespace) -> int:
         path = _voice_path(voices_dir(args.voices), args.voice)
         voice = Voice.load(path) if path.is_file() else None
     elif not args.prompt_wav:
-        raise ConfigError("give --voice NAME or --prompt-wav FILE [--prompt-text T]: a saved voice, a built-in "
-                          "speaker (CosyVoice-300M-SFT: 中文女 ...), or prompt audio to clone")  # fmt: skip
+        raise ConfigError(
+            "give --voice NAME or --prompt-wav FILE [--prompt-text T]: a saved voice, a built-in "
+            "speaker (CosyVoice-300M-SFT: 中文女 ...), or prompt audio to clone"
+        )
     with _engine(args) as engine:
         return _say(args, engine, config, voice)
 
@@ -137,8 +145,9 @@ def _say(args: argparse.Namespace, engine: Engine, config: SynthesisConfig, voic
         builtin = engine.builtin_voices()
         if args.voice not in builtin:
             extra = f"; built-in speakers of this model: {', '.join(builtin)}" if builtin else ""
-            raise ConfigError(f"no voice named {args.voice!r} in {path.parent}; add it with `cosyvoice-cpu voice add`"
-                              f"{extra}")  # fmt: skip
+            raise ConfigError(
+                f"no voice named {args.voice!r} in {path.parent}; add it with `cosyvoice-cpu voice add`{extra}"
+            )
         voice = builtin[args.voice]
     if args.prompt_wav:
         voice = engine.make_voice(args.prompt_wav, args.prompt_text or "", name="prompt")
@@ -173,9 +182,12 @@ def _say(args: argparse.Namespace, engine: Engine, config: SynthesisConfig, voic
         write_wav(args.out, np.concatenate(pieces), engine.sample_rate)
     rtf = total / timings.audio if timings.audio else float("nan")
     first = f", first audio after {timings.first_audio:.2f} s" if timings.first_audio is not None else ""
-    print(f"{timings.audio:.1f} s of audio in {chunks} chunks in {total:.1f} s (RTF {rtf:.2f}{first}; LM "
-          f"{timings.lm:.1f} s for {timings.tokens} tokens, flow {timings.flow:.1f} s, vocoder "
-          f"{timings.vocoder:.1f} s){'' if to_stdout else f' -> {args.out}'}", file=sys.stderr)  # fmt: skip
+    print(
+        f"{timings.audio:.1f} s of audio in {chunks} chunks in {total:.1f} s (RTF {rtf:.2f}{first}; LM "
+        f"{timings.lm:.1f} s for {timings.tokens} tokens, flow {timings.flow:.1f} s, vocoder "
+        f"{timings.vocoder:.1f} s){'' if to_stdout else f' -> {args.out}'}",
+        file=sys.stderr,
+    )
     return 1 if failed else 0
 
 

@@ -39,14 +39,23 @@ def build() -> dict[str, bytes]:
     vi = helper.make_tensor_value_info
     bsd = ["batch", "frames", 512]
     return {
-        "sgemm.onnx": model(helper.make_node("MatMul", ["a", "b"], ["c"]),
-                            [vi("a", f32, ["m", "k"]), vi("b", f32, ["k", "n"])], [vi("c", f32, ["m", "n"])]),
-        "qgemm.onnx": model(helper.make_node("MatMulInteger", ["a", "b"], ["c"]),
-                            [vi("a", u8, ["m", "k"]), vi("b", i8, ["k", "n"])], [vi("c", i32, ["m", "n"])]),
+        "sgemm.onnx": model(
+            helper.make_node("MatMul", ["a", "b"], ["c"]),
+            [vi("a", f32, ["m", "k"]), vi("b", f32, ["k", "n"])],
+            [vi("c", f32, ["m", "n"])],
+        ),
+        "qgemm.onnx": model(
+            helper.make_node("MatMulInteger", ["a", "b"], ["c"]),
+            [vi("a", u8, ["m", "k"]), vi("b", i8, ["k", "n"])],
+            [vi("c", i32, ["m", "n"])],
+        ),
         "attention.onnx": model(
             helper.make_node("MultiHeadAttention", ["q", "k", "v"], ["o"], domain="com.microsoft", num_heads=8),
-            [vi(n, f32, bsd) for n in ("q", "k", "v")], [vi("o", f32, bsd)], ("com.microsoft",)),
-    }  # fmt: skip
+            [vi(n, f32, bsd) for n in ("q", "k", "v")],
+            [vi("o", f32, bsd)],
+            ("com.microsoft",),
+        ),
+    }
 
 
 def write(directory: Path = PACKAGED) -> list[Path]:

@@ -119,15 +119,21 @@ def gate(key: str, check: str, ours: np.ndarray, ref: np.ndarray, tol: float, de
 
 
 def verify_setup(
-    out_dir: Path, files: dict[str, str] | None, tolerance: dict[str, float] | None,
-    default_files: dict[str, str], default_tolerance: dict[str, float], what: str,
-) -> tuple[dict[str, Path], dict[str, float]]:  # fmt: skip
+    out_dir: Path,
+    files: dict[str, str] | None,
+    tolerance: dict[str, float] | None,
+    default_files: dict[str, str],
+    default_tolerance: dict[str, float],
+    what: str,
+) -> tuple[dict[str, Path], dict[str, float]]:
     """A verifier's graph paths (``default_files`` overridden by ``files``, under ``out_dir``) and tolerances
     (``default_tolerance`` overridden by ``tolerance``); ConfigError for a key neither default knows."""
     unknown = set(tolerance or {}) - set(default_tolerance) or set(files or {}) - set(default_files)
     if unknown:
-        raise ConfigError(f"{what}: unknown keys {sorted(unknown)}; tolerance keys are {sorted(default_tolerance)}, "
-                          f"file keys {sorted(default_files)}")  # fmt: skip
+        raise ConfigError(
+            f"{what}: unknown keys {sorted(unknown)}; tolerance keys are {sorted(default_tolerance)}, "
+            f"file keys {sorted(default_files)}"
+        )
     paths = {k: Path(out_dir) / v for k, v in {**default_files, **(files or {})}.items()}
     return paths, {**default_tolerance, **(tolerance or {})}
 
@@ -167,8 +173,9 @@ def torch_export(module: Any, args: tuple, path: Path, **kwargs: Any) -> None:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(module, args, str(path), dynamo=False, opset_version=OPSET, do_constant_folding=True,
-                          **kwargs)  # fmt: skip
+        torch.onnx.export(
+            module, args, str(path), dynamo=False, opset_version=OPSET, do_constant_folding=True, **kwargs
+        )
     model = onnx.load(str(path), load_external_data=True)
     save_onnx(model, path)
 

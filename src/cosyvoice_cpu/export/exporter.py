@@ -127,8 +127,11 @@ def _fp32_bytes(ckpt: Path) -> int:
     state = load_checkpoint(ckpt)
     if isinstance(state.get("state_dict"), dict):  # a training checkpoint wrapping the weights
         state = state["state_dict"]
-    return sum(t.numel() * (4 if t.is_floating_point() else t.element_size())
-               for t in state.values() if isinstance(t, torch.Tensor))  # fmt: skip
+    return sum(
+        t.numel() * (4 if t.is_floating_point() else t.element_size())
+        for t in state.values()
+        if isinstance(t, torch.Tensor)
+    )
 
 
 def needed_bytes(src: Path, family: str = "cosyvoice2") -> int:
@@ -149,8 +152,10 @@ def check_source(src: Path) -> Any:
     from cosyvoice_cpu.reference.model_dir import detect_family, read_model_config
 
     if not src.is_dir():
-        raise ExportError(f"--from {src}: no such directory; point at a released CosyVoice2-0.5B, CosyVoice-300M or "
-                          "Fun-CosyVoice3-0.5B directory")  # fmt: skip
+        raise ExportError(
+            f"--from {src}: no such directory; point at a released CosyVoice2-0.5B, CosyVoice-300M or "
+            "Fun-CosyVoice3-0.5B directory"
+        )
     family = detect_family(src)
     try:
         fam = export_family(family)

@@ -38,10 +38,14 @@ CHECKPOINTS = ("llm.pt", "flow.pt", "hift.pt")
 # The text tokenizer's source files, by the facts' ``text_tokenizer``: Qwen2's BPE ships in CosyVoice-BlankEN/;
 # Whisper's tiktoken vocabulary is found (and checked) by :meth:`ExportCosyVoice.check_source`.
 TOKENIZER_FILES = {
-    "qwen2": ("CosyVoice-BlankEN/config.json", "CosyVoice-BlankEN/vocab.json", "CosyVoice-BlankEN/merges.txt",
-              "CosyVoice-BlankEN/tokenizer_config.json"),
+    "qwen2": (
+        "CosyVoice-BlankEN/config.json",
+        "CosyVoice-BlankEN/vocab.json",
+        "CosyVoice-BlankEN/merges.txt",
+        "CosyVoice-BlankEN/tokenizer_config.json",
+    ),
     "whisper": (),
-}  # fmt: skip
+}
 
 
 @dataclass(frozen=True)
@@ -110,8 +114,11 @@ def _hift_graph_v3() -> ModuleType:
     return hift_graph_v3
 
 
-ESTIMATORS = {"flow_estimator": "flow_estimator", "flow_estimator_stream": "flow_estimator",
-              "flow_encoder": "flow_encoder"}  # fmt: skip
+ESTIMATORS = {
+    "flow_estimator": "flow_estimator",
+    "flow_estimator_stream": "flow_estimator",
+    "flow_encoder": "flow_encoder",
+}
 HIFT_QUANTIZED = {"hift_decode": "hift"}
 
 
@@ -129,8 +136,7 @@ class ExportFamily:
 
     def required_files(self) -> tuple[str, ...]:
         """Files (relative paths) a released directory of this family must hold."""
-        return (*CHECKPOINTS, "campplus.onnx", self.facts.speech_tokenizer,
-                *TOKENIZER_FILES[self.facts.text_tokenizer])  # fmt: skip
+        return (*CHECKPOINTS, "campplus.onnx", self.facts.speech_tokenizer, *TOKENIZER_FILES[self.facts.text_tokenizer])
 
     def copied_onnx(self) -> dict[str, str]:
         """Manifest key -> file name of the front-end ONNX models copied unchanged."""
@@ -151,8 +157,12 @@ class ExportFamily:
     def flow_facts(self, flow: Any) -> dict[str, Any]:
         """The manifest's ``flow`` section: solver defaults plus the streaming facts (the encoder chunk in tokens)."""
         chunk = flow.encoder.static_chunk_size
-        return {**_solver_facts(flow), "pre_lookahead_len": flow.pre_lookahead_len,
-                "token_mel_ratio": flow.token_mel_ratio, "static_chunk_size": chunk}  # fmt: skip
+        return {
+            **_solver_facts(flow),
+            "pre_lookahead_len": flow.pre_lookahead_len,
+            "token_mel_ratio": flow.token_mel_ratio,
+            "static_chunk_size": chunk,
+        }
 
     def lm_facts(self, lm_cfg: Any) -> dict[str, Any]:
         """Entries of the manifest's ``lm`` section beyond the ones every family has (none by default)."""
@@ -184,10 +194,15 @@ class ExportCosyVoice(ExportFamily):
     facts = facts("cosyvoice")
     plans = (
         StagePlan("LM", "lm", _lm_graph_v1, "lm", {"lm": "lm", "lm_text_encoder": "lm"}),
-        StagePlan("flow", "flow", _flow_graph_v1, "flow_estimator",
-                  {"flow_estimator": "flow_estimator", "flow_encoder": "flow_encoder"}),
+        StagePlan(
+            "flow",
+            "flow",
+            _flow_graph_v1,
+            "flow_estimator",
+            {"flow_estimator": "flow_estimator", "flow_encoder": "flow_encoder"},
+        ),
         StagePlan("HiFT", "hift", _hift_graph, "hift", HIFT_QUANTIZED),
-    )  # fmt: skip
+    )
 
     def check_source(self, src: Path) -> None:
         """The Whisper tiktoken vocabulary must be found now, not after minutes of export."""
@@ -221,10 +236,11 @@ class ExportCosyVoice3(ExportCosyVoice2):
     facts = facts("cosyvoice3")
     plans = (
         StagePlan("LM", "lm", _lm_graph_v3, "lm", {"lm": "lm"}),
-        StagePlan("flow", "flow", _flow_graph_v3, "flow_estimator",
-                  {**ESTIMATORS, "flow_time": "flow_estimator"}),  # the DiT's time table: the estimator's precision
+        StagePlan(
+            "flow", "flow", _flow_graph_v3, "flow_estimator", {**ESTIMATORS, "flow_time": "flow_estimator"}
+        ),  # the DiT's time table: the estimator's precision
         StagePlan("HiFT", "hift", _hift_graph_v3, "hift", HIFT_QUANTIZED),
-    )  # fmt: skip
+    )
 
     def export_tokenizer(self, cfg: Any, out: Path) -> dict[str, Any]:
         """:func:`cosyvoice_cpu.export.tokenizer_v3.export_tokenizer_v3`."""
@@ -235,9 +251,13 @@ class ExportCosyVoice3(ExportCosyVoice2):
     def flow_facts(self, flow: Any) -> dict[str, Any]:
         """Solver defaults plus the DiT's chunk mask: 50 frames (25 tokens); no encoder chunk."""
         chunk = flow.estimator.static_chunk_size
-        return {**_solver_facts(flow), "pre_lookahead_len": flow.pre_lookahead_len,
-                "token_mel_ratio": flow.token_mel_ratio, "static_chunk_size": chunk // flow.token_mel_ratio,
-                "chunk_frames": chunk}  # fmt: skip
+        return {
+            **_solver_facts(flow),
+            "pre_lookahead_len": flow.pre_lookahead_len,
+            "token_mel_ratio": flow.token_mel_ratio,
+            "static_chunk_size": chunk // flow.token_mel_ratio,
+            "chunk_frames": chunk,
+        }
 
     def lm_facts(self, lm_cfg: Any) -> dict[str, Any]:
         """The official min-length mask is v3's sos id; the text must hold ``<|endofprompt|>``."""
@@ -246,8 +266,12 @@ class ExportCosyVoice3(ExportCosyVoice2):
 
 def _solver_facts(flow: Any) -> dict[str, Any]:
     """The flow's solver defaults, the same for every family."""
-    return {"n_timesteps": flow.cfm.n_timesteps, "cfg_rate": flow.cfm.inference_cfg_rate,
-            "t_scheduler": flow.cfm.t_scheduler, "spk_embed_dim": flow.spk_embed_dim}  # fmt: skip
+    return {
+        "n_timesteps": flow.cfm.n_timesteps,
+        "cfg_rate": flow.cfm.inference_cfg_rate,
+        "t_scheduler": flow.cfm.t_scheduler,
+        "spk_embed_dim": flow.spk_embed_dim,
+    }
 
 
 def _write_builtin_speakers(cfg: Any, out: Path) -> list[Path]:
@@ -261,8 +285,16 @@ def _write_builtin_speakers(cfg: Any, out: Path) -> list[Path]:
     written = []
     for name, emb in load_speakers(cfg.model_dir).items():
         try:
-            voice = Voice(name, "", np.zeros(0, np.int32), np.zeros((0, 80), np.float32), emb.numpy().reshape(-1),
-                          family=cfg.family, sample_rate=cfg.sample_rate, meta={"builtin": True})  # fmt: skip
+            voice = Voice(
+                name,
+                "",
+                np.zeros(0, np.int32),
+                np.zeros((0, 80), np.float32),
+                emb.numpy().reshape(-1),
+                family=cfg.family,
+                sample_rate=cfg.sample_rate,
+                meta={"builtin": True},
+            )
         except VoiceError as e:
             raise ExportError(f"built-in speaker {name!r} of spk2info.pt cannot be a voice: {e}") from e
         written.append(voice.save(out / VOICES_DIR / f"{name}.npz"))

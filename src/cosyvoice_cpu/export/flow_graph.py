@@ -142,9 +142,14 @@ class EstimatorGraph(nn.Module):
         self.est = estimator
 
     def forward(
-        self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor,
+        mu: torch.Tensor,
+        t: torch.Tensor,
+        spks: torch.Tensor,
         cond: torch.Tensor,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         """The official ONNX estimator contract; shapes as :meth:`FlowEstimator.forward`."""
         est = self.est
         t_emb = est.time_mlp(timestep_embedding(t, est.in_channels))
@@ -210,9 +215,14 @@ def export_encoder(graph: nn.Module, cfg: Any, path: Path, chunk_size: int) -> N
         torch.randn(1, cfg.spk_embed_dim),
         torch.tensor(chunk_size, dtype=torch.int64),
     )
-    torch_export(graph, args, path, input_names=["token", "context", "embedding", "chunk_size"],
-                 output_names=["mu", "spks"],
-                 dynamic_axes={"token": {1: "tokens"}, "context": {1: "context"}, "mu": {2: "frames"}})  # fmt: skip
+    torch_export(
+        graph,
+        args,
+        path,
+        input_names=["token", "context", "embedding", "chunk_size"],
+        output_names=["mu", "spks"],
+        dynamic_axes={"token": {1: "tokens"}, "context": {1: "context"}, "mu": {2: "frames"}},
+    )
     pin_output_shape(path, "mu", [1, cfg.output_size, "frames"])
 
 
@@ -251,14 +261,31 @@ def export_flow(flow: Flow, out_dir: Path) -> list[GraphArtifact]:
     logger.info("exported the flow to %s in %.1f s", out_dir, time.perf_counter() - t0)
 
     common = {"token_mel_ratio": cfg.token_mel_ratio, "pre_lookahead_len": cfg.pre_lookahead_len}
-    encoder = {"static_chunk_size": cfg.encoder.static_chunk_size, "chunk_unit": "tokens", "vocab_size": cfg.vocab_size,
-               "spk_embed_dim": cfg.spk_embed_dim, "output_size": cfg.output_size, **common}  # fmt: skip
-    solver = {"n_timesteps": cfg.cfm.n_timesteps, "cfg_rate": cfg.cfm.inference_cfg_rate,
-              "t_scheduler": cfg.cfm.t_scheduler, "noise_file": FILES["flow_noise"], "noise_frames": NOISE_FRAMES,
-              "noise_seed": NOISE_SEED, **common}  # fmt: skip
+    encoder = {
+        "static_chunk_size": cfg.encoder.static_chunk_size,
+        "chunk_unit": "tokens",
+        "vocab_size": cfg.vocab_size,
+        "spk_embed_dim": cfg.spk_embed_dim,
+        "output_size": cfg.output_size,
+        **common,
+    }
+    solver = {
+        "n_timesteps": cfg.cfm.n_timesteps,
+        "cfg_rate": cfg.cfm.inference_cfg_rate,
+        "t_scheduler": cfg.cfm.t_scheduler,
+        "noise_file": FILES["flow_noise"],
+        "noise_frames": NOISE_FRAMES,
+        "noise_seed": NOISE_SEED,
+        **common,
+    }
     layers, width, conv_channels = stream_layout(flow.decoder.estimator)
-    stream = {"attention": "cached past + chunk", "cache_layers": layers, "cache_width": width,
-              "conv_state_channels": conv_channels, **solver}  # fmt: skip
+    stream = {
+        "attention": "cached past + chunk",
+        "cache_layers": layers,
+        "cache_width": width,
+        "conv_state_channels": conv_channels,
+        **solver,
+    }
     return [
         _artifact(out_dir, "flow_encoder", encoder),
         _artifact(out_dir, "flow_estimator", {"attention": "full", **solver}),
@@ -298,8 +325,14 @@ def verify_flow(
     cfg = flow.config
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
-    stage = FlowStage(paths["flow_encoder"], paths["flow_estimator"], paths["flow_estimator_stream"],
-                      paths["flow_noise"], settings=_settings(flow), threads=threads)  # fmt: skip
+    stage = FlowStage(
+        paths["flow_encoder"],
+        paths["flow_estimator"],
+        paths["flow_estimator_stream"],
+        paths["flow_noise"],
+        settings=_settings(flow),
+        threads=threads,
+    )
     n_prompt, n_tok, n_ctx = 20, 37, cfg.pre_lookahead_len  # 57 tokens: > 2 encoder chunks of 25
     prompt = torch.randint(0, cfg.vocab_size, (1, n_prompt), generator=gen)
     tokens = torch.randint(0, cfg.vocab_size, (1, n_tok + n_ctx), generator=gen)
@@ -309,11 +342,24 @@ def verify_flow(
 
     for finalize in (True, False):
         for streaming in (False, True):
-            ref = flow.encode(tokens, torch.tensor([tokens.size(1)]), prompt, torch.tensor([n_prompt]), feat, emb,
-                              finalize=finalize, streaming=streaming)  # fmt: skip
+            ref = flow.encode(
+                tokens,
+                torch.tensor([tokens.size(1)]),
+                prompt,
+                torch.tensor([n_prompt]),
+                feat,
+                emb,
+                finalize=finalize,
+                streaming=streaming,
+            )
             toks, ctx = (tokens, None) if finalize else (tokens[:, :n_tok], tokens[:, n_tok:])
-            mu, spks = stage.encode(toks.numpy(), prompt.numpy(), emb.numpy(), context=None if ctx is None
-                                    else ctx.numpy(), streaming=streaming)  # fmt: skip
+            mu, spks = stage.encode(
+                toks.numpy(),
+                prompt.numpy(),
+                emb.numpy(),
+                context=None if ctx is None else ctx.numpy(),
+                streaming=streaming,
+            )
             what = f"{'final' if finalize else 'non-final+context'}, {'chunk' if streaming else 'full'} attention"
             results.append(gate("flow_encoder", "mu rel err", mu, ref.mu.numpy(), tol["encoder"], what))
     results.append(gate("flow_encoder", "spks rel err", spks, ref.spks.numpy(), tol["encoder"]))
@@ -337,19 +383,30 @@ def verify_flow(
         results.append(r)
 
     for finalize, streaming in ((True, False), (False, True)):
-        ref, _ = flow.inference(tokens, torch.tensor([tokens.size(1)]), prompt, torch.tensor([n_prompt]), feat, None,
-                                emb, streaming=streaming, finalize=finalize)  # fmt: skip
+        ref, _ = flow.inference(
+            tokens,
+            torch.tensor([tokens.size(1)]),
+            prompt,
+            torch.tensor([n_prompt]),
+            feat,
+            None,
+            emb,
+            streaming=streaming,
+            finalize=finalize,
+        )
         if streaming:  # the official non-final call: chunk-causal encoder and estimator, a grid from frame 0
             continue  # (our runtime streams differently; its whole-flow gate follows)
         mel = stage.inference(tokens.numpy(), prompt.numpy(), feat.numpy(), emb.numpy())
         results.append(gate("flow", "mel rel err", mel, ref.numpy(), tol["mel"], "whole sentence, 10 steps, cfg 0.7"))
-    results.append(_gate_stream(flow, stage, prompt.numpy()[0], tokens.numpy()[0], feat.numpy()[0], emb.numpy(),
-                                tol["mel"]))  # fmt: skip
+    results.append(
+        _gate_stream(flow, stage, prompt.numpy()[0], tokens.numpy()[0], feat.numpy()[0], emb.numpy(), tol["mel"])
+    )
     return results
 
 
-def _gate_stream(flow: Flow, stage: Any, prompt: np.ndarray, tokens: np.ndarray, feat: np.ndarray,
-                 emb: np.ndarray, tol: float) -> GateResult:  # fmt: skip
+def _gate_stream(
+    flow: Flow, stage: Any, prompt: np.ndarray, tokens: np.ndarray, feat: np.ndarray, emb: np.ndarray, tol: float
+) -> GateResult:
     """:class:`~cosyvoice_cpu.flow.stream.FlowStream` (unbounded context, three chunks) vs the reference solver
     over the same frames with chunk-causal ids [0 prompt, 1, 2, 3] in one call."""
     from cosyvoice_cpu.flow.stream import FlowStream
@@ -357,17 +414,25 @@ def _gate_stream(flow: Flow, stage: Any, prompt: np.ndarray, tokens: np.ndarray,
     fs = FlowStream(stage, prompt, feat, emb, context_tokens=None)
     look = fs.lookahead
     cuts = [(0, 10), (10, 25), (25, len(tokens))]
-    mel = np.concatenate([fs.push(tokens[a:b], None if b == len(tokens) else tokens[b : b + look])
-                          for a, b in cuts], axis=2)  # fmt: skip
+    mel = np.concatenate(
+        [fs.push(tokens[a:b], None if b == len(tokens) else tokens[b : b + look]) for a, b in cuts], axis=2
+    )
     mu = np.concatenate([fs.prompt.mu, fs.ctx_mu], axis=2)
     n_prompt = fs.n_prompt
     cond = np.zeros_like(mu)
     cond[0, :, :n_prompt] = feat.T
-    ids = np.concatenate([np.zeros(n_prompt, np.int64), *[np.full(2 * (b - a), i + 1) for i, (a, b) in
-                                                          enumerate(cuts)]])[None]  # fmt: skip
+    ids = np.concatenate(
+        [np.zeros(n_prompt, np.int64), *[np.full(2 * (b - a), i + 1) for i, (a, b) in enumerate(cuts)]]
+    )[None]
     size = mu.shape[2]
-    ref = flow.decoder(torch.from_numpy(mu), torch.ones(1, 1, size), torch.from_numpy(fs.prompt.spks),
-                       torch.from_numpy(cond), streaming=True, chunk_id=torch.from_numpy(ids)).numpy()  # fmt: skip
+    ref = flow.decoder(
+        torch.from_numpy(mu),
+        torch.ones(1, 1, size),
+        torch.from_numpy(fs.prompt.spks),
+        torch.from_numpy(cond),
+        streaming=True,
+        chunk_id=torch.from_numpy(ids),
+    ).numpy()
     return gate("flow", "mel rel err", mel, ref[:, :, n_prompt:], tol, "streamed in 3 chunks on cached activations")
 
 

@@ -100,9 +100,14 @@ class EstimatorGraphV1(nn.Module):
         self.est = estimator
 
     def forward(
-        self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor,
+        mu: torch.Tensor,
+        t: torch.Tensor,
+        spks: torch.Tensor,
         cond: torch.Tensor,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         """The official estimator contract; shapes as :meth:`UNetEstimator.forward`."""
         est = self.est
         t_emb = est.time_mlp(timestep_embedding(t, est.cfg.in_channels))
@@ -205,19 +210,29 @@ def export_flow(flow: FlowV1, out_dir: Path) -> list[GraphArtifact]:
         torch.from_numpy(stretch_matrix(n_prompt, n_new, mel_len1, mel_len2, cfg.input_frame_rate)),
     )
     with query_blocks(flow.encoder, ENCODER_QUERY_BLOCKS):  # as CosyVoice2's (export.flow_graph)
-        torch_export(EncoderGraphV1(flow), enc_args, out_dir / FILES["flow_encoder"],
-                     input_names=["token", "embedding", "stretch"], output_names=["mu", "spks"],
-                     dynamic_axes={"token": {1: "tokens"}, "stretch": {0: "tokens", 1: "frames"},
-                                   "mu": {2: "frames"}})  # fmt: skip
+        torch_export(
+            EncoderGraphV1(flow),
+            enc_args,
+            out_dir / FILES["flow_encoder"],
+            input_names=["token", "embedding", "stretch"],
+            output_names=["mu", "spks"],
+            dynamic_axes={"token": {1: "tokens"}, "stretch": {0: "tokens", 1: "frames"}, "mu": {2: "frames"}},
+        )
     pin_output_shape(out_dir / FILES["flow_encoder"], "mu", [1, cfg.output_size, "frames"])
     with export_forms(flow.decoder.estimator) as est:  # fused attention, one-Exp Mish (fused_ops.py)
         export_estimator(EstimatorGraphV1(est), out_dir / FILES["flow_estimator"])
     logger.info("exported the v1 flow to %s in %.1f s", out_dir, time.perf_counter() - t0)
 
     solver = settings_of(flow)
-    encoder = {"vocab_size": cfg.vocab_size, "spk_embed_dim": cfg.spk_embed_dim, "output_size": cfg.output_size,
-               "mel_frames_per_second": MEL_FRAMES_PER_SECOND, "split_above_tokens": 2 * OVERLAP_TOKENS,
-               "stretch": "linear, align_corners=False (flow.stage_v1.stretch_matrix)", **solver}  # fmt: skip
+    encoder = {
+        "vocab_size": cfg.vocab_size,
+        "spk_embed_dim": cfg.spk_embed_dim,
+        "output_size": cfg.output_size,
+        "mel_frames_per_second": MEL_FRAMES_PER_SECOND,
+        "split_above_tokens": 2 * OVERLAP_TOKENS,
+        "stretch": "linear, align_corners=False (flow.stage_v1.stretch_matrix)",
+        **solver,
+    }
     estimator = {"attention": "full", "noise": "fresh Gaussian per call", **solver}
     return [_artifact(out_dir, "flow_encoder", encoder), _artifact(out_dir, "flow_estimator", estimator)]
 
@@ -288,19 +303,33 @@ def verify_flow(
         row = {k: v[1:2, :, : lengths[1]] if v.ndim == 3 else v[1:2] for k, v in feeds.items()}
         single = sess.run(None, row)[0]
         ref = est(*(_t(v) for v in row.values())).numpy()
-        results.append(gate("flow_estimator", "velocity rel err", single, ref, tol["estimator"],
-                             f"batch 1, T={lengths[1]}, unpadded"))  # fmt: skip
+        results.append(
+            gate(
+                "flow_estimator",
+                "velocity rel err",
+                single,
+                ref,
+                tol["estimator"],
+                f"batch 1, T={lengths[1]}, unpadded",
+            )
+        )
 
     cache = None
     for n_new, n_prompt, cached in ((57, 15, False), (30, 0, False), (45, 15, True)):
         tok, tok_len, pt, pt_len, pf, _ = case(n_new, n_prompt)
         frames = pf.shape[1] + frames_for_tokens(n_new, cfg.input_frame_rate)
         noise = rng.standard_normal((1, 80, frames), dtype=np.float32)
-        ref, ref_cache = flow.inference(tok, tok_len, pt, pt_len, pf, None, emb, flow_cache=cache if cached else None,
-                                        noise=_t(noise))  # fmt: skip
-        mel, new_cache = stage.inference_cached(tok.numpy(), pt.numpy(), pf.numpy()[0], emb.numpy(), noise=noise,
-                                                flow_cache=None if cache is None or not cached else cache.numpy(),
-                                                )  # fmt: skip
+        ref, ref_cache = flow.inference(
+            tok, tok_len, pt, pt_len, pf, None, emb, flow_cache=cache if cached else None, noise=_t(noise)
+        )
+        mel, new_cache = stage.inference_cached(
+            tok.numpy(),
+            pt.numpy(),
+            pf.numpy()[0],
+            emb.numpy(),
+            noise=noise,
+            flow_cache=None if cache is None or not cached else cache.numpy(),
+        )
         what = f"{n_new} new, {n_prompt} prompt tokens, {'on the previous flow_cache' if cached else 'no cache'}"
         results.append(gate("flow", "mel rel err", mel, ref.numpy(), tol["mel"], what))
         if n_prompt and not cached:

@@ -93,9 +93,14 @@ class EstimatorGraphV3(nn.Module):
         self.run = DiTRun(est)
 
     def forward(
-        self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor,
+        mu: torch.Tensor,
+        t: torch.Tensor,
+        spks: torch.Tensor,
         cond: torch.Tensor,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         """The official ONNX estimator contract; shapes as :meth:`DiT.forward`."""
         run = self.run
         table = run.time_table(t)
@@ -166,12 +171,25 @@ def export_flow(flow: FlowV3, out_dir: Path) -> list[GraphArtifact]:
         "spk_embed_dim": cfg.spk_embed_dim,
         "output_size": cfg.output_size,
     }
-    solver = {**settings, "noise_file": FILES["flow_noise"], "noise_frames": NOISE_FRAMES, "noise_seed": NOISE_SEED,
-              "estimator": "DiT", "depth": est.cfg.depth, "dim": est.cfg.dim, "heads": est.cfg.heads,
-              "dim_head": est.cfg.dim_head}  # fmt: skip
-    stream = {**solver, "attention": "cached keys/values + chunk-causal window (absolute positions)",
-              "cache_layers": layers, "cache_width": width, "conv_state_channels": state,
-              "conv_state_frames": hist}  # fmt: skip
+    solver = {
+        **settings,
+        "noise_file": FILES["flow_noise"],
+        "noise_frames": NOISE_FRAMES,
+        "noise_seed": NOISE_SEED,
+        "estimator": "DiT",
+        "depth": est.cfg.depth,
+        "dim": est.cfg.dim,
+        "heads": est.cfg.heads,
+        "dim_head": est.cfg.dim_head,
+    }
+    stream = {
+        **solver,
+        "attention": "cached keys/values + chunk-causal window (absolute positions)",
+        "cache_layers": layers,
+        "cache_width": width,
+        "conv_state_channels": state,
+        "conv_state_frames": hist,
+    }
     return [
         _artifact(out_dir, "flow_encoder", encoder),
         _artifact(out_dir, "flow_estimator", {"attention": "full", **solver}),
@@ -219,9 +237,15 @@ def verify_flow(
     cfg = flow.config
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
-    stage = FlowStageV3(paths["flow_encoder"], paths["flow_estimator"], paths["flow_estimator_stream"],
-                        paths["flow_noise"], settings=settings_of(flow), threads=threads,
-                        time_graph=paths["flow_time"])  # fmt: skip
+    stage = FlowStageV3(
+        paths["flow_encoder"],
+        paths["flow_estimator"],
+        paths["flow_estimator_stream"],
+        paths["flow_noise"],
+        settings=settings_of(flow),
+        threads=threads,
+        time_graph=paths["flow_time"],
+    )
     n_prompt, n_tok, look = 40, 60, cfg.pre_lookahead_len
     prompt = torch.randint(0, cfg.vocab_size, (1, n_prompt), generator=gen)
     tokens = torch.randint(0, cfg.vocab_size, (1, n_tok), generator=gen)
@@ -248,8 +272,16 @@ def verify_flow(
         results.append(gate("flow_estimator", "velocity rel err", ours, ref, tol["estimator"], what))
         row = {k: v[1:2, :, : lengths[1]] if v.ndim == 3 else v[1:2] for k, v in feeds.items()}
         single = sess.run(None, row)[0]
-        results.append(gate("flow_estimator", "padded row vs single row", ours[1:2, :, : lengths[1]], single,
-                             tol["estimator"], f"T={size}"))  # fmt: skip
+        results.append(
+            gate(
+                "flow_estimator",
+                "padded row vs single row",
+                ours[1:2, :, : lengths[1]],
+                single,
+                tol["estimator"],
+                f"T={size}",
+            )
+        )
     stream_sess = make_session(paths["flow_estimator_stream"], SessionConfig(threads=threads))
     for r in verify_stream_estimator(est, stream_sess, rng, tol["estimator"], "flow_estimator_stream"):
         logger.info("%s", r)
@@ -267,10 +299,26 @@ def verify_flow(
         final = b == n_tok
         ours_chunks.append(fs.push(tokens[0, a:b].numpy(), None if final else tokens[0, b : b + look].numpy()))
         upto = b if final else b + look
-        ref, _ = flow.inference(tokens[:, :upto], torch.tensor([upto]), prompt, torch.tensor([n_prompt]), feat,
-                                None, emb, streaming=True, finalize=final)  # fmt: skip
+        ref, _ = flow.inference(
+            tokens[:, :upto],
+            torch.tensor([upto]),
+            prompt,
+            torch.tensor([n_prompt]),
+            feat,
+            None,
+            emb,
+            streaming=True,
+            finalize=final,
+        )
         ref_chunks.append(ref.numpy()[:, :, cfg.token_mel_ratio * a :])
-    results.append(gate("flow", "mel rel err", np.concatenate(ours_chunks, axis=2),
-                         np.concatenate(ref_chunks, axis=2), tol["mel"],
-                         "streamed in 3 chunks vs the official prefix recompute"))  # fmt: skip
+    results.append(
+        gate(
+            "flow",
+            "mel rel err",
+            np.concatenate(ours_chunks, axis=2),
+            np.concatenate(ref_chunks, axis=2),
+            tol["mel"],
+            "streamed in 3 chunks vs the official prefix recompute",
+        )
+    )
     return results

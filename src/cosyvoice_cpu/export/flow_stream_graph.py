@@ -75,9 +75,17 @@ class StreamEstimatorGraph(nn.Module):
         self.est = estimator
 
     def forward(
-        self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
-        prompt_h: torch.Tensor, context_h: torch.Tensor, conv_state: torch.Tensor, keep_frames: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        self,
+        x: torch.Tensor,
+        mu: torch.Tensor,
+        t: torch.Tensor,
+        spks: torch.Tensor,
+        cond: torch.Tensor,
+        prompt_h: torch.Tensor,
+        context_h: torch.Tensor,
+        conv_state: torch.Tensor,
+        keep_frames: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         est = self.est
         past = torch.cat([prompt_h, context_h], dim=2)  # (L, B, T_past, C)
         # the chunk frames new_h returns, from the input's shape (traced as ops, so they stay dynamic)
@@ -144,18 +152,25 @@ class _Run:
         return x.transpose(1, 2)
 
 
-def example_inputs(est: FlowEstimator, rng: np.random.Generator, b: int, size: int, n_prompt: int,
-                   n_ctx: int) -> dict[str, np.ndarray]:  # fmt: skip
+def example_inputs(
+    est: FlowEstimator, rng: np.random.Generator, b: int, size: int, n_prompt: int, n_ctx: int
+) -> dict[str, np.ndarray]:
     """Random feeds for a chunk of ``size`` frames after ``n_prompt`` + ``n_ctx`` cached frames."""
     layers, width, state = stream_layout(est)
     feeds = {
-        "x": rng.standard_normal((b, 80, size)), "mu": rng.standard_normal((b, 80, size)), "t": rng.uniform(0, 1, b),
-        "spks": rng.standard_normal((b, 80)), "cond": np.zeros((b, 80, size)),
+        "x": rng.standard_normal((b, 80, size)),
+        "mu": rng.standard_normal((b, 80, size)),
+        "t": rng.uniform(0, 1, b),
+        "spks": rng.standard_normal((b, 80)),
+        "cond": np.zeros((b, 80, size)),
         "prompt_h": rng.standard_normal((layers, b, n_prompt, width)),
-        "context_h": rng.standard_normal((layers, b, n_ctx, width)), "conv_state": rng.standard_normal((b, state, 2)),
-    }  # fmt: skip
-    return {**{k: np.ascontiguousarray(v, dtype=np.float32) for k, v in feeds.items()},
-            "keep_frames": np.array(size, np.int64)}  # fmt: skip
+        "context_h": rng.standard_normal((layers, b, n_ctx, width)),
+        "conv_state": rng.standard_normal((b, state, 2)),
+    }
+    return {
+        **{k: np.ascontiguousarray(v, dtype=np.float32) for k, v in feeds.items()},
+        "keep_frames": np.array(size, np.int64),
+    }
 
 
 @torch.inference_mode()
@@ -178,8 +193,9 @@ def verify_stream_estimator(
     t = rng.uniform(0, 1, b).astype(np.float32)
     spks = rng.standard_normal((b, 80)).astype(np.float32)
     ids = np.repeat(np.arange(3), sizes)[None].repeat(b, axis=0)
-    args = [torch.from_numpy(a) for a in (full["x"], np.ones((b, 1, total), np.float32), full["mu"], t, spks,
-                                          full["cond"])]  # fmt: skip
+    args = [
+        torch.from_numpy(a) for a in (full["x"], np.ones((b, 1, total), np.float32), full["mu"], t, spks, full["cond"])
+    ]
     ref = est(*args, streaming=True, chunk_id=torch.from_numpy(ids)).numpy()
     layers, width, state = stream_layout(est)
     wire = cache_dtype(sess)  # float16 caches in the int8 graph (half_cache_io)
@@ -190,17 +206,28 @@ def verify_stream_estimator(
     start = 0
     for i, size in enumerate(sizes):
         sl = slice(start, start + size)
-        feeds = {"x": full["x"][:, :, sl], "mu": full["mu"][:, :, sl], "t": t, "spks": spks,
-                 "cond": full["cond"][:, :, sl], "prompt_h": prompt_h, "context_h": context_h, "conv_state": conv,
-                 "keep_frames": np.array(size + 5, np.int64)}  # fmt: skip
+        feeds = {
+            "x": full["x"][:, :, sl],
+            "mu": full["mu"][:, :, sl],
+            "t": t,
+            "spks": spks,
+            "cond": full["cond"][:, :, sl],
+            "prompt_h": prompt_h,
+            "context_h": context_h,
+            "conv_state": conv,
+            "keep_frames": np.array(size + 5, np.int64),
+        }
         feeds = {k: np.ascontiguousarray(v) for k, v in feeds.items()}
         velocity, new_h, new_conv = sess.run(None, feeds)
         what = "prompt pass, empty caches" if i == 0 else f"chunk {i} on cached prompt + {context_h.shape[2]} frames"
         results.append(GateResult(key, "velocity rel err", rel_err(velocity, ref[:, :, sl]), tol, what))
         if i == len(sizes) - 1:  # the same call keeping only the chunk's last 4 frames
             _, tail, _ = sess.run(None, {**feeds, "keep_frames": np.array(4, np.int64)})
-            err = rel_err(tail.astype(np.float32), new_h[:, :, size - 4 :].astype(np.float32)) \
-                if tail.shape[2] == 4 and tail.dtype == wire else float("inf")  # fmt: skip
+            err = (
+                rel_err(tail.astype(np.float32), new_h[:, :, size - 4 :].astype(np.float32))
+                if tail.shape[2] == 4 and tail.dtype == wire
+                else float("inf")
+            )
             results.append(GateResult(key, "keep_frames=4 vs the kept tail", err, tol, f"new_h {tail.shape}"))
         if i == 0:
             prompt_h = new_h
@@ -210,9 +237,18 @@ def verify_stream_estimator(
         start += size
     whole = est(*args).numpy()  # full attention: the whole-sentence estimator
     feeds = {k: full[k] for k in ("x", "mu", "cond")}
-    velocity, new_h, _ = sess.run(None, {**feeds, "t": t, "spks": spks, "prompt_h": prompt_h[:, :, :0],
-                                         "context_h": context_h[:, :, :0], "conv_state": np.zeros_like(conv),
-                                         "keep_frames": np.array(0, np.int64)})  # fmt: skip
+    velocity, new_h, _ = sess.run(
+        None,
+        {
+            **feeds,
+            "t": t,
+            "spks": spks,
+            "prompt_h": prompt_h[:, :, :0],
+            "context_h": context_h[:, :, :0],
+            "conv_state": np.zeros_like(conv),
+            "keep_frames": np.array(0, np.int64),
+        },
+    )
     err = rel_err(velocity, whole) if new_h.shape[2] == 0 and new_h.dtype == wire else float("inf")
     results.append(GateResult(key, "velocity rel err", err, tol, f"whole sentence, {total} frames, keep_frames=0"))
     return results
@@ -225,24 +261,39 @@ def graph_inputs_for_export(est: FlowEstimator) -> tuple[torch.Tensor, ...]:
 
 
 DYNAMIC_AXES = {
-    "x": {0: "batch", 2: "time"}, "mu": {0: "batch", 2: "time"}, "cond": {0: "batch", 2: "time"},
-    "t": {0: "batch"}, "spks": {0: "batch"}, "prompt_h": {1: "batch", 2: "prompt_frames"},
-    "context_h": {1: "batch", 2: "context_frames"}, "conv_state": {0: "batch"},
-    "velocity": {0: "batch", 2: "time"}, "new_h": {1: "batch", 2: "kept_frames"}, "new_conv_state": {0: "batch"},
-}  # fmt: skip
+    "x": {0: "batch", 2: "time"},
+    "mu": {0: "batch", 2: "time"},
+    "cond": {0: "batch", 2: "time"},
+    "t": {0: "batch"},
+    "spks": {0: "batch"},
+    "prompt_h": {1: "batch", 2: "prompt_frames"},
+    "context_h": {1: "batch", 2: "context_frames"},
+    "conv_state": {0: "batch"},
+    "velocity": {0: "batch", 2: "time"},
+    "new_h": {1: "batch", 2: "kept_frames"},
+    "new_conv_state": {0: "batch"},
+}
 
 
 def export_stream_estimator(est: FlowEstimator, path: Path) -> None:
     """Write ``flow_estimator_stream.onnx`` (+ ``.data``) at ``path``."""
     from cosyvoice_cpu.export.common import torch_export
 
-    torch_export(StreamEstimatorGraph(est), graph_inputs_for_export(est), path, input_names=INPUTS,
-                 output_names=OUTPUTS, dynamic_axes=DYNAMIC_AXES)  # fmt: skip
+    torch_export(
+        StreamEstimatorGraph(est),
+        graph_inputs_for_export(est),
+        path,
+        input_names=INPUTS,
+        output_names=OUTPUTS,
+        dynamic_axes=DYNAMIC_AXES,
+    )
 
 
 # the stream graphs' cache inputs and outputs: v2 (norm1 outputs) and v3 (keys/values of the DiT)
-CACHE_IO = {"v2": (("prompt_h", "context_h"), ("new_h",)),
-            "v3": (("prompt_k", "prompt_v", "context_k", "context_v"), ("new_k", "new_v"))}  # fmt: skip
+CACHE_IO = {
+    "v2": (("prompt_h", "context_h"), ("new_h",)),
+    "v3": (("prompt_k", "prompt_v", "context_k", "context_v"), ("new_k", "new_v")),
+}
 
 
 def cache_io(input_names: set[str]) -> tuple[tuple[str, ...], tuple[str, ...]] | None:

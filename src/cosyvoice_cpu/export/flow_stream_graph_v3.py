@@ -98,8 +98,9 @@ class DiTRun:
         self.heads = est.cfg.heads
         self.scale = est.cfg.dim_head**-0.5
 
-    def embed(self, x: torch.Tensor, cond: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor,
-              state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def embed(
+        self, x: torch.Tensor, cond: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, 80, T) inputs -> h (B, T, D) and the two convs' inputs (B, 2D, T); ``state`` (B, 2D, K-1) or None
         (zeros: the official left padding)."""
         inp = self.est.input_embed
@@ -123,8 +124,14 @@ class DiTRun:
         f = pos[:, None] * inv[None, :]
         return torch.stack([f, f], dim=-1).flatten(1).unsqueeze(0)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None,
-               bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_mask: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """q (B, T, I), k/v (B, S, I), key_mask (B, S) 0/1 or bias (T, S) additive -> (B, T, I), as one
         ``com.microsoft.MultiHeadAttention`` in the graphs (:func:`~cosyvoice_cpu.export.fused_ops.attention`)."""
         bias = None if bias is None else bias[None, None]
@@ -173,10 +180,21 @@ class StreamEstimatorGraphV3(nn.Module):
         self.run = DiTRun(est)
 
     def forward(
-        self, x: torch.Tensor, mu: torch.Tensor, modulation: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
-        prompt_k: torch.Tensor, prompt_v: torch.Tensor, context_k: torch.Tensor, context_v: torch.Tensor,
-        conv_state: torch.Tensor, offset: torch.Tensor, keep_frames: torch.Tensor, chunk_frames: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        self,
+        x: torch.Tensor,
+        mu: torch.Tensor,
+        modulation: torch.Tensor,
+        spks: torch.Tensor,
+        cond: torch.Tensor,
+        prompt_k: torch.Tensor,
+        prompt_v: torch.Tensor,
+        context_k: torch.Tensor,
+        context_v: torch.Tensor,
+        conv_state: torch.Tensor,
+        offset: torch.Tensor,
+        keep_frames: torch.Tensor,
+        chunk_frames: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         run, size = self.run, x.size(2)
         # the first min(keep_frames, T) frames, traced as a Range (a Python slice would freeze the example's size)
         keep = torch.arange(size - torch.clamp(size - keep_frames, min=0))
@@ -224,8 +242,14 @@ def export_time_graph(est: DiT, path: Any) -> None:
     from cosyvoice_cpu.export.common import torch_export
 
     t = torch.tensor([0.0, 0.25, 0.7], dtype=torch.float32)
-    torch_export(TimeGraphV3(est), (t,), path, input_names=["t"], output_names=["modulation"],
-                 dynamic_axes={"t": {0: "steps"}, "modulation": {0: "steps"}})  # fmt: skip
+    torch_export(
+        TimeGraphV3(est),
+        (t,),
+        path,
+        input_names=["t"],
+        output_names=["modulation"],
+        dynamic_axes={"t": {0: "steps"}, "modulation": {0: "steps"}},
+    )
 
 
 def verify_time_graph(est: DiT, sess: Any, rng: np.random.Generator, tol: float) -> GateResult:
@@ -236,21 +260,24 @@ def verify_time_graph(est: DiT, sess: Any, rng: np.random.Generator, tol: float)
     return GateResult("flow_time", "modulation rel err", rel_err(ours, ref), tol, "10 random t")
 
 
-def example_inputs(est: DiT, rng: np.random.Generator, b: int, size: int, n_prompt: int, n_ctx: int,
-                   offset: int) -> dict[str, np.ndarray]:  # fmt: skip
+def example_inputs(
+    est: DiT, rng: np.random.Generator, b: int, size: int, n_prompt: int, n_ctx: int, offset: int
+) -> dict[str, np.ndarray]:
     """Random feeds for a window of ``size`` frames at ``offset`` after ``n_prompt`` + ``n_ctx`` cached frames."""
     layers, width, state, frames = stream_layout(est)
     t = torch.from_numpy(rng.uniform(0, 1, b).astype(np.float32))
     feeds: dict[str, Any] = {
-        "x": rng.standard_normal((b, 80, size)), "mu": rng.standard_normal((b, 80, size)),
+        "x": rng.standard_normal((b, 80, size)),
+        "mu": rng.standard_normal((b, 80, size)),
         "modulation": DiTRun(est).time_table(t).detach().numpy(),
-        "spks": rng.standard_normal((b, 80)), "cond": np.zeros((b, 80, size)),
+        "spks": rng.standard_normal((b, 80)),
+        "cond": np.zeros((b, 80, size)),
         "prompt_k": rng.standard_normal((layers, b, n_prompt, width)),
         "prompt_v": rng.standard_normal((layers, b, n_prompt, width)),
         "context_k": rng.standard_normal((layers, b, n_ctx, width)),
         "context_v": rng.standard_normal((layers, b, n_ctx, width)),
         "conv_state": rng.standard_normal((b, state, frames)),
-    }  # fmt: skip
+    }
     out = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in feeds.items()}
     out["offset"] = np.array(offset, dtype=np.int64)
     out["keep_frames"] = np.array(size, dtype=np.int64)
@@ -259,13 +286,21 @@ def example_inputs(est: DiT, rng: np.random.Generator, b: int, size: int, n_prom
 
 
 DYNAMIC_AXES = {
-    "x": {0: "batch", 2: "time"}, "mu": {0: "batch", 2: "time"}, "cond": {0: "batch", 2: "time"},
-    "modulation": {0: "time_rows"}, "spks": {0: "batch"}, "conv_state": {0: "batch"},
-    "prompt_k": {1: "batch", 2: "prompt_frames"}, "prompt_v": {1: "batch", 2: "prompt_frames"},
-    "context_k": {1: "batch", 2: "context_frames"}, "context_v": {1: "batch", 2: "context_frames"},
-    "velocity": {0: "batch", 2: "time"}, "new_k": {1: "batch", 2: "kept"}, "new_v": {1: "batch", 2: "kept"},
+    "x": {0: "batch", 2: "time"},
+    "mu": {0: "batch", 2: "time"},
+    "cond": {0: "batch", 2: "time"},
+    "modulation": {0: "time_rows"},
+    "spks": {0: "batch"},
+    "conv_state": {0: "batch"},
+    "prompt_k": {1: "batch", 2: "prompt_frames"},
+    "prompt_v": {1: "batch", 2: "prompt_frames"},
+    "context_k": {1: "batch", 2: "context_frames"},
+    "context_v": {1: "batch", 2: "context_frames"},
+    "velocity": {0: "batch", 2: "time"},
+    "new_k": {1: "batch", 2: "kept"},
+    "new_v": {1: "batch", 2: "kept"},
     "conv_in": {0: "batch", 2: "kept"},
-}  # fmt: skip
+}
 
 
 def export_stream_estimator(est: DiT, path: Any) -> None:
@@ -275,8 +310,9 @@ def export_stream_estimator(est: DiT, path: Any) -> None:
     feeds = example_inputs(est, np.random.default_rng(0), 2, 19, 11, 7, 57)
     feeds["keep_frames"] = np.array(13, np.int64)  # neither 0 nor T: no size is specialized into the graph
     args = tuple(torch.from_numpy(feeds[k]) for k in INPUTS)
-    torch_export(StreamEstimatorGraphV3(est), args, path, input_names=INPUTS, output_names=OUTPUTS,
-                 dynamic_axes=DYNAMIC_AXES)  # fmt: skip
+    torch_export(
+        StreamEstimatorGraphV3(est), args, path, input_names=INPUTS, output_names=OUTPUTS, dynamic_axes=DYNAMIC_AXES
+    )
     fused_ops.unbiased_when_zero(path)
 
 
@@ -309,14 +345,28 @@ def verify_stream_estimator(est: DiT, sess: Any, rng: np.random.Generator, tol: 
     conv = np.zeros((b, state, frames), np.float32)
 
     def call(s: int, e: int, keep: int, chunk: int, **caches: np.ndarray) -> list[np.ndarray]:
-        feeds = {"x": full["x"][:, :, s:e], "mu": full["mu"][:, :, s:e], "modulation": table, "spks": spks,
-                 "cond": full["cond"][:, :, s:e], **caches, "offset": np.array(s, np.int64),
-                 "keep_frames": np.array(keep, np.int64), "chunk_frames": np.array(chunk, np.int64)}  # fmt: skip
+        feeds = {
+            "x": full["x"][:, :, s:e],
+            "mu": full["mu"][:, :, s:e],
+            "modulation": table,
+            "spks": spks,
+            "cond": full["cond"][:, :, s:e],
+            **caches,
+            "offset": np.array(s, np.int64),
+            "keep_frames": np.array(keep, np.int64),
+            "chunk_frames": np.array(chunk, np.int64),
+        }
         return sess.run(None, {k: np.ascontiguousarray(v) for k, v in feeds.items()})
 
     def reference(e: int, streaming: bool) -> np.ndarray:
-        args = (full["x"][:, :, :e], np.ones((b, 1, e), np.float32), full["mu"][:, :, :e], t, spks,
-                full["cond"][:, :, :e])  # fmt: skip
+        args = (
+            full["x"][:, :, :e],
+            np.ones((b, 1, e), np.float32),
+            full["mu"][:, :, :e],
+            t,
+            spks,
+            full["cond"][:, :, :e],
+        )
         return est(*(torch.from_numpy(np.ascontiguousarray(a)) for a in args), streaming=streaming).numpy()
 
     results = []
@@ -348,6 +398,7 @@ def verify_stream_estimator(est: DiT, sess: Any, rng: np.random.Generator, tol: 
     )
     whole = call(0, total, 0, 0, **{k: empty for k in cache}, conv_state=np.zeros_like(conv))
     err = rel_err(whole[0], reference(total, False)[:, :, :total]) if whole[1].shape[2] == 0 else float("inf")
-    results.append(GateResult(key, "velocity rel err", err, tol,
-                              f"whole sentence, {total} frames, chunk_frames=0, keep_frames=0"))  # fmt: skip
+    results.append(
+        GateResult(key, "velocity rel err", err, tol, f"whole sentence, {total} frames, chunk_frames=0, keep_frames=0")
+    )
     return results

@@ -37,8 +37,16 @@ class _MultiHeadAttention(torch.autograd.Function):
     """Eager: scaled dot-product attention. ONNX: one ``com.microsoft.MultiHeadAttention`` node."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
-                bias: torch.Tensor | None, heads: int, scale: float) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        heads: int,
+        scale: float,
+    ) -> torch.Tensor:
         b, size, _ = q.shape
 
         def split(h: torch.Tensor) -> torch.Tensor:
@@ -62,13 +70,25 @@ class _MultiHeadAttention(torch.autograd.Function):
             inputs.append(mask)
         if bias is not None:
             inputs.append(bias)
-        out = g.op("com.microsoft::MultiHeadAttention", *inputs, num_heads_i=heads, scale_f=scale,
-                   mask_filter_value_f=MASK_BIAS)  # fmt: skip
+        out = g.op(
+            "com.microsoft::MultiHeadAttention",
+            *inputs,
+            num_heads_i=heads,
+            scale_f=scale,
+            mask_filter_value_f=MASK_BIAS,
+        )
         return out.setType(q.type())
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, scale: float,
-              key_mask: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    heads: int,
+    scale: float,
+    key_mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Multi-head attention on packed heads, exported as ``com.microsoft.MultiHeadAttention``.
 
     Args:
@@ -82,8 +102,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, sca
     return _MultiHeadAttention.apply(q, k, v, key_mask, bias, heads, scale)
 
 
-def self_attention(a: nn.Module, x: torch.Tensor, keys: torch.Tensor,
-                   key_mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def self_attention(
+    a: nn.Module, x: torch.Tensor, keys: torch.Tensor, key_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """A :class:`SelfAttention`'s weights (or a :class:`KeyMaskedAttention` wrapping them) on queries from ``x``
     (B, T, C) and keys/values from ``keys`` (B, S, C), through :func:`attention` -> (B, T, C)."""
     a = a.inner if isinstance(a, KeyMaskedAttention) else a
@@ -210,25 +231,36 @@ def _fast_branch_when(path: Path, index: int, dtype: int, fast_min: float, label
         mask = node.input[index]
         if mask not in conds:  # one test per distinct mask or bias (each UNet resolution has its own)
             low, cond, ref = f"{mask}/min", f"{mask}/{label}", f"{mask}/{label}_min"
-            nodes += [helper.make_node("ReduceMin", [mask], [low], keepdims=0),
-                      helper.make_node("Equal", [low, ref], [cond])]  # fmt: skip
+            nodes += [
+                helper.make_node("ReduceMin", [mask], [low], keepdims=0),
+                helper.make_node("Equal", [low, ref], [cond]),
+            ]
             graph.initializer.append(helper.make_tensor(ref, dtype, [], [fast_min]))
             conds[mask] = cond
         out = node.output[0]
         attrs = list(node.attribute)
-        fast = helper.make_node("MultiHeadAttention", list(node.input[:3]), [f"{out}/then"], f"{node.name}/{label}",
-                                domain="com.microsoft")  # fmt: skip
+        fast = helper.make_node(
+            "MultiHeadAttention", list(node.input[:3]), [f"{out}/then"], f"{node.name}/{label}", domain="com.microsoft"
+        )
         fast.attribute.extend(a for a in attrs if a.name != "mask_filter_value")
-        slow = helper.make_node("MultiHeadAttention", list(node.input), [f"{out}/else"], node.name + "/as_exported",
-                                domain="com.microsoft")  # fmt: skip
+        slow = helper.make_node(
+            "MultiHeadAttention", list(node.input), [f"{out}/else"], node.name + "/as_exported", domain="com.microsoft"
+        )
         slow.attribute.extend(attrs)
-        nodes.append(helper.make_node(
-            "If", [conds[mask]], [out], f"{node.name}/if_{label}",
-            then_branch=helper.make_graph([fast], label, [], [
-                helper.make_tensor_value_info(f"{out}/then", TensorProto.FLOAT, None)]),
-            else_branch=helper.make_graph([slow], "as_exported", [], [
-                helper.make_tensor_value_info(f"{out}/else", TensorProto.FLOAT, None)]),
-        ))  # fmt: skip
+        nodes.append(
+            helper.make_node(
+                "If",
+                [conds[mask]],
+                [out],
+                f"{node.name}/if_{label}",
+                then_branch=helper.make_graph(
+                    [fast], label, [], [helper.make_tensor_value_info(f"{out}/then", TensorProto.FLOAT, None)]
+                ),
+                else_branch=helper.make_graph(
+                    [slow], "as_exported", [], [helper.make_tensor_value_info(f"{out}/else", TensorProto.FLOAT, None)]
+                ),
+            )
+        )
         rewritten += 1
     del graph.node[:]
     graph.node.extend(nodes)

@@ -214,17 +214,26 @@ def write_graphs(f0_graph: nn.Module, hift: Any, out_dir: Path) -> None:
     frames = 12
     mel = torch.randn(2, cfg.in_channels, frames)
     source = torch.rand(2, 1, frames * cfg.upsample) * 2 - 1
-    torch_export(f0_graph.eval(), (mel,), out_dir / F0_FILE, input_names=["mel"], output_names=["f0"],
-                 dynamic_axes={"mel": {0: "batch", 2: "frames"}, "f0": {0: "batch", 1: "frames"}})  # fmt: skip
+    torch_export(
+        f0_graph.eval(),
+        (mel,),
+        out_dir / F0_FILE,
+        input_names=["mel"],
+        output_names=["f0"],
+        dynamic_axes={"mel": {0: "batch", 2: "frames"}, "f0": {0: "batch", 1: "frames"}},
+    )
     torch_export(
         _DecodeGraph(hift).eval(),
         (mel, source),
         out_dir / DECODE_FILE,
         input_names=["mel", "source"],
         output_names=["wave"],
-        dynamic_axes={"mel": {0: "batch", 2: "frames"}, "source": {0: "batch", 2: "samples"},
-                      "wave": {0: "batch", 1: "samples"}},
-    )  # fmt: skip
+        dynamic_axes={
+            "mel": {0: "batch", 2: "frames"},
+            "source": {0: "batch", 2: "samples"},
+            "wave": {0: "batch", 1: "samples"},
+        },
+    )
 
 
 def export_hift(hift: HiFT, out_dir: Path) -> list[GraphArtifact]:
@@ -268,8 +277,10 @@ def verify_hift(
     out_dir = Path(out_dir)
     unknown = sorted(set(tolerance or {}) - set(TOLERANCE)) + sorted(set(files or {}) - {"hift_f0", "hift_decode"})
     if unknown:
-        raise ConfigError(f"verify_hift: unknown keys {unknown}; tolerance keys are {sorted(TOLERANCE)}, "
-                          "files keys hift_f0, hift_decode")  # fmt: skip
+        raise ConfigError(
+            f"verify_hift: unknown keys {unknown}; tolerance keys are {sorted(TOLERANCE)}, "
+            "files keys hift_f0, hift_decode"
+        )
     tol = {**TOLERANCE, **(tolerance or {})}
     names = {"hift_f0": F0_FILE, "hift_decode": DECODE_FILE, **(files or {})}
     hift = hift.eval()
@@ -298,8 +309,13 @@ def verify_hift(
                 worst[key] = (value, f"B={batch} T={frames}")
     worst["window"] = window_gate(voc, hift, gen)
     # graph keys as in the manifest; "hift_source" is the NumPy source, "hift" the whole chain
-    graphs = {"f0": "hift_f0", "source": "hift_source", "decode": "hift_decode", "wave": "hift",
-              "window": "hift_decode"}  # fmt: skip
+    graphs = {
+        "f0": "hift_f0",
+        "source": "hift_source",
+        "decode": "hift_decode",
+        "wave": "hift",
+        "window": "hift_decode",
+    }
     results = [
         GateResult(graphs[k], f"{k} max rel err", v, tol[k], f"worst at {where}") for k, (v, where) in worst.items()
     ]
@@ -342,10 +358,20 @@ def quantize_hift_weights_int8(src: Path, dst: Path, min_elements: int = 1024) -
             shape = [1] * w.ndim
             shape[axis] = -1
             q = np.clip(np.rint(w / scale.reshape(shape)), -127, 127).astype(np.int8)
-            new_inits += [numpy_helper.from_array(q, name + "_int8"), numpy_helper.from_array(scale, name + "_scale"),
-                          numpy_helper.from_array(np.zeros_like(scale, dtype=np.int8), name + "_zero")]  # fmt: skip
-            new_nodes.append(helper.make_node("DequantizeLinear", [name + "_int8", name + "_scale", name + "_zero"],
-                                              [name + "_dq"], name=name + "_DequantizeLinear", axis=axis))  # fmt: skip
+            new_inits += [
+                numpy_helper.from_array(q, name + "_int8"),
+                numpy_helper.from_array(scale, name + "_scale"),
+                numpy_helper.from_array(np.zeros_like(scale, dtype=np.int8), name + "_zero"),
+            ]
+            new_nodes.append(
+                helper.make_node(
+                    "DequantizeLinear",
+                    [name + "_int8", name + "_scale", name + "_zero"],
+                    [name + "_dq"],
+                    name=name + "_DequantizeLinear",
+                    axis=axis,
+                )
+            )
             replaced[name] = name + "_dq"
         node.input[1] = replaced[name]
     kept = [t for t in graph.initializer if t.name not in replaced]

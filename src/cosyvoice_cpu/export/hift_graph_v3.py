@@ -189,8 +189,10 @@ def verify_hift(
     out_dir = Path(out_dir)
     unknown = sorted(set(tolerance or {}) - set(TOLERANCE)) + sorted(set(files or {}) - {"hift_f0", "hift_decode"})
     if unknown:
-        raise ConfigError(f"verify_hift: unknown keys {unknown}; tolerance keys are {sorted(TOLERANCE)}, "
-                          "files keys hift_f0, hift_decode")  # fmt: skip
+        raise ConfigError(
+            f"verify_hift: unknown keys {unknown}; tolerance keys are {sorted(TOLERANCE)}, "
+            "files keys hift_f0, hift_decode"
+        )
     tol = {**TOLERANCE, **(tolerance or {})}
     names = {"hift_f0": F0_FILE, "hift_decode": DECODE_FILE, **(files or {})}
     hift = hift.eval()
@@ -201,8 +203,10 @@ def verify_hift(
     for batch, frames in ((1, 37), (2, 64), (1, 90)):
         mel = torch.randn(batch, cfg.in_channels, frames, generator=gen) * 2 - 5
         harmonics = hift.m_source.harmonics
-        noise = SourceNoise(torch.rand(1, harmonics, generator=gen),
-                            torch.rand(1, frames * cfg.upsample + 960, harmonics, generator=gen))  # fmt: skip
+        noise = SourceNoise(
+            torch.rand(1, harmonics, generator=gen),
+            torch.rand(1, frames * cfg.upsample + 960, harmonics, generator=gen),
+        )
         arrays = ArrayNoise(noise.initial_phase.numpy(), noise.sine_noise.numpy())
         f0 = hift.f0(mel)
         source = hift.source(f0, noise)
@@ -230,8 +234,14 @@ def verify_hift(
             if not value <= worst[key][0]:  # also keeps NaN
                 worst[key] = (value, f"B={batch} T={frames}")
     worst["window"] = window_gate(voc, hift, gen)
-    graphs = {"f0": "hift_f0", "source": "hift_source", "decode": "hift_decode", "wave": "hift", "stream": "hift",
-              "window": "hift_decode"}  # fmt: skip
+    graphs = {
+        "f0": "hift_f0",
+        "source": "hift_source",
+        "decode": "hift_decode",
+        "wave": "hift",
+        "stream": "hift",
+        "window": "hift_decode",
+    }
     results = [
         GateResult(graphs[k], f"{k} max rel err", v, tol[k], f"worst at {where}") for k, (v, where) in worst.items()
     ]

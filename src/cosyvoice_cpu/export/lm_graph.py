@@ -96,8 +96,11 @@ def build_lm_model(weights: dict[str, np.ndarray], cos: np.ndarray, sin: np.ndar
     max_len, vocab = cos.shape[0], weights["head.weight"].shape[1]
     nodes: list[Any] = []
     inits = [numpy_helper.from_array(v, k) for k, v in weights.items()]
-    inits += [numpy_helper.from_array(cos, "rope.cos"), numpy_helper.from_array(sin, "rope.sin"),
-              numpy_helper.from_array(np.array(-1, np.int64), "last_index")]  # fmt: skip
+    inits += [
+        numpy_helper.from_array(cos, "rope.cos"),
+        numpy_helper.from_array(sin, "rope.sin"),
+        numpy_helper.from_array(np.array(-1, np.int64), "last_index"),
+    ]
 
     def node(op: str, ins: list[str], outs: list[str], name: str, domain: str = "", **attrs: Any) -> None:
         nodes.append(helper.make_node(op, ins, outs, name=name, domain=domain, **attrs))
@@ -107,8 +110,15 @@ def build_lm_model(weights: dict[str, np.ndarray], cos: np.ndarray, sin: np.ndar
         return f"{name}.out"
 
     x, residual = "inputs_embeds", "inputs_embeds"
-    node("SimplifiedLayerNormalization", [x, "layers.0.ln_in"], ["layers.0.ln_in.out"], "layers.0.ln_in",
-         axis=-1, epsilon=eps, stash_type=1)  # fmt: skip
+    node(
+        "SimplifiedLayerNormalization",
+        [x, "layers.0.ln_in"],
+        ["layers.0.ln_in.out"],
+        "layers.0.ln_in",
+        axis=-1,
+        epsilon=eps,
+        stash_type=1,
+    )
     normed = "layers.0.ln_in.out"
     for i in range(n_layers):
         p = f"layers.{i}"
@@ -116,14 +126,26 @@ def build_lm_model(weights: dict[str, np.ndarray], cos: np.ndarray, sin: np.ndar
         node("Add", [qkv, f"{p}.qkv.bias"], [f"{p}.qkv.biased"], f"{p}.qkv.bias_add")
         pk, pv = past_names(i)
         ok, ov = present_names(i)
-        node("GroupQueryAttention",
-             [f"{p}.qkv.biased", "", "", pk, pv, "seqlens_k", "total_sequence_length", "rope.cos", "rope.sin"],
-             [f"{p}.attn.out", ok, ov], f"{p}.attn", domain="com.microsoft",
-             num_heads=h, kv_num_heads=hkv, do_rotary=1, rotary_interleaved=0)  # fmt: skip
+        node(
+            "GroupQueryAttention",
+            [f"{p}.qkv.biased", "", "", pk, pv, "seqlens_k", "total_sequence_length", "rope.cos", "rope.sin"],
+            [f"{p}.attn.out", ok, ov],
+            f"{p}.attn",
+            domain="com.microsoft",
+            num_heads=h,
+            kv_num_heads=hkv,
+            do_rotary=1,
+            rotary_interleaved=0,
+        )
         attn = matmul(f"{p}.attn.out", f"{p}.o.weight", f"{p}.o")
-        node("SkipSimplifiedLayerNormalization", [attn, residual, f"{p}.ln_post"],
-             [f"{p}.ln_post.out", "", "", f"{p}.resid_attn"], f"{p}.ln_post", domain="com.microsoft",
-             epsilon=eps)  # fmt: skip
+        node(
+            "SkipSimplifiedLayerNormalization",
+            [attn, residual, f"{p}.ln_post"],
+            [f"{p}.ln_post.out", "", "", f"{p}.resid_attn"],
+            f"{p}.ln_post",
+            domain="com.microsoft",
+            epsilon=eps,
+        )
         residual = f"{p}.resid_attn"
         gate_up = matmul(f"{p}.ln_post.out", f"{p}.gate_up.weight", f"{p}.gate_up")
         node("Split", [gate_up], [f"{p}.gate", f"{p}.up"], f"{p}.split", axis=-1)
@@ -133,14 +155,26 @@ def build_lm_model(weights: dict[str, np.ndarray], cos: np.ndarray, sin: np.ndar
         x = matmul(f"{p}.act", f"{p}.down.weight", f"{p}.down")
         if i + 1 < n_layers:
             q = f"layers.{i + 1}"
-            node("SkipSimplifiedLayerNormalization", [x, residual, f"{q}.ln_in"],
-                 [f"{q}.ln_in.out", "", "", f"{p}.resid_mlp"], f"{q}.ln_in", domain="com.microsoft",
-                 epsilon=eps)  # fmt: skip
+            node(
+                "SkipSimplifiedLayerNormalization",
+                [x, residual, f"{q}.ln_in"],
+                [f"{q}.ln_in.out", "", "", f"{p}.resid_mlp"],
+                f"{q}.ln_in",
+                domain="com.microsoft",
+                epsilon=eps,
+            )
             normed, residual = f"{q}.ln_in.out", f"{p}.resid_mlp"
     node("Add", [x, residual], ["hidden"], "final_residual")
     node("Gather", ["hidden", "last_index"], ["hidden_last"], "last_position", axis=1)
-    node("SimplifiedLayerNormalization", ["hidden_last", "norm"], ["hidden_normed"], "norm",
-         axis=-1, epsilon=eps, stash_type=1)  # fmt: skip
+    node(
+        "SimplifiedLayerNormalization",
+        ["hidden_last", "norm"],
+        ["hidden_normed"],
+        "norm",
+        axis=-1,
+        epsilon=eps,
+        stash_type=1,
+    )
     logits = matmul("hidden_normed", "head.weight", "head")
     if "head.bias" in weights:
         node("Add", [logits, "head.bias"], ["logits"], "head.bias_add")
@@ -207,16 +241,23 @@ def export_lm(lm: Any, out_dir: Path, max_len: int = 2048) -> list[GraphArtifact
         raise ConfigError(f"max_len {max_len} exceeds the model's max_position_embeddings {limit}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tables = {"text": lm.backbone.embed_tokens.weight, "speech": lm.speech_embedding.weight,
-              "special": lm.llm_embedding.weight}  # fmt: skip
+    tables = {
+        "text": lm.backbone.embed_tokens.weight,
+        "speech": lm.speech_embedding.weight,
+        "special": lm.llm_embedding.weight,
+    }
     for key, weight in tables.items():
         np.save(out_dir / EMBEDDING_FILES[key], weight.detach().float().cpu().numpy())
     cos, sin = rope_tables(lm, max_len)
     model = build_lm_model(lm_weights(lm), cos, sin, lm.cfg.qwen)
     save_onnx(model, out_dir / GRAPH_FILE)
     del model
-    logger.info("wrote %s (%d layers, max_len %d) and embedding tables", out_dir / GRAPH_FILE,
-                lm.cfg.qwen.num_hidden_layers, max_len)  # fmt: skip
+    logger.info(
+        "wrote %s (%d layers, max_len %d) and embedding tables",
+        out_dir / GRAPH_FILE,
+        lm.cfg.qwen.num_hidden_layers,
+        max_len,
+    )
     # inputs/outputs (with their docs, IO_DOCS) are read back from the graph
     return [GraphArtifact.of(out_dir, "lm", GRAPH_FILE, lm_attrs(lm, max_len))]
 

@@ -69,15 +69,20 @@ def decoder_weights(lm: Any) -> dict[str, np.ndarray]:
     """The reference decoder's weights in graph layout: MatMul weights (K, N), pos biases flattened to (D,)."""
     st = lm.llm
     w = {
-        "embed.weight": _np(st.embed.out[0].weight).T, "embed.bias": _np(st.embed.out[0].bias),
-        "embed.ln.weight": _np(st.embed.out[1].weight), "embed.ln.bias": _np(st.embed.out[1].bias),
-        "after_norm.weight": _np(st.after_norm.weight), "after_norm.bias": _np(st.after_norm.bias),
-        "head.weight": _np(lm.llm_decoder.weight).T, "head.bias": _np(lm.llm_decoder.bias),
-    }  # fmt: skip
+        "embed.weight": _np(st.embed.out[0].weight).T,
+        "embed.bias": _np(st.embed.out[0].bias),
+        "embed.ln.weight": _np(st.embed.out[1].weight),
+        "embed.ln.bias": _np(st.embed.out[1].bias),
+        "after_norm.weight": _np(st.after_norm.weight),
+        "after_norm.bias": _np(st.after_norm.bias),
+        "head.weight": _np(lm.llm_decoder.weight).T,
+        "head.bias": _np(lm.llm_decoder.bias),
+    }
     for i, layer in enumerate(st.encoders):
         a, f, p = layer.self_attn, layer.feed_forward, f"layers.{i}"
-        w[f"{p}.qkv.weight"] = np.concatenate([_np(a.linear_q.weight), _np(a.linear_k.weight),
-                                               _np(a.linear_v.weight)]).T  # fmt: skip
+        w[f"{p}.qkv.weight"] = np.concatenate(
+            [_np(a.linear_q.weight), _np(a.linear_k.weight), _np(a.linear_v.weight)]
+        ).T
         w[f"{p}.qkv.bias"] = np.concatenate([_np(a.linear_q.bias), _np(a.linear_k.bias), _np(a.linear_v.bias)])
         w[f"{p}.pos_bias_u"] = _np(a.pos_bias_u).reshape(-1)
         w[f"{p}.pos_bias_v"] = _np(a.pos_bias_v).reshape(-1)
@@ -98,17 +103,24 @@ def build_decoder_model(weights: dict[str, np.ndarray], pos: list[np.ndarray], h
     dh, max_len = d // heads, pos[0].shape[0]
     nodes: list[Any] = []
     consts = {
-        "c.scale": np.array(math.sqrt(d), np.float32), "c.inv_sqrt_dh": np.array(1 / math.sqrt(dh), np.float32),
-        "c.zero": np.array(0, np.int64), "c.one": np.array(1, np.int64), "c.zero_1d": np.array([0], np.int64),
-        "c.axis1": np.array([1], np.int64), "c.axis2": np.array([2], np.int64),
-        "c.last_index": np.array(-1, np.int64), "c.heads_shape": np.array([1, heads, 1, 1], np.int64),
-        "c.split_sizes": np.array([d, d, d], np.int64), "c.heads_view": np.array([0, 0, heads, dh], np.int64),
-    }  # fmt: skip
+        "c.scale": np.array(math.sqrt(d), np.float32),
+        "c.inv_sqrt_dh": np.array(1 / math.sqrt(dh), np.float32),
+        "c.zero": np.array(0, np.int64),
+        "c.one": np.array(1, np.int64),
+        "c.zero_1d": np.array([0], np.int64),
+        "c.axis1": np.array([1], np.int64),
+        "c.axis2": np.array([2], np.int64),
+        "c.last_index": np.array(-1, np.int64),
+        "c.heads_shape": np.array([1, heads, 1, 1], np.int64),
+        "c.split_sizes": np.array([d, d, d], np.int64),
+        "c.heads_view": np.array([0, 0, heads, dh], np.int64),
+    }
     inits = [numpy_helper.from_array(v, k) for k, v in {**weights, **consts}.items()]
     inits += [numpy_helper.from_array(p, f"layers.{i}.pos_table") for i, p in enumerate(pos)]
 
-    def node(op: str, ins: list[str], outs: list[str] | str, name: str | None = None, domain: str = "",
-             **attrs: Any) -> str:  # fmt: skip
+    def node(
+        op: str, ins: list[str], outs: list[str] | str, name: str | None = None, domain: str = "", **attrs: Any
+    ) -> str:
         outs = [outs] if isinstance(outs, str) else outs
         nodes.append(helper.make_node(op, ins, outs, name=name or outs[0], domain=domain, **attrs))
         return outs[0]
@@ -160,10 +172,15 @@ def build_decoder_model(weights: dict[str, np.ndarray], pos: list[np.ndarray], h
         bias = node("Mul", [f"{p}.position", "c.inv_sqrt_dh"], f"{p}.attn_bias")
         pk, pv = past_names(i)
         ok, ov = present_names(i)
-        node("GroupQueryAttention",
-             [q_u, f"{p}.k", f"{p}.v", pk, pv, "seqlens_k", "total_sequence_length", "", "", "", bias],
-             [f"{p}.attn.out", ok, ov], f"{p}.attn", domain="com.microsoft", num_heads=heads,
-             kv_num_heads=heads)  # fmt: skip
+        node(
+            "GroupQueryAttention",
+            [q_u, f"{p}.k", f"{p}.v", pk, pv, "seqlens_k", "total_sequence_length", "", "", "", bias],
+            [f"{p}.attn.out", ok, ov],
+            f"{p}.attn",
+            domain="com.microsoft",
+            num_heads=heads,
+            kv_num_heads=heads,
+        )
         attn = linear(f"{p}.attn.out", f"{p}.o", f"{p}.o")
         x = node("Add", [x, attn], f"{p}.resid_attn")
         ff = linear(layer_norm(x, f"{p}.norm2", 1e-12), f"{p}.w1", f"{p}.w1")
@@ -184,9 +201,11 @@ def build_decoder_model(weights: dict[str, np.ndarray], pos: list[np.ndarray], h
     inputs.append(helper.make_tensor_value_info("total_sequence_length", i32, [], IO_DOCS["total_sequence_length"]))
     graph = helper.make_graph(nodes, "cosyvoice_v1_lm", inputs, outputs, initializer=inits)
 
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
-                                                    helper.make_opsetid("com.microsoft", 1)],
-                              producer_name="cosyvoice-cpu")  # fmt: skip
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)],
+        producer_name="cosyvoice-cpu",
+    )
     model.ir_version = IR_VERSION
     # onnx shape inference types the index arithmetic but stops at the ORT-only GroupQueryAttention; every tensor
     # it leaves untyped is float (the quantizers need every MatMul input typed)
@@ -195,8 +214,9 @@ def build_decoder_model(weights: dict[str, np.ndarray], pos: list[np.ndarray], h
     inferred = onnx.shape_inference.infer_shapes(model).graph.value_info
     known = {v.name for v in (*inputs, *outputs, *inferred)}
     model.graph.value_info.extend(inferred)
-    model.graph.value_info.extend(helper.make_tensor_value_info(o, f32, None) for n in nodes for o in n.output
-                                  if o and o not in known)  # fmt: skip
+    model.graph.value_info.extend(
+        helper.make_tensor_value_info(o, f32, None) for n in nodes for o in n.output if o and o not in known
+    )
     return model
 
 
@@ -265,8 +285,11 @@ def export_lm(lm: Any, out_dir: Path, max_len: int = 2048) -> list[GraphArtifact
         raise ConfigError(f"max_len must be positive, got {max_len}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tables = {"text": lm.text_embedding.weight, "speech": lm.speech_embedding.weight,
-              "special": lm.llm_embedding.weight}  # fmt: skip
+    tables = {
+        "text": lm.text_embedding.weight,
+        "speech": lm.speech_embedding.weight,
+        "special": lm.llm_embedding.weight,
+    }
     for key, weight in tables.items():
         np.save(out_dir / EMBEDDING_FILES[key], _np(weight))
     model = build_decoder_model(decoder_weights(lm), position_tables(lm, max_len), lm.cfg.llm.attention_heads)
@@ -274,13 +297,20 @@ def export_lm(lm: Any, out_dir: Path, max_len: int = 2048) -> list[GraphArtifact
     del model
     c = lm.cfg
     args = (torch.zeros(1, 7, c.text_encoder_input_size), torch.randn(1, c.spk_embed_dim))
-    torch_export(_TextEncoderGraph.module(lm), args, out_dir / TEXT_ENCODER_FILE,
-                 input_names=["text_embeds", "embedding"], output_names=["text", "speaker"],
-                 dynamic_axes={"text_embeds": {1: "seq"}, "text": {1: "seq"}})  # fmt: skip
+    torch_export(
+        _TextEncoderGraph.module(lm),
+        args,
+        out_dir / TEXT_ENCODER_FILE,
+        input_names=["text_embeds", "embedding"],
+        output_names=["text", "speaker"],
+        dynamic_axes={"text_embeds": {1: "seq"}, "text": {1: "seq"}},
+    )
     logger.info("wrote the v1 LM (%d layers, max_len %d) and its text encoder", c.llm.num_blocks, max_len)
     attrs = lm_attrs_v1(lm, max_len)
-    return [GraphArtifact.of(out_dir, "lm", GRAPH_FILE, attrs),
-            GraphArtifact.of(out_dir, "lm_text_encoder", TEXT_ENCODER_FILE, {})]  # fmt: skip
+    return [
+        GraphArtifact.of(out_dir, "lm", GRAPH_FILE, attrs),
+        GraphArtifact.of(out_dir, "lm_text_encoder", TEXT_ENCODER_FILE, {}),
+    ]
 
 
 def verify_lm(lm: Any, out_dir: Path, seed: int = 0, tolerance: Any = None) -> list[Any]:

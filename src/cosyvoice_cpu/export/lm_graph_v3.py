@@ -119,8 +119,11 @@ def lm_tables_v3(lm: Any) -> dict[str, np.ndarray]:
         special[SPECIALS["sos"]] = speech[c.sos_id]
         special[SPECIALS["task_id"]] = speech[c.task_id]
         text = lm.backbone.embed_tokens.weight.detach().float().cpu()
-        return {"text": text.numpy(), "speech": speech[: c.speech_token_size].numpy().copy(),
-                "special": special.numpy()}  # fmt: skip
+        return {
+            "text": text.numpy(),
+            "speech": speech[: c.speech_token_size].numpy().copy(),
+            "special": special.numpy(),
+        }
 
 
 def export_lm(lm: Any, out_dir: Path, max_len: int = 2048) -> list[GraphArtifact]:
@@ -148,8 +151,13 @@ def export_lm(lm: Any, out_dir: Path, max_len: int = 2048) -> list[GraphArtifact
     model.graph.name = "cosyvoice3_lm"
     save_onnx(model, out_dir / GRAPH_FILE)
     del model
-    logger.info("wrote %s (v3: %d layers, %d-way head, max_len %d) and embedding tables", out_dir / GRAPH_FILE,
-                q.num_hidden_layers, lm.cfg.n_outputs, max_len)  # fmt: skip
+    logger.info(
+        "wrote %s (v3: %d layers, %d-way head, max_len %d) and embedding tables",
+        out_dir / GRAPH_FILE,
+        q.num_hidden_layers,
+        lm.cfg.n_outputs,
+        max_len,
+    )
     return [GraphArtifact.of(out_dir, "lm", GRAPH_FILE, lm_attrs_v3(lm, max_len))]
 
 

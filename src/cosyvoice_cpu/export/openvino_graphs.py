@@ -64,8 +64,9 @@ def check_extra(variant: str) -> None:
     need = ["openvino"] + (["nncf"] if variant == "int8" else [])
     missing = [m for m in need if importlib.util.find_spec(m) is None]
     if missing:
-        raise MissingExtraError(f"export --openvino {variant} needs {', '.join(missing)}: pip install "
-                                "'cosyvoice-cpu[openvino-export]'")  # fmt: skip
+        raise MissingExtraError(
+            f"export --openvino {variant} needs {', '.join(missing)}: pip install 'cosyvoice-cpu[openvino-export]'"
+        )
 
 
 def export_plain_estimator(estimator_graph: Any, path: Path) -> None:
@@ -81,8 +82,7 @@ def export_plain_estimator(estimator_graph: Any, path: Path) -> None:
     axes: dict[str, dict[int, str]] = {n: {0: "batch", 2: "time"} for n in ("x", "mask", "mu", "cond")}
     axes.update(t={0: "batch"}, spks={0: "batch"}, estimator_out={0: "batch", 2: "time"})
     with torch.inference_mode():
-        torch_export(estimator_graph, args, path, input_names=names, output_names=["estimator_out"],
-                     dynamic_axes=axes)  # fmt: skip
+        torch_export(estimator_graph, args, path, input_names=names, output_names=["estimator_out"], dynamic_axes=axes)
 
 
 class _Recorder:
@@ -102,8 +102,9 @@ class _Recorder:
         return self.session.run(names, feeds, options)
 
 
-def flow_stage(out: Path, family: str, attrs: dict[str, Any], threads: int = 0,
-               whole: ShapedGraph | None = None) -> Any:  # fmt: skip
+def flow_stage(
+    out: Path, family: str, attrs: dict[str, Any], threads: int = 0, whole: ShapedGraph | None = None
+) -> Any:
     """The family's runtime flow stage on the graphs in ``out``, whole sentences on ``flow_estimator.onnx``
     (or ``whole``), no stream graph."""
     from cosyvoice_cpu.backends.base import SessionConfig
@@ -130,8 +131,9 @@ def voiced_prompt(sample_rate: int, f0: float, seconds: float = PROMPT_SECONDS, 
     return wave.astype(np.float32)
 
 
-def _prompt(stage: Any, f: Any, mel_cfg: dict[str, Any] | None, f0: float | None, emb: np.ndarray,
-            rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+def _prompt(
+    stage: Any, f: Any, mel_cfg: dict[str, Any] | None, f0: float | None, emb: np.ndarray, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """(prompt tokens, prompt mel (1, frames, 80)) of a 3 s voice: the log-mel of :func:`voiced_prompt` at
     ``f0``, or (``f0`` None, or no mel parameters) the flow's own output for the prompt's tokens."""
     from cosyvoice_cpu.audio import matcha_mel
@@ -140,17 +142,30 @@ def _prompt(stage: Any, f: Any, mel_cfg: dict[str, Any] | None, f0: float | None
     frames = round(PROMPT_SECONDS * f.sample_rate / f.mel_hop)
     if f0 is not None and mel_cfg:
         wave = voiced_prompt(int(mel_cfg["sampling_rate"]), f0, seed=int(rng.integers(1 << 30)))
-        mel = matcha_mel(wave, n_fft=mel_cfg["n_fft"], num_mels=mel_cfg["num_mels"],
-                         sampling_rate=mel_cfg["sampling_rate"], hop_size=mel_cfg["hop_size"],
-                         win_size=mel_cfg["win_size"], fmin=mel_cfg["fmin"], fmax=mel_cfg["fmax"])  # fmt: skip
+        mel = matcha_mel(
+            wave,
+            n_fft=mel_cfg["n_fft"],
+            num_mels=mel_cfg["num_mels"],
+            sampling_rate=mel_cfg["sampling_rate"],
+            hop_size=mel_cfg["hop_size"],
+            win_size=mel_cfg["win_size"],
+            fmin=mel_cfg["fmin"],
+            fmax=mel_cfg["fmax"],
+        )
         return tokens, np.ascontiguousarray(mel[None, :frames])
     none = {"prompt_tokens": np.zeros(0, np.int64), "prompt_feat": np.zeros((1, 0, 80), np.float32)}
     mel = stage.inference(tokens, embedding=emb, rng=np.random.default_rng(0), **none)[:, :, :frames]
     return tokens, np.ascontiguousarray(mel.transpose(0, 2, 1))
 
 
-def _sentences(stage: Any, family: str, lengths: tuple[int, ...], seed: int, mel_cfg: dict[str, Any] | None,
-               f0s: tuple[float | None, ...]) -> list[dict[str, Any]]:  # fmt: skip
+def _sentences(
+    stage: Any,
+    family: str,
+    lengths: tuple[int, ...],
+    seed: int,
+    mel_cfg: dict[str, Any] | None,
+    f0s: tuple[float | None, ...],
+) -> list[dict[str, Any]]:
     """Inference arguments for sentences of ``lengths`` tokens (random speech tokens), sentence ``i`` after a 3 s
     voice prompt made by :func:`_prompt` with ``f0s[i % len(f0s)]`` and its own x-vector."""
     from cosyvoice_cpu.facts import facts
@@ -161,14 +176,25 @@ def _sentences(stage: Any, family: str, lengths: tuple[int, ...], seed: int, mel
     for i, n in enumerate(lengths):
         emb = rng.standard_normal(192).astype(np.float32)
         prompt, feat = _prompt(stage, f, mel_cfg, f0s[i % len(f0s)], emb, rng)
-        out.append({"tokens": rng.integers(0, f.speech_vocab, n), "prompt_tokens": prompt, "prompt_feat": feat,
-                    "embedding": emb})  # fmt: skip
+        out.append(
+            {
+                "tokens": rng.integers(0, f.speech_vocab, n),
+                "prompt_tokens": prompt,
+                "prompt_feat": feat,
+                "embedding": emb,
+            }
+        )
     return out
 
 
-def flow_samples(stage: Any, family: str, mel_cfg: dict[str, Any] | None,
-                 lengths: tuple[int, ...] = CALIBRATION_TOKENS, f0s: tuple[float | None, ...] = CALIBRATION_F0,
-                 seed: int = 0) -> list[dict[str, np.ndarray]]:  # fmt: skip
+def flow_samples(
+    stage: Any,
+    family: str,
+    mel_cfg: dict[str, Any] | None,
+    lengths: tuple[int, ...] = CALIBRATION_TOKENS,
+    f0s: tuple[float | None, ...] = CALIBRATION_F0,
+    seed: int = 0,
+) -> list[dict[str, np.ndarray]]:
     """The estimator feeds of whole flow runs (every Euler step, guidance rows included) of sentences of
     ``lengths`` tokens on ``stage`` (prompts as :func:`_sentences`): the calibration set of the int8 model."""
     sentences = _sentences(stage, family, lengths, seed, mel_cfg, f0s)
@@ -213,12 +239,18 @@ def quantize_int8(model: Any, samples: list[dict[str, np.ndarray]]) -> Any:
     """
     import nncf
 
-    return nncf.quantize(model, nncf.Dataset(samples), subset_size=len(samples), model_type=nncf.ModelType.TRANSFORMER,
-                         ignored_scope=nncf.IgnoredScope(names=input_layers(model), validate=False))  # fmt: skip
+    return nncf.quantize(
+        model,
+        nncf.Dataset(samples),
+        subset_size=len(samples),
+        model_type=nncf.ModelType.TRANSFORMER,
+        ignored_scope=nncf.IgnoredScope(names=input_layers(model), validate=False),
+    )
 
 
-def gate_openvino(out: Path, family: str, attrs: dict[str, Any], variant: str, seed: int, plain: Path
-                  ) -> tuple[list[GateResult], bool]:  # fmt: skip
+def gate_openvino(
+    out: Path, family: str, attrs: dict[str, Any], variant: str, seed: int, plain: Path
+) -> tuple[list[GateResult], bool]:
     """Check the OpenVINO model in ``out`` against the fp32 ONNX estimator on held-out sentences; returns the
     gate results and ``pad_exact``, measured on ``plain``: the fp32 ONNX form of the function the OpenVINO model
     was converted from (for CosyVoice-300M not the official graph: its GroupNorm statistics are masked)."""
@@ -242,8 +274,12 @@ def gate_openvino(out: Path, family: str, attrs: dict[str, Any], variant: str, s
     padded = BucketedSession(fp32, pad=True).run(None, short)[0]
     worst_pad = float(np.abs(padded - alone).max() / max(np.abs(alone).max(), 1e-12))
     pad_exact = worst_pad <= PAD_EXACT
-    logger.info("%s: a call padded to its bucket differs from the unpadded one by %.2e (pad_exact %s)", KEY,
-                worst_pad, pad_exact)  # fmt: skip
+    logger.info(
+        "%s: a call padded to its bucket differs from the unpadded one by %.2e (pad_exact %s)",
+        KEY,
+        worst_pad,
+        pad_exact,
+    )
     # the OpenVINO flow as the runtime will run it: padded to its buckets where pad_exact
     ov_stage = flow_stage(out, family, attrs, whole=ShapedGraph(out / FILES[KEY], "openvino", pad=pad_exact))
     results = []
@@ -262,9 +298,18 @@ def gate_openvino(out: Path, family: str, attrs: dict[str, Any], variant: str, s
     return results, pad_exact
 
 
-def export_openvino(estimator_graph: Any, out: Path, work: Path, family: str, settings: dict[str, Any],
-                    attrs: dict[str, Any], variant: str, seed: int, step: Step, verify: bool = True,
-                    ) -> tuple[GraphArtifact, list[GateResult]]:  # fmt: skip
+def export_openvino(
+    estimator_graph: Any,
+    out: Path,
+    work: Path,
+    family: str,
+    settings: dict[str, Any],
+    attrs: dict[str, Any],
+    variant: str,
+    seed: int,
+    step: Step,
+    verify: bool = True,
+) -> tuple[GraphArtifact, list[GateResult]]:
     """Write ``flow_estimator.ov.xml/.bin`` of ``variant`` into ``out`` (``out`` already holds the family's fp32
     ONNX flow graphs; ``settings`` are the flow stage's facts, ``attrs`` the ONNX estimator's); return its
     artifact and gate results (none when ``verify`` is False: then ``pad_exact`` is False, so the runtime never
@@ -290,17 +335,32 @@ def export_openvino(estimator_graph: Any, out: Path, work: Path, family: str, se
         gates, pad_exact = gate_openvino(out, family, settings, variant, seed, plain)
         failed = [g for g in gates if not g.passed]
         if failed:
-            raise ExportError(f"the OpenVINO {variant} estimator failed its gate: {'; '.join(map(str, failed))}; "
-                              "export without --openvino or try --openvino bf16")  # fmt: skip
+            raise ExportError(
+                f"the OpenVINO {variant} estimator failed its gate: {'; '.join(map(str, failed))}; "
+                "export without --openvino or try --openvino bf16"
+            )
     for p in work.glob("flow_estimator_plain.onnx*"):
         p.unlink()
     logger.info("OpenVINO %s estimator written in %.1f s", variant, time.perf_counter() - t0)
     xml = FILES[KEY]
     bin_name = xml[: -len(".xml")] + ".bin"
     inputs, outputs = io_specs_ov(out / xml)
-    art = GraphArtifact(KEY, xml, [bin_name], variant, inputs, outputs,
-                        {**attrs, "backend": "openvino", "form_of": "flow_estimator", "pad_exact": pad_exact,
-                         "weights": "float16", "attention": "full"})  # fmt: skip
+    art = GraphArtifact(
+        KEY,
+        xml,
+        [bin_name],
+        variant,
+        inputs,
+        outputs,
+        {
+            **attrs,
+            "backend": "openvino",
+            "form_of": "flow_estimator",
+            "pad_exact": pad_exact,
+            "weights": "float16",
+            "attention": "full",
+        },
+    )
     return art, gates
 
 

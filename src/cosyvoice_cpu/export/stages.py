@@ -94,8 +94,14 @@ def _quantize(art: GraphArtifact, precision: str, work: Path, out: Path) -> Grap
     elif lm and precision in ("int4", "int8w", "int8w-b128"):
         block = 128 if precision == "int8w-b128" else 32
         four = precision == "int4"  # AVX2's one-row 4-bit kernel rounds apart from the many-row one: lm.LMSession
-        quantize_nbits(src, dst, bits=4 if four else 8, block_size=block, accuracy_level=4,
-                       metadata={MIN_ROWS_KEY: "2"} if four else None)  # fmt: skip
+        quantize_nbits(
+            src,
+            dst,
+            bits=4 if four else 8,
+            block_size=block,
+            accuracy_level=4,
+            metadata={MIN_ROWS_KEY: "2"} if four else None,
+        )
     elif art.key == "flow_time" and precision == "int8":
         # run once per Euler schedule, so weight-only 8-bit (MatMulNBits, int8 compute): 164 MB on disk at full
         # size, opened for ~0.3 s with ~+190 MB (fp32 compute, accuracy 1, dequantized every weight: +400 MB)
@@ -123,8 +129,9 @@ def gate_key(precisions: dict[str, str]) -> str:
 CHECKPOINTS = {"lm": "llm.pt", "flow": "flow.pt", "hift": "hift.pt"}
 
 
-def _openvino(module: Any, flow: Any, out: Path, work: Path, cfg: Any, arts: list[GraphArtifact], options: Any,
-              step: Step) -> tuple[GraphArtifact, list[GateResult]]:  # fmt: skip
+def _openvino(
+    module: Any, flow: Any, out: Path, work: Path, cfg: Any, arts: list[GraphArtifact], options: Any, step: Step
+) -> tuple[GraphArtifact, list[GateResult]]:
     """The OpenVINO model of the flow's whole-sentence estimator (:mod:`cosyvoice_cpu.export.openvino_graphs`)."""
     from cosyvoice_cpu.export.openvino_graphs import export_openvino
 
@@ -132,8 +139,18 @@ def _openvino(module: Any, flow: Any, out: Path, work: Path, cfg: Any, arts: lis
     for a in arts:
         settings.update(a.attrs)
     attrs = next(a.attrs for a in arts if a.key == "flow_estimator")
-    return export_openvino(module.ESTIMATOR_GRAPH(flow.decoder.estimator), out, work, cfg.family, settings, attrs,
-                           options.openvino, options.seed, step, options.verify)  # fmt: skip
+    return export_openvino(
+        module.ESTIMATOR_GRAPH(flow.decoder.estimator),
+        out,
+        work,
+        cfg.family,
+        settings,
+        attrs,
+        options.openvino,
+        options.seed,
+        step,
+        options.verify,
+    )
 
 
 def export_stage_files(
@@ -171,8 +188,10 @@ def export_stage_files(
                 for table in sorted(out.glob("lm_*embedding.npy")):
                     convert_embedding(table, work / table.name, recipe.embedding)
                     shutil.move(str(work / table.name), str(table))
-            arts = [_quantize(a, precisions[plan.quantized[a.key]], work, out) if a.key in plan.quantized else a
-                    for a in arts]  # fmt: skip
+            arts = [
+                _quantize(a, precisions[plan.quantized[a.key]], work, out) if a.key in plan.quantized else a
+                for a in arts
+            ]
             if changed and options.verify:
                 others = [f"{f} {p}" for f, p in precisions.items() if f != plan.recipe_field and p != "fp32"]
                 what = ", ".join([precisions[plan.recipe_field], *others])  # e.g. "int8, flow_encoder int8w"

@@ -50,8 +50,19 @@ NUM_LANGUAGES = 100
 MANIFEST_LANGUAGES = ("zh", "en", "ja", "yue", "ko")
 
 _TASKS = ("translate", "transcribe", "startoflm", "startofprev", "nospeech", "notimestamps")
-_AUDIO_EVENTS = ("ASR", "AED", "SER", "Speech", "/Speech", "BGM", "/BGM", "Laughter", "/Laughter", "Applause",
-                 "/Applause")  # fmt: skip
+_AUDIO_EVENTS = (
+    "ASR",
+    "AED",
+    "SER",
+    "Speech",
+    "/Speech",
+    "BGM",
+    "/BGM",
+    "Laughter",
+    "/Laughter",
+    "Applause",
+    "/Applause",
+)
 _EMOTIONS = ("HAPPY", "SAD", "ANGRY", "NEUTRAL")
 _TTS = ("TTS/B", "TTS/O", "TTS/Q", "TTS/A", "TTS/CO", "TTS/CL", "TTS/H", *(f"TTS/SP{i:02d}" for i in range(1, 14)))
 FLAVOURS = ("whisper", "cosyvoice-25hz")
@@ -68,8 +79,12 @@ def special_tokens(flavour: str = "whisper", num_languages: int = NUM_LANGUAGES)
     if flavour == "whisper":
         middle = tasks
     else:
-        middle = [*(f"<|{e}|>" for e in (*_AUDIO_EVENTS, *_EMOTIONS)), *tasks,
-                  *(f"<|SPECIAL_TOKEN_{i}|>" for i in range(1, 31)), *(f"<|{t}|>" for t in _TTS)]  # fmt: skip
+        middle = [
+            *(f"<|{e}|>" for e in (*_AUDIO_EVENTS, *_EMOTIONS)),
+            *tasks,
+            *(f"<|SPECIAL_TOKEN_{i}|>" for i in range(1, 31)),
+            *(f"<|{t}|>" for t in _TTS),
+        ]
     stamps = [f"<|{i * 0.02:.2f}|>" for i in range(1501)]
     return ["<|endoftext|>", "<|startoftranscript|>", *langs, *middle, *stamps]
 
@@ -223,10 +238,12 @@ def build_tokenizer(ranks: dict[bytes, int], specials: list[str]) -> Any:
 
     vocab, merges = bpe_model(ranks)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True, fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])  # fmt: skip
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     clash = [s for s in specials if s in vocab]
     if clash:
@@ -262,6 +279,12 @@ def write_whisper_tokenizer(tiktoken_path: Path, out_dir: Path, flavour: str | N
     size = len(ranks) + len(specials)
     wanted = ["<|endoftext|>", *(f"<|{code}|>" for code in MANIFEST_LANGUAGES)]
     special_ids = {s: len(ranks) + specials.index(s) for s in wanted}
-    logger.info("wrote %s from %s (%d ranks + %d %s specials)", out_dir / TOKENIZER_FILE, tiktoken_path.name,
-                len(ranks), len(specials), flavour)  # fmt: skip
+    logger.info(
+        "wrote %s from %s (%d ranks + %d %s specials)",
+        out_dir / TOKENIZER_FILE,
+        tiktoken_path.name,
+        len(ranks),
+        len(specials),
+        flavour,
+    )
     return {"tokenizer": TOKENIZER_FILE, "kind": "whisper", "vocab_size": size, "special_ids": special_ids}

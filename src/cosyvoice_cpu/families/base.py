@@ -113,8 +113,9 @@ class Family:
         """Every stage of ``model_dir``, in the order that keeps the load's peak memory low (the LM first)."""
         m = self.manifest
         lm_entry = m.graphs["lm"]  # an int4 LM exported before its graph said min_rows=2 still needs it
-        session = LMSession.from_dir(model_dir, lm_entry.attrs, threads=sessions,
-                                     min_rows=2 if lm_entry.precision == "int4" else None)  # fmt: skip
+        session = LMSession.from_dir(
+            model_dir, lm_entry.attrs, threads=sessions, min_rows=2 if lm_entry.precision == "int4" else None
+        )
         lm = self.load_lm(model_dir, session, sessions)
         flow = self.load_flow(model_dir, config, sessions)
         if flow.whole is not None and config.compile_ahead:
@@ -124,8 +125,9 @@ class Family:
             # "terminate called without an active exception", or a segmentation fault)
             self.warming = threading.Thread(target=_warm, args=(flow,), name="flow-warm")
             self.warming.start()
-        vocoder = Vocoder.from_dir(model_dir, m.graphs["hift_decode"].attrs, threads=sessions,
-                                   window_frames=config.vocoder_window_frames)  # fmt: skip
+        vocoder = Vocoder.from_dir(
+            model_dir, m.graphs["hift_decode"].attrs, threads=sessions, window_frames=config.vocoder_window_frames
+        )
         stages = Stages(TextTokenizer.from_dir(model_dir), lm, flow, vocoder, Frontend(model_dir, m, sessions))
         if self.prompt_cache is not None and flow.can_stream:
             dtype = np.float16 if config.prompt_cache_fp16 else np.float32
@@ -144,14 +146,24 @@ class Family:
         if plan.other_model:
             entry = self.manifest.graphs[plan.key]
             whole = ShapedGraph(model_dir / entry.file.file, plan.backend, bool(entry.attrs.get("pad_exact")))
-        return self.flow_stage.from_dir(model_dir, self.manifest.flow, threads=sessions,
-                                        streaming=config.streaming_estimator,
-                                        arena_shrink_frames=config.arena_shrink_frames, whole=whole)  # fmt: skip
+        return self.flow_stage.from_dir(
+            model_dir,
+            self.manifest.flow,
+            threads=sessions,
+            streaming=config.streaming_estimator,
+            arena_shrink_frames=config.arena_shrink_frames,
+            whole=whole,
+        )
 
     # ------------------------------------------------------------------ the LM's prompt
 
-    def lm_prompt(self, tokenizer: TextTokenizer, voice: Voice, instruct: str | None, normalize: bool = True,
-                  ) -> LMPrompt:  # fmt: skip
+    def lm_prompt(
+        self,
+        tokenizer: TextTokenizer,
+        voice: Voice,
+        instruct: str | None,
+        normalize: bool = True,
+    ) -> LMPrompt:
         """What the LM sees per mode, as the official frontends:
 
         - instruct: the instruction + the end-of-prompt marker (a system prompt first where the family needs
@@ -199,8 +211,10 @@ class Family:
     def check_stream(self, stages: Stages) -> None:
         """Raise ConfigError when this engine cannot stream (its stream graph was not loaded)."""
         if self.prompt_cache is not None and stages.prompt_caches is None:
-            raise ConfigError("stream=True needs the streaming flow estimator: load the engine with "
-                              "EngineConfig(streaming_estimator=True)")  # fmt: skip
+            raise ConfigError(
+                "stream=True needs the streaming flow estimator: load the engine with "
+                "EngineConfig(streaming_estimator=True)"
+            )
 
     def speak_stream(self, s: Sentence, stages: Stages) -> Iterator[Piece]:
         """One sentence in pieces as its tokens are decoded (the family's stream recipe)."""

@@ -47,9 +47,17 @@ class CosyVoice(Family):
         voice, config = s.voice, s.config
         overlap = stages.flow.settings.overlap_tokens
         first = max(overlap + 1, 2 * config.first_chunk_tokens)
-        flow = FlowStreamV1(stages.flow, voice.speech_tokens, voice.mel, voice.embedding, config.flow_steps,
-                            config.cfg_rate, rng=s.rng, hop=first,
-                            max_hop=max(first, 2 * config.chunk_tokens))  # fmt: skip
+        flow = FlowStreamV1(
+            stages.flow,
+            voice.speech_tokens,
+            voice.mel,
+            voice.embedding,
+            config.flow_steps,
+            config.cfg_rate,
+            rng=s.rng,
+            hop=first,
+            max_hop=max(first, 2 * config.chunk_tokens),
+        )
         vocoder = VocoderStream(stages.vocoder, s.rng, overlap_frames=VOCODER_OVERLAP)
         tokens: list[int] = []
 

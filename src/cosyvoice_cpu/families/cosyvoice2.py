@@ -35,8 +35,16 @@ class CosyVoice2(Family):
         t0 = time.perf_counter()
         caches = stages.prompt_caches  # None: built for this sentence by the flow stream
         prompt = None if caches is None else caches.get(voice, config.flow_steps, config.cfg_rate)
-        flow = self.flow_stream(stages.flow, voice.speech_tokens, voice.mel, voice.embedding, config.flow_steps,
-                                config.cfg_rate, config.context_tokens, prompt)  # fmt: skip
+        flow = self.flow_stream(
+            stages.flow,
+            voice.speech_tokens,
+            voice.mel,
+            voice.embedding,
+            config.flow_steps,
+            config.cfg_rate,
+            config.context_tokens,
+            prompt,
+        )
         s.timings.flow += time.perf_counter() - t0
         flt = self.token_filter()
         return speak_chunks(s, flow, self.vocoder_stream(stages.vocoder, s.rng), None if flt is None else flt.push)

@@ -103,5 +103,13 @@ class BucketedSession:
         if prepare is None:
             return
         for size in sorted({bucket(f) if self.pad else f for f in frames}):
-            prepare({"x": (rows, 80, size), "mask": (rows, 1, size), "mu": (rows, 80, size), "t": (rows,),
-                     "spks": (rows, 80), "cond": (rows, 80, size)})  # fmt: skip
+            prepare(
+                {
+                    "x": (rows, 80, size),
+                    "mask": (rows, 1, size),
+                    "mu": (rows, 80, size),
+                    "t": (rows,),
+                    "spks": (rows, 80),
+                    "cond": (rows, 80, size),
+                }
+            )

@@ -17,13 +17,35 @@ from cosyvoice_cpu.backends.registry import open_graph
 
 IO = tuple[dict[str, tuple[str, int]], tuple[Any, ...]]  # ({input: (dtypes, rank)}, (output | (output, dtypes)))
 
-ENCODER_IO = ({"token": ("int64", 2), "context": ("int64", 2), "embedding": ("float", 2), "chunk_size": ("int64", 0)},
-              ("mu", "spks"))  # fmt: skip
-ESTIMATOR_IO = ({"x": ("float", 3), "mask": ("float", 3), "mu": ("float", 3), "t": ("float", 1),
-                 "spks": ("float", 2), "cond": ("float", 3)}, ("estimator_out",))  # fmt: skip
-STREAM_IO = ({"x": ("float", 3), "mu": ("float", 3), "t": ("float", 1), "spks": ("float", 2), "cond": ("float", 3),
-              "prompt_h": ("float|float16", 4), "context_h": ("float|float16", 4), "conv_state": ("float", 3),
-              "keep_frames": ("int64", 0)}, ("velocity", ("new_h", "float|float16"), "new_conv_state"))  # fmt: skip
+ENCODER_IO = (
+    {"token": ("int64", 2), "context": ("int64", 2), "embedding": ("float", 2), "chunk_size": ("int64", 0)},
+    ("mu", "spks"),
+)
+ESTIMATOR_IO = (
+    {
+        "x": ("float", 3),
+        "mask": ("float", 3),
+        "mu": ("float", 3),
+        "t": ("float", 1),
+        "spks": ("float", 2),
+        "cond": ("float", 3),
+    },
+    ("estimator_out",),
+)
+STREAM_IO = (
+    {
+        "x": ("float", 3),
+        "mu": ("float", 3),
+        "t": ("float", 1),
+        "spks": ("float", 2),
+        "cond": ("float", 3),
+        "prompt_h": ("float|float16", 4),
+        "context_h": ("float|float16", 4),
+        "conv_state": ("float", 3),
+        "keep_frames": ("int64", 0),
+    },
+    ("velocity", ("new_h", "float|float16"), "new_conv_state"),
+)
 
 
 def open_checked(path: Path, threads: int | SessionConfig, io: IO) -> Any:

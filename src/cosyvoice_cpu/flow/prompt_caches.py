@@ -66,6 +66,7 @@ class PromptCaches:
             while total > self.budget and len(self._items) > 1:
                 _, old = self._items.popitem(last=False)
                 total -= old.nbytes
-        logger.info("prompt cache for voice %r (%d steps, cfg %.2f): %.0f MB", voice.name, steps, cfg_rate,
-                    cache.nbytes / 1e6)  # fmt: skip
+        logger.info(
+            "prompt cache for voice %r (%d steps, cfg %.2f): %.0f MB", voice.name, steps, cfg_rate, cache.nbytes / 1e6
+        )
         return cache

@@ -143,19 +143,33 @@ class FlowStage:
                 raise ModelDirError(f"flow noise table {noise} is missing; export the model directory again")
             self.noise = np.load(noise, mmap_mode="r")
             if self.noise.ndim != 3 or self.noise.shape[:2] != (1, N_MELS) or self.noise.dtype != np.float32:
-                raise ModelDirError(f"{noise}: expected float32 noise (1, 80, frames), got {self.noise.dtype} "
-                                    f"{self.noise.shape}")  # fmt: skip
+                raise ModelDirError(
+                    f"{noise}: expected float32 noise (1, 80, frames), got {self.noise.dtype} {self.noise.shape}"
+                )
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, settings: FlowSettings | dict[str, Any] | None = None,
-                 threads: int | SessionConfig = 1, streaming: bool = True,
-                 arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES,
-                 whole: ShapedGraph | None = None) -> FlowStage:  # fmt: skip
+    def from_dir(
+        cls,
+        model_dir: str | Path,
+        settings: FlowSettings | dict[str, Any] | None = None,
+        threads: int | SessionConfig = 1,
+        streaming: bool = True,
+        arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES,
+        whole: ShapedGraph | None = None,
+    ) -> FlowStage:
         """The stage from the standard file names in an exported directory."""
         d = Path(model_dir)
         stream = d / FILES["flow_estimator_stream"] if streaming else None
-        return cls(d / FILES["flow_encoder"], d / FILES["flow_estimator"], stream,
-                   d / FILES["flow_noise"], settings, threads, arena_shrink_frames, whole)  # fmt: skip
+        return cls(
+            d / FILES["flow_encoder"],
+            d / FILES["flow_estimator"],
+            stream,
+            d / FILES["flow_noise"],
+            settings,
+            threads,
+            arena_shrink_frames,
+            whole,
+        )
 
     def _estimator(self, kind: str) -> Any:
         session = self._sessions.get(kind)
@@ -216,13 +230,22 @@ class FlowStage:
         sess = self.stream_estimator
         layers, width, state = stream_layout(sess)
         empty = np.zeros((layers, n, 0, width), cache_dtype(sess))
-        return sess, {"prompt_h": empty, "context_h": empty, "conv_state": np.zeros((n, state, 2), np.float32),
-                      "keep_frames": np.array(0, np.int64)}  # fmt: skip
+        return sess, {
+            "prompt_h": empty,
+            "context_h": empty,
+            "conv_state": np.zeros((n, state, 2), np.float32),
+            "keep_frames": np.array(0, np.int64),
+        }
 
     def encode(
-        self, tokens: Any, prompt_tokens: Any, embedding: np.ndarray, context: Any = None, streaming: bool = False,
+        self,
+        tokens: Any,
+        prompt_tokens: Any,
+        embedding: np.ndarray,
+        context: Any = None,
+        streaming: bool = False,
         shrink: bool | None = None,
-    ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Encode prompt + tokens.
 
         Args:
@@ -240,8 +263,10 @@ class FlowStage:
         token = np.concatenate([token_ids(prompt_tokens, "prompt_tokens"), new], axis=1)
         ctx = np.zeros((1, 0), np.int64) if context is None else token_ids(context, "context")
         if ctx.shape[1] > self.settings.pre_lookahead_len:
-            raise ConfigError(f"context has {ctx.shape[1]} tokens, at most pre_lookahead_len = "
-                             f"{self.settings.pre_lookahead_len} are used")  # fmt: skip
+            raise ConfigError(
+                f"context has {ctx.shape[1]} tokens, at most pre_lookahead_len = "
+                f"{self.settings.pre_lookahead_len} are used"
+            )
         if token.shape[1] == 0:
             raise ConfigError("no tokens to encode")
         emb = np.asarray(embedding, dtype=np.float32)
@@ -333,8 +358,9 @@ class FlowStage:
                 dt = np.float32(span[step + 1] - t)
         return steps
 
-    def time_feeds(self, sess: Any, schedule: list[tuple[np.float32, np.float32]],
-                   rows: int) -> list[dict[str, np.ndarray]]:  # fmt: skip
+    def time_feeds(
+        self, sess: Any, schedule: list[tuple[np.float32, np.float32]], rows: int
+    ) -> list[dict[str, np.ndarray]]:
         """Per Euler step of ``schedule``, the estimator ``sess``'s time input for ``rows`` rows: ``t`` (rows,)
         (Fun-CosyVoice3's stream graph takes its time table
         instead: :class:`~cosyvoice_cpu.flow.stage_v3.FlowStageV3`)."""
@@ -349,8 +375,10 @@ class FlowStage:
         noise = np.asarray(noise) if not isinstance(noise, np.ndarray) else noise
         end = offset + size
         if noise.ndim != 3 or noise.shape[0] not in (1, b) or noise.shape[1] != N_MELS or noise.shape[2] < end:
-            raise ConfigError(f"noise must be (1 or {b}, 80, >= {end}) frames, got {noise.shape}; for longer "
-                              "outputs split the text into shorter sentences")  # fmt: skip
+            raise ConfigError(
+                f"noise must be (1 or {b}, 80, >= {end}) frames, got {noise.shape}; for longer "
+                "outputs split the text into shorter sentences"
+            )
         return np.ascontiguousarray(np.broadcast_to(noise[:, :, offset:end], (b, N_MELS, size)), dtype=np.float32)
 
     def inference(

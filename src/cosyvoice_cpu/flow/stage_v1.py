@@ -92,11 +92,14 @@ def stretch_matrix(n_prompt: int, n_new: int, mel_len1: int, mel_len2: int, rate
     (34) frames, middle -> the rest, tail 20 tokens -> 34 frames.
     """
     if n_new <= 0 or mel_len2 <= 0:
-        raise ConfigError(f"need new tokens and mel frames, got {n_new} tokens -> {mel_len2} frames; "
-                          "give at least one more token")  # fmt: skip
+        raise ConfigError(
+            f"need new tokens and mel frames, got {n_new} tokens -> {mel_len2} frames; give at least one more token"
+        )
     if (n_prompt > 0) != (mel_len1 > 0) or n_prompt < 0 or mel_len1 < 0:
-        raise ConfigError(f"prompt tokens ({n_prompt}) and prompt mel frames ({mel_len1}) must be both empty "
-                          "(an SFT voice) or both present")  # fmt: skip
+        raise ConfigError(
+            f"prompt tokens ({n_prompt}) and prompt mel frames ({mel_len1}) must be both empty "
+            "(an SFT voice) or both present"
+        )
     w = np.zeros((n_prompt + n_new, mel_len1 + mel_len2), np.float32)
     if n_prompt:
         w[:n_prompt, :mel_len1] = interpolation_matrix(n_prompt, mel_len1)
@@ -147,8 +150,10 @@ def start_noise(
     n = 0 if flow_cache is None else flow_cache.shape[2]
     if n:
         if flow_cache.ndim != 4 or flow_cache.shape[:2] != mu.shape[:2] or flow_cache.shape[3] != 2 or n > size:
-            raise ConfigError(f"flow_cache must be (1, {mu.shape[1]}, n <= {size}, 2), got {flow_cache.shape}; pass "
-                              "the cache of the previous chunk of the same utterance")  # fmt: skip
+            raise ConfigError(
+                f"flow_cache must be (1, {mu.shape[1]}, n <= {size}, 2), got {flow_cache.shape}; pass "
+                "the cache of the previous chunk of the same utterance"
+            )
         z[:, :, :n] = flow_cache[..., 0]
         mu[:, :, :n] = flow_cache[..., 1]
     keep = np.r_[0:mel_len1, max(size - tail, 0) : size]  # prompt frames, then the last `tail` frames
@@ -187,10 +192,15 @@ class FlowStageV1(FlowStage):
         self.settings: FlowSettingsV1 = settings
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, settings: FlowSettingsV1 | dict[str, Any] | None = None,
-                 threads: int | SessionConfig = 1, streaming: bool = False,
-                 arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES,
-                 whole: ShapedGraph | None = None) -> FlowStageV1:  # fmt: skip
+    def from_dir(
+        cls,
+        model_dir: str | Path,
+        settings: FlowSettingsV1 | dict[str, Any] | None = None,
+        threads: int | SessionConfig = 1,
+        streaming: bool = False,
+        arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES,
+        whole: ShapedGraph | None = None,
+    ) -> FlowStageV1:
         """The stage from the standard file names (:data:`FILES`); ``streaming`` is accepted for symmetry with
         :meth:`FlowStage.from_dir` (v1 streaming needs no extra graph)."""
         d = Path(model_dir)
@@ -240,10 +250,20 @@ class FlowStageV1(FlowStage):
         noise from ``rng`` (required then). v1 has no look-ahead context and no chunk-causal encoder: ``context``
         must be None and ``streaming`` False (its stream is :meth:`inference_cached` on overlapping windows)."""
         if context is not None or streaming:
-            raise ConfigError("CosyVoice-300M's flow takes no context tokens and has no chunk-causal encoder; "
-                              "stream with its overlapping windows (FlowStreamV1)")  # fmt: skip
-        mel, _ = self.inference_cached(tokens, prompt_tokens, prompt_feat, embedding, n_timesteps=n_timesteps,
-                                       cfg_rate=cfg_rate, noise=noise, rng=rng)  # fmt: skip
+            raise ConfigError(
+                "CosyVoice-300M's flow takes no context tokens and has no chunk-causal encoder; "
+                "stream with its overlapping windows (FlowStreamV1)"
+            )
+        mel, _ = self.inference_cached(
+            tokens,
+            prompt_tokens,
+            prompt_feat,
+            embedding,
+            n_timesteps=n_timesteps,
+            cfg_rate=cfg_rate,
+            noise=noise,
+            rng=rng,
+        )
         return mel
 
     def inference_cached(

@@ -45,20 +45,35 @@ FILES_V3 = {**FILES, "flow_time": "flow_time.onnx"}
 TIME_IO = ({"t": ("float", 1)}, ("modulation",))
 TIME_TABLES = 8  # schedules whose time table a stage keeps (10 steps: 5.5 MB at full size)
 STREAM_IO_V3 = (
-    {"x": ("float", 3), "mu": ("float", 3), "modulation": ("float", 2), "spks": ("float", 2), "cond": ("float", 3),
-     "prompt_k": ("float|float16", 4), "prompt_v": ("float|float16", 4), "context_k": ("float|float16", 4),
-     "context_v": ("float|float16", 4), "conv_state": ("float", 3), "offset": ("int64", 0),
-     "keep_frames": ("int64", 0), "chunk_frames": ("int64", 0)},
+    {
+        "x": ("float", 3),
+        "mu": ("float", 3),
+        "modulation": ("float", 2),
+        "spks": ("float", 2),
+        "cond": ("float", 3),
+        "prompt_k": ("float|float16", 4),
+        "prompt_v": ("float|float16", 4),
+        "context_k": ("float|float16", 4),
+        "context_v": ("float|float16", 4),
+        "conv_state": ("float", 3),
+        "offset": ("int64", 0),
+        "keep_frames": ("int64", 0),
+        "chunk_frames": ("int64", 0),
+    },
     ("velocity", ("new_k", "float|float16"), ("new_v", "float|float16"), "conv_in"),
-)  # fmt: skip
+)
 
 
 def stream_layout_v3(sess: Any) -> tuple[int, int, int, int]:
     """(L, I, 2D, K-1) of a v3 stream estimator from its input shapes (prompt_k (L, B, P, I), conv_state
     (B, 2D, K-1))."""
     shapes = {i.name: i.shape for i in sess.get_inputs()}
-    return (int(shapes["prompt_k"][0]), int(shapes["prompt_k"][3]), int(shapes["conv_state"][1]),
-            int(shapes["conv_state"][2]))  # fmt: skip
+    return (
+        int(shapes["prompt_k"][0]),
+        int(shapes["prompt_k"][3]),
+        int(shapes["conv_state"][1]),
+        int(shapes["conv_state"][2]),
+    )
 
 
 @dataclass
@@ -74,9 +89,11 @@ class FlowSettingsV3(FlowSettings):
     def from_attrs(cls, attrs: dict[str, Any] | None) -> FlowSettingsV3:
         settings = super().from_attrs(attrs)
         if settings.chunk_frames <= 0 or settings.chunk_frames % settings.token_mel_ratio:
-            raise ConfigError(f"flow chunk_frames must be a positive multiple of token_mel_ratio "
-                              f"{settings.token_mel_ratio}, got {settings.chunk_frames}; export the model "
-                              "again")  # fmt: skip
+            raise ConfigError(
+                f"flow chunk_frames must be a positive multiple of token_mel_ratio "
+                f"{settings.token_mel_ratio}, got {settings.chunk_frames}; export the model "
+                "again"
+            )
         return settings  # type: ignore[return-value]
 
 
@@ -103,26 +120,43 @@ class FlowStageV3(FlowStage):
         whole: ShapedGraph | None = None,
     ) -> None:
         if not isinstance(settings, FlowSettingsV3):
-            settings = FlowSettingsV3.from_attrs(settings if isinstance(settings, dict) else
-                                                 (vars(settings) if settings is not None else None))  # fmt: skip
+            settings = FlowSettingsV3.from_attrs(
+                settings if isinstance(settings, dict) else (vars(settings) if settings is not None else None)
+            )
         super().__init__(encoder, estimator, estimator_stream, noise, settings, threads, arena_shrink_frames, whole)
         self._time_graph = None if time_graph is None else Path(time_graph)
         if estimator_stream is not None and (self._time_graph is None or not self._time_graph.is_file()):
-            raise ModelDirError(f"{time_graph or 'flow_time.onnx'} is missing (the v3 stream graph takes the DiT's "
-                                "time table from it); export the model directory again")  # fmt: skip
+            raise ModelDirError(
+                f"{time_graph or 'flow_time.onnx'} is missing (the v3 stream graph takes the DiT's "
+                "time table from it); export the model directory again"
+            )
         self._tables: OrderedDict[tuple[float, ...], np.ndarray] = OrderedDict()
         self._tables_lock = threading.Lock()
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, settings: FlowSettingsV3 | dict[str, Any] | None = None,
-                 threads: int | SessionConfig = 1, streaming: bool = True,
-                 arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES,
-                 whole: ShapedGraph | None = None) -> FlowStageV3:  # fmt: skip
+    def from_dir(
+        cls,
+        model_dir: str | Path,
+        settings: FlowSettingsV3 | dict[str, Any] | None = None,
+        threads: int | SessionConfig = 1,
+        streaming: bool = True,
+        arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES,
+        whole: ShapedGraph | None = None,
+    ) -> FlowStageV3:
         """The stage from the standard file names in an exported v3 directory."""
         d = Path(model_dir)
         stream = d / FILES_V3["flow_estimator_stream"] if streaming else None
-        return cls(d / FILES_V3["flow_encoder"], d / FILES_V3["flow_estimator"], stream, d / FILES_V3["flow_noise"],
-                   settings, threads, d / FILES_V3["flow_time"], arena_shrink_frames, whole)  # fmt: skip
+        return cls(
+            d / FILES_V3["flow_encoder"],
+            d / FILES_V3["flow_estimator"],
+            stream,
+            d / FILES_V3["flow_noise"],
+            settings,
+            threads,
+            d / FILES_V3["flow_time"],
+            arena_shrink_frames,
+            whole,
+        )
 
     def time_table(self, schedule: list[tuple[np.float32, np.float32]]) -> np.ndarray:
         """(steps, L x 6D + 2D) float32: ``flow_time.onnx`` at the schedule's t values (row k for step k).
@@ -159,8 +193,9 @@ class FlowStageV3(FlowStage):
         schedule."""
         self.encode(np.zeros(1, np.int64), [], np.zeros(self._emb_dim, np.float32), shrink=True)
 
-    def time_feeds(self, sess: Any, schedule: list[tuple[np.float32, np.float32]],
-                   rows: int) -> list[dict[str, np.ndarray]]:  # fmt: skip
+    def time_feeds(
+        self, sess: Any, schedule: list[tuple[np.float32, np.float32]], rows: int
+    ) -> list[dict[str, np.ndarray]]:
         """Per Euler step, the stream graph's ``modulation`` (1, L x 6D + 2D) (one row serves every row: they
         share t); ``flow_estimator.onnx`` keeps the official ``t`` input."""
         if "modulation" not in {i.name for i in sess.get_inputs()}:

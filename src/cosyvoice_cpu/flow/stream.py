@@ -59,9 +59,16 @@ class PromptCache:
         return sum(a.nbytes for a in self.h) + sum(a.nbytes for a in self.conv) + self.mu.nbytes
 
     @classmethod
-    def build(cls, stage: FlowStage, prompt_tokens: Any, prompt_feat: np.ndarray, embedding: np.ndarray,
-              n_timesteps: int | None = None, cfg_rate: float | None = None,
-              dtype: Any = np.float32) -> PromptCache:  # fmt: skip
+    def build(
+        cls,
+        stage: FlowStage,
+        prompt_tokens: Any,
+        prompt_feat: np.ndarray,
+        embedding: np.ndarray,
+        n_timesteps: int | None = None,
+        cfg_rate: float | None = None,
+        dtype: Any = np.float32,
+    ) -> PromptCache:
         """Integrate the prompt frames alone (chunk 0) and keep their activations at every step (stored as
         ``dtype``: float32, or float16 for half the memory; always float16 for a graph that takes float16)."""
         sess = _stream_session(stage)
@@ -73,9 +80,13 @@ class PromptCache:
         layers, width, state = stream_layout(sess)
         rows, n = guidance_rows(cfg_rate), feat.shape[2]
         empty = np.zeros((layers, rows, 0, width), wire)
-        feeds = {**guided_rows(mu, spks, feat, rows), "context_h": empty, "prompt_h": empty,
-                 "conv_state": np.zeros((rows, state, 2), np.float32),
-                 "keep_frames": np.array(n, np.int64)}  # fmt: skip
+        feeds = {
+            **guided_rows(mu, spks, feat, rows),
+            "context_h": empty,
+            "prompt_h": empty,
+            "conv_state": np.zeros((rows, state, 2), np.float32),
+            "keep_frames": np.array(n, np.int64),
+        }
         x = stage.initial_noise(None, 1, n)
         cache = cls(mu, spks, [], [])
         for t, dt in stage.schedule(steps):
@@ -126,8 +137,9 @@ class FlowStream:
         self.n_prompt = self.prompt_tokens.shape[1] * self.ratio
         self.embedding = np.asarray(embedding, dtype=np.float32)
         if prompt_cache is None:
-            prompt_cache = PromptCache.build(stage, self.prompt_tokens, prompt_feat, self.embedding, self.steps,
-                                             self.cfg_rate)  # fmt: skip
+            prompt_cache = PromptCache.build(
+                stage, self.prompt_tokens, prompt_feat, self.embedding, self.steps, self.cfg_rate
+            )
         if len(prompt_cache.h) != self.steps or prompt_cache.h[0].shape[1:3] != (self.rows, self.n_prompt):
             raise ConfigError("the prompt cache was built for other solver settings or another voice")
         self.prompt = prompt_cache
@@ -167,8 +179,12 @@ class FlowStream:
         self.chunks += 1
         self.history = np.concatenate([self.history, new], axis=1)
         self.ctx_mu = self._trim(np.concatenate([self.ctx_mu, mu_new], axis=2))
-        logger.debug("flow chunk %d: %d tokens done, context %d frames", self.chunks, self.history.shape[1],
-                     self.ctx_h[0].shape[2])  # fmt: skip
+        logger.debug(
+            "flow chunk %d: %d tokens done, context %d frames",
+            self.chunks,
+            self.history.shape[1],
+            self.ctx_h[0].shape[2],
+        )
         return mel
 
     def _integrate(self, mu_new: np.ndarray) -> np.ndarray:
@@ -180,9 +196,13 @@ class FlowStream:
         feeds["keep_frames"] = np.array(keep, np.int64)
         x = self.stage.initial_noise(None, 1, n_new, offset=self.n_prompt + self.frames_done)
         for k, (t, dt) in enumerate(self.schedule):
-            feeds.update(x=np.concatenate([x] * self.rows), t=np.full(self.rows, t, np.float32),
-                         prompt_h=self.prompt.h[k].astype(self.h_dtype, copy=False), context_h=self.ctx_h[k],
-                         conv_state=self.conv[k])  # fmt: skip
+            feeds.update(
+                x=np.concatenate([x] * self.rows),
+                t=np.full(self.rows, t, np.float32),
+                prompt_h=self.prompt.h[k].astype(self.h_dtype, copy=False),
+                context_h=self.ctx_h[k],
+                conv_state=self.conv[k],
+            )
             v, new_h, self.conv[k] = self.sess.run(None, feeds)
             x = x + dt * guide(v, self.cfg_rate, 1)
             self.ctx_h[k] = self._trim(np.concatenate([self.ctx_h[k], new_h], axis=2))
@@ -209,8 +229,9 @@ def chunk_ids(tokens: Any, lookahead: Any, finished: bool, stream: str) -> tuple
 
 def _stream_session(stage: FlowStage) -> Any:
     if not stage.can_stream:
-        raise ConfigError("streaming needs flow_estimator_stream.onnx: load the engine with "
-                          "EngineConfig(streaming_estimator=True)")  # fmt: skip
+        raise ConfigError(
+            "streaming needs flow_estimator_stream.onnx: load the engine with EngineConfig(streaming_estimator=True)"
+        )
     return stage.stream_estimator
 
 

@@ -91,8 +91,9 @@ class FlowStreamV1:
         self.hop = hop_tokens(s.input_frame_rate) if hop is None else int(hop)
         self.max_hop = self.hop if max_hop is None else int(max_hop)
         if not self.overlap < self.hop <= self.max_hop:  # a window (hop + overlap) > 2 overlap: head/mid/tail split
-            raise ConfigError(f"need {self.overlap} (the overlap) < hop <= max_hop, got hop {self.hop} and max_hop "
-                              f"{self.max_hop}")  # fmt: skip
+            raise ConfigError(
+                f"need {self.overlap} (the overlap) < hop <= max_hop, got hop {self.hop} and max_hop {self.max_hop}"
+            )
         self.mel_overlap = frames_for_tokens(self.overlap, s.input_frame_rate)  # 34
         self.window = np.hamming(2 * self.mel_overlap)
         self.flow_cache = np.zeros((1, N_MELS, 0, 2), np.float32)
@@ -136,19 +137,31 @@ class FlowStreamV1:
         ids = token_ids(tokens, "tokens")
         n = ids.shape[1]
         if self._tail is not None and not np.array_equal(ids[0, : self.overlap], self._tail):
-            raise ConfigError(f"a window must start with the previous window's last {self.overlap} tokens "
-                              f"(window k = tokens[k*hop : k*hop + hop + {self.overlap}])")  # fmt: skip
+            raise ConfigError(
+                f"a window must start with the previous window's last {self.overlap} tokens "
+                f"(window k = tokens[k*hop : k*hop + hop + {self.overlap}])"
+            )
         if not final and n <= 2 * self.overlap:
-            raise ConfigError(f"a non-final window needs > {2 * self.overlap} tokens (hop + overlap = "
-                              f"{self.window_tokens}), got {n}")  # fmt: skip
+            raise ConfigError(
+                f"a non-final window needs > {2 * self.overlap} tokens (hop + overlap = {self.window_tokens}), got {n}"
+            )
         mel, self.flow_cache = self.stage.inference_cached(
-            ids, self.prompt_tokens, self.prompt_feat, self.embedding, n_timesteps=self.n_timesteps,
-            cfg_rate=self.cfg_rate, noise=noise, rng=self.rng, flow_cache=self.flow_cache,
-        )  # fmt: skip
+            ids,
+            self.prompt_tokens,
+            self.prompt_feat,
+            self.embedding,
+            n_timesteps=self.n_timesteps,
+            cfg_rate=self.cfg_rate,
+            noise=noise,
+            rng=self.rng,
+            flow_cache=self.flow_cache,
+        )
         if self.held.shape[2]:
             if mel.shape[2] < self.mel_overlap:
-                raise ConfigError(f"window of {n} tokens gives {mel.shape[2]} mel frames, fewer than the "
-                                  f"{self.mel_overlap}-frame fade; pass at least {self.overlap} tokens")  # fmt: skip
+                raise ConfigError(
+                    f"window of {n} tokens gives {mel.shape[2]} mel frames, fewer than the "
+                    f"{self.mel_overlap}-frame fade; pass at least {self.overlap} tokens"
+                )
             mel = fade_in_out(mel, self.held, self.window)
         if final:
             self.finished = True

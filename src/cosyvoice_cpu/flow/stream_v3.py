@@ -65,9 +65,16 @@ class PromptCacheV3:
         return sum(a.nbytes for group in (self.k, self.v, self.conv) for a in group)
 
     @classmethod
-    def build(cls, stage: FlowStageV3, prompt_tokens: Any, prompt_feat: np.ndarray, embedding: np.ndarray,
-              n_timesteps: int | None = None, cfg_rate: float | None = None,
-              dtype: Any = np.float32) -> PromptCacheV3:  # fmt: skip
+    def build(
+        cls,
+        stage: FlowStageV3,
+        prompt_tokens: Any,
+        prompt_feat: np.ndarray,
+        embedding: np.ndarray,
+        n_timesteps: int | None = None,
+        cfg_rate: float | None = None,
+        dtype: Any = np.float32,
+    ) -> PromptCacheV3:
         """Integrate the prompt's stable complete chunks alone and keep their keys/values at every step (stored
         as ``dtype``: float32, or float16 for half the memory; always float16 for a graph that takes float16)."""
         sess = _stream_session(stage)
@@ -88,10 +95,17 @@ class PromptCacheV3:
             none = empty.astype(dtype)
             return cls(0, spks, [none] * steps, [none] * steps, [conv0] * steps)
         mu, spks = stage.encode(tokens, [], emb)
-        feeds = {**guided_rows(mu[:, :, :frames], spks, feat[:, :, :frames], rows), "prompt_k": empty,
-                 "prompt_v": empty, "context_k": empty, "context_v": empty, "conv_state": conv0,
-                 "offset": np.array(0, np.int64), "keep_frames": np.array(frames, np.int64),
-                 "chunk_frames": np.array(stage.chunk_frames, np.int64)}  # fmt: skip
+        feeds = {
+            **guided_rows(mu[:, :, :frames], spks, feat[:, :, :frames], rows),
+            "prompt_k": empty,
+            "prompt_v": empty,
+            "context_k": empty,
+            "context_v": empty,
+            "conv_state": conv0,
+            "offset": np.array(0, np.int64),
+            "keep_frames": np.array(frames, np.int64),
+            "chunk_frames": np.array(stage.chunk_frames, np.int64),
+        }
         x = stage.initial_noise(None, 1, frames)
         cache = cls(frames, spks, [], [], [])
         schedule = stage.schedule(steps)
@@ -102,8 +116,9 @@ class PromptCacheV3:
             cache.k.append(new_k.astype(dtype, copy=False))
             cache.v.append(new_v.astype(dtype, copy=False))
             cache.conv.append(_next_state(conv0, conv_in, frames, hist))
-        logger.debug("v3 prompt cache: %d of %d frames, %d steps, %.1f MB", frames, feat.shape[2], steps,
-                     cache.nbytes / 1e6)  # fmt: skip
+        logger.debug(
+            "v3 prompt cache: %d of %d frames, %d steps, %.1f MB", frames, feat.shape[2], steps, cache.nbytes / 1e6
+        )
         return cache
 
 
@@ -149,8 +164,9 @@ class FlowStreamV3:
         self.feat = prompt_frames(prompt_feat, self.n_prompt)
         self.embedding = np.asarray(embedding, dtype=np.float32)
         if prompt_cache is None:
-            prompt_cache = PromptCacheV3.build(stage, self.tokens, prompt_feat, self.embedding, self.steps,
-                                               self.cfg_rate)  # fmt: skip
+            prompt_cache = PromptCacheV3.build(
+                stage, self.tokens, prompt_feat, self.embedding, self.steps, self.cfg_rate
+            )
         if len(prompt_cache.k) != self.steps or prompt_cache.k[0].shape[1] != self.rows:
             raise ConfigError("the prompt cache was built for other solver settings; build one for these")
         if prompt_cache.frames > self.n_prompt:
@@ -217,10 +233,15 @@ class FlowStreamV3:
         x = self.stage.initial_noise(None, 1, size, offset=offset)
         times = self.stage.time_feeds(self.sess, self.schedule, self.rows)
         for k, (_, dt) in enumerate(self.schedule):
-            feeds.update(x=np.concatenate([x] * self.rows), **times[k],
-                         prompt_k=self.prompt.k[k].astype(self.kv_dtype, copy=False),
-                         prompt_v=self.prompt.v[k].astype(self.kv_dtype, copy=False), context_k=self.ctx_k[k],
-                         context_v=self.ctx_v[k], conv_state=self.conv[k])  # fmt: skip
+            feeds.update(
+                x=np.concatenate([x] * self.rows),
+                **times[k],
+                prompt_k=self.prompt.k[k].astype(self.kv_dtype, copy=False),
+                prompt_v=self.prompt.v[k].astype(self.kv_dtype, copy=False),
+                context_k=self.ctx_k[k],
+                context_v=self.ctx_v[k],
+                conv_state=self.conv[k],
+            )
             v, new_k, new_v, conv_in = self.sess.run(None, feeds)
             x = x + dt * guide(v, self.cfg_rate, 1)
             if n_commit:
@@ -244,6 +265,8 @@ def _next_state(state: np.ndarray, conv_in: np.ndarray, n: int, hist: int) -> np
 
 def _stream_session(stage: FlowStageV3) -> Any:
     if not stage.can_stream:
-        raise ConfigError("streaming needs flow_estimator_stream.onnx: load the flow with streaming=True "
-                          "(EngineConfig(streaming_estimator=True))")  # fmt: skip
+        raise ConfigError(
+            "streaming needs flow_estimator_stream.onnx: load the flow with streaming=True "
+            "(EngineConfig(streaming_estimator=True))"
+        )
     return stage.stream_estimator

@@ -63,9 +63,11 @@ class Calibration:
     def summary(self) -> str:
         """One line, e.g. ``copy 15.1 GB/s; ORT fp32 GEMM 134 GFLOP/s, int8 GEMM 772 GOPS, attention 16.3 ms
         (2 threads)``."""
-        return (f"copy {self.copy_gb_s:.1f} GB/s; ORT fp32 GEMM {self.sgemm_gflops:.0f} GFLOP/s, int8 GEMM "
-                f"{self.qgemm_gops:.0f} GOPS, attention block {self.attention_ms:.1f} ms "
-                f"({self.threads} threads)")  # fmt: skip
+        return (
+            f"copy {self.copy_gb_s:.1f} GB/s; ORT fp32 GEMM {self.sgemm_gflops:.0f} GFLOP/s, int8 GEMM "
+            f"{self.qgemm_gops:.0f} GOPS, attention block {self.attention_ms:.1f} ms "
+            f"({self.threads} threads)"
+        )
 
 
 # Measured with `cosyvoice-cpu doctor --speed` on the machines docs/benchmarks.md was measured on, for comparison.
@@ -138,8 +140,9 @@ def calibrate(threads: int, budget_s: float = 0.5, scale: float = 1.0) -> Calibr
         scale: shrinks every size (tests use small values); numbers are comparable only at 1.0.
     """
     if threads < 1 or budget_s <= 0 or not 0 < scale <= 1:
-        raise ConfigError(f"calibrate wants threads >= 1, budget_s > 0 and 0 < scale <= 1, got {threads}, "
-                          f"{budget_s}, {scale}")  # fmt: skip
+        raise ConfigError(
+            f"calibrate wants threads >= 1, budget_s > 0 and 0 < scale <= 1, got {threads}, {budget_s}, {scale}"
+        )
     rng = np.random.default_rng(0)
     n_copy = max(1, int(COPY_BYTES * scale)) // 8
     src, dst = rng.standard_normal(n_copy), np.empty(n_copy)
@@ -160,9 +163,11 @@ def calibrate(threads: int, budget_s: float = 0.5, scale: float = 1.0) -> Calibr
     attention = _session("attention.onnx", threads)
     attention_s = best_seconds(lambda: attention.run(None, qkv), budget_s)
     result = Calibration(
-        threads=threads, copy_gb_s=round(2 * src.nbytes / copy_s / 1e9, 2),
-        sgemm_gflops=round(2 * m * k * n / sgemm_s / 1e9, 1), qgemm_gops=round(2 * m * k * n / qgemm_s / 1e9, 1),
+        threads=threads,
+        copy_gb_s=round(2 * src.nbytes / copy_s / 1e9, 2),
+        sgemm_gflops=round(2 * m * k * n / sgemm_s / 1e9, 1),
+        qgemm_gops=round(2 * m * k * n / qgemm_s / 1e9, 1),
         attention_ms=round(attention_s * 1e3, 2),
-    )  # fmt: skip
+    )
     logger.info("calibration: %s", result.summary())
     return result

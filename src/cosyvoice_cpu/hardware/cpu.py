@@ -267,8 +267,11 @@ class Hardware:
         """
         if self.cpu is None or self.cpu.vnni or not self.cpu.avx2:
             return None
-        full = sorted(key for key, g in graphs.items() if g.precision == "int8"
-                      and g.attrs.get("int8_weight_bits", 8 if key.startswith("lm") else 7) == 8)  # fmt: skip
+        full = sorted(
+            key
+            for key, g in graphs.items()
+            if g.precision == "int8" and g.attrs.get("int8_weight_bits", 8 if key.startswith("lm") else 7) == 8
+        )
         if not full:
             return None
         return (
@@ -279,8 +282,7 @@ class Hardware:
 
     def model_warnings(self, manifest: Manifest, streaming_estimator: bool = True) -> list[str]:
         """:meth:`memory_warning` and :meth:`int8_warning` for a loaded model directory's manifest."""
-        found = (self.memory_warning(manifest.resident_bytes(streaming_estimator)),
-                 self.int8_warning(manifest.graphs))  # fmt: skip
+        found = (self.memory_warning(manifest.resident_bytes(streaming_estimator)), self.int8_warning(manifest.graphs))
         return [w for w in found if w]
 
 
@@ -315,8 +317,18 @@ def detect(root: Path = ROOT, cpuid: dict[str, bool] | None = None) -> Hardware:
         quota = None
         logger.warning("the cgroup CPU quota file is malformed; ignoring it")
     capacity = read_capacity(root, sorted(cpus) or list(range(cpu.logical if cpu else affinity)))
-    hw = Hardware(cpu, affinity, quota, total, available, limit, affinity_set=cpus, features_from=source,
-                  floor_error=floor, capacity=capacity)  # fmt: skip
+    hw = Hardware(
+        cpu,
+        affinity,
+        quota,
+        total,
+        available,
+        limit,
+        affinity_set=cpus,
+        features_from=source,
+        floor_error=floor,
+        capacity=capacity,
+    )
     if cpu and cpu.avx2 and not cpu.vnni:
         hw.notes.append(
             "no VNNI: onnxruntime's int8 products run only ~2x faster than fp32 on such a CPU, and the LM's decode "
@@ -366,8 +378,21 @@ def malloc_free_bytes() -> int | None:
     import ctypes  # here, not at import time
 
     class MallInfo2(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                         "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+        _fields_ = [
+            (name, ctypes.c_size_t)
+            for name in (
+                "arena",
+                "ordblks",
+                "smblks",
+                "hblks",
+                "hblkhd",
+                "usmblks",
+                "fsmblks",
+                "uordblks",
+                "fordblks",
+                "keepcost",
+            )
+        ]
 
     try:
         mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2

@@ -34,20 +34,47 @@ logger = logging.getLogger(__name__)
 
 # NumPy's feature names (``__cpu_features__`` keys) -> the kernel's /proc/cpuinfo names; the merged set uses these
 NUMPY_TO_CPUINFO = {
-    "SSE": "sse", "SSE2": "sse2", "SSE3": "pni", "SSSE3": "ssse3", "SSE41": "sse4_1", "SSE42": "sse4_2",
-    "POPCNT": "popcnt", "AVX": "avx", "F16C": "f16c", "FMA3": "fma", "AVX2": "avx2", "AVX512F": "avx512f",
-    "AVX512CD": "avx512cd", "AVX512BW": "avx512bw", "AVX512DQ": "avx512dq", "AVX512VL": "avx512vl",
-    "AVX512VNNI": "avx512_vnni", "AVX512BF16": "avx512_bf16", "AVX512FP16": "avx512_fp16",
-    "ASIMD": "asimd", "ASIMDHP": "asimdhp", "ASIMDDP": "asimddp", "ASIMDFHM": "asimdfhm", "SVE": "sve",
-}  # fmt: skip
+    "SSE": "sse",
+    "SSE2": "sse2",
+    "SSE3": "pni",
+    "SSSE3": "ssse3",
+    "SSE41": "sse4_1",
+    "SSE42": "sse4_2",
+    "POPCNT": "popcnt",
+    "AVX": "avx",
+    "F16C": "f16c",
+    "FMA3": "fma",
+    "AVX2": "avx2",
+    "AVX512F": "avx512f",
+    "AVX512CD": "avx512cd",
+    "AVX512BW": "avx512bw",
+    "AVX512DQ": "avx512dq",
+    "AVX512VL": "avx512vl",
+    "AVX512VNNI": "avx512_vnni",
+    "AVX512BF16": "avx512_bf16",
+    "AVX512FP16": "avx512_fp16",
+    "ASIMD": "asimd",
+    "ASIMDHP": "asimdhp",
+    "ASIMDDP": "asimddp",
+    "ASIMDFHM": "asimdfhm",
+    "SVE": "sve",
+}
 # cpuinfo-only vector features and the base NumPy's view must confirm before they are believed
-_NEEDS = (("amx", "avx512f"), ("avx512", "avx512f"), ("avx", "avx2"), ("i8mm", "asimd"), ("bf16", "asimd"),
-          ("sve", "asimd"))  # fmt: skip
+_NEEDS = (
+    ("amx", "avx512f"),
+    ("avx512", "avx512f"),
+    ("avx", "avx2"),
+    ("i8mm", "asimd"),
+    ("bf16", "asimd"),
+    ("sve", "asimd"),
+)
 
 # the probe's child runs the calibration kernels at a tiny size, then prints the CPU features its NumPy saw
-PROBE = ("from cosyvoice_cpu.hardware.calibrate import calibrate; calibrate(1, budget_s=0.01, scale=0.05)\n"
-         "from cosyvoice_cpu.hardware.features import numpy_cpu_features\n"
-         "print(' '.join(sorted(k for k, on in (numpy_cpu_features()[0] or {}).items() if on)))")  # fmt: skip
+PROBE = (
+    "from cosyvoice_cpu.hardware.calibrate import calibrate; calibrate(1, budget_s=0.01, scale=0.05)\n"
+    "from cosyvoice_cpu.hardware.features import numpy_cpu_features\n"
+    "print(' '.join(sorted(k for k, on in (numpy_cpu_features()[0] or {}).items() if on)))"
+)
 
 
 def numpy_cpu_features() -> tuple[dict[str, bool] | None, str | None]:
@@ -96,8 +123,11 @@ def kernel_level(arch: str, flags: frozenset[str]) -> str:
             return "AVX (no AVX2/FMA)"
         return "SSE4.1" if "sse4_1" in flags else "SSE2"
     if arch == "aarch64":
-        extra = [name for flag, name in (("asimddp", "dot product (asimddp)"), ("i8mm", "i8mm"), ("bf16", "bf16"))
-                 if flag in flags]  # fmt: skip
+        extra = [
+            name
+            for flag, name in (("asimddp", "dot product (asimddp)"), ("i8mm", "i8mm"), ("bf16", "bf16"))
+            if flag in flags
+        ]
         return " + ".join(["NEON", *extra])
     return f"unknown ({arch})"
 
@@ -105,8 +135,10 @@ def kernel_level(arch: str, flags: frozenset[str]) -> str:
 def speed_expectation(arch: str, flags: frozenset[str]) -> str:
     """One sentence: how this CPU's kernels relate to the machines docs/benchmarks.md was measured on. No numbers
     are given for what was not measured."""
-    measured = ("the machines docs/benchmarks.md was measured on (Xeon Sapphire Rapids, AMD Zen 3/4/5, 2 cores "
-                "each; all AVX2 or better)")  # fmt: skip
+    measured = (
+        "the machines docs/benchmarks.md was measured on (Xeon Sapphire Rapids, AMD Zen 3/4/5, 2 cores "
+        "each; all AVX2 or better)"
+    )
     if arch == "x86_64" and "avx2" in flags and "fma" in flags:
         return f"the kernel class of {measured}; `doctor --speed` compares this machine's kernel speeds with theirs"
     if arch == "x86_64":
@@ -117,8 +149,11 @@ def speed_expectation(arch: str, flags: frozenset[str]) -> str:
             "bench report of it is welcome (README, 'Platforms')"
         )
     if arch == "aarch64":
-        int8 = ("int8 products use the dot-product instructions" if "asimddp" in flags else
-                "no dot-product instructions: int8 products are slow, prefer the fp32 or int4 recipes")  # fmt: skip
+        int8 = (
+            "int8 products use the dot-product instructions"
+            if "asimddp" in flags
+            else "no dot-product instructions: int8 products are slow, prefer the fp32 or int4 recipes"
+        )
         return (
             f"onnxruntime runs its NEON kernels ({int8}); arm64 has not been run here, so nothing relates it to "
             f"{measured}: `doctor --speed` times this machine"

@@ -26,8 +26,12 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 # OpenBLAS's thread-count getter under the names its builds export (NumPy's wheels prefix and suffix it)
-_GETTERS = ("scipy_openblas_get_num_threads64_", "scipy_openblas_get_num_threads", "openblas_get_num_threads64_",
-            "openblas_get_num_threads")  # fmt: skip
+_GETTERS = (
+    "scipy_openblas_get_num_threads64_",
+    "scipy_openblas_get_num_threads",
+    "openblas_get_num_threads64_",
+    "openblas_get_num_threads",
+)
 
 
 @dataclass(frozen=True)
@@ -67,8 +71,14 @@ def thread_pools(threads: int, lm_batch_rows: int, max_active: int | None = None
         Pool("openvino", threads, "inference threads per call of an OpenVINO graph; its compile uses TBB's arena"),
     ]
     if lm_batch_rows:
-        pools.append(Pool("lm-scheduler", 1, f"decodes up to {lm_batch_rows} requests' LM steps as one call, "
-                          "while the callers run the flow and vocoder"))  # fmt: skip
+        pools.append(
+            Pool(
+                "lm-scheduler",
+                1,
+                f"decodes up to {lm_batch_rows} requests' LM steps as one call, "
+                "while the callers run the flow and vocoder",
+            )
+        )
     if max_active:
         pools.append(Pool("server", max_active, "synthesis threads, one per request in flight"))
     import numpy  # noqa: F401  # loads its BLAS (the engine's process always has NumPy)
@@ -89,6 +99,8 @@ def pool_lines(threads: int, lm_batch_rows: int, cores: int, max_active: int | N
     if busy <= cores:
         lines.append(f"at most {busy} threads compute at once for one request, within the {cores} usable core(s)")
     else:  # the pipeline: measured faster than LM-then-flow (docs/benchmarks-log.md, "First audio")
-        lines.append(f"a streamed request's LM and flow overlap: up to {busy} computing threads on {cores} usable "
-                     f"core(s) while both run (lm_batch_rows=0 runs them one after the other)")  # fmt: skip
+        lines.append(
+            f"a streamed request's LM and flow overlap: up to {busy} computing threads on {cores} usable "
+            f"core(s) while both run (lm_batch_rows=0 runs them one after the other)"
+        )
     return lines

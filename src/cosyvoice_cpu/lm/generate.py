@@ -67,8 +67,14 @@ class LMFacts:
         if missing:
             raise ConfigError(f"the manifest's lm section lacks {', '.join(missing)}; re-export the model directory")
         opt = {k: int(d[k]) for k in optional if d.get(k) is not None}
-        facts = cls(int(d["speech_token_size"]), int(d["eos_id"]), tuple(int(i) for i in d["stop_ids"]),
-                    float(d["min_token_text_ratio"]), float(d["max_token_text_ratio"]), **opt)  # fmt: skip
+        facts = cls(
+            int(d["speech_token_size"]),
+            int(d["eos_id"]),
+            tuple(int(i) for i in d["stop_ids"]),
+            float(d["min_token_text_ratio"]),
+            float(d["max_token_text_ratio"]),
+            **opt,
+        )
         if facts.eos_id not in facts.stop_ids or not 0 <= facts.min_token_text_ratio <= facts.max_token_text_ratio:
             raise ConfigError(f"inconsistent lm facts {facts}; re-export the model directory")
         return facts
@@ -97,8 +103,13 @@ class SpeechTokenGenerator:
         sampling: the default sampling settings (a request may override them).
     """
 
-    def __init__(self, session: LMSession, facts: LMFacts, sampling: SamplingConfig | None = None,
-                 text_encoder: TextEncoder | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        session: LMSession,
+        facts: LMFacts,
+        sampling: SamplingConfig | None = None,
+        text_encoder: TextEncoder | None = None,
+    ) -> None:
         self.session = session
         self.text_encoder = text_encoder  # CosyVoice-300M only (see lm_prompt)
         self.facts = facts
@@ -113,11 +124,16 @@ class SpeechTokenGenerator:
             )
 
     @classmethod
-    def from_manifest(cls, session: LMSession, manifest: Any, text_encoder: TextEncoder | None = None,
-                      ) -> SpeechTokenGenerator:  # fmt: skip
+    def from_manifest(
+        cls,
+        session: LMSession,
+        manifest: Any,
+        text_encoder: TextEncoder | None = None,
+    ) -> SpeechTokenGenerator:
         """Build from a :class:`cosyvoice_cpu.manifest.Manifest` (its ``lm`` and ``sampling`` sections)."""
-        return cls(session, LMFacts.from_manifest(manifest.lm), SamplingConfig.from_manifest(manifest.sampling),
-                   text_encoder)  # fmt: skip
+        return cls(
+            session, LMFacts.from_manifest(manifest.lm), SamplingConfig.from_manifest(manifest.sampling), text_encoder
+        )
 
     def prompt_embeddings(
         self,
@@ -142,8 +158,14 @@ class SpeechTokenGenerator:
                 f"prompt speech tokens must lie in [0, {self.facts.speech_token_size}), got "
                 f"{prompt_speech.min()}..{prompt_speech.max()}; pass the speech tokenizer's output unchanged"
             )
-        return assemble(self.session, np.concatenate([prompt_text, text]), prompt_speech, self.text_encoder, speaker,
-                        own_rows=prompt_text.size)  # fmt: skip
+        return assemble(
+            self.session,
+            np.concatenate([prompt_text, text]),
+            prompt_speech,
+            self.text_encoder,
+            speaker,
+            own_rows=prompt_text.size,
+        )
 
     def request(
         self,

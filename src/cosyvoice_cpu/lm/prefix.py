@@ -101,5 +101,6 @@ class PrefixCache:
         while self._bytes > self.max_bytes:
             _, dropped = self._entries.popitem(last=False)
             self._bytes -= dropped.nbytes
-            logger.debug("LM prefix cache full (%d bytes): dropped an entry of %d bytes", self.max_bytes,
-                         dropped.nbytes)  # fmt: skip
+            logger.debug(
+                "LM prefix cache full (%d bytes): dropped an entry of %d bytes", self.max_bytes, dropped.nbytes
+            )

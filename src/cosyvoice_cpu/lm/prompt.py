@@ -38,17 +38,25 @@ class TextEncoder:
             raise ModelDirError(f"{path} is missing; re-export the model directory with `cosyvoice-cpu export`")
         self.session = open_graph(path, as_config(threads))
         dt, d = dims
-        check_io(self.session, path,
-                 {"text_embeds": ("tensor(float)", [1, "seq", dt]), "embedding": ("tensor(float)", [1, EMBEDDING_DIM])},
-                 {"text": ("tensor(float)", [1, "seq", d]), "speaker": ("tensor(float)", [1, d])})  # fmt: skip
+        check_io(
+            self.session,
+            path,
+            {"text_embeds": ("tensor(float)", [1, "seq", dt]), "embedding": ("tensor(float)", [1, EMBEDDING_DIM])},
+            {"text": ("tensor(float)", [1, "seq", d]), "speaker": ("tensor(float)", [1, d])},
+        )
 
     def __call__(self, text_embeds: np.ndarray, embedding: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """(T, Dt) float32 and a (192,) x-vector (None: zeros, output unused) -> ((T, D), (D,))."""
         emb = np.zeros(EMBEDDING_DIM, np.float32) if embedding is None else np.asarray(embedding, np.float32)
         if emb.size != EMBEDDING_DIM:
             raise ConfigError(f"the speaker embedding must hold {EMBEDDING_DIM} values, got {emb.shape}")
-        text, speaker = self.session.run(None, {"text_embeds": np.ascontiguousarray(text_embeds[None], np.float32),
-                                                "embedding": emb.reshape(1, EMBEDDING_DIM)})  # fmt: skip
+        text, speaker = self.session.run(
+            None,
+            {
+                "text_embeds": np.ascontiguousarray(text_embeds[None], np.float32),
+                "embedding": emb.reshape(1, EMBEDDING_DIM),
+            },
+        )
         return text[0], speaker[0]
 
 

@@ -40,8 +40,10 @@ class RowTable:
                 raise ValueError(f"unsupported .npy format version {version}")
             self._offset = f.tell()
         if len(shape) != 2 or fortran or dtype.hasobject or dtype.byteorder == ">":
-            raise ValueError(f"expected a C-ordered little-endian 2-D table, got {dtype} {shape}"
-                             f"{' (Fortran order)' if fortran else ''}")  # fmt: skip
+            raise ValueError(
+                f"expected a C-ordered little-endian 2-D table, got {dtype} {shape}"
+                f"{' (Fortran order)' if fortran else ''}"
+            )
         self.shape: tuple[int, int] = (int(shape[0]), int(shape[1]))
         self.dtype = np.dtype(dtype)
         self._row_bytes = self.shape[1] * self.dtype.itemsize

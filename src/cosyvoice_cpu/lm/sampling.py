@@ -80,8 +80,14 @@ class SamplingConfig:
                 f"unknown sampling setting(s) {', '.join(unknown)}; valid ones are {', '.join(known)} "
                 "(re-export the model directory if it was written by a newer cosyvoice-cpu)"
             )
-        casts = {"top_p": float, "top_k": int, "win_size": int, "tau_r": float, "exclude_repeated": bool,
-                 "eos_policy": str}  # fmt: skip
+        casts = {
+            "top_p": float,
+            "top_k": int,
+            "win_size": int,
+            "tau_r": float,
+            "exclude_repeated": bool,
+            "eos_policy": str,
+        }
         try:
             cfg = cls(**{k: casts[k](v) for k, v in d.items()})
         except (TypeError, ValueError) as e:

@@ -144,12 +144,21 @@ class LMScheduler:
             given back when it leaves its row (:meth:`~cosyvoice_cpu.lm.kv_cache.KVCache.release`).
     """
 
-    def __init__(self, generator: SpeechTokenGenerator, max_rows: int = 8,
-                 keep_positions: int = KEEP_POSITIONS) -> None:  # fmt: skip
-        need(isinstance(max_rows, int) and 1 <= max_rows <= 256, "max_rows", max_rows,
-             "1 to 256 requests decoded at once")  # fmt: skip
-        need(isinstance(keep_positions, int) and keep_positions >= 0, "keep_positions", keep_positions,
-             "KV-cache positions (>= 0) a freed row keeps")  # fmt: skip
+    def __init__(
+        self, generator: SpeechTokenGenerator, max_rows: int = 8, keep_positions: int = KEEP_POSITIONS
+    ) -> None:
+        need(
+            isinstance(max_rows, int) and 1 <= max_rows <= 256,
+            "max_rows",
+            max_rows,
+            "1 to 256 requests decoded at once",
+        )
+        need(
+            isinstance(keep_positions, int) and keep_positions >= 0,
+            "keep_positions",
+            keep_positions,
+            "KV-cache positions (>= 0) a freed row keeps",
+        )
         self.generator = generator
         self.max_rows = max_rows
         self.keep_positions = keep_positions
@@ -171,8 +180,14 @@ class LMScheduler:
         """Requests waiting for a row."""
         return len(self._waiting)
 
-    def submit(self, text: Sequence[int], prompt_text: Sequence[int] = (), prompt_speech: Sequence[int] = (),
-               hold: Hold | None = None, **kw: Any) -> Iterator[int]:  # fmt: skip
+    def submit(
+        self,
+        text: Sequence[int],
+        prompt_text: Sequence[int] = (),
+        prompt_speech: Sequence[int] = (),
+        hold: Hold | None = None,
+        **kw: Any,
+    ) -> Iterator[int]:
         """Queue a request (arguments of :meth:`SpeechTokenGenerator.request`, checked now) and return its
         speech tokens as they are decoded. Raises ConfigError at once for bad input or after :meth:`close`.
 

@@ -82,13 +82,19 @@ class LMSession:
             try:
                 min_rows = int(meta.get(MIN_ROWS_KEY, 1))
             except ValueError as e:
-                raise ModelDirError(f"{self.graph} has metadata {MIN_ROWS_KEY}={meta[MIN_ROWS_KEY]!r}, not an "
-                                    f"integer; {EXPORT_HINT}") from e  # fmt: skip
+                raise ModelDirError(
+                    f"{self.graph} has metadata {MIN_ROWS_KEY}={meta[MIN_ROWS_KEY]!r}, not an integer; {EXPORT_HINT}"
+                ) from e
         if not 1 <= min_rows <= 2:
             raise ConfigError(f"min_rows must be 1 or 2, got {min_rows}")
         self.min_rows = min_rows
-        logger.info("LM graph %s loaded (%d layers, max_len %d, %d threads)", self.graph, spec.num_layers,
-                    spec.max_len, config.threads)  # fmt: skip
+        logger.info(
+            "LM graph %s loaded (%d layers, max_len %d, %d threads)",
+            self.graph,
+            spec.num_layers,
+            spec.max_len,
+            config.threads,
+        )
 
     @classmethod
     def from_dir(
@@ -106,8 +112,11 @@ class LMSession:
 
     def _load_table(self, key: str, embeddings: Mapping[str, str | Path]) -> np.ndarray:
         s = self.spec
-        rows, width = {"text": (s.text_vocab, s.text_dim), "speech": (s.speech_rows, s.hidden),
-                       "special": (len(SPECIALS), s.hidden)}[key]  # fmt: skip
+        rows, width = {
+            "text": (s.text_vocab, s.text_dim),
+            "speech": (s.speech_rows, s.hidden),
+            "special": (len(SPECIALS), s.hidden),
+        }[key]
         if key not in embeddings:
             raise ConfigError(f"no path given for the {key} embedding table")
         path = Path(embeddings[key])

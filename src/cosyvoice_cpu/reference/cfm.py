@@ -152,8 +152,9 @@ class ConditionalCFM(nn.Module):
         ids = None if chunk_id is None else torch.cat([chunk_id, chunk_id])
         for step in range(1, n_timesteps + 1):
             t_in = t.reshape(1).expand(2 * b)
-            v = self.estimator(torch.cat([x, x]), mask_in, mu_in, t_in, spks_in, cond_in, streaming=streaming,
-                               chunk_id=ids)  # fmt: skip
+            v = self.estimator(
+                torch.cat([x, x]), mask_in, mu_in, t_in, spks_in, cond_in, streaming=streaming, chunk_id=ids
+            )
             v_cond, v_uncond = v.split(b, dim=0)
             x = x + dt * ((1.0 + cfg_rate) * v_cond - cfg_rate * v_uncond)
             t = t + dt

@@ -87,8 +87,9 @@ class FlowV1Config:
         need(self.encoder.input_size == self.input_size, "encoder.input_size", "must equal input_size")
         lr = self.length_regulator
         need(lr.channels == self.output_size, "length_regulator.channels", "must equal output_size")
-        need((lr.out_channels or lr.channels) == self.output_size, "length_regulator.out_channels",
-             "must be output_size")  # fmt: skip
+        need(
+            (lr.out_channels or lr.channels) == self.output_size, "length_regulator.out_channels", "must be output_size"
+        )
         need(lr.groups > 0 and lr.channels % lr.groups == 0, "length_regulator.groups", "must divide channels")
         need(self.estimator.in_channels == 4 * self.output_size, "estimator.in_channels", "must be 4*output_size")
         need(self.estimator.out_channels == self.output_size, "estimator.out_channels", "must equal output_size")
@@ -176,8 +177,9 @@ class FlowV1(nn.Module):
         mel_len1, mel_len2 = prompt_feat.shape[1], frames_for_tokens(n_new, self.config.input_frame_rate)
         if mel_len2 <= 0:
             raise ValueError(f"{n_new} tokens give no mel frames; give at least one more token")
-        h, _ = self.length_regulator.inference(h[:, :n_prompt], h[:, n_prompt:], mel_len1, mel_len2,
-                                               self.config.input_frame_rate)  # fmt: skip
+        h, _ = self.length_regulator.inference(
+            h[:, :n_prompt], h[:, n_prompt:], mel_len1, mel_len2, self.config.input_frame_rate
+        )
         return FlowConditions.of(h.transpose(1, 2).contiguous(), spks, prompt_feat)
 
     @staticmethod

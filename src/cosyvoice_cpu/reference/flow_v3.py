@@ -61,8 +61,11 @@ class FlowV3Config:
         need(self.pre_lookahead_len >= 1, "pre_lookahead_len", "must be >= 1 (the look-ahead conv has k = len + 1)")
         need(self.pre_lookahead_channels > 0, "pre_lookahead_layer.channels", "must be > 0")
         need(self.output_size == 80, "output_size", "must be 80 (the CFM solver and its fixed noise are 80-bin)")
-        need(self.estimator.mu_dim == self.input_size, "estimator.mu_dim", "must equal input_size (mu is the "
-             "look-ahead layer's output)")  # fmt: skip
+        need(
+            self.estimator.mu_dim == self.input_size,
+            "estimator.mu_dim",
+            "must equal input_size (mu is the look-ahead layer's output)",
+        )
         need(self.estimator.mel_dim == self.output_size, "estimator.mel_dim", "must equal output_size")
         need(self.estimator.spk_dim in (0, self.output_size), "estimator.spk_dim", "must be 0 or output_size")
         need(self.cfm.spk_emb_dim == self.output_size, "cfm.spk_emb_dim", "must equal output_size")
@@ -84,10 +87,16 @@ class FlowV3Config:
             raise ConfigError("flow config: flow.decoder.estimator is missing (a DiT is required)")
         input_size = int(a.get("input_size", 512))
         pre_len = int(a.get("pre_lookahead_len", 3))
-        need(int(look.get("in_channels", input_size)) == input_size, "pre_lookahead_layer.in_channels",
-             "must equal flow input_size")  # fmt: skip
-        need(int(look.get("pre_lookahead_len", 1)) == pre_len, "pre_lookahead_layer.pre_lookahead_len",
-             "must equal flow pre_lookahead_len (the official code asserts it on every streaming chunk)")  # fmt: skip
+        need(
+            int(look.get("in_channels", input_size)) == input_size,
+            "pre_lookahead_layer.in_channels",
+            "must equal flow input_size",
+        )
+        need(
+            int(look.get("pre_lookahead_len", 1)) == pre_len,
+            "pre_lookahead_layer.pre_lookahead_len",
+            "must equal flow pre_lookahead_len (the official code asserts it on every streaming chunk)",
+        )
         cfg = cls(
             input_size=input_size,
             output_size=int(a.get("output_size", 80)),

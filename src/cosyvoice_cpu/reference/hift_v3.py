@@ -166,9 +166,14 @@ class CausalHiFT(HiFT):
         self.cfg = cfg
         c, n_fft, rates = cfg.base_channels, cfg.istft_n_fft, cfg.upsample_rates
         self.m_source = HarmonicSource(
-            cfg.sampling_rate, cfg.upsample, cfg.nb_harmonics, cfg.nsf_alpha, cfg.nsf_sigma,
-            cfg.nsf_voiced_threshold, cfg.sine_type,
-        )  # fmt: skip
+            cfg.sampling_rate,
+            cfg.upsample,
+            cfg.nb_harmonics,
+            cfg.nsf_alpha,
+            cfg.nsf_sigma,
+            cfg.nsf_voiced_threshold,
+            cfg.sine_type,
+        )
         self.conv_pre = CausalConv(cfg.in_channels, c, cfg.conv_pre_look_right + 1, side="right")
         self.ups = nn.ModuleList(
             CausalUpsample(c >> i, c >> (i + 1), k, u) for i, (u, k) in enumerate(zip(rates, cfg.upsample_kernel_sizes))

@@ -39,15 +39,17 @@ OFFICIAL_MAX_POSITIONS = 5000  # the official decoder's positional table (see th
 
 
 def _default_text_encoder() -> EncoderConfig:
-    return EncoderConfig(input_size=512, output_size=1024, attention_heads=16, linear_units=4096, num_blocks=6,
-                         chunk_size=1)  # fmt: skip
+    return EncoderConfig(
+        input_size=512, output_size=1024, attention_heads=16, linear_units=4096, num_blocks=6, chunk_size=1
+    )
 
 
 def _default_llm() -> EncoderConfig:
     # chunk 1 = causal: the official loop drives this stack through forward_chunk with a tril mask, whatever
     # the yaml's static_chunk_size says (the released yaml says 1 too)
-    return EncoderConfig(input_size=1024, output_size=1024, attention_heads=16, linear_units=4096, num_blocks=14,
-                         chunk_size=1)  # fmt: skip
+    return EncoderConfig(
+        input_size=1024, output_size=1024, attention_heads=16, linear_units=4096, num_blocks=14, chunk_size=1
+    )
 
 
 @dataclass
@@ -75,8 +77,14 @@ class TransformerLMConfig:
         return (self.speech_token_size,)
 
     def validate(self) -> None:
-        for name in ("text_encoder_input_size", "llm_input_size", "llm_output_size", "text_token_size",
-                     "speech_token_size", "spk_embed_dim"):  # fmt: skip
+        for name in (
+            "text_encoder_input_size",
+            "llm_input_size",
+            "llm_output_size",
+            "text_token_size",
+            "speech_token_size",
+            "spk_embed_dim",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"llm.{name} must be > 0, got {getattr(self, name)}")
         self.text_encoder.validate("llm.text_encoder")
@@ -235,8 +243,10 @@ class TransformerLM(nn.Module):
             logger.warning(
                 "prompt + text + up to %d speech tokens = %d positions: past %d the official TransformerLM fails, "
                 "so tokens from there on have no official counterpart; split the text",
-                max_len, pos + max_len, OFFICIAL_MAX_POSITIONS,
-            )  # fmt: skip
+                max_len,
+                pos + max_len,
+                OFFICIAL_MAX_POSITIONS,
+            )
         logp = self.prefill(embeds, pos + max_len)
         out: list[int] = []
         for i in range(max_len):

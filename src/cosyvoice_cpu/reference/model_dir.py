@@ -244,7 +244,7 @@ LOADERS: dict[str, FamilyLoader] = {
     "cosyvoice": FamilyLoader({"n_fft": 1024, "win_size": 1024}, _read_v1, _classes_v1),
     "cosyvoice2": FamilyLoader({}, _read_v2, _classes_v2),
     "cosyvoice3": FamilyLoader({"fmax": None}, _read_v3, _classes_v3),
-}  # fmt: skip
+}
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
@@ -291,18 +291,27 @@ def _mismatches(module: Any, state: dict[str, Any], path: Path, cfg: ModelConfig
         return n
 
     want_n, have_n = lengths(want), lengths(have)
-    lists = [f"{k}: {have_n[k]} in {path.name}, {want_n[k]} per {declared(k + '.')}"
-             f"{' (num_hidden_layers)' if declared(k + '.') == blank and k.endswith('.layers') else ''}"
-             for k in want_n if k in have_n and want_n[k] != have_n[k]]  # fmt: skip
-    shapes = [f"{k}: {list(have[k])} in {path.name}, {list(want[k])} per {declared(k)}"
-              for k in want if k in have and want[k] != have[k]]  # fmt: skip
+    lists = [
+        f"{k}: {have_n[k]} in {path.name}, {want_n[k]} per {declared(k + '.')}"
+        f"{' (num_hidden_layers)' if declared(k + '.') == blank and k.endswith('.layers') else ''}"
+        for k in want_n
+        if k in have_n and want_n[k] != have_n[k]
+    ]
+    shapes = [
+        f"{k}: {list(have[k])} in {path.name}, {list(want[k])} per {declared(k)}"
+        for k in want
+        if k in have and want[k] != have[k]
+    ]
     missing = [k for k in want if k not in have]
     unexpected = [k for k in have if k not in want]
-    parts = [f"{len(lists)} module lists differ in length ({'; '.join(lists[:3])})" if lists else "",
-             f"{len(shapes)} tensors differ in shape ({'; '.join(shapes[:3])})" if shapes else "",
-             f"{len(missing)} keys are missing from {path.name} ({', '.join(missing[:3])})" if missing else "",
-             f"{len(unexpected)} keys in {path.name} are not in the model ({', '.join(unexpected[:3])})"
-             if unexpected else ""]  # fmt: skip
+    parts = [
+        f"{len(lists)} module lists differ in length ({'; '.join(lists[:3])})" if lists else "",
+        f"{len(shapes)} tensors differ in shape ({'; '.join(shapes[:3])})" if shapes else "",
+        f"{len(missing)} keys are missing from {path.name} ({', '.join(missing[:3])})" if missing else "",
+        f"{len(unexpected)} keys in {path.name} are not in the model ({', '.join(unexpected[:3])})"
+        if unexpected
+        else "",
+    ]
     return sources, "; ".join(p for p in parts if p)
 
 

@@ -121,9 +121,16 @@ class ReferencePipeline:
         prompt_mel = torch.as_tensor(prompt.mel, dtype=torch.float32).view(1, -1, 80)
         emb = torch.as_tensor(prompt.embedding, dtype=torch.float32).view(1, -1)
         mel, _ = m.flow.inference(
-            tok, torch.tensor([tok.shape[1]]), prompt_tokens, torch.tensor([prompt_tokens.shape[1]]),
-            prompt_mel, torch.tensor([prompt_mel.shape[1]]), emb, n_timesteps=n_timesteps, cfg_rate=cfg_rate,
-        )  # fmt: skip
+            tok,
+            torch.tensor([tok.shape[1]]),
+            prompt_tokens,
+            torch.tensor([prompt_tokens.shape[1]]),
+            prompt_mel,
+            torch.tensor([prompt_mel.shape[1]]),
+            emb,
+            n_timesteps=n_timesteps,
+            cfg_rate=cfg_rate,
+        )
         timings["flow"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()

@@ -33,8 +33,12 @@ def sampling_from_yaml(node: Any) -> SamplingConfig:
     """The LM's ``sampling: !name:cosyvoice.utils.common.ras_sampling`` arguments (defaults where absent)."""
     if not isinstance(node, Tagged):
         return SamplingConfig()
-    return SamplingConfig(top_p=float(node.get("top_p", 0.8)), top_k=int(node.get("top_k", 25)),
-                          win_size=int(node.get("win_size", 10)), tau_r=float(node.get("tau_r", 0.1)))  # fmt: skip
+    return SamplingConfig(
+        top_p=float(node.get("top_p", 0.8)),
+        top_k=int(node.get("top_k", 25)),
+        win_size=int(node.get("win_size", 10)),
+        tau_r=float(node.get("tau_r", 0.1)),
+    )
 
 
 def torch_draw(generator: torch.Generator | None = None) -> Draw:

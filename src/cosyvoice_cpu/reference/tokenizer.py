@@ -22,29 +22,73 @@ logger = logging.getLogger(__name__)
 
 # Added by the official CosyVoice2 tokenizer, in this order (ids follow the base vocabulary's specials).
 COSYVOICE2_SPECIALS = (
-    "<|im_start|>", "<|im_end|>", "<|endofprompt|>", "[breath]", "<strong>", "</strong>", "[noise]",
-    "[laughter]", "[cough]", "[clucking]", "[accent]", "[quick_breath]", "<laughter>", "</laughter>",
-    "[hissing]", "[sigh]", "[vocalized-noise]", "[lipsmack]", "[mn]",
-)  # fmt: skip
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endofprompt|>",
+    "[breath]",
+    "<strong>",
+    "</strong>",
+    "[noise]",
+    "[laughter]",
+    "[cough]",
+    "[clucking]",
+    "[accent]",
+    "[quick_breath]",
+    "<laughter>",
+    "</laughter>",
+    "[hissing]",
+    "[sigh]",
+    "[vocalized-noise]",
+    "[lipsmack]",
+    "[mn]",
+)
 
 
 # CosyVoice3 (``CosyVoice3Tokenizer``) continues the list: <|endofsystem|>, the ARPAbet phones (alphabetical; the
 # 15 vowels followed by their stress variants 0/1/2), then the pinyin units in code-point order.
 _CMU_VOWELS = ("AA", "AE", "AH", "AO", "AW", "AY", "EH", "ER", "EY", "IH", "IY", "OW", "OY", "UH", "UW")
-_CMU_CONSONANTS = ("B", "CH", "D", "DH", "F", "G", "HH", "JH", "K", "L", "M", "N", "NG", "P", "R", "S", "SH",
-                   "T", "TH", "V", "W", "Y", "Z", "ZH")  # fmt: skip
+_CMU_CONSONANTS = (
+    "B",
+    "CH",
+    "D",
+    "DH",
+    "F",
+    "G",
+    "HH",
+    "JH",
+    "K",
+    "L",
+    "M",
+    "N",
+    "NG",
+    "P",
+    "R",
+    "S",
+    "SH",
+    "T",
+    "TH",
+    "V",
+    "W",
+    "Y",
+    "Z",
+    "ZH",
+)
 CMU_PHONES = tuple(
     v
     for p in sorted(_CMU_VOWELS + _CMU_CONSONANTS)
     for v in ((p, p + "0", p + "1", p + "2") if p in _CMU_VOWELS else (p,))
 )
-PINYIN_UNITS = tuple(sorted("""
+PINYIN_UNITS = tuple(
+    sorted(
+        """
     a ai an ang ao b c ch d e ei en eng f g h i ian in ing iu ià iàn iàng iào iá ián iáng iáo iè ié iòng ióng iù iú
     iā iān iāng iāo iē iě iōng iū iǎ iǎn iǎng iǎo iǒng iǔ j k l m n o ong ou p q r s sh t u uang ue un uo uà uài uàn
     uàng uá uái uán uáng uè ué uì uí uò uó uā uāi uān uāng uē uě uī uō uǎ uǎi uǎn uǎng uǐ uǒ vè w x y z zh à ài àn
     àng ào á ái án áng áo è èi èn èng èr é éi én éng ér ì ìn ìng í ín íng ò òng òu ó óng óu ù ùn ú ún ā āi ān āng
     āo ē ēi ēn ēng ě ěi ěn ěng ěr ī īn īng ō ōng ōu ū ūn ǎ ǎi ǎn ǎng ǎo ǐ ǐn ǐng ǒ ǒng ǒu ǔ ǔn ǘ ǚ ǜ
-""".split()))  # fmt: skip
+""".split()
+    )
+)
 COSYVOICE3_SPECIALS = (
     *COSYVOICE2_SPECIALS,
     "<|endofsystem|>",

@@ -156,11 +156,16 @@ def create_app(engine: Any, settings: ServerSettings, replica: ReplicaInfo | Non
     if scheduler is not None:
         s = scheduler.stats
         m.batch_sizes = lambda: dict(s.batch_sizes)
-        m.lm_counters = lambda: {"tokens_total": s.tokens, "decode_steps_total": s.decode_steps,
-                                 "tokens_per_second": s.tokens_per_second}  # fmt: skip
+        m.lm_counters = lambda: {
+            "tokens_total": s.tokens,
+            "decode_steps_total": s.decode_steps,
+            "tokens_per_second": s.tokens_per_second,
+        }
     if settings.default_voice is not None and settings.default_voice not in state.voices.names():
-        logger.warning("the default voice %r is not saved yet: OpenAI voice names get a 400 until it is added",
-                       settings.default_voice)  # fmt: skip
+        logger.warning(
+            "the default voice %r is not saved yet: OpenAI voice names get a 400 until it is added",
+            settings.default_voice,
+        )
 
     @asynccontextmanager
     async def lifespan(app: Any):
@@ -174,8 +179,14 @@ def create_app(engine: Any, settings: ServerSettings, replica: ReplicaInfo | Non
         state.executor.shutdown(wait=False)
 
     # no CDN pages (/docs is ours, /redoc is gone); no redirects to a URL built from the Host header (/metrics/)
-    app = FastAPI(title="cosyvoice-cpu", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None,
-                  redirect_slashes=False)  # fmt: skip
+    app = FastAPI(
+        title="cosyvoice-cpu",
+        version=_version(),
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        redirect_slashes=False,
+    )
     app.state.cosyvoice = state
     handlers.install(app, m)
     # the outermost middleware is added last: guard (Host, Origin, body size), then CORS, then the API key
@@ -184,13 +195,22 @@ def create_app(engine: Any, settings: ServerSettings, replica: ReplicaInfo | Non
     if settings.allow_origins:
         from starlette.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allow_origins), allow_methods=["GET", "POST",
-                           "DELETE"], allow_headers=["Authorization", "Content-Type"],
-                           expose_headers=["X-Sample-Rate", "X-Speed-Clamped", "X-Voice", "X-Replica",
-                                           "Retry-After"])  # fmt: skip
-    app.add_middleware(HostOriginGuard, bind=settings.host, allow_hosts=settings.allow_hosts,
-                       allow_origins=settings.allow_origins, max_body=settings.max_body_bytes, metrics=m,
-                       body_timeout=settings.body_timeout)  # fmt: skip
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.allow_origins),
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=["Authorization", "Content-Type"],
+            expose_headers=["X-Sample-Rate", "X-Speed-Clamped", "X-Voice", "X-Replica", "Retry-After"],
+        )
+    app.add_middleware(
+        HostOriginGuard,
+        bind=settings.host,
+        allow_hosts=settings.allow_hosts,
+        allow_origins=settings.allow_origins,
+        max_body=settings.max_body_bytes,
+        metrics=m,
+        body_timeout=settings.body_timeout,
+    )
     app.add_middleware(ReplicaHeaderMiddleware, info=state.replica)  # outermost: every response says who answered
 
     def static(name: str) -> Any:
@@ -211,10 +231,18 @@ def create_app(engine: Any, settings: ServerSettings, replica: ReplicaInfo | Non
         loop = asyncio.get_running_loop()
         replica = await loop.run_in_executor(None, state.replica.health)  # under Ray: a call to Serve (cached)
         voices = await loop.run_in_executor(None, len, state.voices)  # reads the shared voices directory
-        return {"status": "draining" if adm.draining else "ok", "model": state.model_id,
-                "family": engine.manifest.family, "sample_rate": engine.sample_rate,
-                "rss_mb": round(_rss_bytes() / 2**20, 1), "active": adm.active, "queued": adm.waiting,
-                "voices": voices, "uptime_s": round(time.time() - state.started, 1), **replica}  # fmt: skip
+        return {
+            "status": "draining" if adm.draining else "ok",
+            "model": state.model_id,
+            "family": engine.manifest.family,
+            "sample_rate": engine.sample_rate,
+            "rss_mb": round(_rss_bytes() / 2**20, 1),
+            "active": adm.active,
+            "queued": adm.waiting,
+            "voices": voices,
+            "uptime_s": round(time.time() - state.started, 1),
+            **replica,
+        }
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Any:

@@ -22,8 +22,21 @@ logger = logging.getLogger(__name__)
 # OpenAI's model and voice names, as the openai SDK's types list them (``SpeechModel`` and the ``voice`` Literal of
 # ``openai.types.audio.speech_create_params``; tests/server/test_openai.py compares these with the installed SDK)
 OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-mini-tts-2025-12-15")  # aliases of the loaded model
-OPENAI_VOICES = ("alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage",
-                 "shimmer", "verse")  # fmt: skip
+OPENAI_VOICES = (
+    "alloy",
+    "ash",
+    "ballad",
+    "cedar",
+    "coral",
+    "echo",
+    "fable",
+    "marin",
+    "nova",
+    "onyx",
+    "sage",
+    "shimmer",
+    "verse",
+)
 OPENAI_SPEED = (0.25, 4.0)  # what OpenAI's API takes
 ENGINE_SPEED = (0.5, 2.0)  # what the engine does (SynthesisConfig.speed); OpenAI's range is clamped to it
 MAX_MODEL_CHARS = 128
@@ -57,17 +70,24 @@ def check_text(field: str, value: str, limit: int, required: bool = True) -> str
     or invisible format characters such as U+200B).
     """
     if len(value) > limit:
-        raise RequestProblem(f"{field} has {len(value)} characters; this server takes at most {limit} per request"
-                             + (" (split the text)" if field == "input" else ""), f"{field}_too_long")  # fmt: skip
+        raise RequestProblem(
+            f"{field} has {len(value)} characters; this server takes at most {limit} per request"
+            + (" (split the text)" if field == "input" else ""),
+            f"{field}_too_long",
+        )
     bad = _FORBIDDEN.search(value)
     if bad is not None:
         ch, at = bad.group(), bad.start()
         if "\ud800" <= ch <= "\udfff":
-            message = (f"{field} holds a lone surrogate U+{ord(ch):04X} at character {at}: that is not valid "
-                       "Unicode; send UTF-8 text (\\uD800-\\uDFFF escapes only as pairs)")  # fmt: skip
+            message = (
+                f"{field} holds a lone surrogate U+{ord(ch):04X} at character {at}: that is not valid "
+                "Unicode; send UTF-8 text (\\uD800-\\uDFFF escapes only as pairs)"
+            )
             raise RequestProblem(message, "invalid_text")
-        message = (f"{field} holds the control character U+{ord(ch):04X} at character {at}; remove it (tab, "
-                   "newline and carriage return are allowed)")  # fmt: skip
+        message = (
+            f"{field} holds the control character U+{ord(ch):04X} at character {at}; remove it (tab, "
+            "newline and carriage return are allowed)"
+        )
         raise RequestProblem(message, "invalid_text")
     if required and not any(not c.isspace() and unicodedata.category(c) != "Cf" for c in value):
         what = "empty" if not value.strip() else "only invisible characters"
@@ -81,8 +101,10 @@ def voice_name(name: str) -> str:
     name = unicodedata.normalize("NFKC", name)
     bad = next((c for c in name if unicodedata.category(c) in ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp")), None)
     if bad is not None:
-        message = (f"voice name {name!r} holds the invisible character U+{ord(bad):04X} (a control, format or "
-                   "bidi character); use letters, digits, '_', '-', '.' and spaces")  # fmt: skip
+        message = (
+            f"voice name {name!r} holds the invisible character U+{ord(bad):04X} (a control, format or "
+            "bidi character); use letters, digits, '_', '-', '.' and spaces"
+        )
         raise RequestProblem(message, "invalid_voice_name")
     return name
 
@@ -92,8 +114,10 @@ def check_model(model: str, model_id: str, family: str) -> None:
     (case-insensitive)."""
     names = {model_id.casefold(), family.casefold(), *family_aliases(family), *OPENAI_MODELS}
     if model.strip().casefold() not in names:
-        message = (f"unknown model {model!r}; this server has {model_id!r}, a {family} model: send that, "
-                   f"{family!r}, or an OpenAI name ({', '.join(OPENAI_MODELS)})")  # fmt: skip
+        message = (
+            f"unknown model {model!r}; this server has {model_id!r}, a {family} model: send that, "
+            f"{family!r}, or an OpenAI name ({', '.join(OPENAI_MODELS)})"
+        )
         raise RequestProblem(message, "model_not_found")
 
 
@@ -102,8 +126,10 @@ def check_speed(speed: float) -> tuple[float, bool]:
     engine's 0.5-2.0; anything else is refused."""
     lo, hi = OPENAI_SPEED
     if not lo <= speed <= hi:  # also NaN
-        message = (f"speed {speed} is out of range: send 0.25 to 4.0 (OpenAI's range); this server speaks at "
-                   f"{ENGINE_SPEED[0]} to {ENGINE_SPEED[1]} and clamps the rest")  # fmt: skip
+        message = (
+            f"speed {speed} is out of range: send 0.25 to 4.0 (OpenAI's range); this server speaks at "
+            f"{ENGINE_SPEED[0]} to {ENGINE_SPEED[1]} and clamps the rest"
+        )
         raise RequestProblem(message, "invalid_speed")
     applied = min(max(speed, ENGINE_SPEED[0]), ENGINE_SPEED[1])
     return applied, applied != speed
@@ -120,11 +146,17 @@ def resolve_voice(voices: Any, name: str, default: str | None) -> tuple[Any, str
             raise RequestProblem(str(e), "voice_not_found") from e
         if default is None:
             known = ", ".join(voices.names()) or "none yet; add one with POST /v1/audio/voices"
-            raise RequestProblem(f"{name!r} is an OpenAI voice; this server speaks with saved voices ({known}): send "
-                                 "one of them, or start the server with --default-voice NAME to speak OpenAI's voice "
-                                 "names with a saved voice", "voice_not_found") from e  # fmt: skip
+            raise RequestProblem(
+                f"{name!r} is an OpenAI voice; this server speaks with saved voices ({known}): send "
+                "one of them, or start the server with --default-voice NAME to speak OpenAI's voice "
+                "names with a saved voice",
+                "voice_not_found",
+            ) from e
     try:
         return voices.get(default), default
     except VoiceNotFoundError as e:
-        raise RequestProblem(f"{name!r} maps to the default voice {default!r} (--default-voice), which is not saved: "
-                             f"add it with POST /v1/audio/voices", "voice_not_found") from e  # fmt: skip
+        raise RequestProblem(
+            f"{name!r} maps to the default voice {default!r} (--default-voice), which is not saved: "
+            f"add it with POST /v1/audio/voices",
+            "voice_not_found",
+        ) from e

@@ -46,8 +46,10 @@ FORMATS: dict[str, str] = {
 }
 
 _SOUNDFILE = {"flac": ("FLAC", "PCM_16"), "mp3": ("MP3", "MPEG_LAYER_III"), "opus": ("OGG", "OPUS")}
-_RATES = {"opus": (8000, 12000, 16000, 24000, 48000),  # anything else is resampled to the last one
-          "mp3": (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)}  # fmt: skip
+_RATES = {
+    "opus": (8000, 12000, 16000, 24000, 48000),  # anything else is resampled to the last one
+    "mp3": (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000),
+}
 _MP3_COMPRESSION = 0.63  # libsndfile maps 0..1 to 160..8 kbit/s at 16-32 kHz: 64 kbit/s (~128 at 44.1/48 kHz)
 _OGG_PAGE_LATENCY_MS = 100.0
 _SFC_SET_OGG_PAGE_LATENCY_MS = 0x1302  # sndfile.h; soundfile has no wrapper for it
@@ -65,7 +67,8 @@ def check_format(name: str) -> str:
     if fmt not in FORMATS:
         raise UnsupportedFormatError(
             f"unsupported response_format {name!r}; supported: {', '.join(FORMATS)} "
-            "(aac is not available, libsndfile has no AAC encoder: use mp3 or opus)")  # fmt: skip
+            "(aac is not available, libsndfile has no AAC encoder: use mp3 or opus)"
+        )
     return fmt
 
 
@@ -91,8 +94,11 @@ def _mp3_frame_length(head: bytes) -> int | None:
     if version == 1 or rate_index == 3 or bitrate_index in (0, 15):
         return None
     mpeg1 = version == 3
-    kbps = ((0, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320) if mpeg1
-            else (0, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160))[bitrate_index]  # fmt: skip
+    kbps = (
+        (0, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320)
+        if mpeg1
+        else (0, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160)
+    )[bitrate_index]
     rate = {3: (44100, 48000, 32000), 2: (22050, 24000, 16000), 0: (11025, 12000, 8000)}[version][rate_index]
     return (144 if mpeg1 else 72) * kbps * 1000 // rate + ((head[2] >> 1) & 1)
 

@@ -55,8 +55,11 @@ def is_json_type(content_type: str | None) -> bool:
 def json_type_problem(content_type: str | None) -> str:
     """The message of a 415: the body must be JSON declared as such (what curl's ``-d`` does not declare)."""
     given = "has no Content-Type" if not content_type else f"says Content-Type: {content_type[:100]}"
-    hint = " (curl -d sends that: add -H 'Content-Type: application/json')" if content_type and (
-        "x-www-form-urlencoded" in content_type.lower()) else ""  # fmt: skip
+    hint = (
+        " (curl -d sends that: add -H 'Content-Type: application/json')"
+        if content_type and ("x-www-form-urlencoded" in content_type.lower())
+        else ""
+    )
     return f"the body must be a JSON object sent with Content-Type: application/json; this request {given}{hint}"
 
 
@@ -97,8 +100,16 @@ class HostOriginGuard:
         max_body: the largest request body (bytes) outside the voice upload.
     """
 
-    def __init__(self, app: Any, bind: str, allow_hosts: Iterable[str], allow_origins: Iterable[str],
-                 max_body: int, metrics: Metrics, body_timeout: float = 60.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        app: Any,
+        bind: str,
+        allow_hosts: Iterable[str],
+        allow_origins: Iterable[str],
+        max_body: int,
+        metrics: Metrics,
+        body_timeout: float = 60.0,
+    ) -> None:
         self.app, self.metrics, self.max_body, self.body_timeout = app, metrics, max_body, body_timeout
         self.any_ip = bind.strip("[]") in WILDCARD_HOSTS
         hosts = {split_host(h)[0] for h in allow_hosts}
@@ -140,9 +151,14 @@ class HostOriginGuard:
         if not self.host_allowed(host):
             self.metrics.count(label, "bad_request")
             logger.warning("refused a request for Host %r (not served: --allow-host)", host)
-            await send_error(send, 403, f"this server does not serve the host name {split_host(host or '')[0]!r}; "
-                             "start it with --allow-host NAME to serve it (a guard against DNS rebinding)",
-                             "permission_error", "host_not_allowed")  # fmt: skip
+            await send_error(
+                send,
+                403,
+                f"this server does not serve the host name {split_host(host or '')[0]!r}; "
+                "start it with --allow-host NAME to serve it (a guard against DNS rebinding)",
+                "permission_error",
+                "host_not_allowed",
+            )
             return
         origin = _header(scope, b"origin")
         if (
@@ -152,9 +168,14 @@ class HostOriginGuard:
         ):
             self.metrics.count(label, "bad_request")
             logger.warning("refused a %s %s from Origin %r", scope.get("method"), scope.get("path"), origin)
-            await send_error(send, 403, f"requests from pages of {origin[:200]!r} may not change or use this server "
-                             "(cross-site request); start it with --allow-origin ORIGIN to allow that origin",
-                             "permission_error", "origin_not_allowed")  # fmt: skip
+            await send_error(
+                send,
+                403,
+                f"requests from pages of {origin[:200]!r} may not change or use this server "
+                "(cross-site request); start it with --allow-origin ORIGIN to allow that origin",
+                "permission_error",
+                "origin_not_allowed",
+            )
             return
         if scope.get("method") in SAFE_METHODS:
             await self.app(scope, receive, send)
@@ -199,9 +220,12 @@ class HostOriginGuard:
             try:
                 message = await asyncio.wait_for(receive(), max(until - loop.time(), 0.0))
             except asyncio.TimeoutError:
-                raise HTTPException(408, f"the request body did not arrive within {self.body_timeout:g} s of its "
-                                    "headers; send it at once (the server's --body-timeout)",
-                                    headers={"Connection": "close"}) from None  # fmt: skip
+                raise HTTPException(
+                    408,
+                    f"the request body did not arrive within {self.body_timeout:g} s of its "
+                    "headers; send it at once (the server's --body-timeout)",
+                    headers={"Connection": "close"},
+                ) from None
             complete = message["type"] != "http.request" or not message.get("more_body", False)
             return message
 
@@ -238,7 +262,12 @@ class ApiKeyMiddleware:
             given = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
             if not secrets.compare_digest(given, self.want):
                 self.metrics.count(endpoint_label(path), "bad_request")
-                await send_error(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                 "authentication_error", "invalid_api_key")  # fmt: skip
+                await send_error(
+                    send,
+                    401,
+                    "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                    "authentication_error",
+                    "invalid_api_key",
+                )
                 return
         await self.app(scope, receive, send)

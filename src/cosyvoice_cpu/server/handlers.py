@@ -26,8 +26,15 @@ _OBJECT_REPR = re.compile(r"<[\w.]+ object at 0x[0-9a-fA-F]+>")  # e.g. libsndfi
 class ApiError(Exception):
     """An error answered as ``{"error": {...}}`` with ``status``; ``counted``: already in the metrics."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str = "invalid_request",
-                 headers: dict[str, str] | None = None, counted: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        code: str = "invalid_request",
+        headers: dict[str, str] | None = None,
+        counted: bool = False,
+    ) -> None:
         super().__init__(message)
         self.status, self.kind, self.code, self.headers, self.counted = status, kind, code, headers, counted
 
@@ -50,8 +57,9 @@ def error_body(message: str, kind: str, code: str) -> dict[str, Any]:
     return {"error": {"message": _OBJECT_REPR.sub("the uploaded data", message), "type": kind, "code": code}}
 
 
-async def send_error(send: Any, status: int, message: str, kind: str, code: str,
-                     headers: dict[str, str] | None = None) -> None:  # fmt: skip
+async def send_error(
+    send: Any, status: int, message: str, kind: str, code: str, headers: dict[str, str] | None = None
+) -> None:
     """Answer an error from plain ASGI middleware (before any route ran)."""
     body = json.dumps(error_body(message, kind, code)).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
@@ -68,13 +76,19 @@ def body_problem(cause: BaseException) -> str:
     parsing the body" for anything but a JSON syntax error)."""
     if isinstance(cause, UnicodeDecodeError):
         byte = cause.object[cause.start : cause.start + 1].hex() if isinstance(cause.object, bytes) else "?"
-        return (f"the body is not valid {cause.encoding.upper()} text: byte 0x{byte} at offset {cause.start} "
-                f"({cause.reason}); send the JSON encoded as UTF-8")  # fmt: skip
+        return (
+            f"the body is not valid {cause.encoding.upper()} text: byte 0x{byte} at offset {cause.start} "
+            f"({cause.reason}); send the JSON encoded as UTF-8"
+        )
     if isinstance(cause, RecursionError):
-        return ("the body's JSON is nested too deeply to parse (arrays or objects hundreds of levels deep); a speech "
-                "request is one flat JSON object of strings, numbers and booleans")  # fmt: skip
-    return (f"the body could not be read as JSON ({type(cause).__name__}); send one JSON object encoded as UTF-8 "
-            "with Content-Type: application/json")  # fmt: skip
+        return (
+            "the body's JSON is nested too deeply to parse (arrays or objects hundreds of levels deep); a speech "
+            "request is one flat JSON object of strings, numbers and booleans"
+        )
+    return (
+        f"the body could not be read as JSON ({type(cause).__name__}); send one JSON object encoded as UTF-8 "
+        "with Content-Type: application/json"
+    )
 
 
 def allowed_methods(app: Any, scope: Any) -> list[str]:
@@ -98,8 +112,15 @@ def install(app: Any, metrics: Metrics) -> None:
 
     from cosyvoice_cpu.server.speech import Rejected, StreamAborted
 
-    def answer(request: Request, status: int, message: str, kind: str, code: str,
-               headers: dict[str, str] | None = None, counted: bool = False) -> Any:  # fmt: skip
+    def answer(
+        request: Request,
+        status: int,
+        message: str,
+        kind: str,
+        code: str,
+        headers: dict[str, str] | None = None,
+        counted: bool = False,
+    ) -> Any:
         if not counted:
             metrics.count(endpoint_label(request.scope["path"]), outcome_of(status))
         return JSONResponse(error_body(message, kind, code), status, headers=headers)
@@ -118,16 +139,26 @@ def install(app: Any, metrics: Metrics) -> None:
             allow = ", ".join(allowed_methods(app, request.scope))
             if request.method == "OPTIONS":
                 return Response(status_code=204, headers={"Allow": allow})
-            return answer(request, 405, f"{request.method} is not allowed on {request.url.path}; it takes {allow} "
-                          "(see /docs)", "invalid_request_error", "method_not_allowed", {"Allow": allow})  # fmt: skip
+            return answer(
+                request,
+                405,
+                f"{request.method} is not allowed on {request.url.path}; it takes {allow} (see /docs)",
+                "invalid_request_error",
+                "method_not_allowed",
+                {"Allow": allow},
+            )
         if e.status_code == 404:
-            return answer(request, 404, f"no endpoint {request.method} {request.url.path} (see /docs for the API)",
-                          "invalid_request_error", "not_found")  # fmt: skip
+            return answer(
+                request,
+                404,
+                f"no endpoint {request.method} {request.url.path} (see /docs for the API)",
+                "invalid_request_error",
+                "not_found",
+            )
         if e.status_code == 400 and e.__cause__ is not None:  # FastAPI's "There was an error parsing the body"
             return answer(request, 400, body_problem(e.__cause__), "invalid_request_error", "invalid_json")
         code = HTTP_CODES.get(e.status_code, "internal_error" if e.status_code >= 500 else "invalid_request")
-        return answer(request, e.status_code, str(e.detail), "invalid_request_error", code,
-                      getattr(e, "headers", None))  # fmt: skip
+        return answer(request, e.status_code, str(e.detail), "invalid_request_error", code, getattr(e, "headers", None))
 
     @app.exception_handler(Rejected)
     async def _rejected(request: Request, e: Rejected) -> Any:
@@ -156,5 +187,10 @@ def install(app: Any, metrics: Metrics) -> None:
         if isinstance(e, StreamAborted):  # a speech stream cut after its status line: counted, logged, answered
             raise e
         logger.exception("%s %s failed", request.method, request.url.path)
-        return answer(request, 500, f"internal error ({type(e).__name__}); the server keeps running", "server_error",
-                      "internal_error")  # fmt: skip
+        return answer(
+            request,
+            500,
+            f"internal error ({type(e).__name__}); the server keeps running",
+            "server_error",
+            "internal_error",
+        )

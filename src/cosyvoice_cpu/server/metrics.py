@@ -87,8 +87,10 @@ class Metrics:
             lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *body])
 
         with self._lock:
-            body = [f'cosyvoice_requests_total{{endpoint="{_escape(e)}",outcome="{o}"}} {n}'
-                    for (e, o), n in sorted(self.requests.items())]  # fmt: skip
+            body = [
+                f'cosyvoice_requests_total{{endpoint="{_escape(e)}",outcome="{o}"}} {n}'
+                for (e, o), n in sorted(self.requests.items())
+            ]
             block("cosyvoice_requests_total", "counter", "HTTP requests by endpoint and outcome.", body)
             for name, hist, help_ in (
                 ("cosyvoice_time_to_first_audio_seconds", self.first_audio, "Request start to its first audio."),
@@ -97,8 +99,12 @@ class Metrics:
                 ("cosyvoice_rtf", self.rtf, "Real-time factor of a synthesis (wall time / audio time)."),
             ):
                 block(name, "histogram", help_, hist.lines(name))
-            block("cosyvoice_audio_seconds_total", "counter", "Seconds of audio synthesized.",
-                  [f"cosyvoice_audio_seconds_total {self.audio_seconds:.3f}"])  # fmt: skip
+            block(
+                "cosyvoice_audio_seconds_total",
+                "counter",
+                "Seconds of audio synthesized.",
+                [f"cosyvoice_audio_seconds_total {self.audio_seconds:.3f}"],
+            )
         if self.lm_counters is not None:
             for key, value in self.lm_counters().items():
                 name = f"cosyvoice_lm_{key}"

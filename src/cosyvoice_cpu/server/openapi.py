@@ -25,34 +25,96 @@ _STRING, _INT, _NUMBER = {"type": "string"}, {"type": "integer"}, {"type": "numb
 _ERROR = {
     "type": "object",
     "required": ["error"],
-    "properties": {"error": {"type": "object", "required": ["message", "type", "code"],
-                             "properties": {"message": _STRING, "type": _STRING, "code": _STRING}}},
-}  # fmt: skip
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "code"],
+            "properties": {"message": _STRING, "type": _STRING, "code": _STRING},
+        }
+    },
+}
 _SCHEMAS: dict[str, Any] = {
     "Error": _ERROR,
-    "Voice": {"type": "object", "required": ["id", "name", "prompt_text", "mode", "duration_s", "created"],
-              "properties": {"id": _STRING, "name": _STRING, "prompt_text": _STRING,
-                             "mode": {"enum": ["zero-shot", "cross-lingual", "built-in"]}, "duration_s": _NUMBER,
-                             "created": {"type": ["string", "null"]}}},
-    "VoiceList": {"type": "object", "required": ["object", "voices"],
-                  "properties": {"object": {"const": "list"},
-                                 "voices": {"type": "array", "items": {"$ref": "#/components/schemas/Voice"}}}},
-    "NewVoice": {"type": "object", "required": ["id", "name", "prompt_text", "duration_s"],
-                 "properties": {"id": _STRING, "name": _STRING, "prompt_text": _STRING, "duration_s": _NUMBER}},
-    "ModelList": {"type": "object", "required": ["object", "data"],
-                  "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
-                      "type": "object", "required": ["id", "object", "created", "owned_by", "family", "sample_rate"],
-                      "properties": {"id": _STRING, "object": {"const": "model"}, "created": _INT,
-                                     "owned_by": _STRING, "family": _STRING, "recipe": {"type": ["string", "null"]},
-                                     "sample_rate": _INT}}}}},
-    "Health": {"type": "object",
-               "required": ["status", "model", "family", "sample_rate", "rss_mb", "active", "queued", "voices",
-                            "uptime_s", "replica", "pid", "replicas"],
-               "properties": {"status": {"enum": ["ok", "draining"]}, "model": _STRING, "family": _STRING,
-                              "sample_rate": _INT, "rss_mb": _NUMBER, "active": _INT, "queued": _INT, "voices": _INT,
-                              "uptime_s": _NUMBER, "replica": _STRING, "pid": _INT,
-                              "replicas": {"type": ["integer", "null"]}}},
-}  # fmt: skip
+    "Voice": {
+        "type": "object",
+        "required": ["id", "name", "prompt_text", "mode", "duration_s", "created"],
+        "properties": {
+            "id": _STRING,
+            "name": _STRING,
+            "prompt_text": _STRING,
+            "mode": {"enum": ["zero-shot", "cross-lingual", "built-in"]},
+            "duration_s": _NUMBER,
+            "created": {"type": ["string", "null"]},
+        },
+    },
+    "VoiceList": {
+        "type": "object",
+        "required": ["object", "voices"],
+        "properties": {
+            "object": {"const": "list"},
+            "voices": {"type": "array", "items": {"$ref": "#/components/schemas/Voice"}},
+        },
+    },
+    "NewVoice": {
+        "type": "object",
+        "required": ["id", "name", "prompt_text", "duration_s"],
+        "properties": {"id": _STRING, "name": _STRING, "prompt_text": _STRING, "duration_s": _NUMBER},
+    },
+    "ModelList": {
+        "type": "object",
+        "required": ["object", "data"],
+        "properties": {
+            "object": {"const": "list"},
+            "data": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["id", "object", "created", "owned_by", "family", "sample_rate"],
+                    "properties": {
+                        "id": _STRING,
+                        "object": {"const": "model"},
+                        "created": _INT,
+                        "owned_by": _STRING,
+                        "family": _STRING,
+                        "recipe": {"type": ["string", "null"]},
+                        "sample_rate": _INT,
+                    },
+                },
+            },
+        },
+    },
+    "Health": {
+        "type": "object",
+        "required": [
+            "status",
+            "model",
+            "family",
+            "sample_rate",
+            "rss_mb",
+            "active",
+            "queued",
+            "voices",
+            "uptime_s",
+            "replica",
+            "pid",
+            "replicas",
+        ],
+        "properties": {
+            "status": {"enum": ["ok", "draining"]},
+            "model": _STRING,
+            "family": _STRING,
+            "sample_rate": _INT,
+            "rss_mb": _NUMBER,
+            "active": _INT,
+            "queued": _INT,
+            "voices": _INT,
+            "uptime_s": _NUMBER,
+            "replica": _STRING,
+            "pid": _INT,
+            "replicas": {"type": ["integer", "null"]},
+        },
+    },
+}
 _ERRORS = {
     400: "a bad field, text or voice name; unknown voice, model or format; malformed JSON or form",
     401: "missing or wrong API key",
@@ -80,23 +142,41 @@ def _error(status: int) -> dict[str, Any]:
 
 
 def _json(description: str, name: str) -> dict[str, Any]:
-    return {"description": description,
-            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}}  # fmt: skip
+    return {
+        "description": description,
+        "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}},
+    }
 
 
 def _speech_ok() -> dict[str, Any]:
     content = {media: _BINARY for media in FORMATS.values()}
-    event = {"type": "object", "required": ["data"], "properties": {
-        "event": _STRING, "data": {"type": "string", "contentMediaType": "application/json", "description":
-                                   'JSON: {"type": "speech.audio.delta", "audio": base64}, then {"type": '
-                                   '"speech.audio.done", "usage": {"output_audio_seconds"}} or {"type": "error", '
-                                   '"error": {"message", "type", "code"}}'}}}  # fmt: skip
+    event = {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "event": _STRING,
+            "data": {
+                "type": "string",
+                "contentMediaType": "application/json",
+                "description": 'JSON: {"type": "speech.audio.delta", "audio": base64}, then {"type": '
+                '"speech.audio.done", "usage": {"output_audio_seconds"}} or {"type": "error", '
+                '"error": {"message", "type", "code"}}',
+            },
+        },
+    }
     content["text/event-stream"] = {"schema": event}  # Open API 3.1: the schema of one event
-    header = {"X-Sample-Rate": {"description": "the audio's sample rate (Hz)", "schema": _INT},
-              "X-Speed-Clamped": {"description": "present when the requested speed was clamped to 0.5-2.0: the "
-                                  "speed used", "schema": _NUMBER},
-              "X-Voice": {"description": "present when the voice used differs from the one asked for (an OpenAI "
-                          "voice name mapped to --default-voice)", "schema": _STRING}}  # fmt: skip
+    header = {
+        "X-Sample-Rate": {"description": "the audio's sample rate (Hz)", "schema": _INT},
+        "X-Speed-Clamped": {
+            "description": "present when the requested speed was clamped to 0.5-2.0: the speed used",
+            "schema": _NUMBER,
+        },
+        "X-Voice": {
+            "description": "present when the voice used differs from the one asked for (an OpenAI "
+            "voice name mapped to --default-voice)",
+            "schema": _STRING,
+        },
+    }
     return {
         "description": "the audio, in response_format (stream_format sse: server-sent events)",
         "headers": header,
@@ -107,15 +187,28 @@ def _speech_ok() -> dict[str, Any]:
 def _upload_body(settings: Any) -> dict[str, Any]:
     rule = "1-64 letters, digits, '_', '-', '.' or spaces, starting with a letter or digit"
     name = {"type": "string", "minLength": 1, "maxLength": MAX_VOICE_CHARS, "description": rule}
-    text = {"type": "string", "maxLength": settings.max_prompt_chars,
-            "description": "the transcript of the audio (omit it for a cross-lingual voice)"}  # fmt: skip
-    schema = {"type": "object", "required": ["name", "file"], "additionalProperties": False,
-              "properties": {"name": name, "file": {"type": "string", "format": "binary",
-                                                    "description": "3-10 s of clean speech: wav, flac, ogg or mp3"},
-                             "prompt_text": text, "text": {**text, "description": "another name of prompt_text"},
-                             "transcript": {**text, "description": "another name of prompt_text"},
-                             "overwrite": {"type": "boolean", "default": False,
-                                           "description": "replace a voice of that name"}}}  # fmt: skip
+    text = {
+        "type": "string",
+        "maxLength": settings.max_prompt_chars,
+        "description": "the transcript of the audio (omit it for a cross-lingual voice)",
+    }
+    schema = {
+        "type": "object",
+        "required": ["name", "file"],
+        "additionalProperties": False,
+        "properties": {
+            "name": name,
+            "file": {
+                "type": "string",
+                "format": "binary",
+                "description": "3-10 s of clean speech: wav, flac, ogg or mp3",
+            },
+            "prompt_text": text,
+            "text": {**text, "description": "another name of prompt_text"},
+            "transcript": {**text, "description": "another name of prompt_text"},
+            "overwrite": {"type": "boolean", "default": False, "description": "replace a voice of that name"},
+        },
+    }
     return {"required": True, "content": {"multipart/form-data": {"schema": schema}}}
 
 
@@ -139,9 +232,11 @@ def amend(schema: dict[str, Any], settings: Any) -> dict[str, Any]:
         ("/v1/audio/voices", "post"): ({"201": _json("the voice was saved", "NewVoice")}, (400, 408, 409, 413)),
         ("/v1/audio/voices/{name}", "delete"): ({"204": {"description": "deleted"}}, (400, 404, 409)),
         ("/health", "get"): ({"200": _json("the server's state", "Health")}, ()),
-        ("/metrics", "get"): ({"200": {"description": "Prometheus text format",
-                                       "content": {"text/plain": {"schema": _STRING}}}}, ()),
-    }  # fmt: skip
+        ("/metrics", "get"): (
+            {"200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": _STRING}}}},
+            (),
+        ),
+    }
     keyed = bool(settings.api_key)
     if keyed:
         schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}

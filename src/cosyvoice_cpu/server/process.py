@@ -38,8 +38,9 @@ class ServerProcess:
     log: Path | None
 
     @classmethod
-    def start(cls, model: Path, voices: Path, *extra: str, log: Path | None = None,
-              timeout: float = 60.0) -> ServerProcess:  # fmt: skip
+    def start(
+        cls, model: Path, voices: Path, *extra: str, log: Path | None = None, timeout: float = 60.0
+    ) -> ServerProcess:
         """Start ``python -m cosyvoice_cpu serve -m model --voices voices --port P *extra`` and wait for it.
 
         Raises:
@@ -47,8 +48,21 @@ class ServerProcess:
                 message ends with the log's last 3000 characters when there is a log).
         """
         port = free_port()
-        cmd = [sys.executable, "-m", "cosyvoice_cpu", "serve", "-m", str(model), "--voices", str(voices),
-               "--port", str(port), "--log-level", "warning", *extra]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "cosyvoice_cpu",
+            "serve",
+            "-m",
+            str(model),
+            "--voices",
+            str(voices),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            *extra,
+        ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with contextlib.ExitStack() as files:  # the child keeps its own copy of the log's descriptor
             out = files.enter_context(log.open("ab")) if log is not None else subprocess.DEVNULL

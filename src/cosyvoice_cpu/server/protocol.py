@@ -34,9 +34,16 @@ def base_protocol() -> type:
 def timeout_response(header_timeout: float, extra: list[tuple[bytes, bytes]] = ()) -> bytes:
     """The raw 408 sent to a client that did not finish its headers in time (``extra``: uvicorn's default
     headers, such as ``server`` and ``date``)."""
-    body = json.dumps({"error": {"message": f"the request's headers did not arrive within {header_timeout:g} s; "
-                                 "send the whole request at once (the server closes the connection)",
-                                 "type": "invalid_request_error", "code": "request_timeout"}}).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "error": {
+                "message": f"the request's headers did not arrive within {header_timeout:g} s; "
+                "send the whole request at once (the server closes the connection)",
+                "type": "invalid_request_error",
+                "code": "request_timeout",
+            }
+        }
+    ).encode()
     head = [b"HTTP/1.1 408 Request Timeout"] + [name + b": " + value for name, value in extra]
     head += [b"content-type: application/json", b"content-length: " + str(len(body)).encode(), b"connection: close"]
     return b"\r\n".join(head) + b"\r\n\r\n" + body

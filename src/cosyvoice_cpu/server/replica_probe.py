@@ -109,8 +109,13 @@ def start_session(args: list[str], log: Path | None = None) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     out = log.open("ab") if log is not None else subprocess.DEVNULL
     try:
-        return subprocess.Popen([sys.executable, "-m", "cosyvoice_cpu", *args], stdout=out, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)  # fmt: skip
+        return subprocess.Popen(
+            [sys.executable, "-m", "cosyvoice_cpu", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     finally:
         if log is not None:
             out.close()

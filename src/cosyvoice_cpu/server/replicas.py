@@ -90,13 +90,15 @@ def ray_logs() -> str:
 
 
 def what_to_do() -> str:
-    return ("Another Ray instance on this host (one shutting down, or left over) is the usual cause: run `ray stop` "
-            "and start again, or join a healthy cluster with --ray-address HOST:6379. Ray's logs: "
-            + ray_logs())  # fmt: skip
+    return (
+        "Another Ray instance on this host (one shutting down, or left over) is the usual cause: run `ray stop` "
+        "and start again, or join a healthy cluster with --ray-address HOST:6379. Ray's logs: " + ray_logs()
+    )
 
 
-def start_local_ray(init: Any, watch: RayWatch | None = None, poll_s: float = WATCH_S, then: Any = None,
-                    **kw: Any) -> RayWatch:  # fmt: skip
+def start_local_ray(
+    init: Any, watch: RayWatch | None = None, poll_s: float = WATCH_S, then: Any = None, **kw: Any
+) -> RayWatch:
     """``init(**kw)`` (``ray.init`` of a local instance), then ``then()`` (Serve's start and the app), in a thread
     while this one watches the daemons ``init`` starts; raises :class:`RayStartError` as soon as one of them
     died (a dead raylet left ``ray.init`` or ``serve.run`` waiting for a minute, or for good), or with what to do
@@ -130,8 +132,9 @@ def start_local_ray(init: Any, watch: RayWatch | None = None, poll_s: float = WA
     while not started.wait(poll_s):
         dead = watch.dead()
         if dead and not started.is_set():  # the daemons left end with the starting thread, at exit
-            raise RayStartError(f"the local Ray instance failed while starting: {', '.join(dead)} exited. "
-                                + what_to_do())  # fmt: skip
+            raise RayStartError(
+                f"the local Ray instance failed while starting: {', '.join(dead)} exited. " + what_to_do()
+            )
     if failure:
         phase, e = failure[0]
         if phase == "then" or isinstance(e, KeyboardInterrupt):
@@ -184,27 +187,35 @@ class ReplicaPlan:
         if self.replicas is not None and not 1 <= self.replicas <= 1024:
             raise ConfigError(f"--replicas must be 1 to 1024 or 'auto', not {self.replicas}")
         if not 1 <= self.min_replicas <= self.max_replicas <= 1024:
-            raise ConfigError(f"need 1 <= --min-replicas ({self.min_replicas}) <= --max-replicas "
-                              f"({self.max_replicas}) <= 1024")  # fmt: skip
+            raise ConfigError(
+                f"need 1 <= --min-replicas ({self.min_replicas}) <= --max-replicas ({self.max_replicas}) <= 1024"
+            )
         if self.threads < 1:
             raise ConfigError("replicas need an explicit --threads of at least 1 (Ray pins no affinity)")
         if self.target_ongoing <= 0:
             raise ConfigError(f"--target-ongoing must be above 0, not {self.target_ongoing}")
         if not (0 <= self.upscale_delay_s <= 86400 and 0 <= self.downscale_delay_s <= 86400):
-            raise ConfigError(f"--upscale-delay and --downscale-delay must be 0 to 86400 s, not "
-                              f"{self.upscale_delay_s} and {self.downscale_delay_s}")  # fmt: skip
+            raise ConfigError(
+                f"--upscale-delay and --downscale-delay must be 0 to 86400 s, not "
+                f"{self.upscale_delay_s} and {self.downscale_delay_s}"
+            )
         return self
 
     def deployment_options(self) -> dict[str, Any]:
         """The ``serve.deployment`` options of this plan."""
-        opts: dict[str, Any] = {"ray_actor_options": {"num_cpus": self.threads},
-                                "max_ongoing_requests": self.max_ongoing,
-                                "health_check_period_s": self.health_period_s}  # fmt: skip
+        opts: dict[str, Any] = {
+            "ray_actor_options": {"num_cpus": self.threads},
+            "max_ongoing_requests": self.max_ongoing,
+            "health_check_period_s": self.health_period_s,
+        }
         if self.replicas is None:
-            opts["autoscaling_config"] = {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
-                                          "target_ongoing_requests": self.target_ongoing,
-                                          "upscale_delay_s": self.upscale_delay_s,
-                                          "downscale_delay_s": self.downscale_delay_s}  # fmt: skip
+            opts["autoscaling_config"] = {
+                "min_replicas": self.min_replicas,
+                "max_replicas": self.max_replicas,
+                "target_ongoing_requests": self.target_ongoing,
+                "upscale_delay_s": self.upscale_delay_s,
+                "downscale_delay_s": self.downscale_delay_s,
+            }
         else:
             opts["num_replicas"] = self.replicas
         return opts
@@ -248,8 +259,13 @@ def _build_deployment(plan: ReplicaPlan) -> Any:
             self.info = ReplicaInfo(id=ctx.replica_tag, count=_CachedCount(ctx.world_size))
             self.settings = settings
             self.engine = await asyncio.to_thread(Engine.load, model_dir, engine_config)
-            logger.info("replica %s (pid %d) loaded %s with %d threads", self.info.id, self.info.pid, model_dir,
-                        engine_config.threads)  # fmt: skip
+            logger.info(
+                "replica %s (pid %d) loaded %s with %d threads",
+                self.info.id,
+                self.info.pid,
+                model_dir,
+                engine_config.threads,
+            )
 
         def __serve_build_asgi_app__(self) -> Any:
             from cosyvoice_cpu.server.app import create_app
@@ -264,8 +280,9 @@ def _build_deployment(plan: ReplicaPlan) -> Any:
     return CosyVoiceReplica
 
 
-def serve_replicas(model_dir: Path, settings: Any, engine_config: Any, plan: ReplicaPlan,
-                   stop: threading.Event | None = None) -> int:  # fmt: skip
+def serve_replicas(
+    model_dir: Path, settings: Any, engine_config: Any, plan: ReplicaPlan, stop: threading.Event | None = None
+) -> int:
     """Run the app as replicas on Ray Serve until SIGINT/SIGTERM (or ``stop``), then take them down.
 
     Starts a local Ray instance unless ``plan.ray_address`` names one to join.
@@ -286,21 +303,29 @@ def serve_replicas(model_dir: Path, settings: Any, engine_config: Any, plan: Rep
         cpus = ray.cluster_resources().get("CPU", 0)
         want = plan.threads * (plan.replicas or plan.min_replicas)
         if want > cpus:
-            logger.warning("%d replicas x %d threads need %d CPUs, the Ray cluster has %g: Serve keeps the rest "
-                           "pending", plan.replicas or plan.min_replicas, plan.threads, want, cpus)  # fmt: skip
+            logger.warning(
+                "%d replicas x %d threads need %d CPUs, the Ray cluster has %g: Serve keeps the rest pending",
+                plan.replicas or plan.min_replicas,
+                plan.threads,
+                want,
+                cpus,
+            )
         serve.start(http_options={"host": plan.host, "port": plan.port})
         deployment = _build_deployment(plan)
-        serve.run(deployment.bind(str(model_dir), settings, engine_config), name=APP_NAME, route_prefix="/",
-                  blocking=False)  # fmt: skip
+        serve.run(
+            deployment.bind(str(model_dir), settings, engine_config), name=APP_NAME, route_prefix="/", blocking=False
+        )
 
     if not local:
         try:
             ray.init(logging_level=logging.WARNING, address=plan.ray_address)
         except ConnectionError as e:
-            raise ConfigError(f"could not join the Ray cluster at {plan.ray_address} ({e}). Check the address "
-                              "(HEAD:6379 or ray://HEAD:10001); a cluster with token authentication (Ray 2.60 "
-                              "clusters have it) needs RAY_AUTH_MODE=token and its token here (RAY_AUTH_TOKEN, or "
-                              "~/.ray/auth_token from `ray get-auth-token`)") from e  # fmt: skip
+            raise ConfigError(
+                f"could not join the Ray cluster at {plan.ray_address} ({e}). Check the address "
+                "(HEAD:6379 or ray://HEAD:10001); a cluster with token authentication (Ray 2.60 "
+                "clusters have it) needs RAY_AUTH_MODE=token and its token here (RAY_AUTH_TOKEN, or "
+                "~/.ray/auth_token from `ray get-auth-token`)"
+            ) from e
     watch, lost = None, False
     try:
         if local:  # Ray, Serve and the app come up in a thread while this one watches Ray's daemons
@@ -309,8 +334,11 @@ def serve_replicas(model_dir: Path, settings: Any, engine_config: Any, plan: Rep
         else:
             deploy()
         count = "auto" if plan.replicas is None else plan.replicas
-        print(f"serving {model_dir} on http://{plan.host}:{plan.port} as {count} replicas on Ray Serve "
-              f"({plan.threads} threads each, voices in {settings.voices_dir})", flush=True)  # fmt: skip
+        print(
+            f"serving {model_dir} on http://{plan.host}:{plan.port} as {count} replicas on Ray Serve "
+            f"({plan.threads} threads each, voices in {settings.voices_dir})",
+            flush=True,
+        )
         code = _wait(stop, watch)
         lost = code != 0
         return code

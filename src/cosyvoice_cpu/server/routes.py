@@ -43,9 +43,20 @@ def add_routes(app: Any, state: Any) -> None:
     async def models() -> dict[str, Any]:
         """The loaded model: its id, family, recipe and sample rate."""
         manifest = state.engine.manifest
-        return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": int(state.started),
-                "owned_by": "cosyvoice-cpu", "family": manifest.family, "recipe": manifest.recipe.get("name"),
-                "sample_rate": state.engine.sample_rate}]}  # fmt: skip
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_id,
+                    "object": "model",
+                    "created": int(state.started),
+                    "owned_by": "cosyvoice-cpu",
+                    "family": manifest.family,
+                    "recipe": manifest.recipe.get("name"),
+                    "sample_rate": state.engine.sample_rate,
+                }
+            ],
+        }
 
     @app.post(SPEECH)
     async def speech(body: SpeechRequest, request: Request) -> Any:
@@ -82,10 +93,14 @@ def add_routes(app: Any, state: Any) -> None:
             raise
         bound = settings.audio_bound
         rate = state.engine.token_rate
-        job = Job(lambda check: state.engine.synthesize(body.input, voice, config, instruct, check=check),
-                  settings.timeout, max_audio_s=bound.seconds(len(body.input), speed),
-                  too_long=bound.problem(len(body.input), speed), token_seconds=1.0 / rate / speed,
-                  sample_rate=state.engine.sample_rate)  # fmt: skip
+        job = Job(
+            lambda check: state.engine.synthesize(body.input, voice, config, instruct, check=check),
+            settings.timeout,
+            max_audio_s=bound.seconds(len(body.input), speed),
+            too_long=bound.problem(len(body.input), speed),
+            token_seconds=1.0 / rate / speed,
+            sample_rate=state.engine.sample_rate,
+        )
         state.jobs.add(job)
         watcher = asyncio.create_task(_watch_disconnect(request, job))
         parts: list[bytes] = []
@@ -119,16 +134,22 @@ def _check_instruction_room(engine: Engine, voice: Voice, instruct: str, config:
     try:
         engine.segment_cap(prompt, config.max_tokens)
     except ConfigError as e:
-        raise RequestProblem(f"instructions take {len(prompt.text_ids)} tokens and leave the model's KV cache of "
-                             f"{engine.kv_cache_positions} positions no room for the text to speak; shorten the "
-                             "instructions (or re-export the model with a larger --max-len)",
-                             "instructions_too_long") from e  # fmt: skip
+        raise RequestProblem(
+            f"instructions take {len(prompt.text_ids)} tokens and leave the model's KV cache of "
+            f"{engine.kv_cache_positions} positions no room for the text to speak; shorten the "
+            "instructions (or re-export the model with a larger --max-len)",
+            "instructions_too_long",
+        ) from e
 
 
 def _outcome(e: BaseException) -> str:
     """The metrics outcome of a synthesis that raised ``e``."""
-    kinds = ((ConfigError, "bad_request"), (AudioTooLong, "bad_request"), (TimedOut, "timeout"),
-             (Cancelled, "cancelled"))  # fmt: skip
+    kinds = (
+        (ConfigError, "bad_request"),
+        (AudioTooLong, "bad_request"),
+        (TimedOut, "timeout"),
+        (Cancelled, "cancelled"),
+    )
     for kind, outcome in kinds:
         if isinstance(e, kind):
             return outcome
@@ -149,8 +170,13 @@ def _as_api_error(e: BaseException, m: Any) -> Exception:
     if outcome == "cancelled":
         return ApiError(499, "the request was cancelled", "cancelled", "cancelled", counted=True)
     logger.error("synthesis failed: %s", e, exc_info=e)
-    return ApiError(500, f"synthesis failed ({type(e).__name__}); the server keeps running", "server_error",
-                    "synthesis_failed", counted=True)  # fmt: skip
+    return ApiError(
+        500,
+        f"synthesis failed ({type(e).__name__}); the server keeps running",
+        "server_error",
+        "synthesis_failed",
+        counted=True,
+    )
 
 
 def _release(state: Any, job: Job) -> None:
@@ -177,8 +203,16 @@ class _SpeechStream:
     """The body of one speech response, and the cleanup that must run exactly once however the response ends
     (finished, failed, client gone, or never started): free the slot, stop the worker, count the outcome."""
 
-    def __init__(self, first: bytes, chunks: AsyncIterator[bytes], job: Job, sse: bool, queue_wait: float,
-                 state: Any, watcher: asyncio.Task) -> None:  # fmt: skip
+    def __init__(
+        self,
+        first: bytes,
+        chunks: AsyncIterator[bytes],
+        job: Job,
+        sse: bool,
+        queue_wait: float,
+        state: Any,
+        watcher: asyncio.Task,
+    ) -> None:
         self.first, self.chunks, self.job, self.sse = first, chunks, job, sse
         self.queue_wait, self.state, self.watcher = queue_wait, state, watcher
         self.closed = False
@@ -208,9 +242,10 @@ class _SpeechStream:
             logger.warning("stream stopped: %s", e, exc_info=outcome == "error")
             if not self.sse:
                 raise StreamAborted(f"speech stream aborted: {e}") from e  # no final chunk: clients see truncation
-            kind, message, code = {"timeout": ("timeout", str(e), "timeout"),
-                                   "bad_request": ("invalid_request_error", str(e), "audio_too_long")}.get(
-                outcome, ("server_error", "synthesis failed", "synthesis_failed"))  # fmt: skip
+            kind, message, code = {
+                "timeout": ("timeout", str(e), "timeout"),
+                "bad_request": ("invalid_request_error", str(e), "audio_too_long"),
+            }.get(outcome, ("server_error", "synthesis failed", "synthesis_failed"))
             yield _sse({"type": "error", "error": {"message": message, "type": kind, "code": code}})
         finally:
             await self.close(outcome)

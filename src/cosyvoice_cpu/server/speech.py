@@ -45,24 +45,38 @@ class SpeechRequest(BaseModel):
         },
     )
 
-    model: str = Field(max_length=MAX_MODEL_CHARS, description="the served model id (GET /v1/models), its family "
-                       "name (cosyvoice2, ...) or an OpenAI name: tts-1, tts-1-hd, gpt-4o-mini-tts, "
-                       "gpt-4o-mini-tts-2025-12-15")  # fmt: skip
+    model: str = Field(
+        max_length=MAX_MODEL_CHARS,
+        description="the served model id (GET /v1/models), its family "
+        "name (cosyvoice2, ...) or an OpenAI name: tts-1, tts-1-hd, gpt-4o-mini-tts, "
+        "gpt-4o-mini-tts-2025-12-15",
+    )
     input: str = Field(description="text to speak")
-    voice: str = Field(max_length=MAX_VOICE_CHARS, description="a saved voice (GET /v1/audio/voices), or an OpenAI "
-                       "voice name (alloy, ...) when the server has a --default-voice")  # fmt: skip
+    voice: str = Field(
+        max_length=MAX_VOICE_CHARS,
+        description="a saved voice (GET /v1/audio/voices), or an OpenAI "
+        "voice name (alloy, ...) when the server has a --default-voice",
+    )
     instructions: str | None = Field(None, description="speaking instruction: instruct mode (e.g. 'Speak happily.')")
-    speed: float = Field(1.0, json_schema_extra={"minimum": 0.25, "maximum": 4.0}, description="speaking rate: "
-                         "0.25 to 4.0 is taken, and clamped to the 0.5 to 2.0 this server speaks at (the "
-                         "X-Speed-Clamped header says so)")  # fmt: skip
-    response_format: str = Field("mp3", max_length=16, description="mp3, opus (Ogg), flac, wav or pcm (16-bit "
-                                 "mono little-endian)")  # fmt: skip
+    speed: float = Field(
+        1.0,
+        json_schema_extra={"minimum": 0.25, "maximum": 4.0},
+        description="speaking rate: "
+        "0.25 to 4.0 is taken, and clamped to the 0.5 to 2.0 this server speaks at (the "
+        "X-Speed-Clamped header says so)",
+    )
+    response_format: str = Field(
+        "mp3", max_length=16, description="mp3, opus (Ogg), flac, wav or pcm (16-bit mono little-endian)"
+    )
     stream_format: Literal["audio", "sse"] = Field("audio", description="audio bytes, or server-sent events")
     # extensions
-    stream: bool = Field(True, description="true: synthesize chunk by chunk within sentences and send each chunk "
-                         "as it is made (low first-audio latency; wav and flac then carry an unknown length); "
-                         "false: a sentence at a time, and the whole file is sent at the end with its real "
-                         "length")  # fmt: skip
+    stream: bool = Field(
+        True,
+        description="true: synthesize chunk by chunk within sentences and send each chunk "
+        "as it is made (low first-audio latency; wav and flac then carry an unknown length); "
+        "false: a sentence at a time, and the whole file is sent at the end with its real "
+        "length",
+    )
     seed: int | None = Field(None, description="random seed: the same seed gives the same audio")
     flow_steps: int | None = Field(None, description="Euler steps of the flow (default 10; fewer = faster)")
     cfg_rate: float | None = None
@@ -78,8 +92,18 @@ class SpeechRequest(BaseModel):
         """The engine config: ``base`` with this request's fields and ``speed`` (the clamped one; validated:
         ConfigError names a bad field)."""
         changes: dict[str, Any] = {"speed": speed, "stream": self.stream}
-        for name in ("seed", "flow_steps", "cfg_rate", "first_chunk_tokens", "chunk_tokens", "top_p", "top_k",
-                     "win_size", "tau_r", "normalize"):  # fmt: skip
+        for name in (
+            "seed",
+            "flow_steps",
+            "cfg_rate",
+            "first_chunk_tokens",
+            "chunk_tokens",
+            "top_p",
+            "top_k",
+            "win_size",
+            "tau_r",
+            "normalize",
+        ):
             value = getattr(self, name)
             if value is not None:
                 changes[name] = value
@@ -133,11 +157,16 @@ class AudioBound:
     def problem(self, chars: int, speed: float) -> str:
         """The message of a request stopped at its bound."""
         limit = self.seconds(chars, speed)
-        rule = (f"{self.floor_s:g} s + {self.per_char_s:g} s per input character"
-                + (f" at speed {speed:g}" if speed != 1 else "") + f", at most {self.max_s:g} s")  # fmt: skip
-        return (f"the speech passed the server's limit of {limit:g} s of audio for {chars} characters of input "
-                f"({rule}: --max-audio-per-char, --max-audio-seconds) and was stopped: the model did not come to an "
-                "end on this text; split it into shorter requests, or try another seed")  # fmt: skip
+        rule = (
+            f"{self.floor_s:g} s + {self.per_char_s:g} s per input character"
+            + (f" at speed {speed:g}" if speed != 1 else "")
+            + f", at most {self.max_s:g} s"
+        )
+        return (
+            f"the speech passed the server's limit of {limit:g} s of audio for {chars} characters of input "
+            f"({rule}: --max-audio-per-char, --max-audio-seconds) and was stopped: the model did not come to an "
+            "end on this text; split it into shorter requests, or try another seed"
+        )
 
 
 class Admission:

@@ -43,9 +43,16 @@ def add_routes(app: Any, state: Any) -> None:
                 v = state.voices.get(name)
             except VoiceNotFoundError:  # deleted through another replica since the listing
                 continue
-            out.append({"id": name, "name": name, "prompt_text": v.prompt_text,
-                        "mode": "built-in" if v.builtin else "zero-shot" if v.prompt_text else "cross-lingual",
-                        "duration_s": round(v.duration, 2), "created": v.meta.get("created")})  # fmt: skip
+            out.append(
+                {
+                    "id": name,
+                    "name": name,
+                    "prompt_text": v.prompt_text,
+                    "mode": "built-in" if v.builtin else "zero-shot" if v.prompt_text else "cross-lingual",
+                    "duration_s": round(v.duration, 2),
+                    "created": v.meta.get("created"),
+                }
+            )
         return {"object": "list", "voices": out}
 
     @app.post(VOICES, status_code=201)
@@ -56,9 +63,11 @@ def add_routes(app: Any, state: Any) -> None:
         form = await _read_form(request, limit, settings.max_upload_mb)
         unknown = sorted(set(form.keys()) - set(FIELDS))
         if unknown:
-            raise RequestProblem(f"unknown form fields {unknown}; send name, file, prompt_text (the transcript; "
-                                 "'text' and 'transcript' are taken as its other names) and overwrite",
-                                 "unknown_field")  # fmt: skip
+            raise RequestProblem(
+                f"unknown form fields {unknown}; send name, file, prompt_text (the transcript; "
+                "'text' and 'transcript' are taken as its other names) and overwrite",
+                "unknown_field",
+            )
         name, upload = form.get("name"), form.get("file")
         text, overwrite = _transcript(form), form.get("overwrite", "false")
         if not isinstance(name, str) or not isinstance(text, str) or not isinstance(overwrite, str):
@@ -76,8 +85,9 @@ def add_routes(app: Any, state: Any) -> None:
             raise _too_large("the audio file", settings.max_upload_mb)
         replace = BOOLEANS[overwrite.strip().lower()]
         if name in state.voices.names() and not replace:
-            raise ApiError(409, f"a voice named {name!r} exists; DELETE it first or send overwrite=true",
-                           code="voice_exists")  # fmt: skip
+            raise ApiError(
+                409, f"a voice named {name!r} exists; DELETE it first or send overwrite=true", code="voice_exists"
+            )
         async with state.voice_lock:  # one voice at a time: the speech tokenizer is big
             loop = asyncio.get_running_loop()
             try:
@@ -96,8 +106,10 @@ def add_routes(app: Any, state: Any) -> None:
         """Delete a saved voice."""
         name = _checked_name(name)
         if name == settings.default_voice and name in state.voices.names():
-            message = (f"{name!r} is the server's default voice (--default-voice), which OpenAI's voice names speak "
-                       "with; restart the server with another default to delete it")  # fmt: skip
+            message = (
+                f"{name!r} is the server's default voice (--default-voice), which OpenAI's voice names speak "
+                "with; restart the server with another default to delete it"
+            )
             raise ApiError(409, message, code="voice_is_default")
         try:
             state.voices.remove(name)
@@ -116,8 +128,11 @@ def _transcript(form: Any) -> Any:
     given = {f: form.get(f) for f in TRANSCRIPT_FIELDS if f in form}
     values = {v for v in given.values() if isinstance(v, str)}
     if len(values) > 1:
-        raise RequestProblem(f"the transcript was sent twice with different text, as {' and '.join(given)}; send it "
-                             "once, as prompt_text", "invalid_field")  # fmt: skip
+        raise RequestProblem(
+            f"the transcript was sent twice with different text, as {' and '.join(given)}; send it "
+            "once, as prompt_text",
+            "invalid_field",
+        )
     return next(iter(given.values()), "")
 
 
@@ -149,5 +164,6 @@ async def _read_form(request: Request, limit: int, max_mb: float) -> Any:
     try:
         return await request.form(max_files=1, max_fields=8)
     except Exception as e:  # malformed multipart
-        raise RequestProblem(f"send multipart/form-data with fields name, file (audio) and prompt_text ({e})",
-                             "bad_upload") from e  # fmt: skip
+        raise RequestProblem(
+            f"send multipart/form-data with fields name, file (audio) and prompt_text ({e})", "bad_upload"
+        ) from e

@@ -32,8 +32,13 @@ class VoiceStore:
         builtin: the model's built-in speakers (CosyVoice-300M-SFT), served read-only beside the saved voices.
     """
 
-    def __init__(self, directory: str | Path | SharedStore, family: str, sample_rate: int,
-                 builtin: dict[str, Voice] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        directory: str | Path | SharedStore,
+        family: str,
+        sample_rate: int,
+        builtin: dict[str, Voice] | None = None,
+    ) -> None:
         if isinstance(directory, SharedStore):
             self.store = directory
         else:
@@ -71,8 +76,9 @@ class VoiceStore:
 
     def _check_writable(self, name: str) -> None:
         if name in self.builtin:
-            raise VoiceExistsError(f"{name!r} is a built-in speaker of the model; it cannot be replaced or deleted "
-                                   "(choose another name)")  # fmt: skip
+            raise VoiceExistsError(
+                f"{name!r} is a built-in speaker of the model; it cannot be replaced or deleted (choose another name)"
+            )
 
     def add(self, voice: Voice, overwrite: bool = False) -> Path:
         """Save ``voice`` under its name (atomically, create-if-absent unless ``overwrite``) for every replica."""

@@ -85,8 +85,9 @@ def prepare(
     return _generate(body, offset, tokenizer, doc_lang, norm, max_tokens)
 
 
-def _generate(body: str, offset: int, tokenizer: TextTokenizer, lang: Lang, norm: object,
-              max_tokens: int) -> Iterator[TextSegment]:  # fmt: skip
+def _generate(
+    body: str, offset: int, tokenizer: TextTokenizer, lang: Lang, norm: object, max_tokens: int
+) -> Iterator[TextSegment]:
     """The lazy part of :func:`prepare`."""
     count = 0
     for seg in iter_segments(body, tokenizer.encode, lang, norm, max_tokens=max_tokens):  # type: ignore[arg-type]

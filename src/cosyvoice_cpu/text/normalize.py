@@ -36,9 +36,19 @@ _ONES = (
 ).split()
 _TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
 _SCALES = (
-    "", "thousand", "million", "billion", "trillion", "quadrillion", "quintillion", "sextillion", "septillion",
-    "octillion", "nonillion", "decillion",
-)  # fmt: skip
+    "",
+    "thousand",
+    "million",
+    "billion",
+    "trillion",
+    "quadrillion",
+    "quintillion",
+    "sextillion",
+    "septillion",
+    "octillion",
+    "nonillion",
+    "decillion",
+)
 _ZH_DIGITS = "零一二三四五六七八九"
 
 

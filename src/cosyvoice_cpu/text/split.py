@@ -91,8 +91,9 @@ def iter_raw_pieces(text: str, lang: Lang, max_piece_chars: int = 2000) -> Itera
 class _Splitter:
     """State of one :func:`iter_segments` run."""
 
-    def __init__(self, encode: Encode, lang: Lang, max_tokens: int, token_max_n: int, token_min_n: int,
-                 merge_len: int) -> None:  # fmt: skip
+    def __init__(
+        self, encode: Encode, lang: Lang, max_tokens: int, token_max_n: int, token_min_n: int, merge_len: int
+    ) -> None:
         self.encode, self.lang, self.max_tokens = encode, lang, max_tokens
         self.token_max_n, self.token_min_n, self.merge_len = token_max_n, token_min_n, merge_len
 

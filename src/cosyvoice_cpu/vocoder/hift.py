@@ -82,8 +82,13 @@ class Vocoder:
         logger.debug("vocoder ready: %s, %s (%d threads)", paths[0].name, paths[1].name, config.threads)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, attrs: dict[str, Any], threads: int | SessionConfig = 1,
-                 window_frames: int = DEFAULT_WINDOW_FRAMES) -> Vocoder:  # fmt: skip
+    def from_dir(
+        cls,
+        model_dir: str | Path,
+        attrs: dict[str, Any],
+        threads: int | SessionConfig = 1,
+        window_frames: int = DEFAULT_WINDOW_FRAMES,
+    ) -> Vocoder:
         """The vocoder from the standard file names in an exported directory (``attrs``: ``hift_decode``'s)."""
         d = Path(model_dir)
         return cls(d / F0_FILE, d / DECODE_FILE, attrs, threads, window_frames)
@@ -107,8 +112,14 @@ class Vocoder:
 
         # the last window of a call long enough to be split gives the shared ORT arena's free memory back: ORT
         # keeps what a run grew it to, and a long sentence grows it past the usual (LM, flow, vocoder)
-        return decode_windows(run, mel, source, up, plan(mel.shape[2], self.window_frames, self.context),
-                              run_last=lambda m, s: run(m, s, shrink_options(self.config)))  # fmt: skip
+        return decode_windows(
+            run,
+            mel,
+            source,
+            up,
+            plan(mel.shape[2], self.window_frames, self.context),
+            run_last=lambda m, s: run(m, s, shrink_options(self.config)),
+        )
 
     def __call__(
         self,

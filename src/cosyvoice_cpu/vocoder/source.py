@@ -26,9 +26,21 @@ from cosyvoice_cpu.errors import ConfigError, ModelDirError
 _F32 = np.float32
 SINE_TYPES = ("v1", "v2", "v3")
 # attrs of the hift_decode artifact the runtime reads (see export.hift_graph.export_hift)
-REQUIRED_ATTRS = ("in_channels", "sampling_rate", "upsample", "nb_harmonics", "nsf_alpha", "nsf_sigma",
-                  "voiced_threshold", "sine_type", "istft_n_fft", "istft_hop", "audio_limit",
-                  "l_linear_weight", "l_linear_bias")  # fmt: skip
+REQUIRED_ATTRS = (
+    "in_channels",
+    "sampling_rate",
+    "upsample",
+    "nb_harmonics",
+    "nsf_alpha",
+    "nsf_sigma",
+    "voiced_threshold",
+    "sine_type",
+    "istft_n_fft",
+    "istft_hop",
+    "audio_limit",
+    "l_linear_weight",
+    "l_linear_bias",
+)
 
 
 class NoiseStream:
@@ -47,8 +59,9 @@ class NoiseStream:
     def take(self, a: int, b: int) -> np.ndarray:
         """Samples ``[a, b)``: ``(1, b - a, H)`` float32; ``a`` must be where the previous call ended."""
         if a != self._next or not a <= b <= self.length:
-            raise ConfigError(f"streamed source noise is read in order: samples [{a}, {b}) asked after {self._next} "
-                              f"of {self.length}")  # fmt: skip
+            raise ConfigError(
+                f"streamed source noise is read in order: samples [{a}, {b}) asked after {self._next} of {self.length}"
+            )
         self._next = b
         shape = (1, b - a, self.harmonics)
         return self.rng.random(shape, dtype=_F32) if self.uniform else self.rng.standard_normal(shape, dtype=_F32)
@@ -126,9 +139,17 @@ class SourceConfig:
         weight = np.asarray(attrs["l_linear_weight"], dtype=_F32).reshape(-1)
         if weight.size != int(attrs["nb_harmonics"]) + 1:
             raise ModelDirError(f"hift l_linear_weight has {weight.size} values, expected nb_harmonics + 1")
-        return cls(int(attrs["sampling_rate"]), int(attrs["upsample"]), weight.size, float(attrs["nsf_alpha"]),
-                   float(attrs["nsf_sigma"]), float(attrs["voiced_threshold"]), str(attrs["sine_type"]), weight,
-                   float(attrs["l_linear_bias"]))  # fmt: skip
+        return cls(
+            int(attrs["sampling_rate"]),
+            int(attrs["upsample"]),
+            weight.size,
+            float(attrs["nsf_alpha"]),
+            float(attrs["nsf_sigma"]),
+            float(attrs["voiced_threshold"]),
+            str(attrs["sine_type"]),
+            weight,
+            float(attrs["l_linear_bias"]),
+        )
 
 
 def nearest_index(start: int, stop: int, upsample: int) -> np.ndarray:

@@ -51,8 +51,9 @@ def check_window(window_frames: int) -> int:
         or not isinstance(window_frames, int)
         or (window_frames != 0 and window_frames < MIN_WINDOW_FRAMES)
     ):
-        raise ConfigError(f"vocoder window_frames must be 0 (never split) or an int >= {MIN_WINDOW_FRAMES}, "
-                          f"got {window_frames!r}")  # fmt: skip
+        raise ConfigError(
+            f"vocoder window_frames must be 0 (never split) or an int >= {MIN_WINDOW_FRAMES}, got {window_frames!r}"
+        )
     return window_frames
 
 

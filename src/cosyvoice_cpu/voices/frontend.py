@@ -79,17 +79,33 @@ class Frontend:
         m = self.manifest
         mel_cfg = m.mel
         wav_model = resample(wav16, FRONTEND_RATE, m.sample_rate)
-        mel = matcha_mel(wav_model, n_fft=mel_cfg["n_fft"], num_mels=mel_cfg["num_mels"],
-                         sampling_rate=mel_cfg["sampling_rate"], hop_size=mel_cfg["hop_size"],
-                         win_size=mel_cfg["win_size"], fmin=mel_cfg["fmin"], fmax=mel_cfg["fmax"])  # fmt: skip
+        mel = matcha_mel(
+            wav_model,
+            n_fft=mel_cfg["n_fft"],
+            num_mels=mel_cfg["num_mels"],
+            sampling_rate=mel_cfg["sampling_rate"],
+            hop_size=mel_cfg["hop_size"],
+            win_size=mel_cfg["win_size"],
+            fmin=mel_cfg["fmin"],
+            fmax=mel_cfg["fmax"],
+        )
         ratio = m.token_mel_ratio  # 0 for CosyVoice-300M: its flow stretches the prompt tokens to any mel length
         n_tokens = min(mel.shape[0] // ratio, tokens.shape[0]) if ratio else tokens.shape[0]
         if n_tokens < 1:
             raise ConfigError(f"the prompt gave no speech tokens ({duration:.1f} s); use a longer, clearer recording")
         n_mel = ratio * n_tokens if ratio else mel.shape[0]
         meta = {"duration_s": round(duration, 3), "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        voice = Voice(name, prompt_text.strip(), tokens[:n_tokens], mel[:n_mel], embedding,
-                      family=m.family, sample_rate=m.sample_rate, meta=meta)  # fmt: skip
-        logger.info("voice %r: %.1f s prompt, %d tokens, made in %.2f s", name, duration, n_tokens,
-                    time.perf_counter() - t0)  # fmt: skip
+        voice = Voice(
+            name,
+            prompt_text.strip(),
+            tokens[:n_tokens],
+            mel[:n_mel],
+            embedding,
+            family=m.family,
+            sample_rate=m.sample_rate,
+            meta=meta,
+        )
+        logger.info(
+            "voice %r: %.1f s prompt, %d tokens, made in %.2f s", name, duration, n_tokens, time.perf_counter() - t0
+        )
         return voice

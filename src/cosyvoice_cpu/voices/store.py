@@ -108,8 +108,13 @@ class DirectoryVoiceStore(VoiceStore):
         stale_after_s: temporary files older than this are removed at start whoever wrote them.
     """
 
-    def __init__(self, directory: str | Path, family: str | None = None, sample_rate: int | None = None,
-                 stale_after_s: float = STALE_AFTER_S) -> None:  # fmt: skip
+    def __init__(
+        self,
+        directory: str | Path,
+        family: str | None = None,
+        sample_rate: int | None = None,
+        stale_after_s: float = STALE_AFTER_S,
+    ) -> None:
         self.directory = Path(directory)
         self.location = str(self.directory)
         self.family, self.sample_rate = family, sample_rate
@@ -218,17 +223,22 @@ class DirectoryVoiceStore(VoiceStore):
         try:
             os.link(tmp, path)
         except FileExistsError:
-            raise VoiceExistsError(f"a voice named {path.stem!r} exists; delete it first or pass overwrite=true"
-                                   ) from None  # fmt: skip
+            raise VoiceExistsError(
+                f"a voice named {path.stem!r} exists; delete it first or pass overwrite=true"
+            ) from None
         except OSError as e:
             if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
                 raise
             # a filesystem without hard links: check, then rename (a concurrent upload of the same name may win)
-            logger.warning("%s has no hard links (%s): uploads of one new name at once are not exclusive",
-                           self.directory, e.strerror)  # fmt: skip
+            logger.warning(
+                "%s has no hard links (%s): uploads of one new name at once are not exclusive",
+                self.directory,
+                e.strerror,
+            )
             if path.exists():
-                raise VoiceExistsError(f"a voice named {path.stem!r} exists; delete it first or pass overwrite=true"
-                                       ) from None  # fmt: skip
+                raise VoiceExistsError(
+                    f"a voice named {path.stem!r} exists; delete it first or pass overwrite=true"
+                ) from None
             os.replace(tmp, path)
 
     def delete(self, name: str) -> None:

@@ -126,12 +126,16 @@ class Voice:
             return
         tokens, vocab = self.speech_tokens, family.speech_vocab
         if tokens.size == 0 or tokens.min() < 0 or tokens.max() >= vocab or self.mel.shape[0] == 0:
-            raise VoiceError(f"voice {self.name!r} has no valid speech tokens (ids in [0, {vocab})) or no mel; make "
-                             "it again from the prompt audio")  # fmt: skip
+            raise VoiceError(
+                f"voice {self.name!r} has no valid speech tokens (ids in [0, {vocab})) or no mel; make "
+                "it again from the prompt audio"
+            )
         ratio = family.mel_per_token
         if ratio and self.mel.shape[0] != ratio * tokens.size:
-            raise VoiceError(f"voice {self.name!r}: {self.mel.shape[0]} mel frames for {tokens.size} tokens (need "
-                             f"{ratio} per token); make it again from the prompt audio")  # fmt: skip
+            raise VoiceError(
+                f"voice {self.name!r}: {self.mel.shape[0]} mel frames for {tokens.size} tokens (need "
+                f"{ratio} per token); make it again from the prompt audio"
+            )
 
     @property
     def family_facts(self) -> FamilyFacts:
@@ -162,11 +166,22 @@ class Voice:
     # ------------------------------------------------------------------ files
 
     def to_bytes(self) -> bytes:
-        header = {"format": VOICE_FORMAT, "name": self.name, "prompt_text": self.prompt_text, "family": self.family,
-                  "sample_rate": self.sample_rate, "meta": self.meta}  # fmt: skip
+        header = {
+            "format": VOICE_FORMAT,
+            "name": self.name,
+            "prompt_text": self.prompt_text,
+            "family": self.family,
+            "sample_rate": self.sample_rate,
+            "meta": self.meta,
+        }
         buf = io.BytesIO()
-        np.savez(buf, header=np.array(json.dumps(header, ensure_ascii=False)), speech_tokens=self.speech_tokens,
-                 mel=self.mel, embedding=self.embedding)  # fmt: skip
+        np.savez(
+            buf,
+            header=np.array(json.dumps(header, ensure_ascii=False)),
+            speech_tokens=self.speech_tokens,
+            mel=self.mel,
+            embedding=self.embedding,
+        )
         return buf.getvalue()
 
     def save(self, path: str | Path) -> Path:
@@ -190,10 +205,17 @@ class Voice:
                 arrays = {k: z[k] for k in ("speech_tokens", "mel", "embedding")}
             if not isinstance(header, dict) or header.get("format") != VOICE_FORMAT:
                 version = header.get("format") if isinstance(header, dict) else "?"
-                raise VoiceError(f"{where} has voice format {version}, this version reads {VOICE_FORMAT}; "
-                                 "make the voice again")  # fmt: skip
-            return cls(str(header["name"]), str(header["prompt_text"]), family=str(header["family"]),
-                       sample_rate=int(header["sample_rate"]), meta=dict(header.get("meta", {})), **arrays)  # fmt: skip
+                raise VoiceError(
+                    f"{where} has voice format {version}, this version reads {VOICE_FORMAT}; make the voice again"
+                )
+            return cls(
+                str(header["name"]),
+                str(header["prompt_text"]),
+                family=str(header["family"]),
+                sample_rate=int(header["sample_rate"]),
+                meta=dict(header.get("meta", {})),
+                **arrays,
+            )
         except VoiceError:
             raise
         except (OSError, ValueError, TypeError, KeyError, zipfile.BadZipFile) as e:
