@@ -37,6 +37,11 @@ class FamilyFacts:
         oldest_readable: the oldest model-directory format version the runtime reads for this family.
         text_tokenizer: ``qwen2`` (BPE from ``CosyVoice-BlankEN``) or ``whisper`` (tiktoken, converted at export).
         model_names: the names a client may ask for this family by (lower case; the server's ``model`` field).
+        mix_ratio: (text, speech) tokens per group of the LM's interleaved text stream (the official
+            ``inference_bistream``: 5 text tokens, then 15 speech tokens), or None: the LM was not trained for a
+            text stream (CosyVoice-300M), whose text streams are spoken a sentence at a time.
+        fill_offset: the LM emits ``speech_token_size + fill_offset`` (its fill token) when it needs the next text
+            group (2 for CosyVoice2, 3 for Fun-CosyVoice3), or None.
     """
 
     name: str
@@ -56,6 +61,8 @@ class FamilyFacts:
     oldest_readable: int
     text_tokenizer: str
     model_names: tuple[str, ...]
+    mix_ratio: tuple[int, int] | None = None
+    fill_offset: int | None = None
 
     @property
     def mel_rate(self) -> float:
@@ -87,6 +94,8 @@ FACTS: tuple[FamilyFacts, ...] = (
         oldest_readable=3,
         text_tokenizer="qwen2",
         model_names=("cosyvoice2", "cosyvoice2-0.5b"),
+        mix_ratio=(5, 15),
+        fill_offset=2,
     ),
     FamilyFacts(
         name="cosyvoice",
@@ -125,6 +134,8 @@ FACTS: tuple[FamilyFacts, ...] = (
         oldest_readable=5,
         text_tokenizer="qwen2",
         model_names=("cosyvoice3", "fun-cosyvoice3", "fun-cosyvoice3-0.5b", "fun-cosyvoice3-0.5b-2512"),
+        mix_ratio=(5, 15),
+        fill_offset=3,
     ),
 )
 

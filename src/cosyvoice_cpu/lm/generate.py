@@ -84,7 +84,7 @@ class LMFacts:
         return int(n_text * self.min_token_text_ratio), int(n_text * self.max_token_text_ratio)
 
 
-def _ids(name: str, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+def token_ids(name: str, ids: Sequence[int] | np.ndarray) -> np.ndarray:
     """Token ids as int64 (T,); raise ConfigError unless they are a flat sequence of integers."""
     a = np.asarray(ids)
     if a.size == 0:
@@ -144,8 +144,8 @@ class SpeechTokenGenerator:
     ) -> np.ndarray:
         """The prefill input (T, D): ``[sos, text_emb(prompt_text ⊕ text), task_id, speech_emb(prompt_speech)]``
         (CosyVoice-300M: the text encoded, and a speaker row after sos when ``speaker`` is given; see lm_prompt)."""
-        text, prompt_text = _ids("text", text), _ids("prompt_text", prompt_text)
-        prompt_speech = _ids("prompt_speech", prompt_speech)
+        text, prompt_text = token_ids("text", text), token_ids("prompt_text", prompt_text)
+        prompt_speech = token_ids("prompt_speech", prompt_speech)
         need = self.facts.endofprompt_id
         if need is not None and not (np.any(text == need) or np.any(prompt_text == need)):
             raise ConfigError(
@@ -197,7 +197,7 @@ class SpeechTokenGenerator:
             speaker: (192,) x-vector the LM is conditioned on (CosyVoice-300M; None for CosyVoice2 and for v1's
                 instruct mode).
         """
-        text, prompt_text = _ids("text", text), _ids("prompt_text", prompt_text)
+        text, prompt_text = token_ids("text", text), token_ids("prompt_text", prompt_text)
         if text.size == 0:
             raise ConfigError("text is empty: give at least one text token to speak")
         sampling = sampling or self.sampling
