@@ -42,6 +42,8 @@ class FamilyFacts:
             text stream (CosyVoice-300M), whose text streams are spoken a sentence at a time.
         fill_offset: the LM emits ``speech_token_size + fill_offset`` (its fill token) when it needs the next text
             group (2 for CosyVoice2, 3 for Fun-CosyVoice3), or None.
+        languages: the languages its released models speak, as ISO 639 codes (``yue``: Cantonese), from the
+            official model cards; what the Wyoming server advertises and checks a request's language against.
     """
 
     name: str
@@ -63,6 +65,7 @@ class FamilyFacts:
     model_names: tuple[str, ...]
     mix_ratio: tuple[int, int] | None = None
     fill_offset: int | None = None
+    languages: tuple[str, ...] = ()
 
     @property
     def mel_rate(self) -> float:
@@ -96,6 +99,7 @@ FACTS: tuple[FamilyFacts, ...] = (
         model_names=("cosyvoice2", "cosyvoice2-0.5b"),
         mix_ratio=(5, 15),
         fill_offset=2,
+        languages=("zh", "en", "ja", "ko", "yue"),
     ),
     FamilyFacts(
         name="cosyvoice",
@@ -115,6 +119,7 @@ FACTS: tuple[FamilyFacts, ...] = (
         oldest_readable=3,
         text_tokenizer="whisper",
         model_names=("cosyvoice", "cosyvoice-300m", "cosyvoice-300m-sft", "cosyvoice-300m-instruct"),
+        languages=("zh", "en", "ja", "ko", "yue"),  # the LM's language tags <|zh|> <|en|> <|ja|> <|ko|> <|yue|>
     ),
     FamilyFacts(
         name="cosyvoice3",
@@ -136,6 +141,7 @@ FACTS: tuple[FamilyFacts, ...] = (
         model_names=("cosyvoice3", "fun-cosyvoice3", "fun-cosyvoice3-0.5b", "fun-cosyvoice3-0.5b-2512"),
         mix_ratio=(5, 15),
         fill_offset=3,
+        languages=("zh", "en", "ja", "ko", "de", "es", "fr", "it", "ru", "yue"),
     ),
 )
 

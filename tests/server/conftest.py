@@ -70,3 +70,29 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield srv
     finally:
         srv.stop()
+
+
+@dataclass
+class WyomingServer:
+    """``serve --wyoming``: the HTTP server (with voice ``demo``) and its Wyoming port on loopback."""
+
+    http: Server
+    port: int
+
+
+WYOMING_FLAGS = "--max-active 2 --max-queue 2 --max-input-chars 300 --samples-per-chunk 512 --idle-timeout 2".split()
+
+
+@pytest.fixture(scope="session")
+def wyoming_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WyomingServer]:
+    """One ``serve --wyoming`` process for the Wyoming tests: 2 syntheses at once and 2 waiting (both protocols),
+    at most 300 characters a request, 512-sample audio chunks, connections idle for 2 s closed."""
+    pytest.importorskip("wyoming")
+    from cosyvoice_cpu.server.process import free_port
+
+    port = free_port()
+    srv = start_with_voice(tmp_path_factory.mktemp("wyoming"), "--wyoming", f"tcp://127.0.0.1:{port}", *WYOMING_FLAGS)
+    try:
+        yield WyomingServer(srv, port)
+    finally:
+        srv.stop()

@@ -37,6 +37,8 @@ CASES: dict[str, tuple[list[list[str]], dict[str, object]]] = {
               {"model": Path("D"), "runs": 1}),
     "serve": ([["serve", "--port", "9", "-m", "D"], ["serve", "-m", "D", "--port", "9"]],
               {"model": Path("D"), "port": 9}),
+    "wyoming": ([["wyoming", "--zeroconf", "-m", "D"], ["wyoming", "-m", "D", "--zeroconf", "hall"]],
+                {"model": Path("D")}),
     "doctor": ([["doctor", "--quick", "-m", "D"], ["doctor", "-m", "D", "--quick"]],
                {"model": Path("D"), "quick": True}),
     "demo": ([["demo", "--seed", "2", "-o", "x.wav"], ["demo", "-o", "x.wav", "--seed", "2"]],

@@ -297,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     from cosyvoice_cpu.cli.serve import add_parser as add_serve
 
     add_serve(sub, _positive, _non_negative)
+    from cosyvoice_cpu.cli.wyoming import add_parser as add_wyoming
+
+    add_wyoming(sub, _positive, _non_negative)
 
     h = sub.add_parser("doctor", help="check this machine (CPU features, cores, memory) and optionally a model")
     h.add_argument("-m", "--model", type=Path, help="also check an exported model directory")

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from cosyvoice_cpu.cli.common import add_backend_args
-from cosyvoice_cpu.errors import MissingExtraError
+from cosyvoice_cpu.errors import ConfigError, MissingExtraError
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +51,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         compiled_shapes=args.compiled_shapes,
     )
     if args.replicas != 1 or args.ray_address:
+        if args.wyoming:
+            raise ConfigError("--wyoming runs in the one serving process: not with --replicas or --ray-address")
         return _serve_replicas(args, settings, engine_config)
+    wyoming = None
+    if args.wyoming:  # checked before the model loads
+        from cosyvoice_cpu.cli.wyoming import wyoming_options
+        from cosyvoice_cpu.server.wyoming import need_wyoming
+
+        need_wyoming()
+        wyoming = wyoming_options(args, args.wyoming).validate(settings.max_input_chars)
+        if wyoming.scheme == "stdio":
+            raise ConfigError("serve --wyoming takes tcp:// or unix:// (stdio:// is for `cosyvoice-cpu wyoming`)")
     engine = Engine.load(args.model, engine_config)
     app = create_app(engine, settings)
+    if wyoming is not None:
+        from cosyvoice_cpu.server.wyoming import WyomingService
+
+        state = app.state.cosyvoice
+        state.services.append(WyomingService(state, wyoming))  # started and stopped by the app's lifespan
     if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
         logger.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)", args.host)
     print(
@@ -247,6 +263,16 @@ def add_parser(sub: argparse._SubParsersAction, positive: type, non_negative: ty
     s.add_argument("--voices", type=Path, help="saved-voices directory (shared with `cosyvoice-cpu voice`)")
     s.add_argument("--model-id", help="model id in /v1/models (default: the model directory's name)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    w = s.add_argument_group("the Wyoming protocol beside the HTTP API (the [wyoming] extra; docs/wyoming.md)")
+    w.add_argument(
+        "--wyoming",
+        metavar="URI",
+        help="also serve the Wyoming protocol (Home Assistant) on tcp://HOST:PORT or unix://PATH, on the same "
+        "engine, voices and --max-active/--max-queue",
+    )
+    from cosyvoice_cpu.cli.wyoming import add_wyoming_flags
+
+    add_wyoming_flags(w, positive)
     r = s.add_argument_group("replicas on Ray Serve (the [ray] extra; docs/deploy.md)")
     r.add_argument(
         "--replicas",

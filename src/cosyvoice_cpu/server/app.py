@@ -121,6 +121,7 @@ class State:
         self.started = time.time()
         self.jobs: set[Any] = set()  # running syntheses (server.speech.Job), cancelled at shutdown
         self.replica = ReplicaInfo()  # which replica answers (create_app sets it)
+        self.services: list[Any] = []  # more servers on this state (Wyoming): start()/stop() in the lifespan
 
 
 def _rss_bytes() -> int:
@@ -172,8 +173,12 @@ def create_app(engine: Any, settings: ServerSettings, replica: ReplicaInfo | Non
         state.admission = Admission(settings.max_active, settings.max_queue)
         state.voice_lock = asyncio.Lock()
         logger.info("serving %s (%d voices) with %d workers", state.model_id, len(state.voices), settings.max_active)
+        for service in state.services:
+            await service.start()
         yield
         state.admission.draining = True
+        for service in state.services:
+            await service.stop()
         for job in list(state.jobs):  # running syntheses stop at their next token instead of holding the exit
             job.cancel.set()
         state.executor.shutdown(wait=False)
