@@ -5,7 +5,7 @@ agreement and KL against the PyTorch reference, file size, and prefill / decode 
 
 Exports the fp32 LM of the random-weight fixture (``cosyvoice-cpu fixture`` layout, written if missing) to a
 temporary directory, quantizes it both ways with the recipe's own ``quantize_nbits``, scores each with
-``export.lm_graph.compare_lm`` (teacher-forced steps after a random prompt), then times a 100-position prefill and
+``export.lm.common.compare_lm`` (teacher-forced steps after a random prompt), then times a 100-position prefill and
 50 decode steps per run, the two graphs taking turns (medians; 2 threads).
 """
 
@@ -27,7 +27,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     args = ap.parse_args()
     from cosyvoice_cpu.cli.main import cache_dir
-    from cosyvoice_cpu.export.lm_graph import _open, compare_lm, export_lm
+    from cosyvoice_cpu.export.lm.common import open_graph
+    from cosyvoice_cpu.export.lm.cosyvoice2 import GATE, compare_lm, export_lm
     from cosyvoice_cpu.export.quantize import quantize_nbits
     from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
     from cosyvoice_cpu.reference.model_dir import load_reference
@@ -47,7 +48,7 @@ def main() -> None:
             mb = sum(p.stat().st_size for p in out.glob(f"{name}*")) / 1e6
             print(f"block {block:3d}: agreement {r['agreement']:.4f}, mean KL {r['mean_kl']:.3g}, "
                   f"logp max rel err {r['max_rel_err']:.3g}, {mb:.1f} MB")  # fmt: skip
-            sessions[block] = _open(lm, out, name)[0]
+            sessions[block] = open_graph(lm, out, name, GATE)[0]
         embeds = (np.random.default_rng(0).standard_normal((100, lm.cfg.qwen.hidden_size)) * 0.02).astype(np.float32)
         times: dict[int, dict[str, list[float]]] = {b: {"prefill": [], "step": []} for b in sessions}
         for _ in range(args.runs):

@@ -170,7 +170,7 @@ def main() -> None:
     import torch
     import transformers
 
-    from cosyvoice_cpu.fixtures.weights_v3 import write_cosyvoice3_lm_files
+    from cosyvoice_cpu.fixtures.weights.cosyvoice3 import write_cosyvoice3_lm_files
 
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="v3golden."))

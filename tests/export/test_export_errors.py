@@ -108,7 +108,7 @@ def test_missing_export_dependency_is_named_before_any_work(
 def test_unexpected_failures_become_one_line_errors_naming_the_step(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import cosyvoice_cpu.export.flow_graph as flow_graph
+    import cosyvoice_cpu.export.flow.cosyvoice2 as flow_graph
 
     def boom(*args, **kwargs):
         raise RuntimeError("tracer exploded\nsecond line")

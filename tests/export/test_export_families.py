@@ -45,17 +45,17 @@ def test_source_files_come_from_the_facts(family: str, required: tuple[str, ...]
 @pytest.mark.parametrize(
     ("family", "modules", "lm_graphs", "flow_graphs"),
     [
-        ("cosyvoice2", ("lm_graph", "flow_graph", "hift_graph"), {"lm"},
+        ("cosyvoice2", ("lm.cosyvoice2", "flow.cosyvoice2", "hift.cosyvoice"), {"lm"},
          {"flow_estimator", "flow_estimator_stream", "flow_encoder"}),
-        ("cosyvoice", ("lm_graph_v1", "flow_graph_v1", "hift_graph"), {"lm", "lm_text_encoder"},
+        ("cosyvoice", ("lm.cosyvoice", "flow.cosyvoice", "hift.cosyvoice"), {"lm", "lm_text_encoder"},
          {"flow_estimator", "flow_encoder"}),
-        ("cosyvoice3", ("lm_graph_v3", "flow_graph_v3", "hift_graph_v3"), {"lm"},
+        ("cosyvoice3", ("lm.cosyvoice3", "flow.cosyvoice3", "hift.cosyvoice3"), {"lm"},
          {"flow_estimator", "flow_estimator_stream", "flow_encoder", "flow_time"}),
     ],
 )  # fmt: skip
 def test_each_family_names_its_graph_modules(family: str, modules: tuple, lm_graphs: set, flow_graphs: set) -> None:
     plans = export_family(family).plans
-    assert tuple(p.graphs().__name__.rsplit(".", 1)[1] for p in plans) == modules
+    assert tuple(p.graphs().__name__.removeprefix("cosyvoice_cpu.export.") for p in plans) == modules
     assert [p.ref for p in plans] == ["lm", "flow", "hift"]
     assert set(plans[0].quantized) == lm_graphs and set(plans[1].quantized) == flow_graphs
     assert plans[2].quantized == {"hift_decode": "hift"}
@@ -83,7 +83,9 @@ def test_v3_manifest_lm_facts() -> None:
     assert export_family("cosyvoice2").lm_facts(cfg) == export_family("cosyvoice").lm_facts(cfg) == {}
 
 
-@pytest.mark.parametrize("name", ["exporter.py", "stages.py", "lm_graph.py", "lm_graph_v1.py", "lm_graph_v3.py"])
+@pytest.mark.parametrize(
+    "name", ["exporter.py", "stages.py", "lm/common.py", "lm/cosyvoice.py", "lm/cosyvoice2.py", "lm/cosyvoice3.py"]
+)
 def test_the_export_never_tests_a_family_name(name: str) -> None:
     source = (EXPORT / name).read_text(encoding="utf-8")
     assert not re.findall(r"family *(==|!=|in |not in)|\.family *(==|!=)|hasattr\(", source)

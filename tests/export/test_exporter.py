@@ -134,7 +134,7 @@ def test_failed_gate_discards_the_export_and_keeps_the_old_one(
     dst = tmp_path / "model"
     shutil.copytree(exported, dst)
     before = (dst / MANIFEST_NAME).read_bytes()
-    import cosyvoice_cpu.export.hift_graph as hift_graph
+    import cosyvoice_cpu.export.hift.cosyvoice as hift_graph
 
     failing = [GateResult("hift_decode", "decode max rel err", 0.5, 1e-5)]
     monkeypatch.setattr(hift_graph, "verify_hift", lambda *a, **k: failing)

@@ -15,7 +15,7 @@ from cosyvoice_cpu.backends.base import SessionConfig
 from cosyvoice_cpu.backends.onnxruntime import make_session
 from cosyvoice_cpu.errors import ModelDirError
 from cosyvoice_cpu.export.common import rel_err
-from cosyvoice_cpu.export.flow_graph import FILES, export_flow, verify_flow
+from cosyvoice_cpu.export.flow.cosyvoice2 import FILES, export_flow, verify_flow
 from cosyvoice_cpu.flow.stage import FlowStage
 from cosyvoice_cpu.hardware.cpu import read_cpuinfo
 from cosyvoice_cpu.reference.model_dir import load_reference
@@ -92,7 +92,7 @@ def test_artifact_contracts(flow, tmp_path: Path) -> None:
     assert stream.outputs[1].shape == [layers, "batch", "kept_frames", width]
     noise = np.load(tmp_path / "flow_noise.npy")
     assert noise.shape == (1, 80, 15000) and noise.dtype == np.float32
-    from cosyvoice_cpu.reference.cfm import official_fixed_noise
+    from cosyvoice_cpu.reference.flow.cfm import official_fixed_noise
 
     assert np.array_equal(noise, official_fixed_noise().numpy())
 
@@ -142,8 +142,8 @@ def test_encoder_relative_shift_is_a_strided_view(flow, flow_dir: Path, stage: F
     definition ``out[i, j] = scores[i, T-1-i+j]`` for every length, one token included (empty strides)."""
     import onnx
 
-    from cosyvoice_cpu.export.flow_graph import EncoderGraph
-    from cosyvoice_cpu.reference.flow_encoder import pad_rel_rows, rel_shift
+    from cosyvoice_cpu.export.flow.cosyvoice2 import EncoderGraph
+    from cosyvoice_cpu.reference.flow.encoder import pad_rel_rows, rel_shift
 
     gen = torch.Generator().manual_seed(0)
     for size in (1, 2, 5, 33):
@@ -169,8 +169,8 @@ def test_encoder_attention_in_query_blocks_is_the_same_attention(flow_dir: Path)
     for lengths below the block count (empty blocks) and above, with the full and the chunk-causal masks."""
     import onnx
 
-    from cosyvoice_cpu.export.flow_graph import ENCODER_QUERY_BLOCKS
-    from cosyvoice_cpu.reference.flow_encoder import RelPositionAttention, chunk_mask, relative_position_encoding
+    from cosyvoice_cpu.export.flow.common import ENCODER_QUERY_BLOCKS
+    from cosyvoice_cpu.reference.flow.encoder import RelPositionAttention, chunk_mask, relative_position_encoding
 
     gen = torch.Generator().manual_seed(0)
     att = RelPositionAttention(4, 32).eval()

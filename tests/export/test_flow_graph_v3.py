@@ -15,7 +15,7 @@ import torch
 
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import rel_err
-from cosyvoice_cpu.export.flow_graph_v3 import FILES, export_flow, settings_of, verify_flow
+from cosyvoice_cpu.export.flow.cosyvoice3 import FILES, export_flow, settings_of, verify_flow
 from cosyvoice_cpu.flow.stage import FlowStage
 from cosyvoice_cpu.flow.stage_v3 import FlowStageV3
 from cosyvoice_cpu.flow.stream_v3 import FlowStreamV3, PromptCacheV3
@@ -151,7 +151,7 @@ def test_the_time_table_is_made_once_per_schedule_and_its_graph_closed(flow, flo
     and its session is dropped at once: a synthesizing process never holds those weights."""
     import weakref
 
-    from cosyvoice_cpu.export.flow_stream_graph_v3 import DiTRun
+    from cosyvoice_cpu.export.flow.cosyvoice3_stream import DiTRun
     from cosyvoice_cpu.flow import stage_v3 as flow_v3
 
     opened: list[weakref.ref] = []

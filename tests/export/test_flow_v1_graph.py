@@ -16,10 +16,10 @@ import torch.nn.functional as F
 
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import rel_err
-from cosyvoice_cpu.export.flow_graph_v1 import export_flow, settings_of, verify_flow
+from cosyvoice_cpu.export.flow.cosyvoice import export_flow, settings_of, verify_flow
 from cosyvoice_cpu.flow.stage_v1 import FILES, FlowStageV1, frames_for_tokens, interpolation_matrix, stretch_matrix
 from cosyvoice_cpu.flow.stream_v1 import FlowStreamV1
-from cosyvoice_cpu.reference import length_regulator
+from cosyvoice_cpu.reference.flow import length_regulator
 from cosyvoice_cpu.reference.model_dir import load_reference
 
 # Measured (fp32 ORT vs torch, 1 thread, tiny fixture): encoder mu 5.6e-7 .. 6.4e-7, estimator 8.7e-7 .. 1.1e-6,

@@ -23,7 +23,7 @@ from cosyvoice_cpu.export.fused_ops import (
     unbiased_when_zero,
     unmasked_when_unpadded,
 )
-from cosyvoice_cpu.reference.flow_estimator import MASK_BIAS, SelfAttention, TransformerBlock
+from cosyvoice_cpu.reference.flow.causal_unet import MASK_BIAS, SelfAttention, TransformerBlock
 
 
 def test_exp_mish_equals_mish_everywhere() -> None:

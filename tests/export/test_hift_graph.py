@@ -18,7 +18,7 @@ import torch
 
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.export.common import rel_err
-from cosyvoice_cpu.export.hift_graph import (
+from cosyvoice_cpu.export.hift.cosyvoice import (
     DECODE_FILE,
     F0_FILE,
     decode_context,
@@ -27,8 +27,8 @@ from cosyvoice_cpu.export.hift_graph import (
     quantize_hift_weights_int8,
     verify_hift,
 )
-from cosyvoice_cpu.reference.hift import HiFT, HiFTConfig
-from cosyvoice_cpu.reference.hift_source import SourceNoise
+from cosyvoice_cpu.reference.hift.cosyvoice import HiFT, HiFTConfig
+from cosyvoice_cpu.reference.hift.source import SourceNoise
 from cosyvoice_cpu.reference.model_dir import load_reference
 from cosyvoice_cpu.vocoder import hift as V
 from cosyvoice_cpu.vocoder import source as S

@@ -17,11 +17,11 @@ import torch
 
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import rel_err
-from cosyvoice_cpu.export.hift_graph import quantize_hift_weights_int8
-from cosyvoice_cpu.export.hift_graph_v3 import export_hift, receptive_field_frames, verify_hift
+from cosyvoice_cpu.export.hift.cosyvoice import quantize_hift_weights_int8
+from cosyvoice_cpu.export.hift.cosyvoice3 import export_hift, receptive_field_frames, verify_hift
 from cosyvoice_cpu.export.stages import QUANT_TOLERANCE
-from cosyvoice_cpu.reference.hift_source import SourceNoise
-from cosyvoice_cpu.reference.hift_v3 import CausalHiFT
+from cosyvoice_cpu.reference.hift.cosyvoice3 import CausalHiFT
+from cosyvoice_cpu.reference.hift.source import SourceNoise
 from cosyvoice_cpu.vocoder import hift as V
 from cosyvoice_cpu.vocoder import source as S
 from cosyvoice_cpu.vocoder.causal_stream import CausalVocoderStream
@@ -183,8 +183,8 @@ def test_stream_latency_and_context(voiced) -> None:
 
 
 def test_errors(voiced, tmp_path: Path) -> None:
-    from cosyvoice_cpu.export.hift_graph import export_hift as export_v2
-    from cosyvoice_cpu.reference.hift import HiFT, HiFTConfig
+    from cosyvoice_cpu.export.hift.cosyvoice import export_hift as export_v2
+    from cosyvoice_cpu.reference.hift.cosyvoice import HiFT, HiFTConfig
 
     model, out, artifacts = voiced
     voc = V.Vocoder.from_dir(out, artifacts[1].attrs)

@@ -20,7 +20,7 @@ RTOL = 1e-5  # fp32 graph vs reference measured ~2e-7
 @pytest.fixture(scope="module")
 def exported(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """(reference Qwen2LM, model directory with lm.onnx, GraphArtifact)."""
-    from cosyvoice_cpu.export.lm_graph import export_lm
+    from cosyvoice_cpu.export.lm.cosyvoice2 import export_lm
     from cosyvoice_cpu.reference.model_dir import load_reference
 
     lm = load_reference(tiny_model_dir, stages=("lm",)).lm.eval()
@@ -51,7 +51,8 @@ def test_artifact_and_files(exported) -> None:
 
 
 def test_verify_gates_pass(exported) -> None:
-    from cosyvoice_cpu.export.lm_graph import FP32_TOLERANCES, verify_lm
+    from cosyvoice_cpu.export.lm.common import FP32_TOLERANCES
+    from cosyvoice_cpu.export.lm.cosyvoice2 import verify_lm
 
     lm, out, _ = exported
     results = verify_lm(lm, out)
@@ -173,7 +174,7 @@ def test_quantizers_accept_the_graph(exported) -> None:
     from onnxruntime.quantization import QuantType, quantize_dynamic
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    from cosyvoice_cpu.export.lm_graph import compare_lm, verify_lm
+    from cosyvoice_cpu.export.lm.cosyvoice2 import compare_lm, verify_lm
 
     lm, out, _ = exported
     quantize_dynamic(out / "lm.onnx", out / "lm.int8.onnx", op_types_to_quantize=["MatMul"], per_channel=True,

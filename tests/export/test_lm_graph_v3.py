@@ -19,7 +19,7 @@ S = 6561  # speech tokens; sos S, eos S + 1, task_id S + 2; 200 specials in all
 @pytest.fixture(scope="module")
 def v3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The LM part of the tiny v3 fixture (yaml, CosyVoice-BlankEN, llm.pt), seed 0."""
-    from cosyvoice_cpu.fixtures.weights_v3 import write_cosyvoice3_lm_files
+    from cosyvoice_cpu.fixtures.weights.cosyvoice3 import write_cosyvoice3_lm_files
 
     d = tmp_path_factory.mktemp("v3") / "tiny-v3-lm"
     write_cosyvoice3_lm_files(d, "tiny", 0)
@@ -29,7 +29,7 @@ def v3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def exported(v3_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """(reference CosyVoice3LM, directory with lm.onnx and the tables, GraphArtifact)."""
-    from cosyvoice_cpu.export.lm_graph_v3 import export_lm
+    from cosyvoice_cpu.export.lm.cosyvoice3 import export_lm
     from cosyvoice_cpu.reference.model_dir import load_reference
 
     lm = load_reference(v3_dir, ("lm",)).lm.eval()
@@ -68,7 +68,7 @@ def test_artifact_tables_and_attrs(exported) -> None:
 
 
 def test_export_refuses_other_families(tmp_path: Path) -> None:
-    from cosyvoice_cpu.export.lm_graph_v3 import export_lm, verify_lm
+    from cosyvoice_cpu.export.lm.cosyvoice3 import export_lm, verify_lm
 
     v2_like = SimpleNamespace(cfg=SimpleNamespace(), llm_decoder=SimpleNamespace(bias=object()))
     for call in (lambda: export_lm(v2_like, tmp_path), lambda: verify_lm(v2_like, tmp_path)):
@@ -77,8 +77,8 @@ def test_export_refuses_other_families(tmp_path: Path) -> None:
 
 
 def test_fp32_gates_pass(exported) -> None:
-    from cosyvoice_cpu.export.lm_graph import FP32_TOLERANCES
-    from cosyvoice_cpu.export.lm_graph_v3 import compare_lm, verify_lm
+    from cosyvoice_cpu.export.lm.common import FP32_TOLERANCES
+    from cosyvoice_cpu.export.lm.cosyvoice3 import compare_lm, verify_lm
 
     lm, out, _ = exported
     results = verify_lm(lm, out, seed=3)
@@ -93,7 +93,7 @@ def test_quantized_gates_pass(exported, precision: str) -> None:
     """The recipe's quantizers (as export/stages.py calls them) on the v3 graph, gated by v3's tolerances."""
     import onnx
 
-    from cosyvoice_cpu.export.lm_graph_v3 import QUANT_TOLERANCE, verify_lm
+    from cosyvoice_cpu.export.lm.cosyvoice3 import QUANT_TOLERANCE, verify_lm
     from cosyvoice_cpu.export.quantize import quantize_int8_dynamic, quantize_nbits
 
     lm, out, a = exported
@@ -137,7 +137,7 @@ PROMPT_SPEECH = [int(t) for t in RNG.integers(0, S, 10)]
 
 def _both(lm, session, seed: int, lift_row: int | None = None, lift: float = 0.0, facts: dict | None = None):
     """(runtime tokens, the runtime TokenRequest, reference tokens) for the same prompt and RngDraw(seed) uniforms."""
-    from cosyvoice_cpu.export.lm_graph_v3 import lm_facts_v3
+    from cosyvoice_cpu.export.lm.cosyvoice3 import lm_facts_v3
     from cosyvoice_cpu.lm.generate import LMFacts, SpeechTokenGenerator
     from cosyvoice_cpu.lm.sampling import RngDraw
 
@@ -199,7 +199,7 @@ def test_sos_is_masked_until_min_len(exported, session, seed: int) -> None:
 
 
 def test_facts_defaults_and_the_endofprompt_rule(exported, session) -> None:
-    from cosyvoice_cpu.export.lm_graph_v3 import lm_facts_v3
+    from cosyvoice_cpu.export.lm.cosyvoice3 import lm_facts_v3
     from cosyvoice_cpu.lm.generate import LMFacts, SpeechTokenGenerator
 
     v2 = {"speech_token_size": S, "eos_id": S, "stop_ids": [S, S + 1, S + 2], "min_token_text_ratio": 2,
@@ -224,7 +224,7 @@ def test_facts_defaults_and_the_endofprompt_rule(exported, session) -> None:
 
 def test_silence_filter_equals_the_reference() -> None:
     from cosyvoice_cpu.lm.silence import MAX_SILENT_RUN, SILENT_TOKENS, SilentRunFilter, drop_long_silences
-    from cosyvoice_cpu.reference import lm_v3
+    from cosyvoice_cpu.reference.lm import cosyvoice3 as lm_v3
 
     assert (SILENT_TOKENS, MAX_SILENT_RUN) == (lm_v3.SILENT_TOKENS, lm_v3.MAX_SILENT_RUN)
     rng = np.random.default_rng(0)
@@ -247,7 +247,7 @@ def test_silence_filter_equals_the_reference() -> None:
 
 
 def test_tokenizer_export_matches_the_reference(v3_dir: Path, tmp_path: Path, monkeypatch) -> None:
-    from cosyvoice_cpu.export.tokenizer_v3 import export_tokenizer_v3
+    from cosyvoice_cpu.export.tokenizer.cosyvoice3 import export_tokenizer_v3
     from cosyvoice_cpu.reference.tokenizer import COSYVOICE3_SPECIALS, CosyVoice3Tokenizer
     from cosyvoice_cpu.text.tokenizer import TextTokenizer
 
@@ -269,6 +269,6 @@ def test_tokenizer_export_matches_the_reference(v3_dir: Path, tmp_path: Path, mo
     ]
     for s in strings:
         assert ours.encode(s) == ref.encode(s), s
-    monkeypatch.setattr("cosyvoice_cpu.reference.lm_v3.ENDOFPROMPT_ID", 5)
+    monkeypatch.setattr("cosyvoice_cpu.reference.lm.cosyvoice3.ENDOFPROMPT_ID", 5)
     with pytest.raises(ExportError, match="hard-codes 5"):
         export_tokenizer_v3(blank, tmp_path / "again")

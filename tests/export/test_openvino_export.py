@@ -149,8 +149,8 @@ def test_the_other_families_export_a_gated_bf16_model(family: str, request: pyte
 def test_the_v1_openvino_graph_pads_exactly_where_the_official_one_does_not(tiny_v1_model_dir: Path) -> None:
     import torch
 
-    from cosyvoice_cpu.export.flow_graph import estimator_inputs
-    from cosyvoice_cpu.export.flow_graph_v1 import EstimatorGraphV1, padded_estimator_graph
+    from cosyvoice_cpu.export.flow.common import estimator_inputs
+    from cosyvoice_cpu.export.flow.cosyvoice import EstimatorGraphV1, padded_estimator_graph
     from cosyvoice_cpu.reference.model_dir import load_reference
 
     est = load_reference(tiny_v1_model_dir, ("flow",)).flow.decoder.estimator.eval()

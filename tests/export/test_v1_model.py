@@ -22,7 +22,7 @@ from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.exporter import ExportOptions, export_model
 from cosyvoice_cpu.lm.sampling import RngDraw
 from cosyvoice_cpu.manifest import Manifest
-from cosyvoice_cpu.reference.hift_source import SourceNoise as TorchNoise
+from cosyvoice_cpu.reference.hift.source import SourceNoise as TorchNoise
 from cosyvoice_cpu.reference.model_dir import load_reference, load_speakers
 from cosyvoice_cpu.vocoder.source import SourceNoise
 

@@ -21,7 +21,7 @@ from cosyvoice_cpu.facts import facts
 from cosyvoice_cpu.lm.sampling import RngDraw
 from cosyvoice_cpu.lm.silence import drop_long_silences
 from cosyvoice_cpu.manifest import Manifest
-from cosyvoice_cpu.reference.hift_source import SourceNoise as TorchNoise
+from cosyvoice_cpu.reference.hift.source import SourceNoise as TorchNoise
 from cosyvoice_cpu.reference.model_dir import load_reference
 from cosyvoice_cpu.vocoder.source import SourceNoise
 

@@ -1,4 +1,4 @@
-"""Parity of our CosyVoice2 flow reference (``cosyvoice_cpu.reference.flow``) with the official code.
+"""Parity of our CosyVoice2 flow reference (``cosyvoice_cpu.reference.flow.cosyvoice2``) with the official code.
 
 The official ``CausalMaskedDiffWithXvec`` is built directly with a tiny config (the encoder width stays 512:
 the official ``PreLookaheadLayer`` and ``Upsample1D`` hard-code 512 channels), every parameter is perturbed
@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.reference.cfm import NOISE_FRAMES, official_fixed_noise
-from cosyvoice_cpu.reference.flow import Flow, FlowConfig, FlowEncoderConfig, FlowEstimatorConfig
+from cosyvoice_cpu.reference.flow.cfm import NOISE_FRAMES, official_fixed_noise
+from cosyvoice_cpu.reference.flow.cosyvoice2 import Flow, FlowConfig, FlowEncoderConfig, FlowEstimatorConfig
 from cosyvoice_cpu.reference.yamlconf import load_yaml_data
 from tests.parity.official import official, rel_err
 

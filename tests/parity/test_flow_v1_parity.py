@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cosyvoice_cpu.reference.hift import HiFT
-from cosyvoice_cpu.reference.length_regulator import frames_for_tokens
+from cosyvoice_cpu.reference.flow.length_regulator import frames_for_tokens
+from cosyvoice_cpu.reference.hift.cosyvoice import HiFT
 from cosyvoice_cpu.reference.sampling import SamplingConfig
 from tests.parity.official import rel_err
 

@@ -1,4 +1,4 @@
-"""Parity of our HiFT vocoder (``cosyvoice_cpu.reference.hift``) against the official ``HiFTGenerator``.
+"""Parity of our HiFT vocoder (``cosyvoice_cpu.reference.hift.cosyvoice``) against the official ``HiFTGenerator``.
 
 A tiny official model (base_channels 32, otherwise the CosyVoice2 layout) gets non-trivial random weights, its
 ``state_dict()`` (as ``hift.pt`` stores it) is loaded into ours, and every stage is compared in fp32.
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
-from cosyvoice_cpu.fixtures.yaml_v2 import FlowHiftSizes, render_cosyvoice2_yaml
-from cosyvoice_cpu.reference.hift import HiFT, HiFTConfig
-from cosyvoice_cpu.reference.hift_source import SourceNoise
+from cosyvoice_cpu.fixtures.yaml.cosyvoice2 import FlowHiftSizes, render_cosyvoice2_yaml
+from cosyvoice_cpu.reference.hift.cosyvoice import HiFT, HiFTConfig
+from cosyvoice_cpu.reference.hift.source import SourceNoise
 from cosyvoice_cpu.reference.yamlconf import load_yaml_data
 from tests.parity.official import official, rel_err
 

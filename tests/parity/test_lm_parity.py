@@ -36,8 +36,8 @@ def pair():
 
     llm_mod = official("cosyvoice.llm.llm")
     common = official("cosyvoice.utils.common")
-    from cosyvoice_cpu.reference.lm import LMConfig, Qwen2LM
-    from cosyvoice_cpu.reference.qwen2 import Qwen2Config
+    from cosyvoice_cpu.reference.lm.cosyvoice2 import LMConfig, Qwen2LM
+    from cosyvoice_cpu.reference.lm.qwen2 import Qwen2Config
 
     torch.manual_seed(1234)
     hf_cfg = transformers.Qwen2Config(**TINY, attn_implementation="sdpa")

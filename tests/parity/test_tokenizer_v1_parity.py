@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cosyvoice_cpu.export import tokenizer_whisper as tw
+from cosyvoice_cpu.export.tokenizer import cosyvoice as tw
 from cosyvoice_cpu.text.tokenizer import TextTokenizer
 from tests.parity.official import official
 

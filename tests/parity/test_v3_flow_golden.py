@@ -17,10 +17,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from cosyvoice_cpu.reference.dit import DiT  # noqa: E402
-from cosyvoice_cpu.reference.flow_v3 import FlowV3, FlowV3Config  # noqa: E402
-from cosyvoice_cpu.reference.hift_source import SourceNoise  # noqa: E402
-from cosyvoice_cpu.reference.hift_v3 import CausalHiFT, CausalHiFTConfig  # noqa: E402
+from cosyvoice_cpu.reference.flow.cosyvoice3 import FlowV3, FlowV3Config  # noqa: E402
+from cosyvoice_cpu.reference.flow.dit import DiT  # noqa: E402
+from cosyvoice_cpu.reference.hift.cosyvoice3 import CausalHiFT, CausalHiFTConfig  # noqa: E402
+from cosyvoice_cpu.reference.hift.source import SourceNoise  # noqa: E402
 from cosyvoice_cpu.reference.yamlconf import Tagged  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "v3_flow.npz"

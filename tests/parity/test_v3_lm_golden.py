@@ -33,7 +33,7 @@ def golden() -> dict:
 @pytest.fixture(scope="module")
 def ours(golden, tmp_path_factory):
     """(our CosyVoice3LM, our CosyVoice3Tokenizer) on the fixture the golden arrays were made on."""
-    from cosyvoice_cpu.fixtures.weights_v3 import write_cosyvoice3_lm_files
+    from cosyvoice_cpu.fixtures.weights.cosyvoice3 import write_cosyvoice3_lm_files
     from cosyvoice_cpu.reference.model_dir import load_reference
     from cosyvoice_cpu.reference.tokenizer import CosyVoice3Tokenizer
 
@@ -126,7 +126,7 @@ def test_min_max_len_and_endofprompt_rule(golden, ours) -> None:
 
 
 def test_silent_run_filter(golden) -> None:
-    from cosyvoice_cpu.reference.lm_v3 import SilentRunFilter, drop_long_silences
+    from cosyvoice_cpu.reference.lm.cosyvoice3 import SilentRunFilter, drop_long_silences
 
     assert drop_long_silences(golden["silent_input"].tolist()) == golden["silent_output"].tolist()
     f = SilentRunFilter()

@@ -56,7 +56,7 @@ def test_failed_write_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.
     def boom(*_a, **_k):
         raise OSError("disk full")
 
-    from cosyvoice_cpu.fixtures import weights_v2
+    from cosyvoice_cpu.fixtures.weights import cosyvoice2 as weights_v2
 
     monkeypatch.setattr(weights_v2, "write_campplus_standin", boom)
     with pytest.raises(OSError, match="disk full"):

@@ -65,7 +65,7 @@ def test_cached_and_computed_prefixes_give_the_same_tokens(gen) -> None:
 @pytest.fixture(scope="module")
 def gen_int8(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> SpeechTokenGenerator:
     """The tiny LM with the dynamic-int8 recipe: activations quantized per call, so a split call differs."""
-    from cosyvoice_cpu.export.lm_graph import export_lm
+    from cosyvoice_cpu.export.lm.cosyvoice2 import export_lm
     from cosyvoice_cpu.export.quantize import quantize_int8_dynamic
     from cosyvoice_cpu.reference.model_dir import load_reference
 

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("torch")
 
 from cosyvoice_cpu.errors import ModelDirError
-from cosyvoice_cpu.reference.qwen2 import Qwen2Config
+from cosyvoice_cpu.reference.lm.qwen2 import Qwen2Config
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2}  # fmt: skip
@@ -55,7 +55,7 @@ def test_rotary_tables_match_transformers(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
-    from cosyvoice_cpu.reference.qwen2 import rope_cos_sin
+    from cosyvoice_cpu.reference.lm.qwen2 import rope_cos_sin
 
     ours = _read(tmp_path, _v5(10000.0))
     hf = Qwen2RotaryEmbedding(config=transformers.Qwen2Config(**_v4(10000.0)))

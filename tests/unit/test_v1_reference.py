@@ -34,9 +34,9 @@ def test_fixture_loads_strictly_with_v1_config(tiny_v1_model_dir: Path) -> None:
 def test_full_size_yaml_gives_the_released_shapes(tmp_path: Path) -> None:
     """The full-size fixture yaml reads back as the released configuration; parameter counts as documented
     (310.7 M LM, 104.9 M flow of which 81.9 M estimator), built on the meta device (no memory)."""
-    from cosyvoice_cpu.fixtures.yaml_v1 import V1Sizes, render_cosyvoice_yaml
-    from cosyvoice_cpu.reference.flow_v1 import FlowV1, FlowV1Config
-    from cosyvoice_cpu.reference.lm_v1 import TransformerLM, TransformerLMConfig
+    from cosyvoice_cpu.fixtures.yaml.cosyvoice import V1Sizes, render_cosyvoice_yaml
+    from cosyvoice_cpu.reference.flow.cosyvoice import FlowV1, FlowV1Config
+    from cosyvoice_cpu.reference.lm.cosyvoice import TransformerLM, TransformerLMConfig
     from cosyvoice_cpu.reference.model_dir import read_model_config
 
     (tmp_path / "cosyvoice.yaml").write_text(render_cosyvoice_yaml(V1Sizes()))

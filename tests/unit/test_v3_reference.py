@@ -15,7 +15,7 @@ from cosyvoice_cpu.errors import ConfigError, ModelDirError
 @pytest.fixture(scope="module")
 def v3_lm_dir(tmp_path_factory) -> Path:
     """The LM part of a tiny v3 fixture (yaml, BlankEN, llm.pt), seed 0."""
-    from cosyvoice_cpu.fixtures.weights_v3 import write_cosyvoice3_lm_files
+    from cosyvoice_cpu.fixtures.weights.cosyvoice3 import write_cosyvoice3_lm_files
 
     d = tmp_path_factory.mktemp("v3") / "tiny-v3-lm"
     write_cosyvoice3_lm_files(d, "tiny", 0)
@@ -91,7 +91,7 @@ def test_endofprompt_is_required(lm) -> None:
 
 
 def test_silent_runs_are_cut_after_five() -> None:
-    from cosyvoice_cpu.reference.lm_v3 import drop_long_silences
+    from cosyvoice_cpu.reference.lm.cosyvoice3 import drop_long_silences
 
     seq = [1, 2, 28, 29, 55, 248, 494, 100, 2322, 2322, 9, 2323] + [2242] * 7
     assert drop_long_silences(seq) == [1, 2, 28, 29, 55, 100, 2322, 2322, 9, 2323] + [2242] * 4

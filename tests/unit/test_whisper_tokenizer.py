@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cosyvoice_cpu.errors import ExportError
-from cosyvoice_cpu.export import tokenizer_whisper as tw
+from cosyvoice_cpu.export.tokenizer import cosyvoice as tw
 from cosyvoice_cpu.fixtures.tokenizer import write_fixture_tiktoken
 from cosyvoice_cpu.text.tokenizer import TextTokenizer
 

@@ -1,6 +1,6 @@
 """Shared pieces of the per-stage ONNX exporters: artifacts, numerics-gate results, saving.
 
-Every stage exporter (``lm_graph``, ``flow_graph``, ``hift_graph``) returns :class:`GraphArtifact` records for
+Every stage exporter (the family modules of ``lm/``, ``flow/``, ``hift/``) returns :class:`GraphArtifact` records for
 the files it wrote and a ``verify_*`` function returning :class:`GateResult` records; ``exporter`` turns both
 into the manifest. Nothing here imports torch.
 """
@@ -84,8 +84,8 @@ class GateResult:
 
 @dataclass(frozen=True)
 class LMGate:
-    """What the LM numerics gate (:func:`cosyvoice_cpu.export.lm_graph.verify_lm`) needs of a family's graph, given
-    by its graph module (``GATE`` of ``lm_graph``, ``lm_graph_v1``, ``lm_graph_v3``), not sniffed from the LM.
+    """What the LM numerics gate (:func:`cosyvoice_cpu.export.lm.cosyvoice2.verify_lm`) needs of a family's graph, given
+    by its graph module (the ``GATE`` of each family module of ``export/lm/``), not sniffed from the LM.
 
     Attributes:
         facts: the family's facts (``lm_speaker``: the prompt holds an x-vector row).

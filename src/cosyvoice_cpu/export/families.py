@@ -66,52 +66,52 @@ class StagePlan:
 
 # The graph modules of the stages, imported when an export needs them (they import torch): plain imports, so that
 # readers, IDEs and the import-graph test follow them.
-def _lm_graph() -> ModuleType:
-    from cosyvoice_cpu.export import lm_graph
+def _lm_cosyvoice2() -> ModuleType:
+    from cosyvoice_cpu.export.lm import cosyvoice2
 
-    return lm_graph
-
-
-def _lm_graph_v1() -> ModuleType:
-    from cosyvoice_cpu.export import lm_graph_v1
-
-    return lm_graph_v1
+    return cosyvoice2
 
 
-def _lm_graph_v3() -> ModuleType:
-    from cosyvoice_cpu.export import lm_graph_v3
+def _lm_cosyvoice() -> ModuleType:
+    from cosyvoice_cpu.export.lm import cosyvoice
 
-    return lm_graph_v3
-
-
-def _flow_graph() -> ModuleType:
-    from cosyvoice_cpu.export import flow_graph
-
-    return flow_graph
+    return cosyvoice
 
 
-def _flow_graph_v1() -> ModuleType:
-    from cosyvoice_cpu.export import flow_graph_v1
+def _lm_cosyvoice3() -> ModuleType:
+    from cosyvoice_cpu.export.lm import cosyvoice3
 
-    return flow_graph_v1
-
-
-def _flow_graph_v3() -> ModuleType:
-    from cosyvoice_cpu.export import flow_graph_v3
-
-    return flow_graph_v3
+    return cosyvoice3
 
 
-def _hift_graph() -> ModuleType:
-    from cosyvoice_cpu.export import hift_graph
+def _flow_cosyvoice2() -> ModuleType:
+    from cosyvoice_cpu.export.flow import cosyvoice2
 
-    return hift_graph
+    return cosyvoice2
 
 
-def _hift_graph_v3() -> ModuleType:
-    from cosyvoice_cpu.export import hift_graph_v3
+def _flow_cosyvoice() -> ModuleType:
+    from cosyvoice_cpu.export.flow import cosyvoice
 
-    return hift_graph_v3
+    return cosyvoice
+
+
+def _flow_cosyvoice3() -> ModuleType:
+    from cosyvoice_cpu.export.flow import cosyvoice3
+
+    return cosyvoice3
+
+
+def _hift_cosyvoice() -> ModuleType:
+    from cosyvoice_cpu.export.hift import cosyvoice
+
+    return cosyvoice
+
+
+def _hift_cosyvoice3() -> ModuleType:
+    from cosyvoice_cpu.export.hift import cosyvoice3
+
+    return cosyvoice3
 
 
 ESTIMATORS = {
@@ -180,9 +180,9 @@ class ExportCosyVoice2(ExportFamily):
 
     facts = facts("cosyvoice2")
     plans = (
-        StagePlan("LM", "lm", _lm_graph, "lm", {"lm": "lm"}),
-        StagePlan("flow", "flow", _flow_graph, "flow_estimator", ESTIMATORS),
-        StagePlan("HiFT", "hift", _hift_graph, "hift", HIFT_QUANTIZED),
+        StagePlan("LM", "lm", _lm_cosyvoice2, "lm", {"lm": "lm"}),
+        StagePlan("flow", "flow", _flow_cosyvoice2, "flow_estimator", ESTIMATORS),
+        StagePlan("HiFT", "hift", _hift_cosyvoice, "hift", HIFT_QUANTIZED),
     )
 
 
@@ -193,27 +193,27 @@ class ExportCosyVoice(ExportFamily):
 
     facts = facts("cosyvoice")
     plans = (
-        StagePlan("LM", "lm", _lm_graph_v1, "lm", {"lm": "lm", "lm_text_encoder": "lm"}),
+        StagePlan("LM", "lm", _lm_cosyvoice, "lm", {"lm": "lm", "lm_text_encoder": "lm"}),
         StagePlan(
             "flow",
             "flow",
-            _flow_graph_v1,
+            _flow_cosyvoice,
             "flow_estimator",
             {"flow_estimator": "flow_estimator", "flow_encoder": "flow_encoder"},
         ),
-        StagePlan("HiFT", "hift", _hift_graph, "hift", HIFT_QUANTIZED),
+        StagePlan("HiFT", "hift", _hift_cosyvoice, "hift", HIFT_QUANTIZED),
     )
 
     def check_source(self, src: Path) -> None:
         """The Whisper tiktoken vocabulary must be found now, not after minutes of export."""
-        from cosyvoice_cpu.export.tokenizer_whisper import find_tiktoken
+        from cosyvoice_cpu.export.tokenizer.cosyvoice import find_tiktoken
 
         find_tiktoken(src)
 
     def export_tokenizer(self, cfg: Any, out: Path) -> dict[str, Any]:
         """Whisper's multilingual tiktoken vocabulary converted to ``tokenizer.json``; refused when it is larger
         than the LM's text table (the wrong vocabulary)."""
-        from cosyvoice_cpu.export.tokenizer_whisper import find_tiktoken, write_whisper_tokenizer
+        from cosyvoice_cpu.export.tokenizer.cosyvoice import find_tiktoken, write_whisper_tokenizer
 
         path = find_tiktoken(cfg.model_dir)
         text = write_whisper_tokenizer(path, out)
@@ -235,16 +235,16 @@ class ExportCosyVoice3(ExportCosyVoice2):
 
     facts = facts("cosyvoice3")
     plans = (
-        StagePlan("LM", "lm", _lm_graph_v3, "lm", {"lm": "lm"}),
+        StagePlan("LM", "lm", _lm_cosyvoice3, "lm", {"lm": "lm"}),
         StagePlan(
-            "flow", "flow", _flow_graph_v3, "flow_estimator", {**ESTIMATORS, "flow_time": "flow_estimator"}
+            "flow", "flow", _flow_cosyvoice3, "flow_estimator", {**ESTIMATORS, "flow_time": "flow_estimator"}
         ),  # the DiT's time table: the estimator's precision
-        StagePlan("HiFT", "hift", _hift_graph_v3, "hift", HIFT_QUANTIZED),
+        StagePlan("HiFT", "hift", _hift_cosyvoice3, "hift", HIFT_QUANTIZED),
     )
 
     def export_tokenizer(self, cfg: Any, out: Path) -> dict[str, Any]:
-        """:func:`cosyvoice_cpu.export.tokenizer_v3.export_tokenizer_v3`."""
-        from cosyvoice_cpu.export.tokenizer_v3 import export_tokenizer_v3
+        """:func:`cosyvoice_cpu.export.tokenizer.cosyvoice3.export_tokenizer_v3`."""
+        from cosyvoice_cpu.export.tokenizer.cosyvoice3 import export_tokenizer_v3
 
         return export_tokenizer_v3(cfg.blank_en_dir, out)
 

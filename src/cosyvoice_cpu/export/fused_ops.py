@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosyvoice_cpu.reference.flow_estimator import MASK_BIAS, SelfAttention
+from cosyvoice_cpu.reference.flow.causal_unet import MASK_BIAS, SelfAttention
 
 
 class _MultiHeadAttention(torch.autograd.Function):

@@ -18,7 +18,7 @@ for every family. What runs it is :mod:`cosyvoice_cpu.backends.openvino`, chosen
   0.02 for every shipped variant), and whether a call padded to its bucket equals the unpadded one (recorded as
   the ``pad_exact`` attr, measured in fp32 on the plain graph; False makes the runtime never pad). The
   CosyVoice-300M UNet's GroupNorm pools over padded frames in the official graph; its OpenVINO form takes the
-  statistics over the real frames only (``flow_graph_v1.MaskedBlock1D``: the same function unpadded), so it pads
+  statistics over the real frames only (``export.flow.cosyvoice.MaskedBlock1D``: the same function unpadded), so it pads
   like the others.
 
 NNCF and OpenVINO are imported only here, at export time (``pip install 'cosyvoice-cpu[openvino-export]'``).
@@ -75,7 +75,7 @@ def export_plain_estimator(estimator_graph: Any, path: Path) -> None:
     import torch
 
     from cosyvoice_cpu.export.common import torch_export
-    from cosyvoice_cpu.export.flow_graph import estimator_inputs
+    from cosyvoice_cpu.export.flow.common import estimator_inputs
 
     args = tuple(torch.from_numpy(v) for v in estimator_inputs(np.random.default_rng(0), [71, 60], 71).values())
     names = ["x", "mask", "mu", "t", "spks", "cond"]

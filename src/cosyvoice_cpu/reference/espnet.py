@@ -1,6 +1,6 @@
 """ESPnet/WeNet-style encoders of CosyVoice-300M (v1), inference only.
 
-Two stacks share the relative-position self-attention of :mod:`.flow_encoder` (``rel_pos_espnet``:
+Two stacks share the relative-position self-attention of :mod:`.flow.encoder` (``rel_pos_espnet``:
 Transformer-XL scores ``(q + u)·k + (q + v)·W_pos·pe(i - j)`` with learned ``pos_bias_u``/``pos_bias_v``):
 
 - :class:`ConformerEncoder` — the official ``cosyvoice.transformer.encoder.ConformerEncoder`` as v1 configures it
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.reference.flow_encoder import (
+from cosyvoice_cpu.reference.flow.encoder import (
     ConformerLayer,
     LinearEmbed,
     RelPositionAttention,

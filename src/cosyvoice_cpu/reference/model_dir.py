@@ -154,9 +154,9 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
 
 def _read_v1(cfg: ModelConfig, data: dict[str, Any], yaml_path: Path) -> None:
     """Fill a cosyvoice (CosyVoice-300M) ``cfg``: its yaml has no token_frame_rate entry (the flow's rate)."""
-    from cosyvoice_cpu.reference.flow_v1 import FlowV1Config
-    from cosyvoice_cpu.reference.hift import HiFTConfig
-    from cosyvoice_cpu.reference.lm_v1 import TransformerLMConfig
+    from cosyvoice_cpu.reference.flow.cosyvoice import FlowV1Config
+    from cosyvoice_cpu.reference.hift.cosyvoice import HiFTConfig
+    from cosyvoice_cpu.reference.lm.cosyvoice import TransformerLMConfig
 
     cfg.lm = TransformerLMConfig.from_yaml(data["llm"])
     cfg.flow = FlowV1Config.from_yaml(data["flow"])
@@ -166,10 +166,10 @@ def _read_v1(cfg: ModelConfig, data: dict[str, Any], yaml_path: Path) -> None:
 
 def _read_v2(cfg: ModelConfig, data: dict[str, Any], yaml_path: Path) -> None:
     """Fill a cosyvoice2 ``cfg`` (the LM's Qwen2 backbone from ``CosyVoice-BlankEN/config.json``)."""
-    from cosyvoice_cpu.reference.flow import FlowConfig
-    from cosyvoice_cpu.reference.hift import HiFTConfig
-    from cosyvoice_cpu.reference.lm import LMConfig
-    from cosyvoice_cpu.reference.qwen2 import Qwen2Config
+    from cosyvoice_cpu.reference.flow.cosyvoice2 import FlowConfig
+    from cosyvoice_cpu.reference.hift.cosyvoice import HiFTConfig
+    from cosyvoice_cpu.reference.lm.cosyvoice2 import LMConfig
+    from cosyvoice_cpu.reference.lm.qwen2 import Qwen2Config
 
     cfg.lm = LMConfig.from_yaml(data["llm"], Qwen2Config.from_json(cfg.blank_en_dir / "config.json"))
     cfg.flow = FlowConfig.from_yaml(data["flow"])
@@ -178,18 +178,18 @@ def _read_v2(cfg: ModelConfig, data: dict[str, Any], yaml_path: Path) -> None:
 
 def v3_stage_classes() -> tuple[Any, Any]:
     """(FlowV3, CausalHiFT): the v3 flow and vocoder modules, imported when called."""
-    from cosyvoice_cpu.reference.flow_v3 import FlowV3
-    from cosyvoice_cpu.reference.hift_v3 import CausalHiFT
+    from cosyvoice_cpu.reference.flow.cosyvoice3 import FlowV3
+    from cosyvoice_cpu.reference.hift.cosyvoice3 import CausalHiFT
 
     return FlowV3, CausalHiFT
 
 
 def _read_v3(cfg: ModelConfig, data: dict[str, Any], yaml_path: Path) -> None:
     """Fill a cosyvoice3 ``cfg``: the LM, flow and HiFT configs."""
-    from cosyvoice_cpu.reference.flow_v3 import FlowV3Config
-    from cosyvoice_cpu.reference.hift_v3 import CausalHiFTConfig
-    from cosyvoice_cpu.reference.lm_v3 import CosyVoice3LMConfig
-    from cosyvoice_cpu.reference.qwen2 import Qwen2Config
+    from cosyvoice_cpu.reference.flow.cosyvoice3 import FlowV3Config
+    from cosyvoice_cpu.reference.hift.cosyvoice3 import CausalHiFTConfig
+    from cosyvoice_cpu.reference.lm.cosyvoice3 import CosyVoice3LMConfig
+    from cosyvoice_cpu.reference.lm.qwen2 import Qwen2Config
 
     for key, expected in V3_CLASSES.items():
         node = data.get(key)
@@ -206,25 +206,25 @@ def _read_v3(cfg: ModelConfig, data: dict[str, Any], yaml_path: Path) -> None:
 
 def _classes_v1(stages: tuple[str, ...]) -> tuple[Any, Any, Any]:
     """(TransformerLM, FlowV1, HiFT): CosyVoice-300M's reference classes, imported when called."""
-    from cosyvoice_cpu.reference.flow_v1 import FlowV1
-    from cosyvoice_cpu.reference.hift import HiFT
-    from cosyvoice_cpu.reference.lm_v1 import TransformerLM
+    from cosyvoice_cpu.reference.flow.cosyvoice import FlowV1
+    from cosyvoice_cpu.reference.hift.cosyvoice import HiFT
+    from cosyvoice_cpu.reference.lm.cosyvoice import TransformerLM
 
     return TransformerLM, FlowV1, HiFT
 
 
 def _classes_v2(stages: tuple[str, ...]) -> tuple[Any, Any, Any]:
     """(Qwen2LM, Flow, HiFT): CosyVoice2's reference classes, imported when called."""
-    from cosyvoice_cpu.reference.flow import Flow
-    from cosyvoice_cpu.reference.hift import HiFT
-    from cosyvoice_cpu.reference.lm import Qwen2LM
+    from cosyvoice_cpu.reference.flow.cosyvoice2 import Flow
+    from cosyvoice_cpu.reference.hift.cosyvoice import HiFT
+    from cosyvoice_cpu.reference.lm.cosyvoice2 import Qwen2LM
 
     return Qwen2LM, Flow, HiFT
 
 
 def _classes_v3(stages: tuple[str, ...]) -> tuple[Any, Any, Any]:
     """(CosyVoice3LM, FlowV3, CausalHiFT); the flow/vocoder only when asked for (the LM loads without them)."""
-    from cosyvoice_cpu.reference.lm_v3 import CosyVoice3LM
+    from cosyvoice_cpu.reference.lm.cosyvoice3 import CosyVoice3LM
 
     flow_cls, hift_cls = v3_stage_classes() if ("flow" in stages or "hift" in stages) else (None, None)
     return CosyVoice3LM, flow_cls, hift_cls
@@ -270,7 +270,7 @@ def _mismatches(module: Any, state: dict[str, Any], path: Path, cfg: ModelConfig
     """
     import re
 
-    from cosyvoice_cpu.reference.qwen2 import Qwen2Model
+    from cosyvoice_cpu.reference.lm.qwen2 import Qwen2Model
 
     yaml_name = cfg.yaml_path.name if cfg is not None else "the yaml"
     qwen = tuple(f"{n}." for n, m in module.named_modules() if isinstance(m, Qwen2Model))

@@ -1,0 +1,1 @@
+"""The text tokenizer written into a model directory (``tokenizer.json``), per family."""
