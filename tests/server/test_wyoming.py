@@ -239,3 +239,50 @@ def test_wyoming_alone_on_a_unix_socket(voices_dir: Path, tmp_path: Path) -> Non
         proc.terminate()
         assert proc.wait(30) == 0
     assert not sock.exists()  # removed at the exit
+
+
+def test_zeroconf_advertises_the_wyoming_service(voices_dir: Path) -> None:
+    """``--zeroconf NAME`` registers NAME._wyoming._tcp.local. with the server's address and port: asked over mDNS
+    from another zeroconf instance, as Home Assistant's discovery would (skipped where mDNS cannot bind)."""
+    pytest.importorskip("zeroconf")
+    from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
+
+    from cosyvoice_cpu.server.process import free_port
+    from cosyvoice_cpu.server.wyoming import SERVICE_TYPE
+
+    async def lookup(name: str, wait_s: float) -> AsyncServiceInfo | None:
+        try:
+            zc = AsyncZeroconf()
+        except OSError as e:
+            pytest.skip(f"mDNS cannot bind here: {e}")
+        try:
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                info = AsyncServiceInfo(SERVICE_TYPE, f"{name}.{SERVICE_TYPE}")
+                if await info.async_request(zc.zeroconf, 1000):
+                    return info
+            return None
+        finally:
+            await zc.async_close()
+
+    port, name = free_port(), f"cosyvoice-test-{os.getpid()}"
+    command = [*_command(voices_dir, f"tcp://127.0.0.1:{port}"), "--zeroconf", name]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE)
+    try:
+        info = asyncio.run(lookup(name, 60))
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert info is not None, "the service was not advertised"
+        assert info.type == SERVICE_TYPE and info.port == port and info.parsed_addresses() == ["127.0.0.1"]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_zeroconf_needs_tcp() -> None:
+    from cosyvoice_cpu.errors import ConfigError
+    from cosyvoice_cpu.server.wyoming import WyomingOptions
+
+    with pytest.raises(ConfigError, match="tcp://"):
+        WyomingOptions(uri="unix:///tmp/x.sock", zeroconf="hall").validate()
+    with pytest.raises(ConfigError, match="Wyoming URI"):
+        WyomingOptions(uri="http://127.0.0.1:10200").validate()

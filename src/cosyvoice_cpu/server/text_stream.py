@@ -117,6 +117,44 @@ class SentenceTextStream:
         yield AudioChunk(np.zeros(0, np.float32), rate, True, last_text)
 
 
+class TextInbox:
+    """The text of a stream that is not open yet (its voice being loaded, its slot awaited): what is fed, closed or
+    cancelled meanwhile is handed to the stream when it is :meth:`attach` ed; from then on it passes through."""
+
+    def __init__(self) -> None:
+        self.stream: Any = None
+        self.pending: list[str] = []
+        self.closed = self.cancelled = False
+
+    def feed(self, text: str) -> None:
+        if self.stream is not None:
+            self.stream.feed(text)
+        else:
+            self.pending.append(text)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.stream is not None:
+            self.stream.close()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.stream is not None:
+            self.stream.cancel()
+
+    def attach(self, stream: Any) -> Any:
+        """Hand ``stream`` what came so far; returns it."""
+        self.stream = stream
+        for text in self.pending:
+            stream.feed(text)
+        self.pending.clear()
+        if self.cancelled:
+            stream.cancel()
+        elif self.closed:
+            stream.close()
+        return stream
+
+
 def open_text_stream(
     engine: Any, voice: Any, config: SynthesisConfig | None = None, instruct: str | None = None
 ) -> Any:

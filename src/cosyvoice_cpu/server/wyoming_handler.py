@@ -30,7 +30,7 @@ from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, Synthesize
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.server.checks import RequestProblem, check_text
 from cosyvoice_cpu.server.speech import AudioTooLong, Cancelled, Job, Rejected, TimedOut
-from cosyvoice_cpu.server.text_stream import open_text_stream
+from cosyvoice_cpu.server.text_stream import TextInbox, open_text_stream
 from cosyvoice_cpu.server.wyoming_audio import WIDTH, pump, resolve_voice
 
 logger = logging.getLogger(__name__)
@@ -148,6 +148,7 @@ class CosyVoiceHandler(AsyncEventHandler):
         self.closed = True
         if self.stream is not None:
             self.stream.cancel()
+            self.stream = None
         if self.job is not None:
             self.job.cancel.set()
         if self.task is not None and not self.task.done():
@@ -174,9 +175,13 @@ class CosyVoiceHandler(AsyncEventHandler):
         if Synthesize.is_type(event.type):
             if self.stream is not None:
                 return True  # the whole text a streaming client also sends (Home Assistant does): spoken already
-            return self._start(self._one_shot(event))
+            return await self._start(self._one_shot(event))
         if SynthesizeStart.is_type(event.type):
-            return self._start(self._streamed(event))
+            if self.stream is not None or (self.task is not None and not self.task.done()):
+                await self.fail("one synthesis at a time on a connection", "busy")
+                return True
+            self.stream, self.stream_chars = TextInbox(), 0  # chunks may come before the stream is open
+            return await self._start(self._streamed(event, self.stream))
         if SynthesizeChunk.is_type(event.type):
             return await self._feed(event)
         if SynthesizeStop.is_type(event.type):
@@ -189,10 +194,11 @@ class CosyVoiceHandler(AsyncEventHandler):
         await self.fail(f"unknown event type {event.type[:64]!r} (this is a TTS server)", "unknown_event")
         return True
 
-    def _start(self, work: Any) -> bool:
+    async def _start(self, work: Any) -> bool:
+        """Run ``work`` (a synthesis) beside the reading loop, unless one runs already."""
         if self.task is not None and not self.task.done():
             work.close()
-            self.task = asyncio.ensure_future(self.fail("one synthesis at a time on a connection", "busy"))
+            await self.fail("one synthesis at a time on a connection", "busy")
             return True
         self.task = asyncio.ensure_future(work)
         return True
@@ -273,7 +279,7 @@ class CosyVoiceHandler(AsyncEventHandler):
         job = self.job = self._job(lambda check: engine.synthesize(text, voice, config, check=check), len(text))
         await self._speak(job, pump(job, self.state.executor), streamed=False)
 
-    async def _streamed(self, event: Event) -> None:
+    async def _streamed(self, event: Event, inbox: TextInbox) -> None:
         try:
             SynthesizeStart.from_event(event)  # the event's shape
             voice = await self._voice(event)
@@ -284,12 +290,11 @@ class CosyVoiceHandler(AsyncEventHandler):
             await self.close()
             return
         config = self.state.settings.defaults.with_(stream=True)
-        stream = self.stream = open_text_stream(self.state.engine, voice, config)
-        self.stream_chars = 0
-        job = self.job = self._job(lambda check: iter(stream), 0)
-        timer = asyncio.get_running_loop().call_later(self.state.settings.timeout, stream.cancel)
+        stream = inbox.attach(open_text_stream(self.state.engine, voice, config))
+        job = self.job = self._job(lambda check: iter(stream), max(self.stream_chars, 1))
+        timer = asyncio.get_running_loop().call_later(self.state.settings.timeout, inbox.cancel)
         try:
-            await self._speak(job, pump(job, self.state.executor, on_stop=stream.cancel), streamed=True)
+            await self._speak(job, pump(job, self.state.executor, on_stop=inbox.cancel), streamed=True)
         finally:
             timer.cancel()
 
