@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -35,14 +35,18 @@ from cosyvoice_cpu.backends.base import SessionConfig
 from cosyvoice_cpu.backends.plan import describe
 from cosyvoice_cpu.config import AudioChunk, EngineConfig, SynthesisConfig
 from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.facts import FamilyFacts
 from cosyvoice_cpu.families.base import Family, LMPrompt, Stages
 from cosyvoice_cpu.families.registry import family_for
 from cosyvoice_cpu.hardware.cpu import detect, fix_mmap_threshold
+from cosyvoice_cpu.lm.hold import Hold
 from cosyvoice_cpu.lm.sampling import RngDraw, SamplingConfig
-from cosyvoice_cpu.lm.scheduler import Hold, LMScheduler
+from cosyvoice_cpu.lm.scheduler import LMScheduler
+from cosyvoice_cpu.lm.source import SentenceTokens, TokenSource
 from cosyvoice_cpu.manifest import VOICES_DIR, Manifest
 from cosyvoice_cpu.sentence import Piece, Sentence, Timings
 from cosyvoice_cpu.text import TextSegment, prepare
+from cosyvoice_cpu.text_stream import TextStream, pump
 from cosyvoice_cpu.voices.voice import Voice
 
 logger = logging.getLogger(__name__)
@@ -173,6 +177,18 @@ class Engine:
         return self.family.lm_prompt(self.tokenizer, voice, instruct, normalize)
 
     @property
+    def facts(self) -> FamilyFacts:
+        """The model family's facts (:mod:`cosyvoice_cpu.facts`)."""
+        return self.family.facts
+
+    @property
+    def fill_token(self) -> int:
+        """The LM's fill token (it asks for more text in a text stream); ConfigError for a family without one."""
+        if self.facts.fill_offset is None:
+            raise ConfigError(f"{self.facts.title} was not trained on a text stream (no fill token)")
+        return self.lm.facts.speech_token_size + self.facts.fill_offset
+
+    @property
     def token_rate(self) -> float:
         """Speech tokens per second of audio (the family's: 25, or 50 for CosyVoice-300M)."""
         return float(self.family.facts.token_rate)
@@ -199,7 +215,7 @@ class Engine:
 
     def synthesize(
         self,
-        text: str,
+        text: str | Iterable[str],
         voice: Voice,
         config: SynthesisConfig | None = None,
         instruct: str | None = None,
@@ -208,18 +224,19 @@ class Engine:
     ) -> Iterator[AudioChunk]:
         """Speak ``text`` with ``voice``; yields :class:`AudioChunk` s (``final`` on the last).
 
+        ``text`` may be an iterable of pieces (a generator of an LLM's reply, as the official code takes it): it
+        is read in a background thread and spoken as it comes (:meth:`open_text_stream`).
+
         One chunk per sentence, or with ``config.stream`` several per sentence as speech tokens are decoded
         (first after ``first_chunk_tokens`` tokens). Raises ConfigError at once for bad parameters, empty
         text, a voice from another model or streaming on an engine loaded without the chunk estimator.
         ``check`` is called after every speech token and may raise to abandon the request (a server's
         cancellation and timeout); the exception comes out of the iteration.
         """
-        config = (config or SynthesisConfig()).validate()
-        if config.stream:
-            self.family.check_stream(self.stages)
-        if not isinstance(voice, Voice):
-            raise ConfigError(f"voice must be a Voice (engine.make_voice or Voice.load), got {type(voice).__name__}")
-        voice.check_model(self.manifest.family, self.sample_rate)
+        if not isinstance(text, str) and isinstance(text, Iterable):  # text as it is written (a generator)
+            stream = self.open_text_stream(voice, config, instruct, check, timings)
+            return pump(stream, text)
+        config = self._checked_request(voice, config)
         prompt = self.lm_prompt(voice, instruct, config.normalize)
         segments = prepare(
             text, self.tokenizer, normalize=config.normalize, max_tokens=self.segment_cap(prompt, config.max_tokens)
@@ -227,6 +244,32 @@ class Engine:
         lm_rng, rng = config.rngs()
         req = _Request(voice, config, prompt, RngDraw(lm_rng), self.sampling_for(config), rng, check)
         return self._run(segments, req, timings or Timings())
+
+    def open_text_stream(
+        self,
+        voice: Voice,
+        config: SynthesisConfig | None = None,
+        instruct: str | None = None,
+        check: Callable[[], None] | None = None,
+        timings: Timings | None = None,
+    ) -> TextStream:
+        """A :class:`~cosyvoice_cpu.text_stream.TextStream` of ``voice``: ``feed(text)`` as it is written,
+        ``close()`` at the end, iterate its :class:`AudioChunk` s meanwhile (from another thread). With
+        ``config.stream`` CosyVoice2 and Fun-CosyVoice3 start speaking after the first few words (the official
+        bi-directional streaming); otherwise each sentence is spoken once complete. Raises ConfigError at once
+        as :meth:`synthesize` does."""
+        config = self._checked_request(voice, config)
+        return TextStream(self, voice, config, instruct, check, timings)
+
+    def _checked_request(self, voice: Voice, config: SynthesisConfig | None) -> SynthesisConfig:
+        """The validated config; ConfigError for a voice of another model or streaming without its graph."""
+        config = (config or SynthesisConfig()).validate()
+        if config.stream:
+            self.family.check_stream(self.stages)
+        if not isinstance(voice, Voice):
+            raise ConfigError(f"voice must be a Voice (engine.make_voice or Voice.load), got {type(voice).__name__}")
+        voice.check_model(self.manifest.family, self.sample_rate)
+        return config
 
     def _run(self, segments: Iterator[TextSegment], req: _Request, t: Timings) -> Iterator[AudioChunk]:
         start = time.perf_counter()
@@ -256,13 +299,31 @@ class Engine:
 
     def _speak(self, text_ids: list[int], req: _Request, t: Timings) -> Iterator[Piece]:
         """One sentence, whole or streamed, by the family's recipe."""
+        return self.speak(self.sentence_tokens(text_ids, req), req.voice, req.config, req.rng, t)
 
-        def tokens(hold: Hold | None) -> Iterator[int]:
-            return self.speech_tokens(text_ids, req.prompt, req.draw, req.sampling, req.config, hold, req.check)
+    def speak(
+        self, tokens: TokenSource, voice: Voice, config: SynthesisConfig, rng: np.random.Generator, t: Timings
+    ) -> Iterator[Piece]:
+        """Speak the speech tokens of ``tokens`` with the family's recipe (streamed with ``config.stream``)."""
+        sentence = Sentence(tokens, voice, config, rng, t)
+        recipe = self.family.speak_stream if config.stream else self.family.speak_whole
+        return recipe(sentence, self.stages)
 
-        sentence = Sentence(tokens, req.voice, req.config, req.rng, t)
-        speak = self.family.speak_stream if req.config.stream else self.family.speak_whole
-        return speak(sentence, self.stages)
+    def sentence_tokens(self, text_ids: list[int], req: _Request) -> SentenceTokens:
+        """The token source of one sentence of ``req``."""
+        p, c = req.prompt, req.config
+        return SentenceTokens(
+            self.lm,
+            self.scheduler,
+            text_ids,
+            p.text_ids,
+            p.speech,
+            p.speaker,
+            req.draw,
+            req.sampling,
+            (c.min_tokens, c.max_tokens),
+            req.check,
+        )
 
     def speech_tokens(
         self,
@@ -276,17 +337,20 @@ class Engine:
     ) -> Iterator[int]:
         """One sentence's speech tokens, from the LM scheduler when there is one (``hold``: see its submit);
         ``check()`` after each token (it may raise to stop)."""
-        kw = {
-            "draw": draw,
-            "sampling": sampling,
-            "budget": (config.min_tokens, config.max_tokens),
-            "speaker": prompt.speaker,
-        }
-        if self.scheduler is not None:  # decoded in batched steps with every other running request
-            tokens = self.scheduler.submit(text_ids, prompt.text_ids, prompt.speech, hold=hold, **kw)
-        else:
-            tokens = self.lm.generate(text_ids, prompt.text_ids, prompt.speech, **kw)
-        return tokens if check is None else _checked(tokens, check)
+        budget = (config.min_tokens, config.max_tokens)
+        source = SentenceTokens(
+            self.lm,
+            self.scheduler,
+            text_ids,
+            prompt.text_ids,
+            prompt.speech,
+            prompt.speaker,
+            draw,
+            sampling,
+            budget,
+            check,
+        )
+        return source.open(hold)
 
     def sampling_for(self, config: SynthesisConfig) -> SamplingConfig:
         """The LM's sampling settings with the request's overrides (``top_p``, ``top_k``, ``win_size``, ``tau_r``)."""
@@ -300,16 +364,3 @@ class Engine:
         """All of :meth:`synthesize` as one (N,) float32 array at :attr:`sample_rate`."""
         chunks = [c.samples for c in self.synthesize(text, voice, config, instruct)]
         return np.concatenate(chunks).astype(np.float32)
-
-
-def _checked(tokens: Iterator[int], check: Callable[[], None]) -> Iterator[int]:
-    """``tokens`` with ``check()`` after each; whatever way this ends, the source is closed (which frees a
-    scheduler row at once instead of decoding for a request nobody reads)."""
-    try:
-        for token in tokens:
-            check()
-            yield token
-    finally:
-        close = getattr(tokens, "close", None)
-        if close is not None:
-            close()

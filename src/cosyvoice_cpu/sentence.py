@@ -27,7 +27,8 @@ import numpy as np
 
 from cosyvoice_cpu.config import SynthesisConfig
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.lm.scheduler import Hold
+from cosyvoice_cpu.lm.hold import Hold
+from cosyvoice_cpu.lm.source import TokenSource
 from cosyvoice_cpu.voices.voice import Voice
 
 logger = logging.getLogger(__name__)
@@ -52,14 +53,14 @@ class Sentence:
     """What speaking one sentence needs.
 
     Attributes:
-        tokens: ``tokens(hold)`` starts decoding the sentence's speech tokens and iterates them; ``hold`` (or
-            None) pauses the LM after its count until released (:class:`~cosyvoice_cpu.lm.scheduler.Hold`).
+        tokens: the sentence's speech-token source (:mod:`cosyvoice_cpu.lm.source`), opened once with a hold (or
+            None) that pauses the LM after its count until released (:class:`~cosyvoice_cpu.lm.hold.Hold`).
         voice, config: the request's voice and settings.
         rng: the request's generator for the flow's fresh noise (CosyVoice-300M) and the vocoder's source noise.
         timings: the request's stage times, added to.
     """
 
-    tokens: Callable[[Hold | None], Iterator[int]]
+    tokens: TokenSource
     voice: Voice
     config: SynthesisConfig
     rng: np.random.Generator
@@ -119,7 +120,7 @@ def speak_whole(s: Sentence, flow: Any, vocoder: Any, keep: Callable[[list[int]]
     """
     t = s.timings
     t0 = time.perf_counter()
-    tokens = list(s.tokens(None))
+    tokens = list(s.tokens.open(None))
     t1 = time.perf_counter()
     t.lm += t1 - t0
     t.tokens += len(tokens)
@@ -195,7 +196,7 @@ def stream_pieces(
     t0 = time.perf_counter()
     first_done = Hold(hold_at)
     decoded = 0
-    for token in s.tokens(first_done):
+    for token in s.tokens.open(first_done):
         decoded += 1
         if keep is not None and not keep(token):
             continue

@@ -16,8 +16,9 @@ from cosyvoice_cpu.config import EngineConfig, SynthesisConfig
 from cosyvoice_cpu.engine import Engine
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.hardware.pages import span_resident_bytes
+from cosyvoice_cpu.lm.hold import Hold
 from cosyvoice_cpu.lm.sampling import RngDraw
-from cosyvoice_cpu.lm.scheduler import Hold, LMScheduler
+from cosyvoice_cpu.lm.scheduler import LMScheduler
 
 TEXT = "Warning: the temperature on line three is too high."
 

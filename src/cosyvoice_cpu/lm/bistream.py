@@ -55,7 +55,7 @@ class BistreamRequest:
     Attributes:
         tokens: the speech tokens yielded so far; history: every sampled id, fill tokens included (what the
             repetition-aware sampling sees, as in the official code); text_fed: text ids taken in.
-        stop_reason: None while running, then ``"stop"`` (EOS), ``"max_len"`` or ``"unexpected"``.
+        stop_reason: None while running, then ``"stop"`` (EOS), ``"max_len"``, ``"unexpected"`` or ``"cancelled"``.
     """
 
     def __init__(
@@ -124,6 +124,15 @@ class BistreamRequest:
         """No more text: the LM speaks what is left and decodes until EOS."""
         self._push(_END)
 
+    def cancel(self) -> None:
+        """Stop now (a cancelled text stream): no more tokens; a scheduler frees the row at its next step."""
+        with self._lock:
+            if self.stop_reason is None:
+                self.stop_reason = "cancelled"
+            self._lock.notify_all()
+        if self.wake is not None:
+            self.wake()
+
     def _push(self, event: list[int] | None) -> None:
         with self._lock:
             if self._events and self._events[-1] is _END:
@@ -148,7 +157,7 @@ class BistreamRequest:
     def next_input(self) -> np.ndarray | None:
         """The positions (T, D) to feed before the next :meth:`advance`, or None while text is awaited. Only
         between decode runs (at the start, after a fill token): consumes text events."""
-        if self._ready is None and self._awaiting:
+        if self._ready is None and self._awaiting and not self.finished:
             with self._lock:
                 events = list(self._events)
                 self._events.clear()
@@ -263,7 +272,7 @@ class BistreamRequest:
         while not self.finished:
             if token is None:
                 embeds = self.wait_input()
-                if not self.room_for(embeds):
+                if embeds is None or not self.room_for(embeds):
                     return
                 self.fed(embeds)
                 logp = self.session.prefill(self.cache, self.row, embeds)
@@ -273,10 +282,10 @@ class BistreamRequest:
             if token is not None:
                 yield token
 
-    def wait_input(self) -> np.ndarray:
-        """Block until :meth:`next_input` has positions to feed."""
-        while (embeds := self.next_input()) is None:
+    def wait_input(self) -> np.ndarray | None:
+        """Block until :meth:`next_input` has positions to feed (None: the request was cancelled)."""
+        while (embeds := self.next_input()) is None and not self.finished:
             with self._lock:
-                if not self._events:
+                if not self._events and not self.finished:
                     self._lock.wait()
         return embeds

@@ -10,6 +10,8 @@ weights the kernels are row-independent).
 
 The flow and vocoder stay in the requesting thread: they consume tokens from a queue while the scheduler decodes
 ahead. Closing the token iterator (a client that went away) cancels the request at the next step and frees its row.
+A text stream (:meth:`LMScheduler.submit_stream`) takes a row once its first input exists and, while it waits for
+text, is left out of the steps of the others.
 
     scheduler = LMScheduler(engine.lm, max_rows=8)
     for token in scheduler.submit(text_ids, prompt_ids, prompt_speech, draw=draw):
@@ -31,7 +33,10 @@ import numpy as np
 
 from cosyvoice_cpu.config import need
 from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.lm.bistream import BistreamRequest
 from cosyvoice_cpu.lm.generate import SpeechTokenGenerator, TokenRequest
+from cosyvoice_cpu.lm.hold import Hold
+from cosyvoice_cpu.lm.hold import notify as _notify
 from cosyvoice_cpu.lm.kv_cache import KEEP_POSITIONS
 
 logger = logging.getLogger(__name__)
@@ -59,38 +64,17 @@ class SchedulerStats:
         return self.tokens / busy if busy > 0 else 0.0
 
 
-class Hold:
-    """Pauses a request after ``after`` speech tokens until :meth:`release` (see :meth:`LMScheduler.submit`).
-
-    Releasing wakes the scheduler at once (it sleeps while every active row is held); releasing twice, or a hold
-    that was never submitted, is harmless.
-    """
-
-    def __init__(self, after: int) -> None:
-        need(isinstance(after, int) and after >= 0, "hold after", after, "a token count >= 0")
-        self.after = after
-        self._released = threading.Event()
-        self._wake: threading.Condition | None = None  # the scheduler's, set by submit
-
-    @property
-    def released(self) -> bool:
-        return self._released.is_set()
-
-    def release(self) -> None:
-        self._released.set()
-        _notify(self._wake)
-
-
-def _notify(wake: threading.Condition | None) -> None:
-    if wake is not None:
-        with wake:
-            wake.notify()
+def _startable(job: _Job) -> bool:
+    """Whether a waiting job can start: not a text stream, or one whose first input exists."""
+    return not job.streamed or job.request.next_input() is not None
 
 
 class _Job:
     """One request inside the scheduler: its TokenRequest, its row, and the queue its consumer reads."""
 
-    def __init__(self, request: TokenRequest, wake: threading.Condition, hold: Hold | None = None) -> None:
+    def __init__(
+        self, request: TokenRequest | BistreamRequest, wake: threading.Condition, hold: Hold | None = None
+    ) -> None:
         self.request = request
         self.out: queue.SimpleQueue = queue.SimpleQueue()
         self.row: int | None = None
@@ -109,14 +93,30 @@ class _Job:
         """Has a token to feed back, and is neither cancelled nor held: the next decode step includes it."""
         return self.pending is not None and not self.cancelled.is_set() and not self.held
 
+    @property
+    def streamed(self) -> bool:
+        """A text stream's request (:class:`BistreamRequest`): between decode runs it waits for text."""
+        return isinstance(self.request, BistreamRequest)
+
+    def input_ready(self) -> bool:
+        """A text stream between decode runs whose next input exists (no token pending, not finished)."""
+        return (
+            self.streamed
+            and self.pending is None
+            and not self.request.finished
+            and not self.cancelled.is_set()
+            and not self.held
+            and self.request.next_input() is not None
+        )
+
     def deliver(self, token: int | None) -> bool:
         """Hand a sampled token (or the end) to the consumer; True while the job goes on."""
         if token is not None:
             self.out.put(token)
-        if token is None or self.request.finished:
+        if self.request.finished or (token is None and not self.streamed):
             self.out.put(_END)
             return False
-        self.pending = token
+        self.pending = token  # None: a text stream awaiting its next text group keeps its row
         return True
 
     def tokens(self) -> Iterator[int]:
@@ -197,9 +197,19 @@ class LMScheduler:
         """
         if kw.get("cache") is not None:
             raise ConfigError("the scheduler owns the KV cache; do not pass cache= to submit")
+        return self.run(self.generator.request(text, prompt_text, prompt_speech, **kw), hold)
+
+    def submit_stream(self, request: BistreamRequest, hold: Hold | None = None) -> Iterator[int]:
+        """Queue a text stream's request (:mod:`cosyvoice_cpu.lm.bistream`); its speech tokens as decoded. It
+        takes a row once its first input exists; while it waits for text the other rows' steps go on."""
+        request.wake = lambda: _notify(self._wake)
+        return self.run(request, hold)
+
+    def run(self, request: TokenRequest | BistreamRequest, hold: Hold | None = None) -> Iterator[int]:
+        """Queue a request made by the caller (see :meth:`submit`)."""
         if hold is not None:
-            hold._wake = self._wake
-        job = _Job(self.generator.request(text, prompt_text, prompt_speech, **kw), self._wake, hold)
+            hold.attach(self._wake)
+        job = _Job(request, self._wake, hold)
         with self._wake:
             if self._closed:
                 raise ConfigError("the LM scheduler is closed (the engine is shutting down)")
@@ -232,9 +242,7 @@ class LMScheduler:
                         return
                 if self._closed:
                     break
-                admit = []
-                while self._waiting and len(self._active) + len(admit) < self.max_rows:
-                    admit.append(self._waiting.popleft())
+                admit = self._admissible()
             try:
                 busy = self._step(admit)
             except Exception:  # never let the thread die: _step already failed the jobs involved
@@ -255,9 +263,31 @@ class LMScheduler:
     def _runnable(self) -> bool:
         """Whether a step would do anything now: admit a waiting request into a free row, drop a cancelled row or
         decode one that is not held (called under ``_wake``)."""
-        if self._waiting and len(self._active) < self.max_rows:
+        if any(j.streamed and j.request.finished for j in self._waiting):
             return True
-        return any(j.cancelled.is_set() or j.ready for j in self._active.values())
+        if len(self._active) < self.max_rows and any(_startable(j) for j in self._waiting):
+            return True
+        return any(
+            j.cancelled.is_set() or j.ready or j.input_ready() or (j.streamed and j.request.finished)
+            for j in self._active.values()
+        )
+
+    def _admissible(self) -> list[_Job]:
+        """Take the waiting jobs that get a row now, first come first served (called under ``_wake``). A text
+        stream whose first input does not exist yet keeps its place without a row; a cancelled job leaves."""
+        admit, keep = [], deque()
+        for job in self._waiting:
+            if job.cancelled.is_set():
+                continue
+            if job.streamed and job.request.finished:  # a text stream cancelled before it got a row
+                job.out.put(_END)
+                continue
+            if len(self._active) + len(admit) < self.max_rows and _startable(job):
+                admit.append(job)
+            else:
+                keep.append(job)
+        self._waiting = keep
+        return admit
 
     def _free_row(self) -> int:
         return min(set(range(self.max_rows)) - set(self._active))
@@ -269,6 +299,9 @@ class LMScheduler:
             if job.cancelled.is_set():
                 logger.debug("row %d cancelled", row)
                 self._vacate(row)
+            elif job.streamed and job.pending is None and job.request.finished:  # a text stream cancelled
+                job.out.put(_END)
+                self._vacate(row)
         for job in admit:
             if job.cancelled.is_set():
                 continue
@@ -278,16 +311,30 @@ class LMScheduler:
             t0 = time.perf_counter()
             try:
                 job.request.attach(self._cache, row)
-                first = job.request.advance(job.request.prefill())
+                first = self._feed(job) if job.streamed else job.request.advance(job.request.prefill())
             except Exception as e:  # a bad request fails alone
                 self._fail([row], e)
                 continue
             finally:
                 self.stats.prefill_seconds += time.perf_counter() - t0
             self._deliver(row, first)
+        fed = False
+        for row, job in list(self._active.items()):  # text streams whose next text group has come
+            if row not in self._active or not job.input_ready():
+                continue
+            t0 = time.perf_counter()
+            try:
+                token = self._feed(job)
+            except Exception as e:
+                self._fail([row], e)
+                continue
+            finally:
+                self.stats.prefill_seconds += time.perf_counter() - t0
+            self._deliver(row, token)
+            fed = True
         rows = sorted(r for r, j in self._active.items() if j.ready)
         if not rows:
-            return bool(admit)
+            return bool(admit) or fed
         tokens = [self._active[r].pending for r in rows]
         t0 = time.perf_counter()
         try:
@@ -309,6 +356,15 @@ class LMScheduler:
                 continue
             self._deliver(row, token)
         return True
+
+    def _feed(self, job: _Job) -> int | None:
+        """Run a text stream's next input (T positions) on its row alone and sample after it."""
+        request = job.request
+        embeds = request.next_input()
+        if embeds is None or not request.room_for(embeds):
+            return None
+        request.fed(embeds)
+        return request.advance(self.generator.session.prefill(self._cache, request.row, embeds))
 
     def _deliver(self, row: int, token: int | None) -> None:
         if token is not None:

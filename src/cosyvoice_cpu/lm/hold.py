@@ -1,0 +1,41 @@
+"""Pausing a request's decoding: a :class:`Hold` stops the LM scheduler feeding a request after some tokens until
+it is released (a streamed sentence holds the LM at its first chunk while that chunk's flow runs)."""
+
+from __future__ import annotations
+
+import threading
+
+from cosyvoice_cpu.config import need
+
+
+class Hold:
+    """Pauses a request after ``after`` speech tokens until :meth:`release` (see :meth:`LMScheduler.submit`).
+
+    Releasing wakes the scheduler at once (it sleeps while every active row is held); releasing twice, or a hold
+    that was never submitted, is harmless.
+    """
+
+    def __init__(self, after: int) -> None:
+        need(isinstance(after, int) and after >= 0, "hold after", after, "a token count >= 0")
+        self.after = after
+        self._released = threading.Event()
+        self._wake: threading.Condition | None = None  # the scheduler's, set by submit
+
+    def attach(self, wake: threading.Condition) -> None:
+        """Wake ``wake`` (a scheduler's condition) at release."""
+        self._wake = wake
+
+    @property
+    def released(self) -> bool:
+        return self._released.is_set()
+
+    def release(self) -> None:
+        self._released.set()
+        notify(self._wake)
+
+
+def notify(wake: threading.Condition | None) -> None:
+    """Notify one waiter of ``wake`` (None: nobody to wake)."""
+    if wake is not None:
+        with wake:
+            wake.notify()
