@@ -286,3 +286,37 @@ def test_zeroconf_needs_tcp() -> None:
         WyomingOptions(uri="unix:///tmp/x.sock", zeroconf="hall").validate()
     with pytest.raises(ConfigError, match="Wyoming URI"):
         WyomingOptions(uri="http://127.0.0.1:10200").validate()
+
+
+def test_unload_after_releases_the_engine_and_loads_it_on_use(tmp_path: Path) -> None:
+    """``serve --wyoming --unload-after 1``: idle, the engine is released (/health says so); a Wyoming request loads
+    it again and gets its audio, and so does an HTTP one."""
+    from cosyvoice_cpu.server.process import free_port
+
+    from .conftest import start_with_voice
+
+    port = free_port()
+    srv = start_with_voice(tmp_path, "--wyoming", f"tcp://127.0.0.1:{port}", "--unload-after", "1")
+    try:
+        with srv.client() as c:
+            deadline = time.monotonic() + 15
+            while c.get("/health").json()["engine_loaded"]:
+                assert time.monotonic() < deadline, "the idle engine was not released"
+                time.sleep(0.1)
+
+            async def speak() -> list[str]:
+                async with AsyncTcpClient("127.0.0.1", port, read_timeout=60) as w:
+                    await w.write_event(Synthesize(text=TEXT, voice=SynthesizeVoice(name=VOICE)).event())
+                    return [e.type for e in await collect(w, "audio-stop")]
+
+            kinds = asyncio.run(speak())
+            assert kinds[0] == "audio-start" and kinds[-1] == "audio-stop" and "audio-chunk" in kinds
+            assert c.get("/health").json()["engine_loaded"]
+            while c.get("/health").json()["engine_loaded"]:  # released again
+                assert time.monotonic() < deadline + 30
+                time.sleep(0.1)
+            body = {"model": "tts-1", "input": TEXT, "voice": VOICE, "response_format": "pcm"}
+            r = c.post("/v1/audio/speech", json=body)
+            assert r.status_code == 200 and len(r.content) > 1000
+    finally:
+        srv.stop()

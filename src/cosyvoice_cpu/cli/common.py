@@ -29,6 +29,29 @@ def add_backend_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_unload_flag(parser: argparse.ArgumentParser) -> None:
+    """``--unload-after S`` of the servers (:class:`~cosyvoice_cpu.server.unload.UnloadingEngine`)."""
+    parser.add_argument(
+        "--unload-after",
+        type=float,
+        metavar="S",
+        help="release the engine (the model's memory) after S seconds without a request, and load it again at "
+        "the next one (for a box that runs other things too; the first request after pays the load)",
+    )
+
+
+def load_engine(args: argparse.Namespace, config: object) -> object:
+    """The engine of a server: ``Engine.load(args.model, config)``, or with ``--unload-after`` one that is released
+    when idle and loaded again on use."""
+    from cosyvoice_cpu.engine import Engine
+
+    if getattr(args, "unload_after", None) is None:
+        return Engine.load(args.model, config)
+    from cosyvoice_cpu.server.unload import UnloadingEngine
+
+    return UnloadingEngine(lambda: Engine.load(args.model, config), args.unload_after)
+
+
 def need_export_extra() -> None:
     """Raise :class:`MissingExtraError` with the install command unless PyTorch can be imported."""
     try:

@@ -7,7 +7,7 @@ import logging
 import os
 from pathlib import Path
 
-from cosyvoice_cpu.cli.common import add_backend_args
+from cosyvoice_cpu.cli.common import add_backend_args, add_unload_flag, load_engine
 from cosyvoice_cpu.errors import ConfigError, MissingExtraError
 
 logger = logging.getLogger(__name__)
@@ -20,7 +20,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise MissingExtraError("serve needs the [server] extra: pip install 'cosyvoice-cpu[server]'") from e
     from cosyvoice_cpu.cli.speech import voices_dir
     from cosyvoice_cpu.config import EngineConfig
-    from cosyvoice_cpu.engine import Engine
     from cosyvoice_cpu.server.app import ServerSettings, create_app
 
     settings = ServerSettings(
@@ -51,6 +50,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         compiled_shapes=args.compiled_shapes,
     )
     if args.replicas != 1 or args.ray_address:
+        if args.unload_after is not None:
+            raise ConfigError("--unload-after is for the one serving process: not with --replicas or --ray-address")
         if args.wyoming:
             raise ConfigError("--wyoming runs in the one serving process: not with --replicas or --ray-address")
         return _serve_replicas(args, settings, engine_config)
@@ -63,7 +64,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         wyoming = wyoming_options(args, args.wyoming).validate(settings.max_input_chars)
         if wyoming.scheme == "stdio":
             raise ConfigError("serve --wyoming takes tcp:// or unix:// (stdio:// is for `cosyvoice-cpu wyoming`)")
-    engine = Engine.load(args.model, engine_config)
+    engine = load_engine(args, engine_config)
     app = create_app(engine, settings)
     if wyoming is not None:
         from cosyvoice_cpu.server.wyoming import WyomingService
@@ -262,6 +263,7 @@ def add_parser(sub: argparse._SubParsersAction, positive: type, non_negative: ty
     )
     s.add_argument("--voices", type=Path, help="saved-voices directory (shared with `cosyvoice-cpu voice`)")
     s.add_argument("--model-id", help="model id in /v1/models (default: the model directory's name)")
+    add_unload_flag(s)
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     w = s.add_argument_group("the Wyoming protocol beside the HTTP API (the [wyoming] extra; docs/wyoming.md)")
     w.add_argument(

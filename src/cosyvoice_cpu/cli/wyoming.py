@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from cosyvoice_cpu.cli.common import add_backend_args
+from cosyvoice_cpu.cli.common import add_backend_args, add_unload_flag, load_engine
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,6 @@ def cmd_wyoming(args: argparse.Namespace) -> int:
     need_wyoming()
     from cosyvoice_cpu.cli.speech import voices_dir
     from cosyvoice_cpu.config import EngineConfig
-    from cosyvoice_cpu.engine import Engine
     from cosyvoice_cpu.server.app import ServerSettings, State
 
     settings = ServerSettings(
@@ -100,7 +99,7 @@ def cmd_wyoming(args: argparse.Namespace) -> int:
         backend=args.backend,
         compiled_shapes=args.compiled_shapes,
     )
-    engine = Engine.load(args.model, engine_config)
+    engine = load_engine(args, engine_config)
     try:
         state = State(engine, settings)
         banner = f"Wyoming server for {engine.model_dir} on {options.uri} ({settings.max_active} at once, "
@@ -139,5 +138,6 @@ def add_parser(sub: argparse._SubParsersAction, positive: type, non_negative: ty
     s.add_argument("--threads", type=non_negative, default=0, help="ORT threads (default: usable physical cores)")
     s.add_argument("--model-id", help="the model's name in info (default: the model directory's name)")
     add_backend_args(s)
+    add_unload_flag(s)
     add_wyoming_flags(s, positive)
     s.set_defaults(func=cmd_wyoming)

@@ -153,15 +153,24 @@ def create_app(engine: Any, settings: ServerSettings, replica: ReplicaInfo | Non
     m.gauges["cosyvoice_requests_active"] = ("Syntheses running.", lambda: state.admission.active)
     m.gauges["cosyvoice_requests_queued"] = ("Syntheses waiting for a worker.", lambda: state.admission.waiting)
     m.gauges["cosyvoice_voices"] = ("Saved voices served.", lambda: len(state.voices))
-    scheduler = engine.scheduler
-    if scheduler is not None:
-        s = scheduler.stats
-        m.batch_sizes = lambda: dict(s.batch_sizes)
-        m.lm_counters = lambda: {
-            "tokens_total": s.tokens,
-            "decode_steps_total": s.decode_steps,
-            "tokens_per_second": s.tokens_per_second,
-        }
+    if engine.scheduler is not None:  # read at each scrape: an engine released by --unload-after has none
+
+        def batch_sizes() -> dict[int, int]:
+            scheduler = engine.scheduler
+            return {} if scheduler is None else dict(scheduler.stats.batch_sizes)
+
+        def lm_counters() -> dict[str, float]:
+            scheduler = engine.scheduler
+            if scheduler is None:
+                return {}
+            s = scheduler.stats
+            return {
+                "tokens_total": s.tokens,
+                "decode_steps_total": s.decode_steps,
+                "tokens_per_second": s.tokens_per_second,
+            }
+
+        m.batch_sizes, m.lm_counters = batch_sizes, lm_counters
     if settings.default_voice is not None and settings.default_voice not in state.voices.names():
         logger.warning(
             "the default voice %r is not saved yet: OpenAI voice names get a 400 until it is added",
@@ -245,6 +254,7 @@ def create_app(engine: Any, settings: ServerSettings, replica: ReplicaInfo | Non
             "active": adm.active,
             "queued": adm.waiting,
             "voices": voices,
+            "engine_loaded": getattr(engine, "loaded", True),  # False: released by --unload-after until the next use
             "uptime_s": round(time.time() - state.started, 1),
             **replica,
         }

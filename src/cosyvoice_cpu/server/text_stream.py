@@ -159,7 +159,7 @@ def open_text_stream(
     engine: Any, voice: Any, config: SynthesisConfig | None = None, instruct: str | None = None
 ) -> Any:
     """The engine's ``open_text_stream`` where it has one, else a :class:`SentenceTextStream` on it."""
-    native = getattr(type(engine), "open_text_stream", None)
-    if native is not None:
-        return engine.open_text_stream(voice, config, instruct)
+    native = getattr(engine, "open_text_stream", None)
+    if callable(native):
+        return native(voice, config, instruct)
     return SentenceTextStream(engine, voice, config, instruct)
