@@ -1,6 +1,7 @@
 """What the Wyoming handler needs besides the protocol: the voice a request names (saved or built-in, its language
-checked against the family), and a synthesis run in a worker thread with its audio handed to the event loop as
-16-bit PCM as it is made (bounded: a slow client pauses its own synthesis)."""
+checked against the family), a synthesis run in a worker thread with its audio handed to the event loop as
+16-bit PCM as it is made (bounded: a slow client pauses its own synthesis), and the text of a stream that comes
+before the engine's text stream (``Engine.open_text_stream``) is open."""
 
 from __future__ import annotations
 
@@ -121,3 +122,48 @@ async def pump(
         job.cancel.set()
         if on_stop is not None:
             on_stop()
+
+
+class TextInbox:
+    """The text of a stream that is not open yet (its voice being loaded, its slot awaited): what is fed, closed or
+    cancelled meanwhile is handed to the stream when it is :meth:`attach` ed; from then on it passes through."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # fed on the event loop, attached in the synthesis worker
+        self.stream: Any = None
+        self.pending: list[str] = []
+        self.closed = self.cancelled = False
+
+    def feed(self, text: str) -> None:
+        with self.lock:
+            if self.stream is None:
+                self.pending.append(text)
+                return
+        self.stream.feed(text)
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            if self.stream is None:
+                return
+        self.stream.close()
+
+    def cancel(self) -> None:
+        with self.lock:
+            self.cancelled = True
+            if self.stream is None:
+                return
+        self.stream.cancel()
+
+    def attach(self, stream: Any) -> Any:
+        """Hand ``stream`` what came so far (then everything passes through); returns it."""
+        with self.lock:
+            for text in self.pending:
+                stream.feed(text)
+            self.pending.clear()
+            if self.cancelled:
+                stream.cancel()
+            elif self.closed:
+                stream.close()
+            self.stream = stream
+        return stream

@@ -30,8 +30,7 @@ from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, Synthesize
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.server.checks import RequestProblem, check_text
 from cosyvoice_cpu.server.speech import AudioTooLong, Cancelled, Job, Rejected, TimedOut
-from cosyvoice_cpu.server.text_stream import TextInbox, open_text_stream
-from cosyvoice_cpu.server.wyoming_audio import WIDTH, pump, resolve_voice
+from cosyvoice_cpu.server.wyoming_audio import WIDTH, TextInbox, pump, resolve_voice
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +224,11 @@ class CosyVoiceHandler(AsyncEventHandler):
             bound = self.state.settings.audio_bound
             self.job.max_audio_s = bound.seconds(self.stream_chars)
             self.job.too_long = bound.problem(self.stream_chars, 1.0)
-        self.stream.feed(text)
+        try:
+            self.stream.feed(text)  # the engine's stream refuses text it cannot take (ConfigError, UnicodeError)
+        except (ConfigError, UnicodeError) as e:
+            await self.fail(str(e), "invalid_text")
+            return False
         return True
 
     # ------------------------------------------------------------------ synthesis
@@ -290,8 +293,13 @@ class CosyVoiceHandler(AsyncEventHandler):
             await self.close()
             return
         config = self.state.settings.defaults.with_(stream=True)
-        stream = inbox.attach(open_text_stream(self.state.engine, voice, config))
-        job = self.job = self._job(lambda check: iter(stream), max(self.stream_chars, 1))
+        engine = self.state.engine
+
+        def run(check: Callable[[], None]) -> Any:  # in the worker: a ConfigError of the engine comes out of pump
+            return iter(inbox.attach(engine.open_text_stream(voice, config, check=check)))
+
+        job = self.job = self._job(run, max(self.stream_chars, 1))
+        # a stream waiting for text decodes no token to check the time at: the timeout cancels it
         timer = asyncio.get_running_loop().call_later(self.state.settings.timeout, inbox.cancel)
         try:
             await self._speak(job, pump(job, self.state.executor, on_stop=inbox.cancel), streamed=True)
@@ -340,7 +348,7 @@ class CosyVoiceHandler(AsyncEventHandler):
         except (Cancelled, asyncio.CancelledError, ConnectionError):
             pass  # the client went away: nobody to tell
         except Exception as e:
-            outcome, message, code = _failure(e)
+            outcome, message, code = _failure(e, time.perf_counter() - job.started > job.timeout)
             await self.fail(message, code)
             await self.close()
         finally:
@@ -358,12 +366,12 @@ def _ms(samples: int, rate: int) -> int:
     return int(samples * 1000 // rate)
 
 
-def _failure(e: Exception) -> tuple[str, str, str]:
-    """(metrics outcome, message, error code) of a synthesis that raised ``e``."""
+def _failure(e: Exception, late: bool) -> tuple[str, str, str]:
+    """(metrics outcome, message, error code) of a synthesis that raised ``e`` (``late``: past its timeout)."""
     if isinstance(e, AudioTooLong):
         return "bad_request", str(e), "audio_too_long"
-    if isinstance(e, TimedOut):
-        return "timeout", str(e), "timeout"
+    if isinstance(e, TimedOut) or late:  # a text stream cancelled by the timeout raises TextStreamCancelled
+        return "timeout", f"synthesis took longer than the server's timeout ({e})", "timeout"
     if isinstance(e, ConfigError):
         return "bad_request", str(e), "invalid_request"
     logger.error("Wyoming synthesis failed: %s", e, exc_info=e)
