@@ -38,7 +38,7 @@ _OURS = (
     + """
 import sys, time
 t0 = time.perf_counter()
-from cosyvoice_cpu.reference.model_dir import load_reference
+from cosyvoice_cpu.family_parts import load_reference
 m = load_reference(sys.argv[1])
 report(m.lm, m.flow, m.hift, time.perf_counter() - t0)
 """

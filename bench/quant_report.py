@@ -158,7 +158,7 @@ def flow_and_vocoder_quality(dirs: dict[str, Path], size: str, threads: int) -> 
 
 def lm_quality(src: Path, dirs: dict[str, Path]) -> dict[str, dict]:
     from cosyvoice_cpu.export.lm.cosyvoice2 import compare_lm
-    from cosyvoice_cpu.reference.model_dir import load_reference
+    from cosyvoice_cpu.family_parts import load_reference
 
     lm = load_reference(src, ("lm",)).lm
     return {r: compare_lm(lm, d, steps=LM_STEPS, seed=0) for r, d in dirs.items()}

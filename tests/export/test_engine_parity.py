@@ -18,9 +18,9 @@ from cosyvoice_cpu.config import SynthesisConfig
 from cosyvoice_cpu.engine import Engine
 from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.exporter import ExportOptions, export_model
+from cosyvoice_cpu.family_parts import load_reference
 from cosyvoice_cpu.lm.sampling import RngDraw
 from cosyvoice_cpu.reference.hift.source import SourceNoise as TorchNoise
-from cosyvoice_cpu.reference.model_dir import load_reference
 from cosyvoice_cpu.reference.tokenizer import CosyVoice2Tokenizer
 from cosyvoice_cpu.vocoder.source import SourceNoise
 

@@ -1,5 +1,6 @@
-"""The export's family seam (cosyvoice_cpu.export.families): one object per family of the facts table, owning what the
-export does differently, so the exporter, the stage runner and the LM gate never test a family's name."""
+"""The export's family seam (cosyvoice_cpu.export.families, read through cosyvoice_cpu.family_parts): one object per
+family of the facts table, owning what the export does differently, so the exporter, the stage runner and the LM gate
+never test a family's name."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from cosyvoice_cpu.errors import ExportError
-from cosyvoice_cpu.export.families import REGISTRY, ExportCosyVoice, ExportCosyVoice3, export_family
+from cosyvoice_cpu.export.families import ExportCosyVoice, ExportCosyVoice3
 from cosyvoice_cpu.facts import FAMILIES, facts
+from cosyvoice_cpu.family_parts import PARTS, export_family
 
 EXPORT = Path(__file__).parents[2] / "src" / "cosyvoice_cpu" / "export"
 BLANK_EN = ("CosyVoice-BlankEN/config.json", "CosyVoice-BlankEN/vocab.json", "CosyVoice-BlankEN/merges.txt",
@@ -18,7 +20,7 @@ BLANK_EN = ("CosyVoice-BlankEN/config.json", "CosyVoice-BlankEN/vocab.json", "Co
 
 
 def test_one_export_object_per_family_of_the_facts_table() -> None:
-    assert tuple(REGISTRY) == FAMILIES
+    assert tuple(PARTS) == FAMILIES
     for name in FAMILIES:
         fam = export_family(name)
         assert fam.name == name and fam.facts is facts(name)

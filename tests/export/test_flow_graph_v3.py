@@ -16,10 +16,10 @@ import torch
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.flow.cosyvoice3 import FILES, export_flow, settings_of, verify_flow
+from cosyvoice_cpu.family_parts import load_reference
 from cosyvoice_cpu.flow.stage import FlowStage
 from cosyvoice_cpu.flow.stage_v3 import FlowStageV3
 from cosyvoice_cpu.flow.stream_v3 import FlowStreamV3, PromptCacheV3
-from cosyvoice_cpu.reference.model_dir import load_reference
 
 RTOL = 1e-5  # measured 2.8e-7 .. 5e-7 (fp32 ORT vs torch, whole and streamed flow)
 

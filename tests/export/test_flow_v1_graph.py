@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.flow.cosyvoice import export_flow, settings_of, verify_flow
+from cosyvoice_cpu.family_parts import load_reference
 from cosyvoice_cpu.flow.stage_v1 import FILES, FlowStageV1, frames_for_tokens, interpolation_matrix, stretch_matrix
 from cosyvoice_cpu.flow.stream_v1 import FlowStreamV1
 from cosyvoice_cpu.reference.flow import length_regulator
-from cosyvoice_cpu.reference.model_dir import load_reference
 
 # Measured (fp32 ORT vs torch, 1 thread, tiny fixture): encoder mu 5.6e-7 .. 6.4e-7, estimator 8.7e-7 .. 1.1e-6,
 # whole flow (10 steps, CFG 0.7) 2.6e-7 .. 4.3e-7, streamed 3 windows ~4e-7. int8 estimator (reduce_range):

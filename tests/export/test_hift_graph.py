@@ -27,9 +27,9 @@ from cosyvoice_cpu.export.hift.cosyvoice import (
     quantize_hift_weights_int8,
     verify_hift,
 )
+from cosyvoice_cpu.family_parts import load_reference
 from cosyvoice_cpu.reference.hift.cosyvoice import HiFT, HiFTConfig
 from cosyvoice_cpu.reference.hift.source import SourceNoise
-from cosyvoice_cpu.reference.model_dir import load_reference
 from cosyvoice_cpu.vocoder import hift as V
 from cosyvoice_cpu.vocoder import source as S
 

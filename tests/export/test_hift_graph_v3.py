@@ -42,8 +42,8 @@ def _voiced(hift: CausalHiFT) -> CausalHiFT:
 
 @pytest.fixture(scope="module")
 def hift(tmp_path_factory: pytest.TempPathFactory) -> CausalHiFT:
+    from cosyvoice_cpu.family_parts import load_reference
     from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
-    from cosyvoice_cpu.reference.model_dir import load_reference
 
     src = write_fixture(FixtureSpec("cosyvoice3", "tiny", 0), tmp_path_factory.mktemp("fixtures") / "tiny-v3")
     return load_reference(src, stages=("hift",)).hift

@@ -30,7 +30,7 @@ def v3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def exported(v3_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """(reference CosyVoice3LM, directory with lm.onnx and the tables, GraphArtifact)."""
     from cosyvoice_cpu.export.lm.cosyvoice3 import export_lm
-    from cosyvoice_cpu.reference.model_dir import load_reference
+    from cosyvoice_cpu.family_parts import load_reference
 
     lm = load_reference(v3_dir, ("lm",)).lm.eval()
     out = tmp_path_factory.mktemp("v3-lm")
@@ -247,12 +247,12 @@ def test_silence_filter_equals_the_reference() -> None:
 
 
 def test_tokenizer_export_matches_the_reference(v3_dir: Path, tmp_path: Path, monkeypatch) -> None:
-    from cosyvoice_cpu.export.tokenizer.cosyvoice3 import export_tokenizer_v3
+    from cosyvoice_cpu.export.tokenizer.cosyvoice3 import export_tokenizer
     from cosyvoice_cpu.reference.tokenizer import COSYVOICE3_SPECIALS, CosyVoice3Tokenizer
     from cosyvoice_cpu.text.tokenizer import TextTokenizer
 
     blank = v3_dir / "CosyVoice-BlankEN"
-    text = export_tokenizer_v3(blank, tmp_path)
+    text = export_tokenizer(blank, tmp_path)
     assert text["tokenizer"] == "tokenizer.json" and text["vocab_size"] == 151924
     assert text["special_ids"]["<|endofprompt|>"] == 151646 and text["special_ids"]["<|endoftext|>"] == 151643
     assert len(text["special_ids"]) == 1 + len(COSYVOICE3_SPECIALS)
@@ -271,4 +271,4 @@ def test_tokenizer_export_matches_the_reference(v3_dir: Path, tmp_path: Path, mo
         assert ours.encode(s) == ref.encode(s), s
     monkeypatch.setattr("cosyvoice_cpu.reference.lm.cosyvoice3.ENDOFPROMPT_ID", 5)
     with pytest.raises(ExportError, match="hard-codes 5"):
-        export_tokenizer_v3(blank, tmp_path / "again")
+        export_tokenizer(blank, tmp_path / "again")

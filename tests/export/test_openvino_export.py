@@ -151,7 +151,7 @@ def test_the_v1_openvino_graph_pads_exactly_where_the_official_one_does_not(tiny
 
     from cosyvoice_cpu.export.flow.common import estimator_inputs
     from cosyvoice_cpu.export.flow.cosyvoice import EstimatorGraphV1, padded_estimator_graph
-    from cosyvoice_cpu.reference.model_dir import load_reference
+    from cosyvoice_cpu.family_parts import load_reference
 
     est = load_reference(tiny_v1_model_dir, ("flow",)).flow.decoder.estimator.eval()
     official, masked = EstimatorGraphV1(est), padded_estimator_graph(est)

@@ -80,7 +80,7 @@ def test_chunk_plan_grows_and_waits_for_the_lookahead() -> None:
 def test_incremental_flow_equals_the_one_shot_chunk_causal_solve(engine: Engine, tiny_model_dir: Path) -> None:
     import torch
 
-    from cosyvoice_cpu.reference.model_dir import load_reference
+    from cosyvoice_cpu.family_parts import load_reference
 
     mel, fs = _stream(engine.flow, None)
     n_prompt = fs.n_prompt

@@ -20,10 +20,11 @@ from cosyvoice_cpu.engine import Engine
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.exporter import ExportOptions, export_model
+from cosyvoice_cpu.family_parts import load_reference
 from cosyvoice_cpu.lm.sampling import RngDraw
 from cosyvoice_cpu.manifest import Manifest
+from cosyvoice_cpu.reference.checkpoint import load_speakers
 from cosyvoice_cpu.reference.hift.source import SourceNoise as TorchNoise
-from cosyvoice_cpu.reference.model_dir import load_reference, load_speakers
 from cosyvoice_cpu.vocoder.source import SourceNoise
 
 WAVE_RTOL = 1e-3  # the v2 engine parity bound; measured here: see the printed values

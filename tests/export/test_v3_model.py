@@ -18,11 +18,11 @@ from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.exporter import ExportOptions, export_model
 from cosyvoice_cpu.facts import facts
+from cosyvoice_cpu.family_parts import load_reference
 from cosyvoice_cpu.lm.sampling import RngDraw
 from cosyvoice_cpu.lm.silence import drop_long_silences
 from cosyvoice_cpu.manifest import Manifest
 from cosyvoice_cpu.reference.hift.source import SourceNoise as TorchNoise
-from cosyvoice_cpu.reference.model_dir import load_reference
 from cosyvoice_cpu.vocoder.source import SourceNoise
 
 SYSTEM_PROMPT_V3 = facts("cosyvoice3").system_prompt

@@ -33,8 +33,8 @@ def golden() -> dict:
 @pytest.fixture(scope="module")
 def ours(golden, tmp_path_factory):
     """(our CosyVoice3LM, our CosyVoice3Tokenizer) on the fixture the golden arrays were made on."""
+    from cosyvoice_cpu.family_parts import load_reference
     from cosyvoice_cpu.fixtures.weights.cosyvoice3 import write_cosyvoice3_lm_files
-    from cosyvoice_cpu.reference.model_dir import load_reference
     from cosyvoice_cpu.reference.tokenizer import CosyVoice3Tokenizer
 
     fx = golden["header"]["fixture"]

@@ -12,7 +12,12 @@ from pathlib import Path
 import cosyvoice_cpu
 
 PACKAGE = Path(cosyvoice_cpu.__file__).parent
-EXPORT_SIDE = ("cosyvoice_cpu.reference", "cosyvoice_cpu.export", "cosyvoice_cpu.fixtures")
+EXPORT_SIDE = (
+    "cosyvoice_cpu.reference",
+    "cosyvoice_cpu.export",
+    "cosyvoice_cpu.fixtures",
+    "cosyvoice_cpu.family_parts",
+)
 
 
 def _module_name(path: Path) -> str:
@@ -166,3 +171,34 @@ def test_only_the_backends_import_the_inference_libraries() -> None:
     outside = [m for m in import_graph().items() if not m[0].startswith(("cosyvoice_cpu.backends", *EXPORT_SIDE))]
     around = sorted(f"{m} -> {t}" for m, ts in outside for t in ts if t in concrete)
     assert not around, "runtime modules opening graphs around the seam (use backends.registry):\n" + "\n".join(around)
+
+
+# What may read the torch side's one table of families: the modules that work on a directory of any family.
+PARTS_READERS = {
+    "cosyvoice_cpu.export.exporter",
+    "cosyvoice_cpu.export.stages",
+    "cosyvoice_cpu.fixtures.writer",
+    "cosyvoice_cpu.reference.pipeline",
+}
+
+
+def _reaches(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for t in graph[todo.pop()] - seen:
+            seen.add(t)
+            todo.append(t)
+    return seen
+
+
+def test_the_family_table_sits_above_the_family_modules() -> None:
+    """``cosyvoice_cpu.family_parts`` (per family: reference loader, export plan, fixture writer) is read only by
+    the modules that work on any family's directory (and the CLI), and none of the modules it imports reaches back
+    to it: no lower floor knows the table."""
+    graph = import_graph()
+    table = "cosyvoice_cpu.family_parts"
+    readers = {m for m, ts in graph.items() if table in ts and not m.startswith("cosyvoice_cpu.cli.")}
+    assert readers <= PARTS_READERS, f"modules below the family table import it: {sorted(readers - PARTS_READERS)}"
+    below = _reaches(graph, table)
+    assert not below & (PARTS_READERS | {table}), sorted(below & (PARTS_READERS | {table}))
+    assert {"cosyvoice_cpu.reference.loaders", "cosyvoice_cpu.export.families"} <= below  # the check sees them

@@ -164,7 +164,7 @@ def gen(fp32_dir: Path) -> SpeechTokenGenerator:
 
 @pytest.fixture(scope="module")
 def ref_lm(tiny_model_dir: Path):
-    from cosyvoice_cpu.reference.model_dir import load_reference
+    from cosyvoice_cpu.family_parts import load_reference
 
     return load_reference(tiny_model_dir, ("lm",)).lm
 

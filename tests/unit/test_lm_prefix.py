@@ -67,7 +67,7 @@ def gen_int8(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     """The tiny LM with the dynamic-int8 recipe: activations quantized per call, so a split call differs."""
     from cosyvoice_cpu.export.lm.cosyvoice2 import export_lm
     from cosyvoice_cpu.export.quantize import quantize_int8_dynamic
-    from cosyvoice_cpu.reference.model_dir import load_reference
+    from cosyvoice_cpu.family_parts import load_reference
 
     out = tmp_path_factory.mktemp("lm_prefix")
     (artifact,) = export_lm(load_reference(tiny_model_dir, stages=("lm",)).lm.eval(), out, max_len=128)

@@ -23,10 +23,11 @@ from typing import Any
 from cosyvoice_cpu import __version__
 from cosyvoice_cpu.errors import ConfigError, CosyVoiceCpuError, ExportError, MissingExtraError
 from cosyvoice_cpu.export.common import GateResult, GraphArtifact, replace_dir
-from cosyvoice_cpu.export.families import ExportFamily, export_family
+from cosyvoice_cpu.export.families import ExportFamily
 from cosyvoice_cpu.export.quantize import DEFAULT_RECIPE, Recipe, parse_recipe
 from cosyvoice_cpu.export.stages import export_stage_files
 from cosyvoice_cpu.facts import FAMILIES
+from cosyvoice_cpu.family_parts import detect_family, export_family, read_model_config
 from cosyvoice_cpu.lm.files import SPECIALS
 from cosyvoice_cpu.manifest import (
     FORMAT_VERSION,
@@ -122,7 +123,7 @@ def _fp32_bytes(ckpt: Path) -> int:
     """
     import torch
 
-    from cosyvoice_cpu.reference.model_dir import load_checkpoint
+    from cosyvoice_cpu.reference.checkpoint import load_checkpoint
 
     state = load_checkpoint(ckpt)
     if isinstance(state.get("state_dict"), dict):  # a training checkpoint wrapping the weights
@@ -149,8 +150,6 @@ def needed_bytes(src: Path, family: str = "cosyvoice2") -> int:
 
 def check_source(src: Path) -> Any:
     """Validate an official directory: the yaml parses, the family is supported, every required file is there."""
-    from cosyvoice_cpu.reference.model_dir import detect_family, read_model_config
-
     if not src.is_dir():
         raise ExportError(
             f"--from {src}: no such directory; point at a released CosyVoice2-0.5B, CosyVoice-300M or "

@@ -1,6 +1,8 @@
-"""The export's family seam: one small class per model family owning everything the export does differently.
+"""The export's family seam: one small class per model family owning everything the export does differently,
+siblings of one base (:class:`ExportFamily`, whose defaults hold for every family).
 
-:mod:`.exporter` and :mod:`.stages` ask the family object of a source directory (:func:`export_family`) and never
+:mod:`.exporter` and :mod:`.stages` ask the family object of a source directory
+(:func:`cosyvoice_cpu.family_parts.export_family`, the family's row of the torch side's one table) and never
 test a family's name:
 
 - :meth:`ExportFamily.required_files` / :meth:`ExportFamily.copied_onnx` / :meth:`ExportFamily.check_source`: what
@@ -15,8 +17,8 @@ each LM graph module (its ``GATE``, a :class:`cosyvoice_cpu.export.common.LMGate
 the plans name those modules, which never import this one.
 
 The facts (sample rate, speech tokenizer, text tokenizer, built-in speakers, ...) come from the one table
-:mod:`cosyvoice_cpu.facts`; the registry is keyed by its family names. Torch, onnx and the tokenizer
-converters are imported inside the methods, so importing this module stays cheap.
+:mod:`cosyvoice_cpu.facts`. Torch, onnx and the tokenizer converters are imported inside the methods, so importing
+this module stays cheap.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 from cosyvoice_cpu.errors import ExportError
-from cosyvoice_cpu.facts import FAMILIES, FamilyFacts, facts
+from cosyvoice_cpu.facts import FamilyFacts, facts
 from cosyvoice_cpu.manifest import VOICES_DIR
 
 logger = logging.getLogger(__name__)
@@ -123,8 +125,9 @@ HIFT_QUANTIZED = {"hift_decode": "hift"}
 
 
 class ExportFamily:
-    """What the export of one model family does; subclasses set :attr:`facts` and :attr:`plans` and override
-    the hooks whose default (CosyVoice2's) does not fit."""
+    """What the export of one model family does; each family's subclass sets :attr:`facts` and :attr:`plans`,
+    gives :meth:`export_tokenizer` and :meth:`flow_facts`, and overrides the other hooks where its family
+    differs."""
 
     facts: ClassVar[FamilyFacts]
     plans: ClassVar[tuple[StagePlan, ...]]
@@ -147,22 +150,11 @@ class ExportFamily:
 
     def export_tokenizer(self, cfg: Any, out: Path) -> dict[str, Any]:
         """Write ``tokenizer.json`` into ``out``; returns the manifest's ``text`` section."""
-        from cosyvoice_cpu.reference.tokenizer import COSYVOICE2_SPECIALS, CosyVoice2Tokenizer
-
-        tok = CosyVoice2Tokenizer(cfg.blank_en_dir)
-        tok._tok.backend_tokenizer.save(str(out / "tokenizer.json"))
-        specials = {t: tok.token_id(t) for t in ("<|endoftext|>", *COSYVOICE2_SPECIALS)}
-        return {"tokenizer": "tokenizer.json", "vocab_size": len(tok), "special_ids": specials}
+        raise NotImplementedError
 
     def flow_facts(self, flow: Any) -> dict[str, Any]:
-        """The manifest's ``flow`` section: solver defaults plus the streaming facts (the encoder chunk in tokens)."""
-        chunk = flow.encoder.static_chunk_size
-        return {
-            **_solver_facts(flow),
-            "pre_lookahead_len": flow.pre_lookahead_len,
-            "token_mel_ratio": flow.token_mel_ratio,
-            "static_chunk_size": chunk,
-        }
+        """The manifest's ``flow`` section: the solver defaults (:func:`solver_facts`) plus the family's own."""
+        raise NotImplementedError
 
     def lm_facts(self, lm_cfg: Any) -> dict[str, Any]:
         """Entries of the manifest's ``lm`` section beyond the ones every family has (none by default)."""
@@ -184,6 +176,21 @@ class ExportCosyVoice2(ExportFamily):
         StagePlan("flow", "flow", _flow_cosyvoice2, "flow_estimator", ESTIMATORS),
         StagePlan("HiFT", "hift", _hift_cosyvoice, "hift", HIFT_QUANTIZED),
     )
+
+    def export_tokenizer(self, cfg: Any, out: Path) -> dict[str, Any]:
+        """:func:`cosyvoice_cpu.export.tokenizer.cosyvoice2.export_tokenizer`."""
+        from cosyvoice_cpu.export.tokenizer.cosyvoice2 import export_tokenizer
+
+        return export_tokenizer(cfg.blank_en_dir, out)
+
+    def flow_facts(self, flow: Any) -> dict[str, Any]:
+        """Solver defaults plus the streaming facts (the encoder chunk in tokens)."""
+        return {
+            **solver_facts(flow),
+            "pre_lookahead_len": flow.pre_lookahead_len,
+            "token_mel_ratio": flow.token_mel_ratio,
+            "static_chunk_size": flow.encoder.static_chunk_size,
+        }
 
 
 class ExportCosyVoice(ExportFamily):
@@ -226,11 +233,11 @@ class ExportCosyVoice(ExportFamily):
 
     def flow_facts(self, flow: Any) -> dict[str, Any]:
         """Solver defaults plus the token rate (50 Hz tokens stretched by the length regulator)."""
-        return {**_solver_facts(flow), "input_frame_rate": flow.input_frame_rate}
+        return {**solver_facts(flow), "input_frame_rate": flow.input_frame_rate}
 
 
-class ExportCosyVoice3(ExportCosyVoice2):
-    """Fun-CosyVoice3-0.5B: the v2 LM and flow contracts (its own LM head and stop facts, a DiT estimator with its
+class ExportCosyVoice3(ExportFamily):
+    """Fun-CosyVoice3-0.5B: CosyVoice2's LM and flow contracts (its own LM head and stop facts, a DiT estimator with its
     own stream graph and time table), the causal HiFT, BlankEN with the v3 special ids."""
 
     facts = facts("cosyvoice3")
@@ -243,16 +250,16 @@ class ExportCosyVoice3(ExportCosyVoice2):
     )
 
     def export_tokenizer(self, cfg: Any, out: Path) -> dict[str, Any]:
-        """:func:`cosyvoice_cpu.export.tokenizer.cosyvoice3.export_tokenizer_v3`."""
-        from cosyvoice_cpu.export.tokenizer.cosyvoice3 import export_tokenizer_v3
+        """:func:`cosyvoice_cpu.export.tokenizer.cosyvoice3.export_tokenizer`."""
+        from cosyvoice_cpu.export.tokenizer.cosyvoice3 import export_tokenizer
 
-        return export_tokenizer_v3(cfg.blank_en_dir, out)
+        return export_tokenizer(cfg.blank_en_dir, out)
 
     def flow_facts(self, flow: Any) -> dict[str, Any]:
         """Solver defaults plus the DiT's chunk mask: 50 frames (25 tokens); no encoder chunk."""
         chunk = flow.estimator.static_chunk_size
         return {
-            **_solver_facts(flow),
+            **solver_facts(flow),
             "pre_lookahead_len": flow.pre_lookahead_len,
             "token_mel_ratio": flow.token_mel_ratio,
             "static_chunk_size": chunk // flow.token_mel_ratio,
@@ -264,7 +271,7 @@ class ExportCosyVoice3(ExportCosyVoice2):
         return {"min_len_masked_id": lm_cfg.min_len_masked_id, "endofprompt_id": lm_cfg.endofprompt_id}
 
 
-def _solver_facts(flow: Any) -> dict[str, Any]:
+def solver_facts(flow: Any) -> dict[str, Any]:
     """The flow's solver defaults, the same for every family."""
     return {
         "n_timesteps": flow.cfm.n_timesteps,
@@ -279,7 +286,7 @@ def _write_builtin_speakers(cfg: Any, out: Path) -> list[Path]:
     conditions the LM and the flow); a directory without the file (base models) has none."""
     import numpy as np
 
-    from cosyvoice_cpu.reference.model_dir import load_speakers
+    from cosyvoice_cpu.reference.checkpoint import load_speakers
     from cosyvoice_cpu.voices.voice import Voice, VoiceError
 
     written = []
@@ -301,18 +308,3 @@ def _write_builtin_speakers(cfg: Any, out: Path) -> list[Path]:
     if written:
         (out / VOICES_DIR).chmod(0o755)
     return written
-
-
-_CLASSES: dict[str, type[ExportFamily]] = {
-    cls.facts.name: cls for cls in (ExportCosyVoice2, ExportCosyVoice, ExportCosyVoice3)
-}
-# One export object per family of the facts table, in its order (a family without an export class fails here).
-REGISTRY: dict[str, ExportFamily] = {name: _CLASSES[name]() for name in FAMILIES}
-
-
-def export_family(name: str) -> ExportFamily:
-    """The export object of family ``name``; :class:`ExportError` naming the exportable families for others."""
-    family = REGISTRY.get(name)
-    if family is None:
-        raise ExportError(f"model family {name!r} is not exportable (export supports {', '.join(REGISTRY)})")
-    return family

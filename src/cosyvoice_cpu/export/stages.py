@@ -16,13 +16,13 @@ from typing import Any
 
 from cosyvoice_cpu.errors import ExportError
 from cosyvoice_cpu.export.common import GateResult, GraphArtifact
-from cosyvoice_cpu.export.families import export_family
 from cosyvoice_cpu.export.quantize import (
     Recipe,
     convert_embedding,
     quantize_int8_dynamic,
     quantize_nbits,
 )
+from cosyvoice_cpu.family_parts import export_family, load_reference
 from cosyvoice_cpu.lm.files import MIN_ROWS_KEY
 
 logger = logging.getLogger(__name__)
@@ -161,8 +161,6 @@ def export_stage_files(
     Per stage: load the reference, write fp32 graphs, gate them, apply the recipe, gate the result again with
     :data:`QUANT_TOLERANCE`, free the reference. A failed gate raises :class:`ExportError` at once.
     """
-    from cosyvoice_cpu.reference.model_dir import load_reference
-
     work = out / "_work"
     work.mkdir()
     graphs: list[GraphArtifact] = []

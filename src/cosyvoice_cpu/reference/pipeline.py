@@ -16,15 +16,12 @@ import numpy as np
 import torch
 
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
-from cosyvoice_cpu.reference.model_dir import ReferenceModel, load_reference
+from cosyvoice_cpu.family_parts import PARTS, detect_family, family_parts, load_reference
+from cosyvoice_cpu.reference.model_dir import ReferenceModel
 from cosyvoice_cpu.reference.sampling import SamplingConfig, torch_draw
-from cosyvoice_cpu.reference.tokenizer import CosyVoice2Tokenizer
+from cosyvoice_cpu.reference.tokenizer import QwenTextTokenizer
 
 logger = logging.getLogger(__name__)
-
-# Families this text-to-wave pipeline implements, with their text tokenizer (CosyVoice-300M and Fun-CosyVoice3
-# modules load with load_reference, but their prompt rules are not implemented here).
-TOKENIZERS: dict[str, type[CosyVoice2Tokenizer]] = {"cosyvoice2": CosyVoice2Tokenizer}
 
 
 @dataclass
@@ -55,7 +52,7 @@ class Synthesis:
 class ReferencePipeline:
     """The reference model of one directory, ready to synthesize."""
 
-    def __init__(self, model: ReferenceModel, tokenizer: CosyVoice2Tokenizer) -> None:
+    def __init__(self, model: ReferenceModel, tokenizer: QwenTextTokenizer) -> None:
         self.model = model
         self.tokenizer = tokenizer
 
@@ -63,15 +60,14 @@ class ReferencePipeline:
     def load(cls, model_dir: str | Path) -> ReferencePipeline:
         """Load a CosyVoice2 directory (CosyVoice-300M modules load with :func:`load_reference`, but their
         whisper text tokenizer and this text-to-wave pipeline are not implemented yet)."""
-        from cosyvoice_cpu.reference.model_dir import detect_family
-
         family = detect_family(model_dir)
-        tokenizer = TOKENIZERS.get(family)
+        tokenizer = family_parts(family).tokenizer  # None: the family's prompt rules are not implemented here
         if tokenizer is None:
+            runs = [name for name, parts in PARTS.items() if parts.tokenizer is not None]
             raise ModelDirError(
                 f"{model_dir} is a {family} model; the reference text-to-speech pipeline supports "
-                f"{', '.join(TOKENIZERS)} only (its LM, flow and HiFT load with "
-                "cosyvoice_cpu.reference.model_dir.load_reference)"
+                f"{', '.join(runs)} only (its LM, flow and HiFT load with "
+                "cosyvoice_cpu.family_parts.load_reference)"
             )
         model = load_reference(model_dir)
         return cls(model, tokenizer(model.config.blank_en_dir))

@@ -97,10 +97,11 @@ COSYVOICE3_SPECIALS = (
 )
 
 
-class CosyVoice2Tokenizer:
-    """Text -> Qwen2 token ids, special tokens such as ``[laughter]`` or ``<|endofprompt|>`` recognised."""
+class QwenTextTokenizer:
+    """Text -> Qwen2 token ids with a family's special tokens (:attr:`SPECIALS`) recognised, e.g. ``[laughter]``
+    or ``<|endofprompt|>``; each family's tokenizer is a subclass naming its specials."""
 
-    SPECIALS: tuple[str, ...] = COSYVOICE2_SPECIALS
+    SPECIALS: tuple[str, ...] = ()
 
     def __init__(self, blank_en_dir: str | Path) -> None:
         from transformers import AutoTokenizer
@@ -132,8 +133,19 @@ class CosyVoice2Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def save(self, path: str | Path) -> None:
+        """Write the tokenizer, specials included, as one Hugging Face ``tokenizer.json`` (what the torch-free
+        runtime reads)."""
+        self._tok.backend_tokenizer.save(str(path))
 
-class CosyVoice3Tokenizer(CosyVoice2Tokenizer):
+
+class CosyVoice2Tokenizer(QwenTextTokenizer):
+    """The CosyVoice2 text tokenizer: Qwen2 BPE + the 19 CosyVoice2 specials."""
+
+    SPECIALS: tuple[str, ...] = COSYVOICE2_SPECIALS
+
+
+class CosyVoice3Tokenizer(QwenTextTokenizer):
     """The Fun-CosyVoice3 text tokenizer: the CosyVoice2 specials + ``<|endofsystem|>``, CMU phones, pinyin units.
 
     Phones and pinyin are written inline as ``[HH][AH0]`` or ``[j][ǐ]`` (pronunciation hotfixes).

@@ -27,7 +27,7 @@ TOKENIZER_FILE = "tokenizer.json"  # = cosyvoice_cpu.text.tokenizer.TOKENIZER_FI
 ENDOFPROMPT = "<|endofprompt|>"
 
 
-def export_tokenizer_v3(blank_en_dir: str | Path, out_dir: str | Path) -> dict[str, Any]:
+def export_tokenizer(blank_en_dir: str | Path, out_dir: str | Path) -> dict[str, Any]:
     """Write ``out_dir/tokenizer.json`` (Qwen2 BPE + the CosyVoice3 specials); return the manifest ``text`` section.
 
     Raises:
@@ -48,7 +48,7 @@ def export_tokenizer_v3(blank_en_dir: str | Path, out_dir: str | Path) -> dict[s
         )
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / TOKENIZER_FILE
-    tok._tok.backend_tokenizer.save(str(path))
+    tok.save(path)
     _check_written(path, specials)
     logger.info("wrote %s (%d tokens, %d CosyVoice3 specials)", path, len(tok), len(COSYVOICE3_SPECIALS))
     return {"tokenizer": TOKENIZER_FILE, "vocab_size": len(tok), "special_ids": specials}
