@@ -208,6 +208,16 @@ def test_a_sigill_in_the_kernel_probe_becomes_an_explanation() -> None:
     assert problem is None and "it has AVX AVX2; lacks none" in note and "ran the host's kernels" in note
 
 
+def test_a_kernel_probe_child_that_cannot_start_is_a_note(tmp_path: Path) -> None:
+    """An arm64 Python under qemu-aarch64 without binfmt_misc cannot exec another (Exec format error): doctor
+    said nothing else and stopped on it; now it is a note and doctor goes on."""
+    alien = tmp_path / "python3"
+    alien.write_bytes(b"\x7fELF\x02\x01\x01" + bytes(57))  # no interpreter line, not this machine's ELF
+    alien.chmod(0o755)
+    problem, note = probe_kernels(python=str(alien))
+    assert problem is None and "could not start its child process" in note and "did not run" in note
+
+
 def test_non_x86_and_missing_files_are_not_errors(tmp_path: Path) -> None:
     hw = detect(_root(tmp_path, {"proc/cpuinfo": "processor\t: 0\nFeatures\t: fp asimd\n"}))
     hw.check_cpu()  # ARM cpuinfo: nothing below a floor

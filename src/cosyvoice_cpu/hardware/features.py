@@ -145,8 +145,9 @@ def speed_expectation(arch: str, flags: frozenset[str]) -> str:
         width = "256-bit AVX kernels without FMA" if "avx" in flags else "128-bit SSE kernels"
         return (
             f"onnxruntime runs its {width} here and NumPy its non-AVX2 loops: expect it slower than {measured}, "
-            "by an amount not measured here (no non-AVX2 run yet); `doctor --speed` times this machine, and a "
-            "bench report of it is welcome (README, 'Platforms')"
+            "by an amount not measured here (run only under qemu's emulation, which checks the kernels' numerics, "
+            "not their speed); `doctor --speed` times this machine, and a bench report of it is welcome (README, "
+            "'Platforms')"
         )
     if arch == "aarch64":
         int8 = (
@@ -155,8 +156,9 @@ def speed_expectation(arch: str, flags: frozenset[str]) -> str:
             else "no dot-product instructions: int8 products are slow, prefer the fp32 or int4 recipes"
         )
         return (
-            f"onnxruntime runs its NEON kernels ({int8}); arm64 has not been run here, so nothing relates it to "
-            f"{measured}: `doctor --speed` times this machine"
+            f"onnxruntime runs its NEON kernels ({int8}); arm64 was run here only under qemu's emulation (numerics "
+            f"checked against x86, speed not), so nothing relates it to {measured}: `doctor --speed` times this "
+            "machine"
         )
     return f"{arch} has not been run here: `doctor --speed` times this machine"
 
@@ -173,7 +175,7 @@ def floor_problem(arch: str, numpy_error: str | None) -> str | None:
 
 
 def probe_kernels(
-    timeout: float = 120.0, code: str = PROBE, cpuid: Mapping[str, bool] | None = None
+    timeout: float = 120.0, code: str = PROBE, cpuid: Mapping[str, bool] | None = None, python: str | None = None
 ) -> tuple[str | None, str | None]:
     """Run NumPy and onnxruntime's GEMM and attention kernels once in a child process: (problem, note), None
     where there is nothing to say.
@@ -182,12 +184,18 @@ def probe_kernels(
     catches: in a child it becomes the problem's explanation. With ``cpuid`` (this process's NumPy view) the note
     says when the child saw another CPU: under qemu's user mode a child process runs natively unless binfmt_misc
     sends it to qemu, and then the probe vouches for the host, not the emulated CPU. ``code`` is what the child
-    runs (tests replace it); its last line of output is the features it saw.
+    runs (tests replace it); its last line of output is the features it saw. A child that cannot start at all
+    (``Exec format error``: an arm64 Python under ``qemu-aarch64`` without binfmt_misc) gives a note, not a problem.
     """
     try:
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run([python or sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return f"the kernel probe (NumPy and onnxruntime in a child process) did not finish in {timeout:g} s", None
+    except OSError as e:
+        return None, (
+            f"the kernel probe could not start its child process ({e}), so it did not run; under qemu's user mode "
+            "without binfmt_misc an emulated Python cannot start another"
+        )
     if p.returncode == -signal.SIGILL:
         return (
             "a child process running NumPy's and onnxruntime's kernels (calibration GEMMs) died of SIGILL "
