@@ -221,7 +221,7 @@ def main() -> None:
                             text=True).stdout.strip()  # fmt: skip
     header = {
         "produced_by": "scripts/make_v3_golden.py: official cosyvoice.llm.llm.CosyVoice3LM + get_qwen_tokenizer("
-        "version='cosyvoice3') on the tiny v3 fixture (export/fixture_v3.write_cosyvoice3_lm_files)",
+        "version='cosyvoice3') on the tiny v3 fixture (fixtures/weights/cosyvoice3.write_cosyvoice3_lm_files)",
         "official_commit": commit,
         "torch": torch.__version__,
         "transformers": transformers.__version__,

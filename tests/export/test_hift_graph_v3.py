@@ -17,7 +17,7 @@ import torch
 
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import rel_err
-from cosyvoice_cpu.export.hift.cosyvoice import quantize_hift_weights_int8
+from cosyvoice_cpu.export.hift.common import quantize_hift_weights_int8
 from cosyvoice_cpu.export.hift.cosyvoice3 import export_hift, receptive_field_frames, verify_hift
 from cosyvoice_cpu.export.stages import QUANT_TOLERANCE
 from cosyvoice_cpu.reference.hift.cosyvoice3 import CausalHiFT

@@ -138,7 +138,7 @@ def test_int8_stream_graph_takes_float16_caches(fp32_dir: Path, tmp_path: Path) 
     rounding of the cached activations only (against the same int8 graph with float32 caches)."""
     import shutil
 
-    from cosyvoice_cpu.export.flow.cosyvoice2_stream import half_cache_io
+    from cosyvoice_cpu.export.flow.common import half_cache_io
     from cosyvoice_cpu.export.quantize import quantize_int8_dynamic
     from cosyvoice_cpu.flow.graphs import cache_dtype
     from cosyvoice_cpu.flow.stage import FILES

@@ -14,13 +14,13 @@ Stage precisions:
   agreement cost); ``int4`` (4 bits, block 32).
 * ``flow_estimator``: ``fp32`` or ``int8`` (dynamic, per channel, ``reduce_range`` on: 7-bit weights, safe on
   AVX2 machines without VNNI where u8s8 products saturate: see ``export.stages.INT8_WEIGHT_BITS``; the int8
-  stream graph also takes its caches in float16: ``export.flow.cosyvoice2_stream.half_cache_io``). Fun-CosyVoice3's
+  stream graph also takes its caches in float16: ``export.flow.common.half_cache_io``). Fun-CosyVoice3's
   time graph (``flow_time.onnx``, run once per Euler schedule) takes the same field: ``int8`` makes it
   weight-only ``MatMulNBits`` 8-bit, block 32 (164 MB on disk at full size instead of 568).
 * ``flow_encoder``: ``fp32`` or ``int8w`` (weight-only ``MatMulNBits``, 8 bits, block 32, fp32 compute: the
   encoder runs once per sentence or chunk, so this is for memory, 158 -> 62 MB at full size, not speed).
 * ``hift``: ``fp32`` or ``int8w`` (Conv weights stored int8 per output channel + ``DequantizeLinear``, fp32
-  activations: a 4x smaller file, the same speed; see ``export.hift.cosyvoice.quantize_hift_weights_int8``).
+  activations: a 4x smaller file, the same speed; see ``export.hift.common.quantize_hift_weights_int8``).
   Never the default.
 * ``embedding``: the LM's embedding tables as ``fp32`` or ``fp16`` ``.npy`` (memory-mapped either way).
 """

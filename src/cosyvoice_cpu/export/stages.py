@@ -86,7 +86,7 @@ def _quantize(art: GraphArtifact, precision: str, work: Path, out: Path) -> Grap
     if (lm or estimator) and precision == "int8":
         quantize_int8_dynamic(src, dst, reduce_range=True)  # 7-bit weights: INT8_WEIGHT_BITS
         attrs["int8_weight_bits"] = INT8_WEIGHT_BITS
-        from cosyvoice_cpu.export.flow.cosyvoice2_stream import cache_io, half_cache_io
+        from cosyvoice_cpu.export.flow.common import cache_io, half_cache_io
 
         caches = cache_io({i.name for i in art.inputs}) if estimator else None
         if caches:  # an estimator's stream graph: its caches in float16
@@ -110,7 +110,7 @@ def _quantize(art: GraphArtifact, precision: str, work: Path, out: Path) -> Grap
         # fp32 compute (accuracy 1): full-size random weights, mu rel err 6.5e-3, +10 % per call (int8 compute: 1.1e-2)
         quantize_nbits(src, dst, bits=8, block_size=32, accuracy_level=1)
     elif hift and precision == "int8w":
-        from cosyvoice_cpu.export.hift.cosyvoice import quantize_hift_weights_int8
+        from cosyvoice_cpu.export.hift.common import quantize_hift_weights_int8
 
         quantize_hift_weights_int8(src, dst)
     else:  # Recipe.validate() keeps other values out

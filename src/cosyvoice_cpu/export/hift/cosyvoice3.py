@@ -1,6 +1,7 @@
 """Export the Fun-CosyVoice3 (v3) causal HiFT to ONNX and verify it (plus the NumPy source and the stream).
 
-Same files and contracts as v2 (:mod:`.cosyvoice`), so :class:`~cosyvoice_cpu.vocoder.hift.Vocoder` runs both:
+Same files and contracts as v2 (:mod:`.cosyvoice`; the shared pieces: :mod:`.common`), so
+:class:`~cosyvoice_cpu.vocoder.hift.Vocoder` runs both:
 
 * ``hift_f0.onnx``: ``mel (B, 80, T) float32 -> f0 (B, T) float32``, the causal F0 predictor computed in
   **float64** inside the graph (cast in, cast out), as upstream runs it. ONNX Runtime's CPU provider has no
@@ -29,7 +30,7 @@ default. Streaming at those sizes (chunks of 20, 40, 100 x 4, 40 frames): 4.0 s 
 :class:`~cosyvoice_cpu.vocoder.causal_stream.CausalVocoderStream` (0.6-0.95 s per 100-frame chunk, flat) against
 12.8 s for upstream's re-vocoding of the growing mel (its last chunk 3.6 s) and 2.4 s for one one-shot call.
 
-Weight-only int8 (:func:`.cosyvoice.quantize_hift_weights_int8`) applies unchanged to ``hift_decode.onnx`` (the
+Weight-only int8 (:func:`.common.quantize_hift_weights_int8`) applies unchanged to ``hift_decode.onnx`` (the
 DFT kernels stay fp32); the float64 F0 graph has no Conv and stays as it is.
 """
 
@@ -48,7 +49,7 @@ from torch import nn
 
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import GateResult, GraphArtifact, rel_err
-from cosyvoice_cpu.export.hift.cosyvoice import decode_context, hift_attrs, window_gate, write_graphs
+from cosyvoice_cpu.export.hift.common import decode_context, hift_attrs, window_gate, write_graphs
 from cosyvoice_cpu.reference.hift.cosyvoice3 import F0_LOOK_RIGHT, CausalHiFT, CausalHiFTConfig
 from cosyvoice_cpu.reference.hift.source import SourceNoise
 from cosyvoice_cpu.vocoder.hift import DECODE_FILE, F0_FILE
@@ -124,7 +125,7 @@ class _F0Graph(nn.Module):
 
 
 def hift_v3_attrs(hift: CausalHiFT, f0_precision: str = "fp64") -> dict[str, Any]:
-    """The v2 attrs (:func:`.cosyvoice.hift_attrs`, ``sine_type`` "v3") plus the causal facts (module docstring)."""
+    """The v2 attrs (:func:`.common.hift_attrs`, ``sine_type`` "v3") plus the causal facts (module docstring)."""
     cfg = hift.cfg
     return {
         **hift_attrs(hift),

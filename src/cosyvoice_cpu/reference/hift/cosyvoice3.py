@@ -4,8 +4,8 @@ mel ``(B, 80, T)`` --causal F0 predictor (float64)--> F0 ``(B, T')`` --repeat x4
 ``(B, 1, T' * 480)`` --STFT (16/4)--> fused into the causal conv stack --> 9 log-magnitudes + 9 phases
 --> iSTFT --> wave ``(B, T * 480)`` (``finalize``) or ``(B, (T - 8) * 480)`` (a non-final streaming call).
 
-Differences from v2's :class:`~cosyvoice_cpu.reference.hift.cosyvoice.HiFT` (everything else, including the state-dict
-layout, is shared through subclassing):
+Differences from CosyVoice2's :class:`~cosyvoice_cpu.reference.hift.cosyvoice.HiFT` (everything else, including
+the state-dict layout, is shared through their base :class:`~cosyvoice_cpu.reference.hift.common.HiFTBase`):
 
 * Convolutions only look left (zero pad ``(k - 1) * d`` on the left), except ``conv_pre`` (kernel 5, looks 4 frames
   right) and the F0 predictor's first conv (kernel 4, looks 3 frames right). With ``finalize=False`` those
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.reference.hift.cosyvoice import HiFT, HiFTConfig, ResBlock, Snake, generator_kwargs
+from cosyvoice_cpu.reference.hift.common import GeneratorConfig, HiFTBase, ResBlock, Snake, generator_kwargs
 from cosyvoice_cpu.reference.hift.source import HarmonicSource, SourceNoise
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ F0_LOOK_RIGHT = 3  # CausalConvRNNF0Predictor: first conv kernel 4, right-causal
 
 
 @dataclass
-class CausalHiFTConfig(HiFTConfig):
+class CausalHiFTConfig(GeneratorConfig):
     """Constructor arguments of the official ``CausalHiFTGenerator`` (defaults: Fun-CosyVoice3-0.5B)."""
 
     conv_pre_look_right: int = 4
@@ -152,7 +152,7 @@ class CausalF0Predictor(nn.Module):
         return self.classifier(h.transpose(1, 2)).squeeze(-1).abs()
 
 
-class CausalHiFT(HiFT):
+class CausalHiFT(HiFTBase):
     """The v3 vocoder; ``state_dict`` keys equal the official ``CausalHiFTGenerator``'s with weight norm folded.
 
     Load ``hift.pt`` with :meth:`load_checkpoint_state` (new/old weight norm or plain weights; the F0 predictor's
@@ -160,7 +160,7 @@ class CausalHiFT(HiFT):
     """
 
     def __init__(self, cfg: CausalHiFTConfig | None = None, f0_dtype: torch.dtype = torch.float64) -> None:
-        nn.Module.__init__(self)
+        super().__init__()
         cfg = cfg or CausalHiFTConfig()
         cfg.validate()
         self.cfg = cfg

@@ -1,6 +1,6 @@
 """Fun-CosyVoice3's speech-token language model (``CosyVoice3LM``): text + prompt -> speech tokens.
 
-Same Qwen2 backbone as CosyVoice2 (:mod:`.lm`), different ends:
+Same Qwen2 backbone, prompt assembly and decoding loop as CosyVoice2 (:mod:`.common`), different ends:
 
 - no ``llm_embedding``: the special inputs are rows of ``speech_embedding`` (S + 200 rows, S = 6561):
   sos = S, eos = S + 1, task_id = S + 2, fill = S + 3 (bistream only);
@@ -11,7 +11,7 @@ Same Qwen2 backbone as CosyVoice2 (:mod:`.lm`), different ends:
   asserts it; we raise :class:`~cosyvoice_cpu.errors.ConfigError`;
 - while fewer than ``min_len`` tokens are decoded the official ``sampling_ids`` sets index S to -inf. In v3 that
   row is *sos*, not eos, so below ``min_len`` an eos (S + 1) or any other id >= S can still be drawn and stops
-  decoding. We reproduce that (``LMConfig.min_len_masked_id``).
+  decoding. We reproduce that (``QwenLMConfig.min_len_masked_id``).
 
 After the LM, ``CosyVoice3Model.llm_job`` drops silent/breath tokens (:data:`SILENT_TOKENS`) once more than
 :data:`MAX_SILENT_RUN` of them come in a row (any mix of them; any other token resets the count). The LM itself
@@ -27,15 +27,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.reference.lm.cosyvoice2 import LMConfig, Qwen2LM
-from cosyvoice_cpu.reference.lm.qwen2 import Qwen2Config
-from cosyvoice_cpu.reference.sampling import Draw, SamplingConfig, sampling_from_yaml
-from cosyvoice_cpu.reference.yamlconf import Tagged
+from cosyvoice_cpu.reference.lm.common import QwenLM, QwenLMConfig
+from cosyvoice_cpu.reference.sampling import Draw, SamplingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +45,10 @@ MAX_SILENT_RUN = 5  # a run keeps its first 5 silent tokens; the rest are droppe
 
 
 @dataclass
-class CosyVoice3LMConfig(LMConfig):
+class CosyVoice3LMConfig(QwenLMConfig):
     """The ``llm: !new:cosyvoice.llm.llm.CosyVoice3LM`` entry of ``cosyvoice3.yaml`` + the Qwen2 backbone shape."""
+
+    LM_CLASS: ClassVar[str] = "CosyVoice3LM"
 
     n_specials: int = N_SPECIALS
     endofprompt_id: int = ENDOFPROMPT_ID
@@ -86,21 +87,6 @@ class CosyVoice3LMConfig(LMConfig):
                 "in CosyVoice-BlankEN/config.json); CosyVoice3 needs the real Qwen2 vocabulary size 151936"
             )
 
-    @classmethod
-    def from_yaml(cls, node: Tagged, qwen: Qwen2Config) -> CosyVoice3LMConfig:
-        """Build from the yaml's ``llm:`` node (class ``CosyVoice3LM``) and the backbone config."""
-        if node.class_name != "CosyVoice3LM":
-            raise ConfigError(f"expected a CosyVoice3LM llm entry, got {node.target}")
-        cfg = cls(
-            qwen=qwen,
-            llm_input_size=int(node.get("llm_input_size", 896)),
-            llm_output_size=int(node.get("llm_output_size", 896)),
-            speech_token_size=int(node.get("speech_token_size", 6561)),
-            sampling=sampling_from_yaml(node.get("sampling")),
-        )
-        cfg.validate()
-        return cfg
-
 
 class SilentRunFilter:
     """Streaming form of the official ``llm_job`` rule: ``keep(token)`` is False for the 6th and later silent
@@ -125,17 +111,15 @@ def drop_long_silences(tokens: Iterable[int], max_run: int = MAX_SILENT_RUN) -> 
     return [t for t in tokens if f.keep(t)]
 
 
-class CosyVoice3LM(Qwen2LM):
-    """CosyVoice3 LM: Qwen2 backbone with KV cache, 6761-row speech embedding/head, RAS decoding loop.
-
-    Inherits ``head``, ``forward_full``, ``prefill``, ``decode_step`` and ``inference`` from :class:`Qwen2LM`;
-    log-probabilities have S + 200 entries.
-    """
+class CosyVoice3LM(QwenLM):
+    """CosyVoice3 LM: Qwen2 backbone with KV cache, 6761-row speech embedding/head (sos and task_id among its
+    rows), RAS decoding loop (:class:`~cosyvoice_cpu.reference.lm.common.QwenLM`); log-probabilities have S + 200
+    entries."""
 
     cfg: CosyVoice3LMConfig
 
     def __init__(self, cfg: CosyVoice3LMConfig) -> None:
-        nn.Module.__init__(self)
+        super().__init__()
         cfg.validate()
         self.cfg = cfg
         d = cfg.llm_input_size
@@ -143,23 +127,10 @@ class CosyVoice3LM(Qwen2LM):
         self.llm_decoder = nn.Linear(cfg.llm_output_size, cfg.n_outputs, bias=False)
         self.speech_embedding = nn.Embedding(cfg.n_outputs, d)
 
-    def prompt_embeddings(
-        self, text: torch.Tensor, prompt_text: torch.Tensor, prompt_speech_token: torch.Tensor
-    ) -> torch.Tensor:
-        """The prefill input: text (1, Tt), prompt_text (1, Tp), prompt_speech_token (1, Ts) int -> (1, T, D).
-
-        T = 1 + Tp + Tt + 1 + Ts; sos and task_id are rows S and S + 2 of ``speech_embedding``.
-        """
-        for name, t in (("text", text), ("prompt_text", prompt_text), ("prompt_speech_token", prompt_speech_token)):
-            if t.dim() != 2 or t.shape[0] != 1:
-                raise ConfigError(f"{name} must have shape (1, T), got {tuple(t.shape)}")
+    def special_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """sos and task_id: rows S and S + 2 of ``speech_embedding``."""
         w = self.speech_embedding.weight
-        toks = torch.cat([prompt_text, text], dim=1).long()
-        sos, task = w[self.cfg.sos_id].view(1, 1, -1), w[self.cfg.task_id].view(1, 1, -1)
-        parts = [sos, self.backbone.embed_tokens(toks), task]
-        if prompt_speech_token.shape[1]:
-            parts.append(self.speech_embedding(prompt_speech_token.long()))
-        return torch.cat(parts, dim=1)
+        return w[self.cfg.sos_id], w[self.cfg.task_id]
 
     def check_text(self, tokens: torch.Tensor) -> None:
         """``prompt_text ⊕ text`` (1, T) must hold ``<|endofprompt|>`` (the official ``assert 151646 in text``)."""
