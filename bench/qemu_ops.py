@@ -108,6 +108,9 @@ def report(ref: dict[str, np.ndarray], other: dict[str, np.ndarray]) -> None:
 
     for key in sorted(k for k in ref if not k.startswith("estimator_nodes:")):
         print(f"  {key:40s} err {_err(ref[key], other[key]):.2e}  ({int(np.sum(ref[key] != other[key]))} differ)")
+    for rows in (1, 16):  # where no int8 kernel exists, level 4 is level 1 (fp32 compute)
+        level4, level1 = other[f"matmulnbits_level4_{rows}row:y"], ref[f"matmulnbits_level1_{rows}row:y"]
+        print(f"  matmulnbits level 4 here vs level 1 native, {rows} row(s): err {_err(level1, level4):.2e}")
     est = onnx.load(str(DEMO / "flow_estimator.onnx"), load_external_data=False)
     val = {k.split(":", 1)[1]: (ref[k], other[k]) for k in ref if k.startswith("estimator_nodes:")}
     val.update({k.split("/")[-1]: (v, v) for k, v in probe_inputs().items()})
