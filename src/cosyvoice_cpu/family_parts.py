@@ -52,13 +52,14 @@ class FamilyParts:
         return self.loader.facts
 
 
-_ROWS = (
+_ROWS = (  # one line per family
     FamilyParts(loaders.COSYVOICE2, ExportCosyVoice2(), cosyvoice2.WRITER, CosyVoice2Tokenizer),
     FamilyParts(loaders.COSYVOICE, ExportCosyVoice(), cosyvoice.WRITER),
     FamilyParts(loaders.COSYVOICE3, ExportCosyVoice3(), cosyvoice3.WRITER),
 )
-# One entry per family of the facts table, in its order (a family without parts fails here, at import).
-PARTS: dict[str, FamilyParts] = {name: next(p for p in _ROWS if p.facts.name == name) for name in FAMILIES}
+_BY_NAME = {p.facts.name: p for p in _ROWS}
+# Keyed by the facts table's names, in its order: a family of the facts without a row is a KeyError at import.
+PARTS: dict[str, FamilyParts] = {name: _BY_NAME[name] for name in FAMILIES}
 
 
 def family_parts(name: str) -> FamilyParts:
