@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     args = ap.parse_args()
     from cosyvoice_cpu.cli.main import cache_dir
-    from cosyvoice_cpu.export.lm.common import open_graph
+    from cosyvoice_cpu.export.lm.common import runtime_session
     from cosyvoice_cpu.export.lm.cosyvoice2 import GATE, compare_lm, export_lm
     from cosyvoice_cpu.export.quantize import quantize_nbits
     from cosyvoice_cpu.family_parts import load_reference
@@ -48,7 +48,7 @@ def main() -> None:
             mb = sum(p.stat().st_size for p in out.glob(f"{name}*")) / 1e6
             print(f"block {block:3d}: agreement {r['agreement']:.4f}, mean KL {r['mean_kl']:.3g}, "
                   f"logp max rel err {r['max_rel_err']:.3g}, {mb:.1f} MB")  # fmt: skip
-            sessions[block] = open_graph(lm, out, name, GATE)[0]
+            sessions[block] = runtime_session(lm, out, name, GATE)[0]
         embeds = (np.random.default_rng(0).standard_normal((100, lm.cfg.qwen.hidden_size)) * 0.02).astype(np.float32)
         times: dict[int, dict[str, list[float]]] = {b: {"prefill": [], "step": []} for b in sessions}
         for _ in range(args.runs):

@@ -78,7 +78,7 @@ def tolerances(tolerance: float | Mapping[str, float] | None) -> dict[str, float
     return tol
 
 
-def open_graph(lm: Any, out_dir: Path, graph_file: str, gate: LMGate) -> tuple[Any, Any]:
+def runtime_session(lm: Any, out_dir: Path, graph_file: str, gate: LMGate) -> tuple[Any, Any]:
     """The runtime session on a written graph and its prompt builder ``(text ids, speech ids, speaker) -> (T, D)``."""
     from cosyvoice_cpu.lm.prompt import TextEncoder, assemble
     from cosyvoice_cpu.lm.session import LMSession
@@ -140,7 +140,7 @@ def verify_lm(
     if gate.text_encoder:  # computed prompt embeddings, not copied rows
         tol["embeddings"] = max(tol["embeddings"], V1_EMBEDDINGS["fp32" if tolerance is None else "quantized"])
     rng = np.random.default_rng(seed)
-    sess, build = open_graph(lm, out_dir, graph_file, gate)
+    sess, build = runtime_session(lm, out_dir, graph_file, gate)
     ref_emb, emb = random_prompt(lm, build, rng, gate)
     total = emb.shape[0]
     ref = [lm.prefill(ref_emb, total + DECODE_STEPS + 1).numpy()]
@@ -187,7 +187,7 @@ def compare_lm(
     if steps <= 0:
         raise ConfigError(f"steps must be positive, got {steps}")
     rng = np.random.default_rng(seed)
-    sess, build = open_graph(lm, out_dir, graph_file, gate)
+    sess, build = runtime_session(lm, out_dir, graph_file, gate)
     ref_emb, emb = random_prompt(lm, build, rng, gate)
     tokens = [int(t) for t in rng.integers(0, lm.cfg.speech_token_size, steps - 1)]
     cache = sess.new_cache(1)
