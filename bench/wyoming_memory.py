@@ -2,9 +2,10 @@
 
     python bench/wyoming_memory.py [-m MODEL_DIR] [--threads 2] [--unload-after 5] [--json OUT]
 
-``first-audio``: seconds from a ``synthesize`` (one-shot) or the first ``synthesize-chunk`` holding a finished
-sentence (streamed) to the first ``audio-chunk``, with the engine loaded and warm (the median of 3, after one
-warm-up request per mode), over the ``wyoming`` package's ``AsyncTcpClient``.
+``first-audio``: seconds from a ``synthesize`` (one-shot), or from the first of the text's words sent as
+``synthesize-chunk`` s and then ``synthesize-stop`` (streamed), to the first ``audio-chunk``, with the engine
+loaded and warm (the median of 3, after one warm-up request per mode), over the ``wyoming`` package's
+``AsyncTcpClient``.
 
 ``one process vs two``: the resident memory (VmRSS) of ``serve --wyoming`` after one HTTP and one Wyoming
 synthesis, against ``serve`` + ``wyoming`` as two processes on the same model after the same requests.
@@ -33,7 +34,7 @@ from typing import Any
 
 import httpx
 from wyoming.client import AsyncTcpClient
-from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeVoice
+from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeVoice
 
 from cosyvoice_cpu.cli.speech import DEMO_MODEL, _tone_wav
 from cosyvoice_cpu.server.process import ServerProcess, free_port
@@ -60,10 +61,12 @@ async def first_audio(port: int, streamed: bool) -> float:
     async with AsyncTcpClient("127.0.0.1", port, read_timeout=300) as c:
         voice = SynthesizeVoice(name=VOICE)
         t0 = time.perf_counter()
-        if streamed:
+        if streamed:  # the text word by word, as a language model writes it, then the end of the stream
             await c.write_event(SynthesizeStart(voice=voice).event())
             t0 = time.perf_counter()
-            await c.write_event(SynthesizeChunk(text=TEXT.split(". ")[0] + ". ").event())
+            for word in TEXT.split(" "):
+                await c.write_event(SynthesizeChunk(text=word + " ").event())
+            await c.write_event(SynthesizeStop().event())
         else:
             await c.write_event(Synthesize(text=TEXT, voice=voice).event())
         while (event := await c.read_event()) is not None:
@@ -152,7 +155,7 @@ def main() -> int:
         while httpx.get(srv.url + "/health").json()["engine_loaded"]:
             assert time.monotonic() < deadline, "not released"
             time.sleep(0.2)
-        time.sleep(1)
+        time.sleep(2)
         out["rss_idle_unloaded_mb"] = round(rss_mb(srv.proc.pid), 1)
         out["first_audio_after_unload_s"] = round(asyncio.run(first_audio(port, False)), 3)
         out["rss_reloaded_mb"] = round(rss_mb(srv.proc.pid), 1)

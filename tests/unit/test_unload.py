@@ -30,6 +30,9 @@ class FakeEngine:
         assert not self.closed
         yield from text.split()
 
+    def make_voice(self, prompt: Any, prompt_text: str = "", name: str = "voice") -> tuple[Any, str, str]:
+        return prompt, prompt_text, name
+
     def segment_cap(self, prompt: Any) -> int:
         assert not self.closed
         return 7
@@ -47,10 +50,12 @@ def test_released_when_idle_and_loaded_again_on_use() -> None:
     engine = UnloadingEngine(lambda: made.append(FakeEngine()) or made[-1], idle_s=0.2, poll_s=0.02)
     try:
         assert engine.loaded and engine.sample_rate == 100 and list(engine.builtin_voices()) == ["x"]
-        wait_for(lambda: engine.unloads == 1)
-        assert made[0].closed and not engine.loaded
+        wait_for(lambda: not engine.loaded)
+        assert made[0].closed and engine.unloads == 1
         assert engine.sample_rate == 100 and engine.token_rate == 25.0  # kept
         assert engine.segment_cap(None) == 7  # a call loads it again
+        voice = engine.make_voice("a.wav", "text", name="alice")  # keyword arguments pass through
+        assert voice == ("a.wav", "text", "alice")
         assert len(made) == 2 and engine.loaded and engine.loads == 2
     finally:
         engine.close()

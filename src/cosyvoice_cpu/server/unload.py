@@ -92,6 +92,7 @@ class UnloadingEngine:
         self._lock = threading.Lock()
         self._engine: Any = load()
         self._users = 0
+        self._releasing = False
         self._last = time.monotonic()
         self.loads, self.unloads = 1, 0
         self.last_load_s = 0.0
@@ -115,7 +116,8 @@ class UnloadingEngine:
 
     @property
     def loaded(self) -> bool:
-        return self._engine is not None
+        """Whether the engine holds its memory: False once a release has finished (not while it runs)."""
+        return self._engine is not None or self._releasing
 
     def _acquire(self) -> Any:
         with self._lock:
@@ -137,10 +139,10 @@ class UnloadingEngine:
             self._users -= 1
             self._last = time.monotonic()
 
-    def _call(self, name: str, *args: Any, **kw: Any) -> Any:
+    def _call(self, method: str, /, *args: Any, **kw: Any) -> Any:
         engine = self._acquire()
         try:
-            return getattr(engine, name)(*args, **kw)
+            return getattr(engine, method)(*args, **kw)
         finally:
             self._release()
 
@@ -192,17 +194,19 @@ class UnloadingEngine:
             with self._lock:
                 idle = time.monotonic() - self._last
                 if self._engine is not None and self._users == 0 and idle >= self.idle_s:
-                    engine, self._engine = self._engine, None
+                    engine, self._engine, self._releasing = self._engine, None, True
             if engine is not None:
                 try:
                     self._unload(engine, idle)
                 except Exception as e:  # the reaper goes on; the next use loads a fresh engine
                     logger.error("releasing the engine failed: %s", e, exc_info=e)
+                finally:
+                    self._releasing = False
 
     def _unload(self, engine: Any, idle: float) -> None:
         before = rss_mb()
         engine.close()
-        del engine
+        del engine  # the last reference: the sessions, caches and the scheduler go with it
         gc.collect()
         _trim()
         self.unloads += 1
