@@ -40,7 +40,7 @@ def test_the_deployment_runs_a_server_the_cli_accepts_with_probes_on_health() ->
     assert container["ports"][0]["containerPort"] == args.port == 8000
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"]["path"] == "/health"
-    assert "EXPOSE 8000" in (DEPLOY / "Dockerfile").read_text()
+    assert "EXPOSE 8000 " in (DEPLOY / "Dockerfile").read_text()
     env = {e["name"] for e in container["env"]}
     assert "COSYVOICE_CPU_API_KEY" in env  # what serve reads when --api-key is not given
 
@@ -54,6 +54,18 @@ def test_compose_runs_the_same_server_behind_the_load_balancer() -> None:
     assert "voices:/data/voices" in tts["volumes"]  # one directory of voices for every replica
     assert "server tts:8000" in (DEPLOY / "nginx.conf").read_text()
     assert "proxy_buffering off" in (DEPLOY / "nginx.conf").read_text()  # speech is streamed
+
+
+def test_compose_has_a_home_assistant_server_with_the_wyoming_port() -> None:
+    (compose,) = _docs(DEPLOY / "compose.yaml")
+    wyoming = compose["services"]["wyoming"]
+    resolved = [re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", a) for a in wyoming["command"]]
+    args = _serve_args(resolved)
+    assert args.wyoming == "tcp://0.0.0.0:10200" and args.unload_after == 3600
+    assert "${WYOMING_PORT:-10200}:10200" in wyoming["ports"] and "voices:/data/voices" in wyoming["volumes"]
+    assert wyoming["profiles"] == ["homeassistant"]  # not started by a plain `up`
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert "EXPOSE 8000 10200" in dockerfile and "ARG EXTRAS=server,wyoming" in dockerfile
 
 
 def test_the_autoscalers_scale_on_gauges_the_server_exports() -> None:
