@@ -38,6 +38,7 @@ from cosyvoice_cpu.manifest import (
     Manifest,
     sha256_file,
 )
+from cosyvoice_cpu.reference.checkpoint import load_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +123,6 @@ def _fp32_bytes(ckpt: Path) -> int:
     The checkpoint is memory-mapped, so only its tensor headers are read: well under a second for 2 GB.
     """
     import torch
-
-    from cosyvoice_cpu.reference.checkpoint import load_checkpoint
 
     state = load_checkpoint(ckpt)
     if isinstance(state.get("state_dict"), dict):  # a training checkpoint wrapping the weights

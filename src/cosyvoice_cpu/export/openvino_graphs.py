@@ -34,8 +34,12 @@ from typing import Any
 
 import numpy as np
 
+from cosyvoice_cpu.backends.base import SessionConfig
+from cosyvoice_cpu.backends.openvino import OpenVino, import_openvino
+from cosyvoice_cpu.backends.registry import open_graph
 from cosyvoice_cpu.errors import ExportError, MissingExtraError
-from cosyvoice_cpu.export.common import GateResult, GraphArtifact
+from cosyvoice_cpu.export.common import GateResult, GraphArtifact, TensorSpec, gate, torch_export
+from cosyvoice_cpu.facts import facts
 from cosyvoice_cpu.flow.buckets import BucketedSession, ShapedGraph, bucket
 from cosyvoice_cpu.flow.stage import FILES
 
@@ -74,7 +78,6 @@ def export_plain_estimator(estimator_graph: Any, path: Path) -> None:
     ``export_forms``: plain attention) to ONNX under the official contract, batch and time dynamic."""
     import torch
 
-    from cosyvoice_cpu.export.common import torch_export
     from cosyvoice_cpu.export.flow.common import estimator_inputs
 
     args = tuple(torch.from_numpy(v) for v in estimator_inputs(np.random.default_rng(0), [71, 60], 71).values())
@@ -107,7 +110,6 @@ def flow_stage(
 ) -> Any:
     """The family's runtime flow stage on the graphs in ``out``, whole sentences on ``flow_estimator.onnx``
     (or ``whole``), no stream graph."""
-    from cosyvoice_cpu.backends.base import SessionConfig
     from cosyvoice_cpu.families.registry import CLASSES
 
     stage_cls = CLASSES[family].flow_stage
@@ -168,8 +170,6 @@ def _sentences(
 ) -> list[dict[str, Any]]:
     """Inference arguments for sentences of ``lengths`` tokens (random speech tokens), sentence ``i`` after a 3 s
     voice prompt made by :func:`_prompt` with ``f0s[i % len(f0s)]`` and its own x-vector."""
-    from cosyvoice_cpu.facts import facts
-
     f = facts(family)
     rng = np.random.default_rng(seed)
     out = []
@@ -254,9 +254,6 @@ def gate_openvino(
     """Check the OpenVINO model in ``out`` against the fp32 ONNX estimator on held-out sentences; returns the
     gate results and ``pad_exact``, measured on ``plain``: the fp32 ONNX form of the function the OpenVINO model
     was converted from (for CosyVoice-300M not the official graph: its GroupNorm statistics are masked)."""
-    from cosyvoice_cpu.backends.base import SessionConfig
-    from cosyvoice_cpu.backends.registry import open_graph
-    from cosyvoice_cpu.export.common import gate
 
     tol = TOLERANCE[variant]
     ref = flow_stage(out, family, attrs)
@@ -314,8 +311,6 @@ def export_openvino(
     ONNX flow graphs; ``settings`` are the flow stage's facts, ``attrs`` the ONNX estimator's); return its
     artifact and gate results (none when ``verify`` is False: then ``pad_exact`` is False, so the runtime never
     pads an unchecked graph)."""
-    from cosyvoice_cpu.backends.openvino import import_openvino
-
     check_extra(variant)
     ov = import_openvino()  # before NNCF imports it: no import-time telemetry fork (import_openvino)
     t0 = time.perf_counter()
@@ -368,10 +363,6 @@ def io_specs_ov(path: Path) -> tuple[list[Any], list[Any]]:
     """An IR's inputs and outputs as :class:`~cosyvoice_cpu.export.common.TensorSpec` (dynamic axes named), read
     the way the runtime reads them (the OpenVINO backend's session; nothing is compiled)."""
     import onnx
-
-    from cosyvoice_cpu.backends.base import SessionConfig
-    from cosyvoice_cpu.backends.openvino import OpenVino
-    from cosyvoice_cpu.export.common import TensorSpec
 
     session = OpenVino(cache_dir="").open(path, SessionConfig())
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from cosyvoice_cpu.export.common import torch_export
+from cosyvoice_cpu.export.common import save_onnx, torch_export
 from cosyvoice_cpu.export.fused_ops import unmasked_when_unpadded
 from cosyvoice_cpu.reference.flow.encoder import RelPositionAttention
 
@@ -151,8 +151,6 @@ def half_cache_io(path: Path, inputs: tuple[str, ...], outputs: tuple[str, ...])
     """
     import onnx
     from onnx import TensorProto, helper
-
-    from cosyvoice_cpu.export.common import save_onnx
 
     model = onnx.load(str(path), load_external_data=True)
     graph = model.graph

@@ -44,7 +44,14 @@ from cosyvoice_cpu.export.flow.common import (
     rel_position_encoding,
 )
 from cosyvoice_cpu.export.fused_ops import export_forms
-from cosyvoice_cpu.flow.stage_v1 import CACHE_TAIL_FRAMES, FILES, MEL_FRAMES_PER_SECOND, OVERLAP_TOKENS, stretch_matrix
+from cosyvoice_cpu.flow.stage_v1 import (
+    CACHE_TAIL_FRAMES,
+    FILES,
+    MEL_FRAMES_PER_SECOND,
+    OVERLAP_TOKENS,
+    FlowStageV1,
+    stretch_matrix,
+)
 from cosyvoice_cpu.reference.flow.causal_unet import MASK_BIAS, FlowEstimator, timestep_embedding
 from cosyvoice_cpu.reference.flow.cosyvoice import FlowV1
 from cosyvoice_cpu.reference.flow.length_regulator import frames_for_tokens
@@ -263,8 +270,6 @@ def verify_flow(
     Returns:
         the gates; ``GateResult.graph`` is the file key or ``flow`` for the whole-flow mel.
     """
-    from cosyvoice_cpu.flow.stage_v1 import FlowStageV1
-
     paths, tol = verify_setup(out_dir, files, tolerance, FILES, TOLERANCE, "verify_flow")
     flow = flow.eval()
     cfg = flow.config

@@ -44,7 +44,7 @@ from cosyvoice_cpu.export.flow.common import (
 )
 from cosyvoice_cpu.export.flow.cosyvoice2_stream import export_stream_estimator, stream_layout, verify_stream_estimator
 from cosyvoice_cpu.export.fused_ops import export_forms
-from cosyvoice_cpu.flow.stage import FILES
+from cosyvoice_cpu.flow.stage import FILES, FlowStage
 from cosyvoice_cpu.reference.flow.causal_unet import MASK_BIAS, FlowEstimator, timestep_embedding
 from cosyvoice_cpu.reference.flow.cfm import NOISE_FRAMES, NOISE_SEED, official_fixed_noise
 from cosyvoice_cpu.reference.flow.cosyvoice2 import Flow
@@ -221,8 +221,6 @@ def verify_flow(
         the gates; ``GateResult.graph`` is the file key (``flow_encoder``, ``flow_estimator``,
         ``flow_estimator_stream``) or ``flow`` for the whole-flow mel.
     """
-    from cosyvoice_cpu.flow.stage import FlowStage
-
     paths, tol = verify_setup(out_dir, files, tolerance, FILES, TOLERANCE, "verify_flow")
     flow = flow.eval()
     cfg = flow.config

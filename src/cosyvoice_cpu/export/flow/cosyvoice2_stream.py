@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cosyvoice_cpu.export import fused_ops
-from cosyvoice_cpu.export.common import GateResult, rel_err
+from cosyvoice_cpu.export.common import GateResult, rel_err, torch_export
 from cosyvoice_cpu.flow.graphs import cache_dtype
 from cosyvoice_cpu.reference.flow.causal_unet import (
     CausalBlock,
@@ -277,8 +277,6 @@ DYNAMIC_AXES = {
 
 def export_stream_estimator(est: FlowEstimator, path: Path) -> None:
     """Write ``flow_estimator_stream.onnx`` (+ ``.data``) at ``path``."""
-    from cosyvoice_cpu.export.common import torch_export
-
     torch_export(
         StreamEstimatorGraph(est),
         graph_inputs_for_export(est),

@@ -44,6 +44,7 @@ from cosyvoice_cpu.export.flow.cosyvoice3_stream import (
 )
 from cosyvoice_cpu.export.fused_ops import export_forms
 from cosyvoice_cpu.flow.stage_v3 import FILES_V3 as FILES
+from cosyvoice_cpu.flow.stage_v3 import FlowStageV3
 from cosyvoice_cpu.reference.flow.cfm import NOISE_FRAMES, NOISE_SEED, official_fixed_noise
 from cosyvoice_cpu.reference.flow.cosyvoice3 import FlowV3
 from cosyvoice_cpu.reference.flow.dit import DiT, apply_rope
@@ -227,7 +228,6 @@ def verify_flow(
         files: overrides of the file names by key (relative to ``out_dir``), e.g. a quantized estimator.
         tolerance: overrides of :data:`TOLERANCE` by check kind (``encoder``, ``estimator``, ``mel``).
     """
-    from cosyvoice_cpu.flow.stage_v3 import FlowStageV3
     from cosyvoice_cpu.flow.stream_v3 import FlowStreamV3
 
     paths, tol = verify_setup(out_dir, files, tolerance, FILES, TOLERANCE, "verify_flow")

@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cosyvoice_cpu.export import fused_ops
-from cosyvoice_cpu.export.common import GateResult, rel_err
+from cosyvoice_cpu.export.common import GateResult, rel_err, torch_export
 from cosyvoice_cpu.flow.graphs import cache_dtype
 from cosyvoice_cpu.reference.flow.causal_unet import MASK_BIAS, timestep_embedding
 from cosyvoice_cpu.reference.flow.dit import TIME_FREQ_DIM, DiT, DiTBlock, apply_rope
@@ -271,8 +271,6 @@ DYNAMIC_AXES = {
 
 def export_stream_estimator(est: DiT, path: Any) -> None:
     """Write the v3 ``flow_estimator_stream.onnx`` (+ ``.data``) at ``path``."""
-    from cosyvoice_cpu.export.common import torch_export
-
     feeds = example_inputs(est, np.random.default_rng(0), 2, 19, 11, 7, 57)
     feeds["keep_frames"] = np.array(13, np.int64)  # neither 0 nor T: no size is specialized into the graph
     args = tuple(torch.from_numpy(feeds[k]) for k in INPUTS)

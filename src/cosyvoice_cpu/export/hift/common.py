@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosyvoice_cpu.export.common import rel_err, torch_export
+from cosyvoice_cpu.export.common import rel_err, save_onnx, torch_export
 from cosyvoice_cpu.reference.hift.common import HiFTBase
 from cosyvoice_cpu.vocoder.hift import DECODE_FILE, F0_FILE
+from cosyvoice_cpu.vocoder.windows import MIN_WINDOW_FRAMES
 
 logger = logging.getLogger(__name__)
 
@@ -146,8 +147,6 @@ def decode_context(hift: Any, frames: int = 96, seed: int = 0) -> list[int] | No
 def window_error(voc: Any, context: list[int] | None, mel: np.ndarray, source: np.ndarray) -> float:
     """Max relative error of ``voc.decode`` in windows of :data:`~cosyvoice_cpu.vocoder.windows.MIN_WINDOW_FRAMES`
     frames with ``context`` against one call (0.0 when ``context`` is None: nothing is windowed)."""
-    from cosyvoice_cpu.vocoder.windows import MIN_WINDOW_FRAMES
-
     if context is None:
         return 0.0
     before = voc.window_frames, voc.context
@@ -208,8 +207,6 @@ def quantize_hift_weights_int8(src: Path, dst: Path, min_elements: int = 1024) -
     """
     import onnx
     from onnx import helper, numpy_helper
-
-    from cosyvoice_cpu.export.common import save_onnx
 
     model = onnx.load(str(src), load_external_data=True)
     graph = model.graph

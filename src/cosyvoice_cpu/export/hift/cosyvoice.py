@@ -40,7 +40,9 @@ from cosyvoice_cpu.export.common import GateResult, GraphArtifact, rel_err
 from cosyvoice_cpu.export.hift.common import decode_context, hift_attrs, window_gate, write_graphs
 from cosyvoice_cpu.reference.hift.cosyvoice import HiFT
 from cosyvoice_cpu.reference.hift.source import SourceNoise
-from cosyvoice_cpu.vocoder.hift import DECODE_FILE, F0_FILE
+from cosyvoice_cpu.vocoder.hift import DECODE_FILE, F0_FILE, Vocoder
+from cosyvoice_cpu.vocoder.source import SourceNoise as ArrayNoise
+from cosyvoice_cpu.vocoder.source import harmonic_source
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +97,6 @@ def verify_hift(
     :func:`decode_context` measures (what the export writes) vs one call. ``files`` maps ``hift_f0``/``hift_decode``
     to other file names in ``out_dir`` (e.g. quantized graphs); ``tolerance`` overrides entries of :data:`TOLERANCE`.
     """
-    from cosyvoice_cpu.vocoder.hift import Vocoder
-    from cosyvoice_cpu.vocoder.source import SourceNoise as ArrayNoise
-    from cosyvoice_cpu.vocoder.source import harmonic_source
 
     out_dir = Path(out_dir)
     unknown = sorted(set(tolerance or {}) - set(TOLERANCE)) + sorted(set(files or {}) - {"hift_f0", "hift_decode"})

@@ -52,7 +52,9 @@ from cosyvoice_cpu.export.common import GateResult, GraphArtifact, rel_err
 from cosyvoice_cpu.export.hift.common import decode_context, hift_attrs, window_gate, write_graphs
 from cosyvoice_cpu.reference.hift.cosyvoice3 import F0_LOOK_RIGHT, CausalHiFT, CausalHiFTConfig
 from cosyvoice_cpu.reference.hift.source import SourceNoise
-from cosyvoice_cpu.vocoder.hift import DECODE_FILE, F0_FILE
+from cosyvoice_cpu.vocoder.hift import DECODE_FILE, F0_FILE, Vocoder
+from cosyvoice_cpu.vocoder.source import SourceNoise as ArrayNoise
+from cosyvoice_cpu.vocoder.source import harmonic_source
 
 logger = logging.getLogger(__name__)
 
@@ -185,9 +187,6 @@ def verify_hift(
     streaming logic, independent of the graphs' precision); ``window`` as v2's. ``files``/``tolerance`` as v2's.
     """
     from cosyvoice_cpu.vocoder.causal_stream import CausalVocoderStream
-    from cosyvoice_cpu.vocoder.hift import Vocoder
-    from cosyvoice_cpu.vocoder.source import SourceNoise as ArrayNoise
-    from cosyvoice_cpu.vocoder.source import harmonic_source
 
     out_dir = Path(out_dir)
     unknown = sorted(set(tolerance or {}) - set(TOLERANCE)) + sorted(set(files or {}) - {"hift_f0", "hift_decode"})

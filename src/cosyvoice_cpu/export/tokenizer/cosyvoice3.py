@@ -19,7 +19,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from cosyvoice_cpu.errors import ExportError
+from cosyvoice_cpu.errors import ConfigError, ExportError
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,6 @@ def export_tokenizer(blank_en_dir: str | Path, out_dir: str | Path) -> dict[str,
 
 def _check_written(path: Path, specials: dict[str, int]) -> None:
     """Read ``path`` back with the runtime tokenizer; raise ExportError if a special id or its matching differs."""
-    from cosyvoice_cpu.errors import ConfigError
     from cosyvoice_cpu.text.tokenizer import TextTokenizer
 
     runtime = TextTokenizer.from_file(path)
