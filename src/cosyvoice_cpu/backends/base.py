@@ -61,6 +61,11 @@ class Backend(ABC):
         backend has no such option)."""
         return None
 
+    def release_idle_memory(self) -> None:
+        """Give back the working memory the backend keeps for the whole process, once none of its sessions is
+        open any more (``--unload-after``); nothing by default."""
+        return None
+
 
 @dataclass(frozen=True)
 class SessionConfig:

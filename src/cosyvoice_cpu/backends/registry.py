@@ -32,3 +32,10 @@ def shrink_options(config: SessionConfig) -> object:
     """Run options that have the backend of ``config`` give its unused working memory back to the OS when the run
     ends (ONNX Runtime: arena shrinkage); None for a backend with no such option."""
     return backend_for(config.backend).shrink_options()
+
+
+def release_idle_memory() -> None:
+    """Have every backend give back the working memory it keeps for the process once no session is open (the
+    engine's release under ``--unload-after``)."""
+    for backend in BACKENDS.values():
+        backend.release_idle_memory()

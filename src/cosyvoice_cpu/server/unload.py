@@ -6,7 +6,7 @@ working (model directory, manifest, sample rate, token rate, KV positions, built
 load; every call that works (``synthesize``, ``make_voice``, ``lm_prompt``, ``segment_cap``) takes the engine,
 loading it first when it was released, and holds it until that call (for ``synthesize``: its iteration) is over.
 A reaper thread releases it once nothing has held it for S seconds: the engine is closed, dropped, the garbage
-collected and glibc's free memory returned (``malloc_trim``).
+collected, ONNX Runtime's shared arena shrunk and glibc's free memory returned (``malloc_trim``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from cosyvoice_cpu.backends.registry import release_idle_memory
 from cosyvoice_cpu.config import need
 
 logger = logging.getLogger(__name__)
@@ -190,24 +191,25 @@ class UnloadingEngine:
 
     def _reap(self, poll_s: float) -> None:
         while not self._stop.wait(poll_s):
-            engine = None
+            taken: list[Any] = []  # the engine is handed over in a list: no frame of this loop keeps it alive
             with self._lock:
                 idle = time.monotonic() - self._last
                 if self._engine is not None and self._users == 0 and idle >= self.idle_s:
-                    engine, self._engine, self._releasing = self._engine, None, True
-            if engine is not None:
+                    taken.append(self._engine)
+                    self._engine, self._releasing = None, True
+            if taken:
                 try:
-                    self._unload(engine, idle)
+                    self._unload(taken, idle)
                 except Exception as e:  # the reaper goes on; the next use loads a fresh engine
                     logger.error("releasing the engine failed: %s", e, exc_info=e)
                 finally:
                     self._releasing = False
 
-    def _unload(self, engine: Any, idle: float) -> None:
+    def _unload(self, taken: list[Any], idle: float) -> None:
         before = rss_mb()
-        engine.close()
-        del engine  # the last reference: the sessions, caches and the scheduler go with it
+        taken.pop().close()  # the last reference: the sessions, caches and the scheduler go with it
         gc.collect()
+        release_idle_memory()  # ONNX Runtime's process-wide arena keeps its regions after its sessions closed
         _trim()
         self.unloads += 1
         logger.info("engine released after %.0f s idle: RSS %.0f -> %.0f MB", idle, before, rss_mb())
