@@ -5,6 +5,7 @@ sentence)."""
 from __future__ import annotations
 
 import io
+import os
 import threading
 import time
 from pathlib import Path
@@ -161,3 +162,58 @@ def test_cosyvoice_300m_speaks_by_sentence(tiny_v1_export_dir: Path) -> None:
         chunks = list(e.synthesize(iter(["Hello the", "re. How are", " you?"]), voice, SynthesisConfig(seed=1)))
     assert chunks[-1].final and sum(len(c.samples) for c in chunks) > 0
     assert {c.text.strip() for c in chunks if len(c.samples)} >= {"Hello there."}
+
+
+def test_cli_speaks_stdin_as_it_arrives(tiny_export_dir: Path, tmp_path: Path) -> None:
+    """`say --stream --text-stream -o -`: PCM comes out while standard input is still open."""
+    import subprocess
+    import sys
+
+    wav = tmp_path / "p.wav"
+    wav.write_bytes(_tone())
+    cmd = [
+        sys.executable,
+        "-m",
+        "cosyvoice_cpu",
+        "say",
+        "-m",
+        str(tiny_export_dir),
+        "--prompt-wav",
+        str(wav),
+        "--prompt-text",
+        "Good morning everyone, welcome.",
+        "--stream",
+        "--text-stream",
+        "--first-chunk-tokens",
+        "5",
+        "--seed",
+        "1",
+        "--threads",
+        "2",
+        "-o",
+        "-",
+    ]
+    log = tmp_path / "stderr.txt"
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("wb"))
+    got = bytearray()
+
+    def read() -> None:
+        while data := os.read(proc.stdout.fileno(), 4096):
+            got.extend(data)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    proc.stdin.write(b"The alarm on line three is active. Please check the val")
+    proc.stdin.flush()
+    deadline = time.monotonic() + 120
+    while len(got) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    if len(got) < 2:
+        proc.kill()
+    assert len(got) >= 2, f"no audio before the end of the text: {log.read_text()[-2000:]}"
+    proc.stdin.write("ve now. 三号线".encode() + "温度".encode()[:4])  # a character cut between two writes
+    proc.stdin.write("温度".encode()[4:] + "过高。".encode())
+    proc.stdin.close()
+    assert proc.wait(120) == 0, log.read_text()[-2000:]
+    reader.join(10)
+    assert len(got) % 2 == 0 and len(got) > 2 * 24000 * 0.5

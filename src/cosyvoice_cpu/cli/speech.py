@@ -7,6 +7,7 @@ Saved voices live in ``--voices DIR`` (default ``$COSYVOICE_CPU_VOICES`` or ``~/
 from __future__ import annotations
 
 import argparse
+import codecs
 import logging
 import os
 import sys
@@ -95,9 +96,26 @@ def cmd_voice(args: argparse.Namespace) -> int:
     return 0
 
 
-def _texts(args: argparse.Namespace) -> Iterator[str]:
+def _stdin_pieces() -> Iterator[str]:
+    """Standard input as it arrives (no waiting for a line or EOF), decoded as UTF-8 across read boundaries."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    fd = sys.stdin.fileno()
+    try:
+        while data := os.read(fd, 4096):
+            if text := decoder.decode(data):
+                yield text
+        if tail := decoder.decode(b"", final=True):
+            yield tail
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"standard input is not UTF-8 text ({e.reason} at byte {e.start}); pipe UTF-8") from e
+
+
+def _texts(args: argparse.Namespace) -> Iterator[str | Iterator[str]]:
     """The argument text, or standard input read lazily, one utterance per non-empty line (cmd_say has already
-    refused an interactive terminal)."""
+    refused an interactive terminal); with ``--text-stream`` standard input as one text stream."""
+    if args.text_stream:
+        yield iter(args.text) if args.text else _stdin_pieces()
+        return
     if args.text:
         yield " ".join(args.text)
         return
@@ -169,10 +187,10 @@ def _say(args: argparse.Namespace, engine: Engine, config: SynthesisConfig, voic
                 if not args.stream or chunk.final or chunks == 1:  # streamed: the first and the last chunk
                     print(f"[{elapsed:6.1f}s] {chunk.duration:5.1f} s of audio: {chunk.text[:60]}", file=sys.stderr)
         except ConfigError as e:  # one bad line does not lose the others
-            if args.text:
+            if args.text or args.text_stream:
                 raise
             failed += 1
-            print(f"skipped {text[:40]!r}: {e}", file=sys.stderr)
+            print(f"skipped {str(text)[:40]!r}: {e}", file=sys.stderr)
     if not pieces and not to_stdout:
         raise ConfigError("nothing was synthesized: every input line was skipped")
     total = time.perf_counter() - t0
@@ -264,6 +282,12 @@ def add_commands(sub: argparse._SubParsersAction, positive: type, non_negative: 
         "--stream",
         action="store_true",
         help="emit audio chunk by chunk as it is decoded (with -o -, playback can start after the first chunk)",
+    )
+    s.add_argument(
+        "--text-stream",
+        action="store_true",
+        help="speak standard input as it arrives, as one text stream (e.g. an LLM's reply piped in; with --stream "
+        "CosyVoice2/3 start speaking after the first words)",
     )
     s.add_argument(
         "--first-chunk-tokens",
