@@ -35,7 +35,8 @@ sys.modules["onnx"] = None
 import numpy as np
 import cosyvoice_cpu
 runtime = [m.name for m in pkgutil.walk_packages(cosyvoice_cpu.__path__, "cosyvoice_cpu.")
-           if not m.name.startswith(("cosyvoice_cpu.reference", "cosyvoice_cpu.export", "cosyvoice_cpu.fixtures"))
+           if not m.name.startswith(("cosyvoice_cpu.reference", "cosyvoice_cpu.export", "cosyvoice_cpu.fixtures",
+                                      "cosyvoice_cpu.family_parts"))
            and not m.name.endswith(".__main__")]
 for name in runtime:
     importlib.import_module(name)
