@@ -39,7 +39,6 @@ from cosyvoice_cpu.facts import FamilyFacts
 from cosyvoice_cpu.families.base import Family, LMPrompt, Stages
 from cosyvoice_cpu.families.registry import family_for
 from cosyvoice_cpu.hardware.cpu import detect, fix_mmap_threshold
-from cosyvoice_cpu.lm.hold import Hold
 from cosyvoice_cpu.lm.sampling import RngDraw, SamplingConfig
 from cosyvoice_cpu.lm.scheduler import LMScheduler
 from cosyvoice_cpu.lm.source import SentenceTokens, TokenSource
@@ -324,33 +323,6 @@ class Engine:
             (c.min_tokens, c.max_tokens),
             req.check,
         )
-
-    def speech_tokens(
-        self,
-        text_ids: list[int],
-        prompt: LMPrompt,
-        draw: RngDraw,
-        sampling: SamplingConfig,
-        config: SynthesisConfig,
-        hold: Hold | None = None,
-        check: Callable[[], None] | None = None,
-    ) -> Iterator[int]:
-        """One sentence's speech tokens, from the LM scheduler when there is one (``hold``: see its submit);
-        ``check()`` after each token (it may raise to stop)."""
-        budget = (config.min_tokens, config.max_tokens)
-        source = SentenceTokens(
-            self.lm,
-            self.scheduler,
-            text_ids,
-            prompt.text_ids,
-            prompt.speech,
-            prompt.speaker,
-            draw,
-            sampling,
-            budget,
-            check,
-        )
-        return source.open(hold)
 
     def sampling_for(self, config: SynthesisConfig) -> SamplingConfig:
         """The LM's sampling settings with the request's overrides (``top_p``, ``top_k``, ``win_size``, ``tau_r``)."""
