@@ -15,6 +15,11 @@ class ConfigError(CosyVoiceCpuError, ValueError):
     """A configuration value is out of range or inconsistent."""
 
 
+class WorkCancelled(CosyVoiceCpuError):
+    """Work stopped because its caller cancelled it (a client that went away or said stop): not a bad request,
+    so a server counts it as cancelled rather than answering 400."""
+
+
 class MissingExtraError(CosyVoiceCpuError, ImportError):
     """An optional dependency group (``[export]``, ``[server]``) is not installed."""
 

@@ -34,7 +34,7 @@ from typing import Protocol
 import numpy as np
 
 from cosyvoice_cpu.config import AudioChunk, SynthesisConfig
-from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.errors import ConfigError, WorkCancelled
 from cosyvoice_cpu.facts import FamilyFacts
 from cosyvoice_cpu.families.base import LMPrompt
 from cosyvoice_cpu.lm.bistream import BistreamRequest
@@ -79,8 +79,10 @@ class Speaker(Protocol):
     ) -> Iterator[Piece]: ...
 
 
-class TextStreamCancelled(ConfigError):
-    """The text stream was cancelled (:meth:`TextStream.cancel`) before it was spoken to the end."""
+class TextStreamCancelled(WorkCancelled):
+    """The text stream was cancelled (:meth:`TextStream.cancel`) before it was spoken to the end: a
+    :class:`~cosyvoice_cpu.errors.WorkCancelled`, not a ConfigError, so a server tells a client's cancel from a bad
+    request."""
 
 
 @dataclass

@@ -16,7 +16,7 @@ import soundfile as sf
 
 from cosyvoice_cpu.config import EngineConfig, SynthesisConfig
 from cosyvoice_cpu.engine import Engine
-from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.errors import ConfigError, WorkCancelled
 from cosyvoice_cpu.text_stream import MAX_STREAM_CHARS, TextStreamCancelled
 
 REPLY = "The alarm on line three is active. Please check the pressure valve at 3.5 bar now, then call the supervisor."
@@ -100,8 +100,9 @@ def test_cancel_frees_the_lm_row(engine: Engine, voice) -> None:
     chunks = iter(stream)
     next(chunks)
     threading.Timer(0.2, stream.cancel).start()
-    with pytest.raises(TextStreamCancelled):
+    with pytest.raises(TextStreamCancelled) as caught:
         list(chunks)  # the writer never closed it: only cancel ends it
+    assert isinstance(caught.value, WorkCancelled) and not isinstance(caught.value, ConfigError)  # not a bad request
     deadline = time.monotonic() + 5
     while engine.scheduler.active and time.monotonic() < deadline:
         time.sleep(0.02)

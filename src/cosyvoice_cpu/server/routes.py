@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.errors import ConfigError, WorkCancelled
 from cosyvoice_cpu.server.checks import RequestProblem, check_model, check_speed, check_text, resolve_voice
 from cosyvoice_cpu.server.encode import Encoder, UnsupportedFormatError, check_format
 from cosyvoice_cpu.server.handlers import ApiError
@@ -149,6 +149,7 @@ def _outcome(e: BaseException) -> str:
         (AudioTooLong, "bad_request"),
         (TimedOut, "timeout"),
         (Cancelled, "cancelled"),
+        (WorkCancelled, "cancelled"),  # a text stream cancelled (TextStreamCancelled): not the client's error
     )
     for kind, outcome in kinds:
         if isinstance(e, kind):

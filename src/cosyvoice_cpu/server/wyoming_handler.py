@@ -27,7 +27,7 @@ from wyoming.ping import Ping, Pong
 from wyoming.server import AsyncEventHandler
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
 
-from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.errors import ConfigError, WorkCancelled
 from cosyvoice_cpu.server.checks import RequestProblem, check_text
 from cosyvoice_cpu.server.speech import AudioTooLong, Cancelled, Job, Rejected, TimedOut
 from cosyvoice_cpu.server.wyoming_audio import WIDTH, TextInbox, pump, resolve_voice
@@ -372,6 +372,8 @@ def _failure(e: Exception, late: bool) -> tuple[str, str, str]:
         return "bad_request", str(e), "audio_too_long"
     if isinstance(e, TimedOut) or late:  # a text stream cancelled by the timeout raises TextStreamCancelled
         return "timeout", f"synthesis took longer than the server's timeout ({e})", "timeout"
+    if isinstance(e, WorkCancelled):  # cancelled by the server (shutdown) or the client: not a bad request
+        return "cancelled", str(e), "cancelled"
     if isinstance(e, ConfigError):
         return "bad_request", str(e), "invalid_request"
     logger.error("Wyoming synthesis failed: %s", e, exc_info=e)
