@@ -7,7 +7,7 @@ Implementations (one per process, so ``ru_maxrss`` is the implementation's own):
 
 * ``official``: the official CosyVoice2 code (package ``cosyvoice`` from ``token2wav-cosyvoice``), built from the
   model directory's yaml with HyperPyYAML and loaded strictly, exactly as the parity tests do
-  (``tests.parity.official.load_official_model_dir``, which also installs the torchaudio stub).
+  (``cosyvoice_cpu.reference.official.load_official_model_dir``, which also installs the torchaudio stub).
 * ``reference``: our PyTorch reference, ``cosyvoice_cpu.family_parts.load_reference``.
 
 Workload (``/work/shared/reference/baseline.md``): ``torch.set_num_threads(--threads)``, fp32, eval,
@@ -134,9 +134,7 @@ def build_official(model_dir: Path) -> Peer:
     """The official llm/flow/hift from the model directory, as the parity tests build them."""
     import torch
 
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
-    from tests.parity.official import load_official_model_dir  # installs the torchaudio stub
+    from cosyvoice_cpu.reference.official import load_official_model_dir  # installs the torchaudio stub
 
     c = load_official_model_dir(model_dir)
     llm, flow, hift = c["llm"], c["flow"], c["hift"]

@@ -16,14 +16,11 @@ The graphs are written here (with onnx) and only run in the child (onnxruntime a
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).parent))
-from qemu_platforms import DEMO, run
+from qemu_platforms import DEMO, run  # bench/ is the script directory, first on sys.path
 
 K, N, BLOCK = 256, 128, 32
 

@@ -17,25 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
+from cosyvoice_cpu.benchmark.feeds import estimator_feeds
+from cosyvoice_cpu.benchmark.tasks import peak_rss_mb
+
 SHAPES = {"tiny": {"prefill": 60, "frames": 200, "voc_frames": 100}, "full": {"prefill": 100, "frames": 650,
                                                                                "voc_frames": 500}}  # fmt: skip
-
-
-def estimator_feeds(rng: np.random.Generator, frames: int) -> dict[str, np.ndarray]:
-    """Random inputs of one CFG estimator call: batch 2, ``frames`` frames, all valid."""
-
-    def normal(*shape: int) -> np.ndarray:
-        return rng.standard_normal(shape).astype(np.float32)
-
-    return {"x": normal(2, 80, frames), "mask": np.ones((2, 1, frames), np.float32), "mu": normal(2, 80, frames),
-            "t": np.array([0.5, 0.5], np.float32), "spks": normal(2, 80), "cond": normal(2, 80, frames)}  # fmt: skip
-
-
-def peak_rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def _median_ms(fn, repeat: int) -> float:
@@ -74,7 +60,7 @@ def probe(model_dir: Path, threads: int, size: str) -> dict:
     decode_ms = _median_ms(lambda: lm.decode(cache, [0], [next(toks)]), 40)
 
     t = shapes["frames"]
-    est_in = estimator_feeds(rng, t)
+    est_in = estimator_feeds(t, rng)
     est = flow.estimator
     estimator_ms = _median_ms(lambda: est.run(["estimator_out"], est_in), 3)
 

@@ -26,14 +26,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+from quant_probe import probe_runtime  # bench/ is the script directory, first on sys.path
+
+from cosyvoice_cpu.benchmark.feeds import estimator_feeds
+from cosyvoice_cpu.cli.main import cache_dir
+from cosyvoice_cpu.export.quantize import RECIPES
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-from quant_probe import estimator_feeds, probe_runtime  # noqa: E402
-
-from cosyvoice_cpu.cli.main import cache_dir  # noqa: E402
-from cosyvoice_cpu.export.quantize import RECIPES  # noqa: E402
 
 UTTERANCES = {"tiny": 4, "full": 3}
 TOKENS = {"tiny": 60, "full": 125}  # 5 s of speech at 25 Hz for full size
@@ -63,7 +62,7 @@ def reduce_range_check(fp32_dir: Path, size: str, threads: int) -> dict:
     from cosyvoice_cpu.export.common import rel_err
     from cosyvoice_cpu.export.quantize import quantize_int8_dynamic
 
-    feeds = estimator_feeds(np.random.default_rng(7), 650 if size == "full" else 200)
+    feeds = estimator_feeds(650 if size == "full" else 200, np.random.default_rng(7))
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         paths = {"fp32": fp32_dir / "flow_estimator.onnx"}
@@ -138,7 +137,7 @@ def flow_and_vocoder_quality(dirs: dict[str, Path], size: str, threads: int) -> 
             mels.append(mel)
             waves.append(voc(mel, noise=noise)[0])
         if est_in is None:
-            est_in = estimator_feeds(rng, 650 if size == "full" else 200)
+            est_in = estimator_feeds(650 if size == "full" else 200, rng)
         est = flow.estimator.run(["estimator_out"], est_in)[0]
         if recipe == "fp32":
             base = {"mel": mels, "wave": waves, "est": [est]}

@@ -98,10 +98,9 @@ def main() -> None:
     ap.add_argument("--mirror", default="/work/.mirror/FunAudioLLM+CosyVoice/repo", help="git dir, for the commit")
     args = ap.parse_args()
     sys.path.insert(0, str(args.official))
-    sys.path.insert(1, str(ROOT))
-    from tests.parity.official import _install_torchaudio_stub
+    from cosyvoice_cpu.reference.official import install_torchaudio_stub
 
-    _install_torchaudio_stub()
+    install_torchaudio_stub()
     import cosyvoice
     import torch
     import transformers

@@ -110,10 +110,9 @@ def randomise(module, gen, scale=1.0) -> None:
 
 def official_modules(official: Path) -> dict:
     sys.path.insert(0, str(official))
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.parity.official import _install_torchaudio_stub
+    from cosyvoice_cpu.reference.official import install_torchaudio_stub
 
-    _install_torchaudio_stub()
+    install_torchaudio_stub()
     import cosyvoice
 
     if not str(Path(cosyvoice.__file__).resolve()).startswith(str(official.resolve())):

@@ -68,10 +68,9 @@ def injected_draws(seed: int):
 def build_official(official: Path, model_dir: Path):
     """(official CosyVoice3LM with llm.pt loaded, official tokenizer, official module of cli/model.py)."""
     sys.path.insert(0, str(official))
-    sys.path.insert(1, str(ROOT))
-    from tests.parity.official import _install_torchaudio_stub
+    from cosyvoice_cpu.reference.official import install_torchaudio_stub
 
-    _install_torchaudio_stub()
+    install_torchaudio_stub()
     import cosyvoice
     import torch
 
