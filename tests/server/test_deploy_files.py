@@ -94,3 +94,42 @@ def test_the_kubernetes_objects_validate_against_the_api_schemas() -> None:
     files = [str(K8S / f) for f in _docs(K8S / "kustomization.yaml")[0]["resources"]]
     r = subprocess.run(["kubernetes-validate", "--strict", *files], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_wyoming_overlay_adds_the_port_the_cli_accepts_and_fences_it() -> None:
+    overlay = DEPLOY / "k8s-wyoming"
+    kustomization = _docs(overlay / "kustomization.yaml")[0]
+    assert "../k8s" in kustomization["resources"]
+    (deployment,) = _docs(K8S / "deployment.yaml")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    args = [a.replace("$(POD_NAMESPACE)", "default") for a in container["args"]]
+    ports = list(container["ports"])
+    for op in yaml.safe_load((overlay / "deployment-wyoming.yaml").read_text()):  # the JSON patch, applied here
+        assert op["op"] == "add" and op["path"].startswith("/spec/template/spec/containers/0/")
+        (args if op["path"].endswith("/args/-") else ports).append(op["value"])
+    parsed = _serve_args(args)
+    assert parsed.wyoming == "tcp://0.0.0.0:10200" and parsed.port == 8000
+    named = {p.get("name"): p["containerPort"] for p in ports}
+    assert named == {"http": 8000, "wyoming": 10200}
+    (service,) = _docs(overlay / "service-wyoming.yaml")
+    assert service["spec"]["ports"][0]["targetPort"] == "wyoming"
+    (policy,) = _docs(overlay / "networkpolicy.yaml")
+    rules = {r["ports"][0]["port"]: r.get("from") for r in policy["spec"]["ingress"]}
+    assert rules["http"] is None  # the API (with its key) stays open to the cluster
+    assert rules["wyoming"][0]["podSelector"]["matchLabels"] == {"cosyvoice-cpu/wyoming-client": "true"}
+
+
+@pytest.mark.skipif(
+    shutil.which("kubectl") is None or shutil.which("kubernetes-validate") is None,
+    reason="kubectl (for kustomize) or kubernetes-validate not installed",
+)
+def test_the_built_wyoming_overlay_validates_against_the_api_schemas(tmp_path: Path) -> None:
+    built = subprocess.run(
+        ["kubectl", "kustomize", str(DEPLOY / "k8s-wyoming")], capture_output=True, text=True, timeout=120
+    )
+    assert built.returncode == 0, built.stderr
+    out = tmp_path / "built.yaml"
+    out.write_text(built.stdout)
+    r = subprocess.run(["kubernetes-validate", "--strict", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "--wyoming" in built.stdout and "name: cosyvoice-cpu-wyoming" in built.stdout
