@@ -38,6 +38,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allow_origins=tuple(args.allow_origin or ()),
         default_voice=args.default_voice,
         body_timeout=args.body_timeout,
+        stream_idle_timeout=args.stream_idle_timeout,
         max_audio_seconds=args.max_audio_seconds,
         max_audio_per_char=args.max_audio_per_char,
     ).validate()
@@ -93,6 +94,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=10,
         timeout_keep_alive=args.keep_alive_timeout,
         http=timed_protocol(args.header_timeout),
+        ws_max_size=settings.max_message_bytes,  # a bigger WebSocket message is refused (1009) before it is read
     )
     try:
         _draining_server(config, app).run()
@@ -202,6 +204,14 @@ def add_parser(sub: argparse._SubParsersAction, positive: type, non_negative: ty
         metavar="S",
         help="seconds a request body may "
         "take to arrive after its headers; then 408 and the connection is closed (default 60)",
+    )
+    s.add_argument(
+        "--stream-idle-timeout",
+        type=_seconds,
+        default=30.0,
+        metavar="S",
+        help="seconds a text stream WebSocket (/v1/audio/speech/stream) may send no message while no audio is "
+        "sent to it; then it is closed with 4408 and its work cancelled (default 30)",
     )
     s.add_argument(
         "--keep-alive-timeout",

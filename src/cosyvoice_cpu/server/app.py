@@ -1,8 +1,9 @@
 """The ASGI app: ``create_app(engine, settings)`` -> FastAPI with the OpenAI speech API, voices, health, metrics.
 
-Endpoints (``docs/server.md``): ``POST /v1/audio/speech``, ``GET /v1/models``, ``GET/POST /v1/audio/voices``,
-``DELETE /v1/audio/voices/{name}``, ``GET /health``, ``GET /metrics``, the web page at ``/`` and the API reference
-at ``/docs`` (no external resources). Every error is a JSON body ``{"error": {"message", "type", "code"}}`` with a
+Endpoints (``docs/server.md``): ``POST /v1/audio/speech``, the text stream WebSocket ``/v1/audio/speech/stream``
+(``server.text_ws``), ``GET /v1/models``, ``GET/POST /v1/audio/voices``, ``DELETE /v1/audio/voices/{name}``,
+``GET /health``, ``GET /metrics``, the web page at ``/`` and the API reference at ``/docs`` (no external
+resources). Every error is a JSON body ``{"error": {"message", "type", "code"}}`` with a
 4xx/5xx status (``server.handlers``); a failing request never takes the server down. With an API key set, ``/v1/*``
 and ``/metrics`` need ``Authorization: Bearer KEY``; Host and Origin are checked in any case (``server.guard``).
 """
@@ -51,6 +52,8 @@ class ServerSettings:
         body_timeout: seconds a request body may take to arrive after its headers (408 beyond).
         max_audio_seconds, max_audio_per_char: the most audio one request may produce, and per input character
             (``server.speech.AudioBound``; 422 ``audio_too_long`` beyond).
+        stream_idle_timeout: seconds a text stream's WebSocket (``/v1/audio/speech/stream``) may go without a
+            message from its client while no audio is being sent, before it is closed (code 4408).
         defaults: the synthesis settings a request starts from.
     """
 
@@ -71,6 +74,7 @@ class ServerSettings:
     body_timeout: float = 60.0
     max_audio_seconds: float = 1200.0
     max_audio_per_char: float = 0.6
+    stream_idle_timeout: float = 30.0
     defaults: SynthesisConfig = field(default_factory=SynthesisConfig)
 
     @property
@@ -84,6 +88,13 @@ class ServerSettings:
         escapes of astral characters), at least 2 MiB, so an over-long field gets the 400 that names it."""
         return max(2 << 20, 12 * (self.max_input_chars + self.max_instructions_chars) + (64 << 10))
 
+    @property
+    def max_message_bytes(self) -> int:
+        """The largest WebSocket message taken (the connection is closed with 1009 beyond, before the rest of it
+        is read): a text stream's start message with the longest instructions, or a text piece of the whole
+        input, at 12 bytes a character, plus room for the other fields."""
+        return (16 << 10) + 12 * (self.max_input_chars + self.max_instructions_chars)
+
     def validate(self) -> ServerSettings:
         checks = [
             (1 <= self.max_active <= 256, "max_active", "1 to 256"),
@@ -96,6 +107,7 @@ class ServerSettings:
             (0 < self.body_timeout <= 86_400, "body_timeout", "above 0, at most 86400 seconds"),
             (1 <= self.max_audio_seconds <= 86_400, "max_audio_seconds", "1 to 86400 seconds"),
             (0 < self.max_audio_per_char <= 60, "max_audio_per_char", "above 0, at most 60 seconds"),
+            (0 < self.stream_idle_timeout <= 86_400, "stream_idle_timeout", "above 0, at most 86400 seconds"),
         ]
         for ok, name, rule in checks:
             need(ok, f"server setting {name}", getattr(self, name), rule)
@@ -122,6 +134,7 @@ class State:
         self.jobs: set[Any] = set()  # running syntheses (server.speech.Job), cancelled at shutdown
         self.replica = ReplicaInfo()  # which replica answers (create_app sets it)
         self.services: list[Any] = []  # more servers on this state (Wyoming): start()/stop() in the lifespan
+        self.text_streams = 0  # open text stream WebSockets (server.text_ws)
 
 
 def _rss_bytes() -> int:
@@ -143,7 +156,7 @@ def create_app(engine: Any, settings: ServerSettings, replica: ReplicaInfo | Non
         from cosyvoice_cpu.errors import MissingExtraError
 
         raise MissingExtraError("the server needs the [server] extra: pip install 'cosyvoice-cpu[server]'") from e
-    from cosyvoice_cpu.server import openapi, routes, voice_routes
+    from cosyvoice_cpu.server import openapi, routes, text_ws, voice_routes
 
     settings.validate()
     state = State(engine, settings)
@@ -153,6 +166,11 @@ def create_app(engine: Any, settings: ServerSettings, replica: ReplicaInfo | Non
     m.gauges["cosyvoice_requests_active"] = ("Syntheses running.", lambda: state.admission.active)
     m.gauges["cosyvoice_requests_queued"] = ("Syntheses waiting for a worker.", lambda: state.admission.waiting)
     m.gauges["cosyvoice_voices"] = ("Saved voices served.", lambda: len(state.voices))
+    m.gauges["cosyvoice_text_streams_open"] = ("Text stream WebSockets open.", lambda: state.text_streams)
+    m.gauges["cosyvoice_lm_rows_active"] = (
+        "LM batch rows held by requests (a text stream waiting for text holds one).",
+        lambda: 0 if engine.scheduler is None else engine.scheduler.active,
+    )
     if engine.scheduler is not None:  # read at each scrape: an engine released by --unload-after has none
 
         def batch_sizes() -> dict[int, int]:
@@ -265,6 +283,7 @@ def create_app(engine: Any, settings: ServerSettings, replica: ReplicaInfo | Non
         return PlainTextResponse(m.render(), media_type="text/plain; version=0.0.4")
 
     routes.add_routes(app, state)
+    text_ws.add_route(app, state)
     voice_routes.add_routes(app, state)
     openapi.install(app, settings)
     return app

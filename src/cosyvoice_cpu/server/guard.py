@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # noqa: S104 (names of the bind-all addresses, compared, not bound)
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+WS_SCHEMES = {"ws": "http", "wss": "https"}  # a WebSocket's scheme as the origin of its page says it
 UPLOAD_PATH = "/v1/audio/voices"  # limited in its route (multipart, --max-upload-mb)
 JSON_ROUTES = (("POST", "/v1/audio/speech"),)  # take a JSON body: other Content-Types are a 415 before the body is read
 
@@ -143,9 +144,10 @@ class HostOriginGuard:
         return o.hostname.rstrip(".") == name and (o_port or default) == (port or default)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
+        websocket = scope["type"] == "websocket"
         label = endpoint_label(scope.get("path", ""))
         host = _header(scope, b"host")
         if not self.host_allowed(host):
@@ -158,16 +160,20 @@ class HostOriginGuard:
                 "start it with --allow-host NAME to serve it (a guard against DNS rebinding)",
                 "permission_error",
                 "host_not_allowed",
+                scope=scope,
             )
             return
         origin = _header(scope, b"origin")
+        scheme = WS_SCHEMES.get(scope.get("scheme", "http"), scope.get("scheme", "http"))
         if (
-            scope.get("method") not in SAFE_METHODS
+            (websocket or scope.get("method") not in SAFE_METHODS)  # a WebSocket is a GET that writes: no CORS
             and origin is not None
-            and not self.origin_allowed(origin, host, scope.get("scheme", "http"))
+            and not self.origin_allowed(origin, host, scheme)
         ):
             self.metrics.count(label, "bad_request")
-            logger.warning("refused a %s %s from Origin %r", scope.get("method"), scope.get("path"), origin)
+            logger.warning(
+                "refused a %s %s from Origin %r", scope.get("method", "WebSocket"), scope.get("path"), origin
+            )
             await send_error(
                 send,
                 403,
@@ -175,9 +181,10 @@ class HostOriginGuard:
                 "(cross-site request); start it with --allow-origin ORIGIN to allow that origin",
                 "permission_error",
                 "origin_not_allowed",
+                scope=scope,
             )
             return
-        if scope.get("method") in SAFE_METHODS:
+        if websocket or scope.get("method") in SAFE_METHODS:  # a WebSocket's messages have their own limits
             await self.app(scope, receive, send)
             return
         receive = self.deadline(receive)
@@ -249,18 +256,27 @@ class HostOriginGuard:
         return wrapped
 
 
+def key_matches(given: bytes, key: str) -> bool:
+    """Whether an ``Authorization`` header value is ``Bearer <key>`` (compared in constant time)."""
+    return secrets.compare_digest(given, f"Bearer {key}".encode("utf-8", "replace"))
+
+
 class ApiKeyMiddleware:
-    """``/v1/*`` and ``/metrics`` need ``Authorization: Bearer <key>`` (compared in constant time)."""
+    """``/v1/*`` and ``/metrics`` need ``Authorization: Bearer <key>`` (compared in constant time). A WebSocket
+    handshake without the header passes: browsers cannot send one, so the text stream route takes the key in its
+    first message instead (``server.text_ws``); a wrong header is refused here."""
 
     def __init__(self, app: Any, key: str, metrics: Metrics) -> None:
-        self.app, self.metrics = app, metrics
-        self.want = f"Bearer {key}".encode("utf-8", "replace")
+        self.app, self.metrics, self.key = app, metrics, key
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         path = scope.get("path", "")
-        if scope["type"] == "http" and (path.startswith("/v1/") or path == "/metrics"):
-            given = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
-            if not secrets.compare_digest(given, self.want):
+        if scope["type"] in ("http", "websocket") and (path.startswith("/v1/") or path == "/metrics"):
+            given = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)
+            if given is None and scope["type"] == "websocket":
+                await self.app(scope, receive, send)
+                return
+            if not key_matches(given or b"", self.key):
                 self.metrics.count(endpoint_label(path), "bad_request")
                 await send_error(
                     send,
@@ -268,6 +284,7 @@ class ApiKeyMiddleware:
                     "missing or wrong API key: send 'Authorization: Bearer <key>'",
                     "authentication_error",
                     "invalid_api_key",
+                    scope=scope,
                 )
                 return
         await self.app(scope, receive, send)

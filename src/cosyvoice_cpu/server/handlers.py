@@ -19,7 +19,15 @@ from cosyvoice_cpu.server.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
-ENDPOINTS = ("/v1/audio/speech", "/v1/audio/voices", "/v1/models", "/health", "/metrics", "/")
+ENDPOINTS = (
+    "/v1/audio/speech/stream",
+    "/v1/audio/speech",
+    "/v1/audio/voices",
+    "/v1/models",
+    "/health",
+    "/metrics",
+    "/",
+)
 _OBJECT_REPR = re.compile(r"<[\w.]+ object at 0x[0-9a-fA-F]+>")  # e.g. libsndfile's "<_io.BytesIO object at 0x..>"
 
 
@@ -58,14 +66,42 @@ def error_body(message: str, kind: str, code: str) -> dict[str, Any]:
 
 
 async def send_error(
-    send: Any, status: int, message: str, kind: str, code: str, headers: dict[str, str] | None = None
+    send: Any,
+    status: int,
+    message: str,
+    kind: str,
+    code: str,
+    headers: dict[str, str] | None = None,
+    scope: Any = None,
 ) -> None:
-    """Answer an error from plain ASGI middleware (before any route ran)."""
+    """Answer an error from plain ASGI middleware (before any route ran). A WebSocket handshake (``scope`` of type
+    ``websocket``) is refused with the same HTTP status and JSON body where the server can send one (the ASGI
+    ``websocket.http.response`` extension, which uvicorn has), else closed before it opens (HTTP 403)."""
+    prefix = ""
+    if scope is not None and scope.get("type") == "websocket":
+        if "websocket.http.response" not in scope.get("extensions", {}):
+            await send({"type": "websocket.close", "code": 1008, "reason": code})
+            return
+        prefix = "websocket."
     body = json.dumps(error_body(message, kind, code)).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": body})
+    await send({"type": prefix + "http.response.start", "status": status, "headers": raw})
+    await send({"type": prefix + "http.response.body", "body": body})
+
+
+def validation_problem(errors: list[dict[str, Any]]) -> tuple[str, str]:
+    """(message, code) of a request pydantic refused: its first five problems, each naming its field."""
+    problems, code = [], "invalid_field"
+    for err in errors[:5]:
+        if err.get("type") == "json_invalid":
+            problems.append(f"the body is not valid JSON ({err.get('ctx', {}).get('error', 'decode error')})")
+            code = "invalid_json"
+            continue
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        problems.append(f"{where}: {err.get('msg', 'invalid')}")
+        code = "unknown_field" if err.get("type") == "extra_forbidden" else code
+    return "invalid request: " + "; ".join(problems), code
 
 
 HTTP_CODES = {400: "invalid_json", 408: "request_timeout", 413: "body_too_large"}  # of HTTPExceptions outside routes
@@ -167,16 +203,8 @@ def install(app: Any, metrics: Metrics) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> Any:
-        problems, code = [], "invalid_field"
-        for err in e.errors()[:5]:
-            if err.get("type") == "json_invalid":
-                problems.append(f"the body is not valid JSON ({err.get('ctx', {}).get('error', 'decode error')})")
-                code = "invalid_json"
-                continue
-            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-            problems.append(f"{where}: {err.get('msg', 'invalid')}")
-            code = "unknown_field" if err.get("type") == "extra_forbidden" else code
-        return answer(request, 400, "invalid request: " + "; ".join(problems), "invalid_request_error", code)
+        message, code = validation_problem(list(e.errors()))
+        return answer(request, 400, message, "invalid_request_error", code)
 
     @app.exception_handler(CosyVoiceCpuError)
     async def _config(request: Request, e: CosyVoiceCpuError) -> Any:

@@ -19,7 +19,11 @@ logger = logging.getLogger(__name__)
 
 DESCRIPTION = (
     "An OpenAI-compatible text-to-speech API (docs/server.md). Every error is JSON, "
-    '`{"error": {"message", "type", "code"}}`, with a message that says what to do and a code for programs.'
+    '`{"error": {"message", "type", "code"}}`, with a message that says what to do and a code for programs. '
+    "Text that is still being written is spoken over the WebSocket `/v1/audio/speech/stream` (not an OpenAPI "
+    'operation): a `{"type": "start", "model", "voice", ...}` message with this API\'s speech fields but `input`, '
+    '`{"type": "text", "text"}` pieces, then `{"type": "end"}`; PCM frames back, then a `done` message with timings '
+    "(docs/server.md lists the messages, close codes, limits and timeouts)."
 )
 _STRING, _INT, _NUMBER = {"type": "string"}, {"type": "integer"}, {"type": "number"}
 _ERROR = {

@@ -6,7 +6,9 @@ for as long as the client liked (70 s and more in issue #35), each holding a soc
 made by :func:`timed_protocol` closes such a connection ``header_timeout`` seconds after it opened, or after the
 first byte of a following request on a kept-alive connection; when part of a request had arrived, it answers 408
 (JSON, ``request_timeout``) first. The body has its own deadline in the app (``server.guard``), which can answer
-with a proper error through the routes.
+with a proper error through the routes. A WebSocket upgrade ends the deadline: the connection then belongs to the
+WebSocket protocol, whose messages have their own limits (``server.text_ws``); before this, the timer closed every
+WebSocket ``header_timeout`` seconds after it opened, with a stray HTTP 408 written into it.
 """
 
 from __future__ import annotations
@@ -73,6 +75,10 @@ def timed_protocol(header_timeout: float, base: type | None = None) -> type:
             super().data_received(data)
             if self._header_timer is not None and self.cycle is not None and self.cycle is not self._header_cycle:
                 self._cancel_header_timer()  # the headers are in: the request runs (its body has its own deadline)
+
+        def handle_websocket_upgrade(self, *args: Any) -> None:
+            self._cancel_header_timer()  # the headers are in and the connection is a WebSocket's from now on
+            super().handle_websocket_upgrade(*args)
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_header_timer()

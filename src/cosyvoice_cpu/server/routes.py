@@ -77,7 +77,7 @@ def add_routes(app: Any, state: Any) -> None:
         voice, voice_name = resolve_voice(state.voices, body.voice, settings.default_voice)
         config = body.synthesis_config(settings.defaults, speed)
         if instruct is not None:
-            _check_instruction_room(state.engine, voice, instruct, config)
+            check_instruction_room(state.engine, voice, instruct, config)
         sse = body.stream_format == "sse"
         whole = not body.stream and not sse  # the whole file at the end: real lengths in wav/flac, an mp3 Info tag
         encoder = Encoder(fmt, state.engine.sample_rate, streaming=not whole, spool=True)  # before taking a slot
@@ -127,7 +127,7 @@ def add_routes(app: Any, state: Any) -> None:
         return _StreamResponse(stream, media_type=media, headers=headers)
 
 
-def _check_instruction_room(engine: Engine, voice: Voice, instruct: str, config: SynthesisConfig) -> None:
+def check_instruction_room(engine: Engine, voice: Voice, instruct: str, config: SynthesisConfig) -> None:
     """Refuse instructions that leave the LM's KV cache no room for text (the engine's message would blame the
     voice prompt). The instructions are short by now (``max_instructions_chars``): tokenizing them is cheap."""
     prompt = engine.lm_prompt(voice, instruct, config.normalize)

@@ -29,21 +29,16 @@ logger = logging.getLogger(__name__)
 MAX_PENDING_CHUNKS = 8  # encoded chunks a worker may have made ahead of the client (see Job.chunks)
 
 
-class SpeechRequest(BaseModel):
-    """The OpenAI ``/v1/audio/speech`` body plus documented extensions.
+class SpeechOptions(BaseModel):
+    """The fields a speech request and a text stream's ``start`` message (``server.text_ws``) share: model, voice,
+    instructions, speed and the synthesis extensions, validated the same way.
 
     Strict: unknown fields are refused, and so are values of the wrong JSON type (``"speed": "1.0"``,
     ``"stream": "yes"``); an integer is taken for a number. The text fields' limits are the server's settings,
     checked in the handler (``server.checks``); the schema at ``/openapi.json`` states them.
     """
 
-    model_config = ConfigDict(
-        extra="forbid",
-        strict=True,
-        json_schema_extra={
-            "examples": [{"model": "tts-1", "input": "Good morning.", "voice": "alloy", "response_format": "wav"}]
-        },
-    )
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str = Field(
         max_length=MAX_MODEL_CHARS,
@@ -51,7 +46,6 @@ class SpeechRequest(BaseModel):
         "name (cosyvoice2, ...) or an OpenAI name: tts-1, tts-1-hd, gpt-4o-mini-tts, "
         "gpt-4o-mini-tts-2025-12-15",
     )
-    input: str = Field(description="text to speak")
     voice: str = Field(
         max_length=MAX_VOICE_CHARS,
         description="a saved voice (GET /v1/audio/voices), or an OpenAI "
@@ -65,10 +59,6 @@ class SpeechRequest(BaseModel):
         "0.25 to 4.0 is taken, and clamped to the 0.5 to 2.0 this server speaks at (the "
         "X-Speed-Clamped header says so)",
     )
-    response_format: str = Field(
-        "mp3", max_length=16, description="mp3, opus (Ogg), flac, wav or pcm (16-bit mono little-endian)"
-    )
-    stream_format: Literal["audio", "sse"] = Field("audio", description="audio bytes, or server-sent events")
     # extensions
     stream: bool = Field(
         True,
@@ -110,6 +100,24 @@ class SpeechRequest(BaseModel):
         if "first_chunk_tokens" in changes and "chunk_tokens" not in changes:
             changes["chunk_tokens"] = max(base.chunk_tokens, changes["first_chunk_tokens"])
         return base.with_(**changes)
+
+
+class SpeechRequest(SpeechOptions):
+    """The OpenAI ``/v1/audio/speech`` body plus documented extensions (:class:`SpeechOptions`)."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={
+            "examples": [{"model": "tts-1", "input": "Good morning.", "voice": "alloy", "response_format": "wav"}]
+        },
+    )
+
+    input: str = Field(description="text to speak")
+    response_format: str = Field(
+        "mp3", max_length=16, description="mp3, opus (Ogg), flac, wav or pcm (16-bit mono little-endian)"
+    )
+    stream_format: Literal["audio", "sse"] = Field("audio", description="audio bytes, or server-sent events")
 
 
 class Rejected(Exception):
