@@ -274,3 +274,20 @@ def test_the_api_reference_renders_offline(page: Any, server: Server) -> None:
     text = page.text_content("#ops")
     assert "multipart/form-data" in text and "audio/mpeg" in text and "429" in text
     assert not page.errors, page.errors
+
+
+def test_speak_as_you_type_over_the_websocket(page: Any) -> None:
+    """The page's text stream section: typed text goes over ``/v1/audio/speech/stream`` and is spoken."""
+    wait_for_voice(page, VOICE)
+    page.wait_for_function("() => !document.querySelector('#live-start').disabled")
+    page.click("#live-start")
+    page.wait_for_function("() => !document.querySelector('#live-text').disabled")
+    page.type("#live-text", TEXT, delay=20)  # key by key: each keystroke sends what is new
+    page.click("#live-end")
+    page.wait_for_function("() => document.querySelector('#live-status').dataset.stopReason")
+    data = page.evaluate("() => ({...document.querySelector('#live-status').dataset})")
+    assert data["stopReason"] == "end" and int(data["bytes"]) > 0, (data, page.text_content("#live-status"))
+    assert page.get_attribute("#live-status", "class") == "ok", page.text_content("#live-status")
+    assert "s of audio" in page.text_content("#live-status")
+    assert page.is_enabled("#live-start") and page.is_disabled("#live-text")
+    assert not page.errors, page.errors
