@@ -72,7 +72,7 @@ class EngineConfig:
             caller's thread, each request alone. Servers set it to the number of requests run at once.
         malloc_mmap_threshold_kb: on glibc, blocks of at least this many KiB get their own mapping and go back to
             the OS when freed, and glibc stops raising that threshold as big buffers are freed
-            (:func:`~cosyvoice_cpu.hardware.cpu.fix_mmap_threshold`). Process-wide, set by ``Engine.load``: it lowers
+            (:func:`~cosyvoice_cpu.hardware.malloc.fix_mmap_threshold`). Process-wide, set by ``Engine.load``: it lowers
             the peak of a process doing whole and streamed sentences (measured: docs/benchmarks-log.md, "Memory").
             0 leaves malloc alone; ``MALLOC_MMAP_THRESHOLD_`` in the environment wins.
         release_weight_pages: after opening each graph, have the kernel reclaim the pages of its weight file
@@ -87,7 +87,7 @@ class EngineConfig:
         arena_shrink_frames: after a flow-encoder call for more mel frames of new speech than this (the voice
             prompt's not counted: a long prompt makes every call of its voice big, and those calls reuse the
             memory), ORT's arena gives its unused memory back to the OS
-            (:func:`~cosyvoice_cpu.backends.registry.shrink_options`).
+            (``GraphSession.run``'s ``release_memory``).
             The encoder's attention grows with the square of the length (even with its query rows in 4 blocks;
             measured: docs/benchmarks-log.md, "Memory"), and the arena would otherwise keep that for the life of
             the process; the calls after a shrink fault their working memory in again. 0 never shrinks.

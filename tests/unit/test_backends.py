@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import cosyvoice_cpu
-from cosyvoice_cpu.backends.base import Backend, SessionConfig, check_io
+from cosyvoice_cpu.backends.base import BACKEND_NAMES, Backend, GraphSession, SessionConfig, check_io
 from cosyvoice_cpu.backends.registry import BACKENDS, backend_for, open_graph
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.flow.buckets import bucket
@@ -19,12 +19,14 @@ GRAPH = Path(cosyvoice_cpu.__file__).parent / "demo_model" / "campplus.onnx"
 
 def test_graphs_open_through_the_configured_backend() -> None:
     assert set(BACKENDS) == {"onnxruntime", "openvino"} and all(isinstance(b, Backend) for b in BACKENDS.values())
+    assert tuple(BACKENDS) == BACKEND_NAMES  # one Backend per name, in the order the names are defined
     assert backend_for("onnxruntime").available()
     sess = open_graph(GRAPH, SessionConfig(threads=1))
     feats = np.zeros((1, 50, 80), np.float32)
     (emb,) = sess.run(None, {sess.get_inputs()[0].name: feats})
     assert emb.shape == (1, 192)
-    assert backend_for("onnxruntime").shrink_options() is not None  # ORT's arena-shrink run option
+    (again,) = sess.run(None, {sess.get_inputs()[0].name: feats}, release_memory=True)  # ORT's arena shrink
+    assert np.array_equal(again, emb)
 
 
 def test_an_unknown_backend_or_a_missing_graph_is_a_clear_error(tmp_path: Path) -> None:
@@ -128,3 +130,44 @@ def test_one_dynamic_compile_is_renewed_after_too_many_shapes(tmp_path: Path, fp
     assert ov_sess.compiles == 2  # 56 and 40 on the new compile: under the bound
     with pytest.raises(ConfigError, match="dynamic_shapes must be >= 1"):
         OpenVinoSession(opened._core, opened._model, opened._properties, 0, "estimator", dynamic_shapes=0)
+
+
+def test_the_lm_cache_runs_in_place_through_the_session() -> None:
+    """The LM reaches its KV cache only through ``GraphSession.bind_in_place``: ONNX Runtime's IO binding (no copy)
+    and the generic copying form give the same bits for prefills and mixed-row decodes; OpenVINO, whose
+    GroupQueryAttention returns the cache cut to the positions in use, refuses with a message."""
+    import json
+
+    from cosyvoice_cpu.backends.base import CopyingRun
+    from cosyvoice_cpu.backends.onnxruntime import OrtBoundRun
+    from cosyvoice_cpu.lm.session import LMSession
+
+    model = GRAPH.parent
+    attrs = json.loads((model / "cosyvoice_cpu.json").read_text())["graphs"]["lm"]["attrs"]
+
+    def run(lm: LMSession) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        rng = np.random.default_rng(0)
+        cache = lm.new_cache(3)
+        out = [lm.prefill(cache, r, rng.standard_normal((5 + 3 * r, 64)).astype(np.float32)) for r in range(3)]
+        out += [lm.decode(cache, [0, 2], [t, t + 7]) for t in range(4)]
+        return out, cache.keys + cache.values
+
+    bound = LMSession.from_dir(model, attrs, threads=SessionConfig(threads=1))
+    copying = LMSession.from_dir(model, attrs, threads=SessionConfig(threads=1))
+    copying.session.bind_in_place = lambda pairs: CopyingRun(copying.session, pairs)  # type: ignore[method-assign]
+    (want, want_kv), (got, got_kv) = run(bound), run(copying)
+    assert all(np.array_equal(a, b) for a, b in zip(want, got)) and len(want) == 7
+    assert all(np.array_equal(a, b) for a, b in zip(want_kv, got_kv)) and np.abs(want_kv[0]).max() > 0
+    cache = bound.new_cache(2)
+    assert isinstance(bound._binding(cache, 0, 2), OrtBoundRun)
+
+    class Cut(_Session, GraphSession):  # a graph whose cache output is not the buffer's shape
+        def run(self, names, feeds, release_memory=False):  # type: ignore[no-untyped-def]
+            return [np.zeros((1, 2, 5, 16), np.float32)]
+
+    with pytest.raises(ConfigError, match=r"present_key_0 came back with shape \(1, 2, 5, 16\), not its buffer's"):
+        Cut().bind_in_place({"past_key_0": ("present_key_0", np.zeros((1, 2, 512, 16), np.float32))}).run({}, {})
+    if backend_for("openvino").available():
+        ov = LMSession.from_dir(model, attrs, threads=SessionConfig(threads=1, backend="openvino"))
+        with pytest.raises(ConfigError, match="KV cache bound in place"):
+            ov.prefill(ov.new_cache(1), 0, np.zeros((3, 64), np.float32))

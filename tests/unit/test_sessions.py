@@ -102,13 +102,13 @@ def test_a_long_flow_encoder_call_gives_its_memory_back() -> None:
 
 
 def _shrink_spy(session):  # type: ignore[no-untyped-def]
-    """A stand-in for an ORT session that records, per run, whether it was given run options (the shrink)."""
+    """A stand-in for a session that records, per run, whether it was asked to release memory (the shrink)."""
     shrunk: list[bool] = []
 
     class Spy:
-        def run(self, names, feeds, options=None):  # type: ignore[no-untyped-def]
-            shrunk.append(options is not None)
-            return session.run(names, feeds, options)
+        def run(self, names, feeds, release_memory=False):  # type: ignore[no-untyped-def]
+            shrunk.append(release_memory)
+            return session.run(names, feeds, release_memory)
 
     return Spy(), shrunk
 

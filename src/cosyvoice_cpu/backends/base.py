@@ -1,23 +1,34 @@
 """The graph-session seam: what a stage needs from an inference backend, and the options it opens graphs with.
 
 Stages open every graph through :func:`~cosyvoice_cpu.backends.registry.open_graph` with a :class:`SessionConfig`;
-the config's ``backend`` names the :class:`Backend` that opens it (today ONNX Runtime,
-:mod:`cosyvoice_cpu.backends.onnxruntime`). A backend returns a :class:`GraphSession`: named inputs and outputs
-with types and shapes, and ``run``. :func:`check_io` holds any session to the contract the stage feeds it, so a
-graph that does not match fails at load with a message naming the file and the difference.
+the config's ``backend`` names the :class:`Backend` that opens it (one of :data:`BACKEND_NAMES`). A backend returns
+a :class:`GraphSession`: named inputs and outputs with types and shapes, ``run``, and what a stage would otherwise
+have to know about the backend: the graph's metadata, giving working memory back after a call
+(``run(..., release_memory=True)``), compiling shapes ahead (``prepare``) and running a decoder's KV cache in place
+(``bind_in_place``). :func:`check_io` holds any session to the contract the stage feeds it, so a graph that does not
+match fails at load with a message naming the file and the difference.
 """
 
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar, Protocol
+
+import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 
 logger = logging.getLogger(__name__)
+
+# The inference backends, by the name a SessionConfig, ``--backend`` and the plan use (the one list of them;
+# backends.registry maps each to its Backend, backends.plan adds the choice ``auto``)
+ONNXRUNTIME = "onnxruntime"
+OPENVINO = "openvino"
+BACKEND_NAMES = (ONNXRUNTIME, OPENVINO)
 
 
 class NodeInfo(Protocol):
@@ -28,14 +39,100 @@ class NodeInfo(Protocol):
     shape: list[int | str | None]
 
 
-class GraphSession(Protocol):
-    """An opened graph, as every stage uses it (ONNX Runtime's ``InferenceSession`` is one)."""
+class BoundRun(Protocol):
+    """Runs of one graph with some inputs bound in place to caller-owned buffers (:meth:`GraphSession.bind_in_place`).
 
-    def get_inputs(self) -> list[NodeInfo]: ...
+    ``run(feeds, outputs)``: ``feeds`` are the other inputs (name -> array); ``outputs`` name -> a preallocated
+    array that receives that output. After the call every bound buffer holds the graph's output paired with it.
+    """
 
-    def get_outputs(self) -> list[NodeInfo]: ...
+    def run(self, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None: ...
 
-    def run(self, output_names: list[str] | None, feeds: dict[str, Any], run_options: Any = None) -> list[Any]: ...
+
+class GraphSession(ABC):
+    """An opened graph, as every stage uses it: what differs between backends lives here, not in the stages.
+
+    Every session answers ``get_inputs`` / ``get_outputs`` / ``run``; the rest has a default that is right for a
+    backend with nothing to do (no metadata, no memory to give back, nothing to compile ahead, in-place binding by
+    copying).
+
+    **A decoder's KV cache.** The LM graph (:mod:`cosyvoice_cpu.lm.session`) takes each layer's cache as an input
+    ``past_*`` and returns it as ``present_*`` of the same shape (B rows, Hkv, M positions, Dh). The LM keeps the
+    cache in buffers of its own (:class:`~cosyvoice_cpu.lm.kv_cache.KVCache`: rows that come and go with the
+    scheduler's requests, prefix-cache entries copied in and out with ``read`` / ``write``, pages given back with
+    ``release``) and asks the session for :meth:`bind_in_place` over a row range of them. ONNX Runtime binds the
+    buffers as both input and output (IO binding, raw pointers), so a step copies nothing; the default here runs
+    the graph and copies each ``present_*`` back (right on any backend whose graph keeps the contract, at the cost of
+    moving the whole cache through every call). OpenVINO does not keep it (its GroupQueryAttention returns the
+    cache cut to the positions in use) and says so (``OpenVinoSession.bind_in_place``).
+
+    A *stateful* backend (OpenVINO's LLM form: the KV cache as the compiled model's state, the form Intel tunes)
+    has no ``past_*`` inputs to bind. Such a session plugs in one level up, as the LM's cache and its run: the LM,
+    the scheduler and the prefix cache touch a cache only through ``rows``, ``lengths``, ``reset``, ``release``,
+    ``read`` (a row's first n positions as an array) and ``write`` (make an array a row's content), and run it only
+    through ``LMSession._run`` (rows r0..r0+B, new positions (B, S, D), each row's length after the call ->
+    log-probabilities (B, V)). A stateful session would provide a cache object with those members, its state
+    holding one batch row per scheduler row (``read`` / ``write`` through the state's get/set, so prefix-cache hits
+    keep working; ``release`` trims the row), and a run that feeds the scheduler's rows as one batch with per-row
+    positions and an attention mask for idle rows (the same padding the bound form gives them).
+    """
+
+    @abstractmethod
+    def get_inputs(self) -> list[NodeInfo]:
+        """The graph's inputs."""
+
+    @abstractmethod
+    def get_outputs(self) -> list[NodeInfo]:
+        """The graph's outputs."""
+
+    @abstractmethod
+    def run(
+        self, output_names: list[str] | None, feeds: Mapping[str, np.ndarray], release_memory: bool = False
+    ) -> list[np.ndarray]:
+        """Outputs (all, or ``output_names``, in that order) for ``feeds`` (every input by name).
+
+        ``release_memory``: give the working memory the call grew back to the OS when it ends (for calls far larger
+        than the usual ones; ONNX Runtime: its arena's free regions; a no-op where the backend keeps none).
+        """
+
+    def metadata(self) -> dict[str, str]:
+        """The graph file's custom metadata (key -> value); empty where the backend does not read it."""
+        return {}
+
+    def prepare(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """Get ready for calls with these input shapes (a compiling backend compiles them now); nothing by
+        default."""
+        return None
+
+    def bind_in_place(self, pairs: Mapping[str, tuple[str, np.ndarray]]) -> BoundRun:
+        """Runs with each input ``name`` of ``pairs`` bound to its buffer, which the paired output overwrites
+        (``name -> (output name, buffer)``; a buffer is C-contiguous and of the input's shape for that run).
+
+        The buffers must stay alive as long as the returned :class:`BoundRun`. This default runs the graph and
+        copies each paired output back into its buffer; a backend that can share one buffer between an input and
+        an output (ONNX Runtime) overrides it to copy nothing.
+        """
+        return CopyingRun(self, pairs)
+
+
+class CopyingRun:
+    """:class:`BoundRun` for any :class:`GraphSession`: feeds the buffers, copies the paired outputs back."""
+
+    def __init__(self, session: GraphSession, pairs: Mapping[str, tuple[str, np.ndarray]]) -> None:
+        self.session, self.pairs = session, dict(pairs)
+
+    def run(self, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None:
+        bound = [out for out, _ in self.pairs.values()]
+        names = [*outputs, *bound]
+        values = self.session.run(names, {**feeds, **{k: buf for k, (_, buf) in self.pairs.items()}})
+        targets = [*outputs.values(), *(buf for _, buf in self.pairs.values())]
+        for name, target, value in zip(names, targets, values):
+            if value.shape != target.shape:
+                raise ConfigError(
+                    f"{name} came back with shape {value.shape}, not its buffer's {target.shape}: this backend does "
+                    "not run the graph with the contract it binds in place"
+                )
+            np.copyto(target, value)
 
 
 class Backend(ABC):
@@ -56,11 +153,6 @@ class Backend(ABC):
         Imports the library: call it once the CPU is known to run it."""
         return None
 
-    def shrink_options(self) -> Any:
-        """Run options that give the backend's unused working memory back to the OS after a run (None: the
-        backend has no such option)."""
-        return None
-
     def release_idle_memory(self) -> None:
         """Give back the working memory the backend keeps for the whole process, once none of its sessions is
         open any more (``--unload-after``); nothing by default."""
@@ -73,7 +165,7 @@ class SessionConfig:
 
     Attributes:
         threads: intra-op threads (0 = the backend's default, all cores).
-        backend: the :class:`Backend` that opens the graph (:data:`~cosyvoice_cpu.backends.registry.BACKENDS`).
+        backend: the name of the :class:`Backend` that opens the graph (one of :data:`BACKEND_NAMES`).
         spinning: let idle pool threads spin (lower latency for one stream; off when several run concurrently).
         mem_pattern: ORT's per-shape memory planning (off for graphs fed many shapes: it caches a plan each).
         shared_arena: allocate activations from one CPU arena shared by every session of the process that sets
@@ -95,7 +187,7 @@ class SessionConfig:
     """
 
     threads: int = 0
-    backend: str = "onnxruntime"
+    backend: str = ONNXRUNTIME
     spinning: bool = False
     mem_pattern: bool = False
     shared_arena: bool = True
@@ -128,7 +220,7 @@ DEFAULT_SHRINK_FRAMES = 1000
 Spec = dict[str, tuple[str, "int | list[int | str]"]]  # name -> (ORT type such as "tensor(float)", rank or shape)
 
 
-def check_io(session: Any, path: str | Path, inputs: Spec, outputs: Spec) -> None:
+def check_io(session: GraphSession, path: str | Path, inputs: Spec, outputs: Spec) -> None:
     """Raise :class:`ModelDirError` unless the graph has exactly these inputs and outputs.
 
     Each entry is ``name -> (type, rank)`` or ``name -> (type, shape)``; ``type`` may list alternatives

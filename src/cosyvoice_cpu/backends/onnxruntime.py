@@ -1,5 +1,7 @@
 """The ONNX Runtime backend: the one ORT session factory of the runtime (threads, spinning and one CPU arena shared
-by every session configured in one place) and ORT's arena-shrink run option.
+by every session configured in one place), and :class:`OrtSession`, the
+:class:`~cosyvoice_cpu.backends.base.GraphSession` over it: ORT's arena-shrink run option behind
+``release_memory``, the graph's metadata, and IO binding for a KV cache updated in place.
 
 ``onnxruntime`` itself is imported only when a graph is opened: the CPU is checked before any kernel library loads.
 """
@@ -8,12 +10,19 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-from cosyvoice_cpu.backends.base import Backend, GraphSession, SessionConfig
-from cosyvoice_cpu.errors import ModelDirError
+import numpy as np
+
+from cosyvoice_cpu.backends.base import ONNXRUNTIME, Backend, BoundRun, GraphSession, NodeInfo, SessionConfig
+from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.hardware.pages import release_file_pages
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +31,7 @@ _ARENA_LOCK = threading.Lock()
 _arena: bool | None = None  # None: not tried yet; then whether the shared arena is registered
 
 
-def _register_shared_arena(ort: Any) -> bool:
+def _register_shared_arena(ort: ModuleType) -> bool:
     """Register one CPU arena allocator in ORT's process-wide environment, once; False if ORT refused.
 
     Extend strategy kNextPowerOfTwo (ORT's default): measured a lower peak than kSameAsRequested for the LM, flow
@@ -41,8 +50,10 @@ def _register_shared_arena(ort: Any) -> bool:
         return _arena
 
 
-def make_session(path: str | Path, config: SessionConfig | None = None) -> Any:
-    """Open ``path`` on the CPU execution provider; a missing or unreadable graph is a :class:`ModelDirError`."""
+def make_session(path: str | Path, config: SessionConfig | None = None) -> ort.InferenceSession:
+    """ORT's own session of ``path`` on the CPU execution provider (the runtime's stages get it wrapped as an
+    :class:`OrtSession` by :meth:`OnnxRuntime.open`; the export side uses it as it is); a missing or unreadable
+    graph is a :class:`ModelDirError`."""
     import onnxruntime as ort
 
     config = config or SessionConfig()
@@ -72,7 +83,7 @@ def make_session(path: str | Path, config: SessionConfig | None = None) -> Any:
     return session
 
 
-def shrink_after_run() -> Any:
+def shrink_after_run() -> ort.RunOptions:
     """``RunOptions`` that have ORT give its CPU arena's unused regions back to the OS when the run ends
     (``memory.enable_memory_arena_shrinkage``; with the shared arena, every session's free regions).
 
@@ -88,10 +99,60 @@ def shrink_after_run() -> Any:
     return options
 
 
+class OrtSession(GraphSession):
+    """ONNX Runtime's ``InferenceSession`` as a :class:`~cosyvoice_cpu.backends.base.GraphSession` (``inner``)."""
+
+    def __init__(self, inner: ort.InferenceSession) -> None:
+        self.inner = inner
+
+    def get_inputs(self) -> list[NodeInfo]:
+        return list(self.inner.get_inputs())
+
+    def get_outputs(self) -> list[NodeInfo]:
+        return list(self.inner.get_outputs())
+
+    def run(
+        self, output_names: list[str] | None, feeds: Mapping[str, np.ndarray], release_memory: bool = False
+    ) -> list[np.ndarray]:
+        """ORT's ``run``; ``release_memory`` adds the arena-shrink run option (:func:`shrink_after_run`)."""
+        return list(self.inner.run(output_names, dict(feeds), shrink_after_run() if release_memory else None))
+
+    def metadata(self) -> dict[str, str]:
+        return dict(self.inner.get_modelmeta().custom_metadata_map)
+
+    def bind_in_place(self, pairs: Mapping[str, tuple[str, np.ndarray]]) -> BoundRun:
+        """IO binding: each buffer is bound by its address as both the input and its paired output, so the graph
+        (GroupQueryAttention writing the new positions into its ``present`` cache) updates it without a copy."""
+        return OrtBoundRun(self.inner, pairs)
+
+
+class OrtBoundRun:
+    """A :class:`~cosyvoice_cpu.backends.base.BoundRun` on one ORT IO binding, reused call after call: a call
+    rebinds only ``feeds`` and ``outputs`` (the caller keeps the bound buffers alive; this keeps views of them)."""
+
+    def __init__(self, session: ort.InferenceSession, pairs: Mapping[str, tuple[str, np.ndarray]]) -> None:
+        self.session = session
+        self.io = session.io_binding()
+        self.buffers = []
+        for name, (output, buf) in pairs.items():
+            if buf.dtype != np.float32 or not buf.flags.c_contiguous:
+                raise ConfigError(f"{name}: an in-place buffer must be C-contiguous float32, got {buf.dtype}")
+            self.io.bind_input(name, "cpu", 0, np.float32, buf.shape, buf.ctypes.data)
+            self.io.bind_output(output, "cpu", 0, np.float32, buf.shape, buf.ctypes.data)
+            self.buffers.append(buf)
+
+    def run(self, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None:
+        for name, value in feeds.items():  # the caller's arrays stay referenced until the run is over
+            self.io.bind_cpu_input(name, value)
+        for name, out in outputs.items():
+            self.io.bind_output(name, "cpu", 0, out.dtype, out.shape, out.ctypes.data)
+        self.session.run_with_iobinding(self.io)
+
+
 class OnnxRuntime(Backend):
     """:class:`~cosyvoice_cpu.backends.base.Backend` on ONNX Runtime's CPU execution provider."""
 
-    name = "onnxruntime"
+    name = ONNXRUNTIME
 
     def available(self) -> bool:
         import importlib.util
@@ -99,7 +160,7 @@ class OnnxRuntime(Backend):
         return importlib.util.find_spec("onnxruntime") is not None
 
     def open(self, path: Path, config: SessionConfig) -> GraphSession:
-        return make_session(path, config)
+        return OrtSession(make_session(path, config))
 
     def version(self) -> str | None:
         if not self.available():
@@ -107,9 +168,6 @@ class OnnxRuntime(Backend):
         import onnxruntime as ort
 
         return str(ort.__version__)
-
-    def shrink_options(self) -> Any:
-        return shrink_after_run()
 
     def release_idle_memory(self) -> None:
         """The shared arena (``session.use_env_allocators``) lives in ORT's process-wide environment and keeps its

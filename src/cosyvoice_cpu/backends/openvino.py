@@ -34,17 +34,21 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cosyvoice_cpu.backends.base import Backend, GraphSession, SessionConfig
+from cosyvoice_cpu.backends.base import OPENVINO, Backend, BoundRun, GraphSession, NodeInfo, SessionConfig
 from cosyvoice_cpu.config import cache_dir
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.hardware.pages import release_file_pages
+
+if TYPE_CHECKING:
+    import openvino as ov
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +78,7 @@ class Node:
     shape: list[int | str | None]
 
 
-def _nodes(ports: Any) -> list[Node]:
+def _nodes(ports: Iterable[ov.Output]) -> list[Node]:
     out = []
     for port in ports:
         dims = [int(d.get_length()) if d.is_static else f"d{i}" for i, d in enumerate(port.get_partial_shape())]
@@ -113,7 +117,7 @@ def import_openvino() -> ModuleType:
         return openvino
 
 
-class OpenVinoSession:
+class OpenVinoSession(GraphSession):
     """One graph on OpenVINO's CPU plugin, compiled per input shape (see the module docstring).
 
     Args:
@@ -128,9 +132,9 @@ class OpenVinoSession:
 
     def __init__(
         self,
-        core: Any,
-        model: Any,
-        properties: dict[str, Any],
+        core: ov.Core,
+        model: ov.Model,
+        properties: dict[str, str | int],
         max_shapes: int,
         name: str,
         weights: Path | None = None,
@@ -141,17 +145,33 @@ class OpenVinoSession:
         self._core, self._model, self._properties, self.name = core, model, properties, name
         self.max_shapes, self._weights, self.dynamic_shapes = max_shapes, weights, dynamic_shapes
         self._inputs, self._outputs = _nodes(model.inputs), _nodes(model.outputs)
-        self._compiled: OrderedDict[tuple, Any] = OrderedDict()
+        self._compiled: OrderedDict[tuple, ov.CompiledModel] = OrderedDict()
         self._met: set[tuple] = set()  # input shapes run on the current dynamic compile
         self._lock = threading.Lock()
         self._compile_lock = threading.Lock()  # one compile at a time: concurrent misses of a shape compile it once
         self.compiles = 0
 
-    def get_inputs(self) -> list[Node]:
+    def get_inputs(self) -> list[NodeInfo]:
         return list(self._inputs)
 
-    def get_outputs(self) -> list[Node]:
+    def get_outputs(self) -> list[NodeInfo]:
         return list(self._outputs)
+
+    def metadata(self) -> dict[str, str]:
+        """An ONNX graph's custom metadata (OpenVINO keeps it in the model's ``framework`` runtime info; an IR
+        written by the export has none)."""
+        info = self._model.get_rt_info()
+        framework = info["framework"] if "framework" in list(info.keys()) else {}
+        return {str(k): v.astype(str) for k, v in dict(framework).items()}
+
+    def bind_in_place(self, pairs: Mapping[str, tuple[str, np.ndarray]]) -> BoundRun:
+        """Not supported: OpenVINO's GroupQueryAttention returns the KV cache cut to the positions in use, not the
+        whole buffer fed as ``past_*``, so the LM graph's cache cannot be bound (nor copied) in place. The LM runs
+        on OpenVINO in a stateful form (the cache as the compiled model's state; ``GraphSession``'s docstring)."""
+        raise ConfigError(
+            f"{self.name}: OpenVINO does not run a graph with its KV cache bound in place (its GroupQueryAttention "
+            "returns the cache cut to the positions in use); open the LM graph with the onnxruntime backend"
+        )
 
     @property
     def shapes(self) -> list[tuple]:
@@ -159,7 +179,7 @@ class OpenVinoSession:
         with self._lock:
             return list(self._compiled)
 
-    def compiled(self, shapes: dict[str, tuple[int, ...]]) -> Any:
+    def compiled(self, shapes: Mapping[str, tuple[int, ...]]) -> ov.CompiledModel:
         """The model compiled for these input shapes (compiled now, or from OpenVINO's cache, on a miss; with
         ``max_shapes`` 0 the one dynamic model whatever the shapes)."""
         dynamic = self.max_shapes == 0
@@ -191,7 +211,7 @@ class OpenVinoSession:
                     self._met.add(shape)
             return compiled
 
-    def _compile(self, key: tuple, dynamic: bool) -> Any:
+    def _compile(self, key: tuple, dynamic: bool) -> ov.CompiledModel:
         model = self._model
         if not dynamic:
             model = model.clone()
@@ -208,18 +228,21 @@ class OpenVinoSession:
                 self._compiled.popitem(last=False)
         return compiled
 
-    def prepare(self, shapes: dict[str, tuple[int, ...]]) -> None:
+    def prepare(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
         """Compile these input shapes now (or load them from OpenVINO's cache), so a later call of that shape does
         not pay the compile; the compiled model joins the in-memory LRU like one made by :meth:`run`."""
         self.compiled(shapes)
 
-    def run(self, output_names: list[str] | None, feeds: dict[str, Any], run_options: Any = None) -> list[np.ndarray]:
-        """Outputs (all, or ``output_names``) as NumPy arrays, like ONNX Runtime's ``run``; ``run_options`` (ORT's)
-        are ignored."""
+    def run(
+        self, output_names: list[str] | None, feeds: Mapping[str, np.ndarray], release_memory: bool = False
+    ) -> list[np.ndarray]:
+        """Outputs (all, or ``output_names``) as NumPy arrays, like ONNX Runtime's ``run``. ``release_memory`` is a
+        no-op: the CPU plugin keeps no arena that grows with a call (what it keeps per input shape is bounded by
+        the recompiles of the module docstring)."""
         missing = [n.name for n in self._inputs if n.name not in feeds]
         if missing:
             raise ConfigError(f"{self.name}: inputs {missing} are not fed")
-        arrays = {n.name: np.ascontiguousarray(feeds[n.name]) for n in self._inputs}
+        arrays = {n.name: np.asarray(feeds[n.name], order="C") for n in self._inputs}  # 0-d stays 0-d
         compiled = self.compiled({k: a.shape for k, a in arrays.items()})
         request = compiled.create_infer_request()  # one per call: concurrent callers never share one
         request.infer(arrays)
@@ -245,13 +268,13 @@ class OpenVino(Backend):
         precision: ``bf16``, ``f32`` or None (by the CPU: :func:`precision_for_cpu`).
     """
 
-    name = "openvino"
+    name = OPENVINO
 
     def __init__(
         self, cache_dir: str | Path | None = None, max_shapes: int | None = None, precision: str | None = None
     ) -> None:
         self.cache_dir, self.max_shapes, self.precision = cache_dir, max_shapes, precision
-        self._core: Any = None
+        self._core: ov.Core | None = None
         self._lock = threading.Lock()
 
     def available(self) -> bool:
@@ -264,7 +287,7 @@ class OpenVino(Backend):
             return None
         return str(import_openvino().get_version())
 
-    def core(self) -> Any:
+    def core(self) -> ov.Core:
         """The process's ``openvino.Core`` (made once, with the model cache configured)."""
         with self._lock:
             if self._core is None:
@@ -292,7 +315,7 @@ class OpenVino(Backend):
             model = core.read_model(str(path))
         except Exception as e:  # OpenVINO raises RuntimeError subclasses with multi-line messages
             raise ModelDirError(f"OpenVINO cannot read {path}: {str(e).splitlines()[0]}; re-export the model") from e
-        properties: dict[str, Any] = {
+        properties: dict[str, str | int] = {
             "PERFORMANCE_HINT": "LATENCY",
             "INFERENCE_PRECISION_HINT": self.precision or precision_for_cpu(),
         }

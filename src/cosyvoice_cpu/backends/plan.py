@@ -22,13 +22,19 @@ from __future__ import annotations
 import importlib.util
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
+from cosyvoice_cpu.backends.base import BACKEND_NAMES, ONNXRUNTIME, OPENVINO
 from cosyvoice_cpu.errors import ConfigError
+
+if TYPE_CHECKING:
+    from cosyvoice_cpu.hardware.cpu import CpuInfo
+    from cosyvoice_cpu.manifest import GraphEntry
 
 logger = logging.getLogger(__name__)
 
-CHOICES = ("auto", "onnxruntime", "openvino")
+AUTO = "auto"
+CHOICES = (AUTO, *BACKEND_NAMES)  # --backend: auto, or one backend for every graph
 OV_SUFFIX = "_ov"  # manifest key of a graph's OpenVINO model: "<graph>_ov"
 # Memory (available, capped by the cgroup limit) below which ``auto`` keeps ONNX Runtime: the OpenVINO estimator
 # raises the engine's peak (docs/backends.md, "Shapes, compiles and memory"), so a 2 GB edge box keeps the lean
@@ -54,7 +60,7 @@ class GraphPlan:
 
 def may_use_openvino(choices: list[str]) -> bool:
     """Whether any of these ``--backend`` choices can run an OpenVINO model (so one is worth exporting)."""
-    return any(check_choice(c) != "onnxruntime" for c in choices)
+    return any(check_choice(c) != ONNXRUNTIME for c in choices)
 
 
 def openvino_installed() -> bool:
@@ -70,7 +76,11 @@ def check_choice(choice: str) -> str:
 
 
 def plan_backends(
-    graphs: dict[str, Any], choice: str, cpu: Any = None, installed: bool | None = None, memory: int | None = -1
+    graphs: dict[str, GraphEntry],
+    choice: str,
+    cpu: CpuInfo | None = None,
+    installed: bool | None = None,
+    memory: int | None = -1,
 ) -> dict[str, GraphPlan]:
     """The plan for a manifest's ``graphs`` (key -> :class:`~cosyvoice_cpu.manifest.GraphEntry`).
 
@@ -87,7 +97,7 @@ def plan_backends(
     check_choice(choice)
     if installed is None:
         installed = openvino_installed()
-    if choice == "auto" and (cpu is None or memory == -1):
+    if choice == AUTO and (cpu is None or memory == -1):
         from cosyvoice_cpu.hardware.cpu import detect
 
         hw = detect()
@@ -95,7 +105,7 @@ def plan_backends(
         memory = hw.memory_for_us if memory == -1 else memory
     onnx = [k for k in graphs if not k.endswith(OV_SUFFIX)]
     with_ov = [k for k in onnx if k + OV_SUFFIX in graphs]
-    if choice == "openvino":
+    if choice == OPENVINO:
         if not with_ov:
             raise ConfigError(
                 "--backend openvino: this model directory has no OpenVINO model; export it with "
@@ -109,42 +119,42 @@ def plan_backends(
             )
     plan = {}
     for key in onnx:
-        backend, reason = "onnxruntime", "no OpenVINO model of this graph in the directory"
-        if choice == "onnxruntime":
+        backend, reason = ONNXRUNTIME, "no OpenVINO model of this graph in the directory"
+        if choice == ONNXRUNTIME:
             reason = "--backend onnxruntime"
-        elif key in with_ov and choice == "openvino":
-            backend, reason = "openvino", "--backend openvino"
+        elif key in with_ov and choice == OPENVINO:
+            backend, reason = OPENVINO, "--backend openvino"
         elif key in with_ov:
             backend, reason = _auto(graphs[key + OV_SUFFIX], cpu, installed, memory)
-        plan[key] = GraphPlan(key, backend, reason, key + OV_SUFFIX if backend == "openvino" else key)
+        plan[key] = GraphPlan(key, backend, reason, key + OV_SUFFIX if backend == OPENVINO else key)
     return plan
 
 
-def _auto(entry: Any, cpu: Any, installed: bool, memory: int | None) -> tuple[str, str]:
+def _auto(entry: GraphEntry, cpu: CpuInfo | None, installed: bool, memory: int | None) -> tuple[str, str]:
     """(backend, reason) under ``auto`` for a graph whose OpenVINO model is ``entry``."""
     what = f"OpenVINO model {entry.file.file} ({entry.precision})"
     if not installed:
-        return "onnxruntime", f"{what} present, but openvino is not installed (pip install 'cosyvoice-cpu[openvino]')"
+        return ONNXRUNTIME, f"{what} present, but openvino is not installed (pip install 'cosyvoice-cpu[openvino]')"
     if cpu is None or not (cpu.bf16 or cpu.amx):
-        return "onnxruntime", (
+        return ONNXRUNTIME, (
             f"{what} present, but this CPU has neither AVX-512 BF16 nor AMX: OpenVINO's gain is "
             "bf16/VNNI, its f32 is no faster than ONNX Runtime"
         )
     if not entry.attrs.get("pad_exact", False):
-        return "onnxruntime", (
+        return ONNXRUNTIME, (
             f"{what} present, but padding changes this graph's output (pad_exact false: it "
             "would run unpadded, each sentence length compiled anew; a CosyVoice-300M export "
             "from before its masked GroupNorm, or one without the gate: re-export) "
             "(--backend openvino to use it anyway)"
         )
     if memory is not None and memory < OV_MIN_MEMORY:
-        return "onnxruntime", (
+        return ONNXRUNTIME, (
             f"{what} present, but only {memory / 2**30:.1f} GiB of memory is available and it "
             "holds more than ONNX Runtime's (docs/backends.md); auto wants "
             f"{OV_MIN_MEMORY >> 30} GiB (--backend openvino to use it anyway)"
         )
     isa = "AMX" if cpu.amx else "AVX-512 BF16"
-    return "openvino", f"{what}; the CPU has {isa}"
+    return OPENVINO, f"{what}; the CPU has {isa}"
 
 
 def describe(plan: dict[str, GraphPlan]) -> list[str]:

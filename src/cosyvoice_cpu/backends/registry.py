@@ -9,6 +9,7 @@ from cosyvoice_cpu.backends.onnxruntime import OnnxRuntime
 from cosyvoice_cpu.backends.openvino import OpenVino
 from cosyvoice_cpu.errors import ConfigError
 
+# one Backend per name of backends.base.BACKEND_NAMES (the names are defined there, once)
 BACKENDS: dict[str, Backend] = {b.name: b for b in (OnnxRuntime(), OpenVino())}
 
 
@@ -26,12 +27,6 @@ def open_graph(path: str | Path, config: SessionConfig | None = None) -> GraphSe
     config = config or SessionConfig()
     config.validate()
     return backend_for(config.backend).open(Path(path), config)
-
-
-def shrink_options(config: SessionConfig) -> object:
-    """Run options that have the backend of ``config`` give its unused working memory back to the OS when the run
-    ends (ONNX Runtime: arena shrinkage); None for a backend with no such option."""
-    return backend_for(config.backend).shrink_options()
 
 
 def release_idle_memory() -> None:

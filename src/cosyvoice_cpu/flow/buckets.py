@@ -87,13 +87,13 @@ class BucketedSession:
     def get_outputs(self) -> list[Any]:
         return self.session.get_outputs()
 
-    def run(self, output_names: list[str] | None, feeds: dict[str, Any], run_options: Any = None) -> list[Any]:
+    def run(self, output_names: list[str] | None, feeds: dict[str, Any], release_memory: bool = False) -> list[Any]:
         """As the wrapped ``run``; every time-axis output is cut back to the caller's frames."""
         frames = int(feeds["x"].shape[2])
         size = bucket(frames) if self.pad else frames
         self.calls += 1
         self.padded_frames += size - frames
-        outs = self.session.run(output_names, pad_time(feeds, size) if size != frames else feeds, run_options)
+        outs = self.session.run(output_names, pad_time(feeds, size) if size != frames else feeds, release_memory)
         return [o[:, :, :frames] if o.ndim == 3 and o.shape[2] == size else o for o in outs]
 
     def warm(self, frames: list[int], rows: int = 2) -> None:

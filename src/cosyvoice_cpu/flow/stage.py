@@ -23,7 +23,6 @@ from typing import Any, ClassVar
 import numpy as np
 
 from cosyvoice_cpu.backends.base import DEFAULT_SHRINK_FRAMES, SessionConfig, as_config
-from cosyvoice_cpu.backends.registry import shrink_options
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.flow.buckets import BucketedSession, ShapedGraph
 from cosyvoice_cpu.flow.graphs import ENCODER_IO, ESTIMATOR_IO, STREAM_IO, cache_dtype, open_checked, stream_layout
@@ -254,8 +253,8 @@ class FlowStage:
             context: None for a final chunk, else the 1..pre_lookahead_len look-ahead ids after ``tokens``
                 (the official ``finalize=False`` call with those ids appended to ``tokens``).
             streaming: chunk-causal encoder attention (``static_chunk_size`` tokens).
-            shrink: give the ORT arena's free memory back after the call (None: when the call is long,
-                :meth:`encoder_run_options`).
+            shrink: give the backend's free working memory back after the call (None: when the call is long,
+                :meth:`releases_memory`).
         Returns:
             mu (1, 80, 2 (T_p + T)) float32, spks (1, 80) float32.
         """
@@ -276,22 +275,17 @@ class FlowStage:
         chunk = np.array(self.settings.static_chunk_size if streaming else 0, dtype=np.int64)
         feeds = {"token": token, "context": ctx, "embedding": emb, "chunk_size": chunk}
         frames = (new.shape[1] + ctx.shape[1]) * self.settings.token_mel_ratio
-        options = self.encoder_run_options(frames) if shrink is None else (self._shrink() if shrink else None)
-        mu, spks = self.encoder.run(None, feeds, options)
+        release = self.releases_memory(frames) if shrink is None else shrink
+        mu, spks = self.encoder.run(None, feeds, release)
         return mu, spks
 
-    def encoder_run_options(self, frames: int) -> Any:
-        """ORT run options for an encoder call for ``frames`` mel frames of new speech (the voice prompt's not
-        counted: a long prompt makes every call of that voice big, and those calls reuse the arena's memory;
-        shrinking after each would fault it in again per streamed chunk): arena shrinkage after the call when
-        that exceeds :attr:`arena_shrink_frames`
-        (:func:`~cosyvoice_cpu.backends.registry.shrink_options`), else None."""
-        return self._shrink() if 0 < self.arena_shrink_frames < frames else None
-
-    def _shrink(self) -> Any:
-        """Run options that have the encoder's backend give its free memory back
-        (:func:`~cosyvoice_cpu.backends.registry.shrink_options`)."""
-        return shrink_options(as_config(self._threads))
+    def releases_memory(self, frames: int) -> bool:
+        """Whether an encoder call for ``frames`` mel frames of new speech gives the backend's free working memory
+        back when it ends (``GraphSession.run``'s ``release_memory``): when they exceed
+        :attr:`arena_shrink_frames`. The voice prompt's frames do not count: a long prompt makes every call of
+        that voice big, and those calls reuse the arena's memory; shrinking after each would fault it in again per
+        streamed chunk."""
+        return 0 < self.arena_shrink_frames < frames
 
     def solve(
         self,

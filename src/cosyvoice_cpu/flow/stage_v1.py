@@ -229,7 +229,7 @@ class FlowStageV1(FlowStage):
             raise ConfigError(f"embedding must hold {self._emb_dim} values ((1, {self._emb_dim})), got {emb.shape}")
         token = np.concatenate([prompt, new], axis=1)
         feeds = {"token": token, "embedding": emb.reshape(1, self._emb_dim), "stretch": stretch}
-        mu, spks = self.encoder.run(None, feeds, self.encoder_run_options(mel_len2))
+        mu, spks = self.encoder.run(None, feeds, self.releases_memory(mel_len2))
         return mu, spks, mel_len1
 
     def inference(

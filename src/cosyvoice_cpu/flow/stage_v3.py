@@ -186,7 +186,7 @@ class FlowStageV3(FlowStage):
 
     def _shrink_arena(self) -> None:
         """Give the ORT arena's free regions back to the OS (one token through the flow encoder with ORT's shrink
-        run option, :func:`~cosyvoice_cpu.backends.registry.shrink_options`) before the time graph is
+        run option, ``GraphSession.run``'s ``release_memory``) before the time graph is
         opened: opening it briefly holds its weights twice (as read and as packed), and that then lands partly on
         what the arena gave back instead of on top of it (measured: docs/benchmarks-log.md, "2026-12-02:
         Fun-CosyVoice3, the time table split off"). The next calls fault their arena pages in again, once per new

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 import mmap
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
+from cosyvoice_cpu.backends.base import BoundRun
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.lm.files import EXPORT_HINT
 
@@ -112,7 +113,15 @@ class KVCache:
         self.keys, self.values = list(layers[0]), list(layers[1])
         self.lengths = np.zeros(rows + spare, np.int64)
         self._rows = rows
-        self._bindings: dict[tuple[int, int, int], tuple[Any, Any]] = {}  # see LMSession._binding
+        self._bindings: dict[tuple[int, int, int], tuple[object, BoundRun]] = {}
+
+    def binding(self, owner: object, r0: int, b: int, make: Callable[[], BoundRun]) -> BoundRun:
+        """The :class:`~cosyvoice_cpu.backends.base.BoundRun` of ``owner`` (an LM session) over rows r0..r0+b of
+        this cache, made by ``make`` on first use and kept as long as the cache (whose buffers it binds)."""
+        key = (id(owner), r0, b)
+        if key not in self._bindings:
+            self._bindings[key] = (owner, make())  # holding the owner keeps its id from being reused
+        return self._bindings[key][1]
 
     @property
     def rows(self) -> int:

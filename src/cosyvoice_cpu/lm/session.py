@@ -16,9 +16,10 @@ Graph contract (B rows, S new positions, L layers, Hkv KV heads, M = ``max_len``
   ``present_key_<i>`` / ``present_value_<i>`` float32 (B, Hkv, M, Dh).
 
 Row b's S new positions are written to cache positions ``seqlens_k[b] + 1 - S ... seqlens_k[b]`` and are also their
-RoPE positions; attention is causal over positions ``0 ... seqlens_k[b]``. ``past_*`` and ``present_*`` are bound
-(IO binding, raw pointers) to the *same* buffer, which GroupQueryAttention updates in place, so nothing is copied
-per step. A call over rows r0..r0+B binds a pointer offset into a cache of more rows. S > 1 is run for one row at
+RoPE positions; attention is causal over positions ``0 ... seqlens_k[b]``. ``past_*`` and ``present_*`` share one
+buffer (:meth:`~cosyvoice_cpu.backends.base.GraphSession.bind_in_place`: on ONNX Runtime an IO binding to raw
+pointers, which GroupQueryAttention updates in place, so nothing is copied per step). A call over rows r0..r0+B binds
+a view of those rows of a cache of more rows. S > 1 is run for one row at
 a time (``LMSession.prefill``); a decode (S = 1) may mix rows of any lengths. The graph uses only the GQA inputs
 that onnxruntime 1.24 already has (no ``query_seqlens``); it loads and gives the same logp on 1.24.1 and 1.32.0.
 
@@ -29,13 +30,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from cosyvoice_cpu.backends.base import SessionConfig, as_config, check_io
+from cosyvoice_cpu.backends.base import BoundRun, SessionConfig, as_config, check_io
 from cosyvoice_cpu.backends.registry import open_graph
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.lm.files import EMBEDDING_FILES, EXPORT_HINT, GRAPH_FILE, MIN_ROWS_KEY, SPECIALS
@@ -46,13 +46,15 @@ logger = logging.getLogger(__name__)
 
 
 class LMSession:
-    """The LM graph on ONNX Runtime (CPU) with its embedding tables read from their files on demand.
+    """The LM graph, opened through the backend seam, with its embedding tables read from their files on demand.
 
     Args:
         graph: path of ``lm.onnx`` (or a quantized variant with the same inputs/outputs).
         embeddings: paths of the ``text``, ``speech`` and ``special`` tables (see :data:`EMBEDDING_FILES`).
         attrs: the LM facts (:class:`LMSpec` fields); checked against the graph and the tables.
-        threads: ONNX Runtime intra-op threads.
+        threads: intra-op threads, or the whole :class:`~cosyvoice_cpu.backends.base.SessionConfig` (its
+            ``backend`` opens the graph: ONNX Runtime binds the cache in place; another backend copies it through
+            each call).
         min_rows: the fewest rows a one-position call runs on; ``None`` reads the graph's ``min_rows`` metadata
             (default 1). An ``int4`` graph has 2: ORT's AVX2 4-bit ``MatMulNBits`` kernel for one row rounds
             differently from the one for several (which give every row the same bits however many there are),
@@ -74,11 +76,10 @@ class LMSession:
         if not self.graph.is_file():
             raise ModelDirError(f"{self.graph} is missing; {EXPORT_HINT}")
         self.tables = {k: self._load_table(k, embeddings) for k in EMBEDDING_FILES}
-        # ONNX Runtime: the KV cache is bound in place with its IO binding (_binding), which no other backend has
-        self.session = open_graph(self.graph, replace(config, backend="onnxruntime"))
+        self.session = open_graph(self.graph, config)
         self._check_graph()
         if min_rows is None:
-            meta = self.session.get_modelmeta().custom_metadata_map
+            meta = self.session.metadata()
             try:
                 min_rows = int(meta.get(MIN_ROWS_KEY, 1))
             except ValueError as e:
@@ -218,24 +219,21 @@ class LMSession:
         ends[idle] = np.minimum(ends[idle], self.spec.max_len)
         return self._run(cache, r0, embeds, ends, active=active)[active]
 
-    def _binding(self, cache: KVCache, r0: int, b: int) -> Any:
-        """An IO binding with rows r0..r0+b of every layer's cache bound as both past and present (in place).
+    def _binding(self, cache: KVCache, r0: int, b: int) -> BoundRun:
+        """Runs with rows r0..r0+b of every layer's cache bound as both past and present (in place).
 
-        Kept on the cache (which owns the buffers the raw pointers point into) and reused by later steps over
-        the same rows, so a step only rebinds the small inputs and ``logp``.
+        Kept on the cache (which owns the buffers bound) and reused by later steps over the same rows, so a step
+        only feeds the small inputs and ``logp``.
         """
-        key = (id(self), r0, b)
-        if key not in cache._bindings:
-            kv_shape = (b, self.spec.kv_heads, self.spec.max_len, self.spec.head_dim)
-            offset = r0 * int(np.prod(kv_shape[1:])) * 4
-            io = self.session.io_binding()
-            for i in range(self.spec.num_layers):
-                for bufs, pn, qn in zip((cache.keys, cache.values), past_names(i), present_names(i)):
-                    ptr = bufs[i].ctypes.data + offset
-                    io.bind_input(pn, "cpu", 0, np.float32, kv_shape, ptr)
-                    io.bind_output(qn, "cpu", 0, np.float32, kv_shape, ptr)
-            cache._bindings[key] = (self, io)  # holding self keeps id(self) from being reused
-        return cache._bindings[key][1]
+        return cache.binding(self, r0, b, lambda: self.session.bind_in_place(self._pairs(cache, r0, b)))
+
+    def _pairs(self, cache: KVCache, r0: int, b: int) -> dict[str, tuple[str, np.ndarray]]:
+        """``past_*`` input -> (its ``present_*`` output, rows r0..r0+b of that layer's keys or values)."""
+        pairs = {}
+        for i in range(self.spec.num_layers):
+            for bufs, pn, qn in zip((cache.keys, cache.values), past_names(i), present_names(i)):
+                pairs[pn] = (qn, bufs[i][r0 : r0 + b])
+        return pairs
 
     def _run(
         self, cache: KVCache, r0: int, embeds: np.ndarray, ends: np.ndarray, active: np.ndarray | None = None
@@ -253,17 +251,12 @@ class LMSession:
                 f"rows {sorted(int(r0 + i) for i in act if ends[i] > self.spec.max_len)} would exceed the "
                 f"KV cache capacity max_len={self.spec.max_len}; end the request or export with a larger max_len"
             )
-        # the arrays stay referenced here until the run is over
         feeds = {
             "inputs_embeds": np.ascontiguousarray(embeds),
             "seqlens_k": (ends - 1).astype(np.int32),
             "total_sequence_length": np.array(int(ends.max()), np.int32),
         }
-        io = self._binding(cache, r0, b)
-        for name, value in feeds.items():
-            io.bind_cpu_input(name, value)
         logp = np.empty((b, self.spec.speech_vocab), np.float32)
-        io.bind_output("logp", "cpu", 0, np.float32, logp.shape, logp.ctypes.data)
-        self.session.run_with_iobinding(io)
+        self._binding(cache, r0, b).run(feeds, {"logp": logp})
         cache.lengths[r0 + act] = ends[act]
         return logp

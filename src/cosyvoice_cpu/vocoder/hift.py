@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.backends.base import SessionConfig, as_config, check_io
-from cosyvoice_cpu.backends.registry import open_graph, shrink_options
+from cosyvoice_cpu.backends.registry import open_graph
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.vocoder.source import SourceConfig, SourceNoise, harmonic_source
 from cosyvoice_cpu.vocoder.windows import DEFAULT_WINDOW_FRAMES, check_window, context_of, decode_windows, plan
@@ -107,8 +107,8 @@ class Vocoder:
         if source.shape != want:
             raise ConfigError(f"hift decode expects source {want} for mel {mel.shape}, got {source.shape}")
 
-        def run(m: np.ndarray, s: np.ndarray, options: Any = None) -> np.ndarray:
-            return self.decode_sess.run(["wave"], {"mel": m, "source": s}, options)[0]
+        def run(m: np.ndarray, s: np.ndarray, release_memory: bool = False) -> np.ndarray:
+            return self.decode_sess.run(["wave"], {"mel": m, "source": s}, release_memory)[0]
 
         # the last window of a call long enough to be split gives the shared ORT arena's free memory back: ORT
         # keeps what a run grew it to, and a long sentence grows it past the usual (LM, flow, vocoder)
@@ -118,7 +118,7 @@ class Vocoder:
             source,
             up,
             plan(mel.shape[2], self.window_frames, self.context),
-            run_last=lambda m, s: run(m, s, shrink_options(self.config)),
+            run_last=lambda m, s: run(m, s, release_memory=True),
         )
 
     def __call__(
