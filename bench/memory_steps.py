@@ -28,7 +28,7 @@ from cosyvoice_cpu.benchmark.tasks import (
     measure_lm_batched,
     peak_rss_mb,
 )
-from cosyvoice_cpu.hardware.cpu import malloc_free_bytes
+from cosyvoice_cpu.hardware.malloc import malloc_free_bytes
 from cosyvoice_cpu.hardware.pages import status_mb
 
 

@@ -38,7 +38,8 @@ from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.facts import FamilyFacts
 from cosyvoice_cpu.families.base import Family, LMPrompt, Stages
 from cosyvoice_cpu.families.registry import family_for
-from cosyvoice_cpu.hardware.cpu import detect, fix_mmap_threshold
+from cosyvoice_cpu.hardware.cpu import detect
+from cosyvoice_cpu.hardware.malloc import fix_mmap_threshold
 from cosyvoice_cpu.lm.sampling import RngDraw, SamplingConfig
 from cosyvoice_cpu.lm.scheduler import LMScheduler
 from cosyvoice_cpu.lm.source import SentenceTokens, TokenSource

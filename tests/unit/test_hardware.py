@@ -15,11 +15,10 @@ from cosyvoice_cpu.hardware.cpu import (
     Hardware,
     UnsupportedCpuError,
     detect,
-    fix_mmap_threshold,
-    malloc_free_bytes,
     read_cpuinfo,
 )
 from cosyvoice_cpu.hardware.features import floor_problem, kernel_level, probe_kernels, speed_expectation
+from cosyvoice_cpu.hardware.malloc import fix_mmap_threshold, malloc_free_bytes
 
 
 def _cpuinfo(flags: str, sockets: int = 1, cores: int = 2, threads: int = 2, model: str = "Test CPU") -> str:
@@ -261,7 +260,7 @@ def test_memory_warnings_weigh_what_an_engine_keeps_in_memory(fixture: str, fami
 _HEAP_PROBE = """
 import sys
 import numpy as np
-from cosyvoice_cpu.hardware.cpu import fix_mmap_threshold, malloc_free_bytes
+from cosyvoice_cpu.hardware.malloc import fix_mmap_threshold, malloc_free_bytes
 if sys.argv[1] == "fixed":
     assert fix_mmap_threshold(1 << 20)
 big = np.ones(16 << 18, np.float32)  # 16 MB, mapped; freeing it raises glibc's dynamic threshold to 16 MB
