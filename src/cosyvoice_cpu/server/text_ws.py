@@ -109,8 +109,8 @@ class TextSocket:
             self.inbox.cancel()
             if self.job is not None:
                 self.job.cancel.set()
-            if self.speaker is not None and not self.admitted and asyncio.current_task() is not self.speaker:
-                self.speaker.cancel()  # still waiting for a slot
+            if self.speaker is not None and asyncio.current_task() is not self.speaker:
+                self.speaker.cancel()  # waiting for a slot, or for a client that does not read to take its audio
 
     async def _finish(self) -> None:
         """Wait for the speaker, count the outcome, send ``done`` and close (if the client is still there)."""
