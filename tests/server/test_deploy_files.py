@@ -54,6 +54,7 @@ def test_compose_runs_the_same_server_behind_the_load_balancer() -> None:
     assert "voices:/data/voices" in tts["volumes"]  # one directory of voices for every replica
     assert "server tts:8000" in (DEPLOY / "nginx.conf").read_text()
     assert "proxy_buffering off" in (DEPLOY / "nginx.conf").read_text()  # speech is streamed
+    assert 'Connection "upgrade"' in (DEPLOY / "nginx.conf").read_text()  # the text stream WebSocket passes
 
 
 def test_compose_has_a_home_assistant_server_with_the_wyoming_port() -> None:
