@@ -130,3 +130,47 @@ def test_guard_rules() -> None:
     assert not local.origin_allowed("http://127.0.0.1:8001", "127.0.0.1:8000")
     assert not local.origin_allowed("http://tts.example:99999", "tts.example")
     assert HostOriginGuard(None, "127.0.0.1", ("*",), ("*",), 1, Metrics()).host_allowed("any.example")
+
+
+def _ws_scope(origin: str | None, extensions: bool) -> dict:
+    headers = [(b"host", b"127.0.0.1:8000")] + ([(b"origin", origin.encode())] if origin else [])
+    scope = {"type": "websocket", "path": "/v1/audio/speech/stream", "scheme": "ws", "headers": headers}
+    if extensions:
+        scope["extensions"] = {"websocket.http.response": {}}
+    return scope
+
+
+@pytest.mark.parametrize("extensions", [True, False])
+def test_a_cross_site_websocket_is_refused_at_its_handshake(extensions: bool) -> None:
+    """Browsers open WebSockets cross-site without CORS: the guard checks their Origin as a write's, answering
+    403 JSON where the ASGI server can send a denial response, else closing the handshake (plain ASGI, no server)."""
+    import asyncio
+
+    from cosyvoice_cpu.server.guard import HostOriginGuard
+    from cosyvoice_cpu.server.metrics import Metrics
+
+    reached: list[dict] = []
+
+    async def app(scope: dict, receive: object, send: object) -> None:
+        reached.append(scope)
+
+    guard = HostOriginGuard(app, "127.0.0.1", (), (), 1 << 20, Metrics())
+
+    def run(origin: str | None) -> list[dict]:
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        asyncio.run(guard(_ws_scope(origin, extensions), None, send))
+        return sent
+
+    sent = run(EVIL)
+    if extensions:
+        assert sent[0]["type"] == "websocket.http.response.start" and sent[0]["status"] == 403, sent
+        assert b"origin_not_allowed" in sent[1]["body"]
+    else:
+        assert sent == [{"type": "websocket.close", "code": 1008, "reason": "origin_not_allowed"}]
+    assert not reached
+    assert run("http://127.0.0.1:8000") == [] and len(reached) == 1  # the server's own page (ws -> http)
+    assert run(None) == [] and len(reached) == 2  # no Origin: not a browser
