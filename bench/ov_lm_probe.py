@@ -1,0 +1,335 @@
+"""The LM on OpenVINO's own LLM form (stateful model, KV cache as model state, NNCF int8/int4 weights) against the
+ONNX Runtime graphs: decode speed at 1 and 4 rows, and greedy-token agreement on random-weight prompts.
+
+    python bench/ov_lm_probe.py prepare --fixture FULL_FIXTURE --work WORK
+    python bench/ov_lm_probe.py speed --work WORK [--forms ort-int8w,ov-int8,...] [--rows 1,4] [--steps 64]
+    python bench/ov_lm_probe.py agree --work WORK [--prompts 3] [--steps 100]
+    python bench/ov_lm_probe.py profile --work WORK --forms ov-int8 [--steps 30]
+
+``prepare`` reads the reference LM of a fixture directory (``cosyvoice-cpu fixture --size full``) and writes into
+WORK: ``fp32/`` (the project's LM graph, ``export_lm``), ``int8w/`` and ``int4/`` (the ``export --quant`` recipes:
+``MatMulNBits`` 8 or 4 bits, block 32, ``accuracy_level`` 4), and ``ov/lm_int8.ov.xml`` / ``ov/lm_int4.ov.xml``
+(:mod:`cosyvoice_cpu.export.lm.openvino_stateful`), all from the same weights. Takes minutes.
+
+``speed``: each form prefills a 166-position random prompt (the bench's prompt length) on every row, then decodes
+``--steps`` greedy steps; with several forms they are alternated step by step in one process (the load hits all of
+them alike), then each form runs alone (``--alone``, the default: alternating 0.3-0.4 GB graphs evicts each
+other's weights from the L3). Prints the median and lower-quartile ms per step, tokens/s (rows / median step) and
+``speedup_vs_first`` (the first form's median step over this form's, in the same run).
+
+``agree``: 1 row, ``--prompts`` random prompts. Each form decodes greedily on its own (free run: steps equal to
+``ort-int8w``'s, first divergence), and is fed the fp32 graph's greedy tokens (teacher-forced: argmax agreement with
+fp32 and with ``ort-int8w``, mean KL to fp32). Random weights make the distributions flat, so argmax flips more
+easily than on a trained checkpoint.
+
+``profile``: OpenVINO's per-node counters over ``--steps`` decode steps of each OpenVINO form: the step's median and
+the six node types / kernels that took longest (ms per step, summed over nodes; the sum can exceed the step).
+
+Forms: ``ort-fp32``, ``ort-int8w``, ``ort-int4`` (the runtime's ``LMSession``, 2 threads); ``ov-int8``, ``ov-int4``
+(OpenVINO at its default inference precision: bf16 where the CPU has it) and ``ov-int8-f32``, ``ov-int4-f32``
+(``INFERENCE_PRECISION_HINT`` and ``KV_CACHE_PRECISION`` f32; the defaults on a CPU with AVX-512 BF16 are
+bf16 and u8). ``--ov-config KEY=VALUE,...`` adds OpenVINO compile properties.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+
+PROMPT = 166
+TABLES = ("lm_text_embedding.npy", "lm_speech_embedding.npy", "lm_special_embedding.npy")
+ORT_FORMS = {"ort-fp32": "fp32", "ort-int8w": "int8w", "ort-int4": "int4"}
+OV_FORMS = {
+    "ov-int8": "int8",
+    "ov-int4": "int4",
+    "ov-int8-f32": "int8",
+    "ov-int4-f32": "int4",
+}
+
+
+def prepare(fixture: Path, work: Path) -> None:
+    from cosyvoice_cpu.export.lm.cosyvoice2 import export_lm
+    from cosyvoice_cpu.export.lm.openvino_stateful import export_stateful_lm
+    from cosyvoice_cpu.export.lm.qwen2 import lm_attrs
+    from cosyvoice_cpu.export.quantize import quantize_nbits
+    from cosyvoice_cpu.family_parts import load_reference
+    from cosyvoice_cpu.lm.files import MIN_ROWS_KEY
+
+    lm = load_reference(fixture, stages=("lm",)).lm.eval()
+    (work / "attrs.json").parent.mkdir(parents=True, exist_ok=True)
+    (work / "attrs.json").write_text(json.dumps(lm_attrs(lm, 2048)))
+    t0 = time.perf_counter()
+    if not (work / "fp32" / "lm.onnx").exists():
+        export_lm(lm, work / "fp32", max_len=2048)
+        print(f"fp32 graph {time.perf_counter() - t0:.0f} s", flush=True)
+    for name, bits in (("int8w", 8), ("int4", 4)):
+        if not (work / name / "lm.onnx").exists():
+            (work / name).mkdir(exist_ok=True)
+            meta = {MIN_ROWS_KEY: "2"} if bits == 4 else None
+            quantize_nbits(work / "fp32" / "lm.onnx", work / name / "lm.onnx", bits, 32, 4, metadata=meta)
+            for table in TABLES:
+                (work / name / table).unlink(missing_ok=True)
+                (work / name / table).symlink_to(work / "fp32" / table)
+            print(f"{name} graph done at {time.perf_counter() - t0:.0f} s", flush=True)
+    for weights in ("int8", "int4"):
+        if not (work / "ov" / f"lm_{weights}.ov.xml").exists():
+            t1 = time.perf_counter()
+            export_stateful_lm(lm, work / "ov", weights=weights, file=f"lm_{weights}.ov.xml")
+            print(f"OpenVINO stateful {weights}: {time.perf_counter() - t1:.0f} s", flush=True)
+
+
+class Prompts:
+    """Random CosyVoice2 prompts [sos, text, task_id, speech] built from the exported embedding tables."""
+
+    def __init__(self, work: Path, attrs: dict) -> None:
+        from cosyvoice_cpu.lm.row_table import open_table
+
+        self.attrs = attrs
+        self.text = open_table(work / "fp32" / TABLES[0])
+        self.speech = open_table(work / "fp32" / TABLES[1])
+        self.special = np.load(work / "fp32" / TABLES[2])
+
+    def make(self, seed: int, length: int = PROMPT) -> np.ndarray:
+        rng = np.random.default_rng(seed)
+        n_text = length // 4
+        text = np.sort(rng.integers(0, self.attrs["text_vocab"], n_text))  # sorted: pread in order
+        speech = rng.integers(0, self.attrs["speech_token_size"], length - 2 - n_text)
+        rows = [self.special[:1], self.text[text], self.special[1:2], self.speech[np.sort(speech)]]
+        return np.concatenate([np.asarray(r, np.float32) for r in rows])
+
+    def embed(self, tokens: list[int]) -> np.ndarray:
+        order = np.argsort(tokens)
+        out = np.empty((len(tokens), self.speech.shape[1]), np.float32)
+        out[order] = self.speech[np.asarray(tokens)[order]]
+        return out
+
+
+class OrtForm:
+    def __init__(self, work: Path, name: str, attrs: dict, threads: int) -> None:
+        from cosyvoice_cpu.lm.session import LMSession
+
+        self.sess = LMSession.from_dir(work / ORT_FORMS[name], attrs, threads=threads)
+
+    def start(self, prompts: list[np.ndarray]) -> np.ndarray:
+        self.cache = self.sess.new_cache(len(prompts))
+        return np.stack([self.sess.prefill(self.cache, i, p) for i, p in enumerate(prompts)])
+
+    def step(self, tokens: list[int]) -> np.ndarray:
+        return self.sess.decode(self.cache, list(range(len(tokens))), tokens)
+
+
+class OvForm:
+    def __init__(self, work: Path, name: str, threads: int, extra: dict, embed) -> None:
+        from cosyvoice_cpu.backends.openvino import import_openvino
+
+        ov = import_openvino()
+        config = {"INFERENCE_NUM_THREADS": threads, "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY", **extra}
+        if name.endswith("-f32"):
+            config.update(INFERENCE_PRECISION_HINT="f32", KV_CACHE_PRECISION="f32")
+        t0 = time.perf_counter()
+        self.compiled = ov.Core().compile_model(work / "ov" / f"lm_{OV_FORMS[name]}.ov.xml", "CPU", config)
+        self.compile_s = time.perf_counter() - t0
+        self.req = self.compiled.create_infer_request()
+        self.embed = embed
+        self.props = {
+            k: str(self.compiled.get_property(k))
+            for k in ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "DYNAMIC_QUANTIZATION_GROUP_SIZE")
+        }
+
+    def _run(self, embeds: np.ndarray) -> np.ndarray:
+        b, s, _ = embeds.shape
+        self.n += s
+        feeds = {
+            "inputs_embeds": embeds,
+            "attention_mask": np.ones((b, self.n), np.int64),
+            "position_ids": np.broadcast_to(np.arange(self.n - s, self.n, dtype=np.int64), (b, s)),
+            "beam_idx": np.arange(b, dtype=np.int32),
+        }
+        return self.req.infer(feeds)["logp"].copy()
+
+    def start(self, prompts: list[np.ndarray]) -> np.ndarray:
+        self.req.reset_state()
+        self.n = 0
+        return self._run(np.stack(prompts))
+
+    def step(self, tokens: list[int]) -> np.ndarray:
+        return self._run(self.embed(tokens)[:, None])
+
+
+def open_forms(args: argparse.Namespace, names: list[str], prompts: Prompts) -> dict:
+    attrs = json.loads((args.work / "attrs.json").read_text())
+    extra = dict(kv.split("=", 1) for kv in args.ov_config.split(",") if kv)
+    forms = {}
+    for name in names:
+        if name in ORT_FORMS:
+            forms[name] = OrtForm(args.work, name, attrs, args.threads)
+        elif name in OV_FORMS:
+            forms[name] = OvForm(args.work, name, args.threads, extra, prompts.embed)
+            print(f"{name}: compiled in {forms[name].compile_s:.1f} s, {forms[name].props}", flush=True)
+        else:
+            raise SystemExit(f"unknown form {name}; choose from {', '.join([*ORT_FORMS, *OV_FORMS])}")
+    return forms
+
+
+def speed(args: argparse.Namespace, names: list[str], prompts: Prompts, label: str) -> list[dict]:
+    forms = open_forms(args, names, prompts)
+    rows = []
+    for b in [int(r) for r in args.rows.split(",")]:
+        ps = [prompts.make(100 + i) for i in range(b)]
+        toks = {n: f.start(ps).argmax(-1).tolist() for n, f in forms.items()}
+        times: dict[str, list[float]] = {n: [] for n in forms}
+        for _ in range(args.steps):
+            for n, f in forms.items():
+                t0 = time.perf_counter()
+                logp = f.step(toks[n])
+                times[n].append(time.perf_counter() - t0)
+                toks[n] = logp.argmax(-1).tolist()
+        base = statistics.median(times[names[0]][3:])
+        for n in forms:
+            ms = statistics.median(times[n][3:]) * 1e3
+            p25 = float(np.percentile(times[n][3:], 25)) * 1e3
+            row = {"run": label, "form": n, "rows": b, "ms_per_step": round(ms, 2), "p25_ms": round(p25, 2)}
+            row.update(tokens_s=round(b * 1e3 / ms, 1), speedup_vs_first=round(base * 1e3 / ms, 2))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def agree(args: argparse.Namespace, names: list[str], prompts: Prompts) -> None:
+    from cosyvoice_cpu.export.lm.common import kl_rows
+
+    names = ["ort-fp32", "ort-int8w", *[n for n in names if n not in ("ort-fp32", "ort-int8w")]]
+    forms = open_forms(args, names, prompts)
+    stats: dict[str, dict[str, list]] = {
+        n: {"free": [], "diverge": [], "tf_fp32": [], "tf_int8w": [], "kl": []} for n in forms
+    }
+    for seed in range(args.prompts):
+        p = [prompts.make(seed)]
+        free: dict[str, list[int]] = {}
+        for n, f in forms.items():  # free run
+            toks = [int(f.start(p)[0].argmax())]
+            for _ in range(args.steps - 1):
+                toks.append(int(f.step(toks[-1:])[0].argmax()))
+            free[n] = toks
+        forced: dict[str, np.ndarray] = {}
+        for n, f in forms.items():  # teacher-forced on fp32's greedy tokens
+            out = [f.start(p)[0]] + [f.step([t])[0] for t in free["ort-fp32"][:-1]]
+            forced[n] = np.stack(out)
+        for n in forms:
+            same = np.array(free[n]) == np.array(free["ort-int8w"])
+            s = stats[n]
+            s["free"].append(float(same.mean()))
+            s["diverge"].append(int(np.argmin(same)) if not same.all() else len(same))
+            s["tf_fp32"].append(float(np.mean(forced[n].argmax(-1) == forced["ort-fp32"].argmax(-1))))
+            s["tf_int8w"].append(float(np.mean(forced[n].argmax(-1) == forced["ort-int8w"].argmax(-1))))
+            s["kl"].append(float(np.mean(kl_rows(forced["ort-fp32"], forced[n]))))
+    for n, s in stats.items():
+        row = {
+            "form": n,
+            "prompts": args.prompts,
+            "steps": args.steps,
+            "free_run_equal_to_ort_int8w": round(float(np.mean(s["free"])), 3),
+            "first_divergence": s["diverge"],
+            "teacher_forced_agree_fp32": round(float(np.mean(s["tf_fp32"])), 3),
+            "teacher_forced_agree_ort_int8w": round(float(np.mean(s["tf_int8w"])), 3),
+            "mean_kl_to_fp32": float(np.mean(s["kl"])),
+        }
+        print(json.dumps(row), flush=True)
+
+
+def profile(args: argparse.Namespace, names: list[str], prompts: Prompts) -> None:
+    """OpenVINO's per-node counters (``PERF_COUNT``) over decode steps, summed per node type and kernel."""
+    from collections import Counter
+
+    args.ov_config = ",".join([args.ov_config, "PERF_COUNT=YES"]).strip(",")
+    for name, form in open_forms(args, names, prompts).items():
+        for b in [int(r) for r in args.rows.split(",")]:
+            toks = form.start([prompts.make(100 + i) for i in range(b)]).argmax(-1).tolist()
+            spent: Counter = Counter()
+            steps = []
+            for k in range(args.steps):
+                t0 = time.perf_counter()
+                toks = form.step(toks).argmax(-1).tolist()
+                steps.append(time.perf_counter() - t0)
+                if k >= 3:
+                    for node in form.req.profiling_info:
+                        spent[(node.node_type, node.exec_type)] += node.real_time.total_seconds()
+            n = args.steps - 3
+            top = {f"{t} {e}": round(v / n * 1e3, 2) for (t, e), v in spent.most_common(6)}
+            step_ms = round(statistics.median(steps[3:]) * 1e3, 2)
+            print(json.dumps({"form": name, "rows": b, "step_ms": step_ms, "node_ms": top}), flush=True)
+
+
+def machine() -> str:
+    flags = set()
+    model = ""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            model = line.split(":", 1)[1].strip()
+        elif line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
+    load = os.getloadavg()[0]
+    return f"{model}; {os.cpu_count()} CPUs; flags {' '.join(f for f in wanted if f in flags)}; load {load:.2f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=("prepare", "speed", "agree", "profile", "one"))
+    ap.add_argument("--fixture", type=Path)
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--forms", default="ort-int8w,ort-int4,ov-int8,ov-int4")
+    ap.add_argument("--rows", default="1,4")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ov-config", default="", help="extra OpenVINO compile properties, KEY=VALUE,...")
+    ap.add_argument("--no-alone", dest="alone", action="store_false", help="skip the one-form-per-process runs")
+    args = ap.parse_args()
+    if args.what == "prepare":
+        if args.fixture is None:
+            raise SystemExit("prepare needs --fixture (a full-size fixture directory)")
+        return prepare(args.fixture, args.work)
+    names = [n for n in args.forms.split(",") if n]
+    print(machine(), flush=True)
+    attrs = json.loads((args.work / "attrs.json").read_text())
+    prompts = Prompts(args.work, attrs)
+    if args.what == "agree":
+        return agree(args, names, prompts)
+    if args.what == "profile":
+        return profile(args, [n for n in names if n in OV_FORMS], prompts)
+    if args.what == "one":  # one form in this process (called by speed --alone)
+        speed(args, names, prompts, "alone")
+        return
+    speed(args, names, prompts, "alternated")
+    if args.alone and len(names) > 1:
+        for n in names:  # each form in a process of its own
+            cmd = [
+                os.sys.executable,
+                __file__,
+                "one",
+                "--work",
+                str(args.work),
+                "--forms",
+                n,
+                "--rows",
+                args.rows,
+                "--steps",
+                str(args.steps),
+                "--threads",
+                str(args.threads),
+                "--ov-config",
+                args.ov_config,
+            ]
+            subprocess.run(cmd, check=True)
+
+
+if __name__ == "__main__":
+    main()
