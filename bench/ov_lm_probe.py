@@ -14,8 +14,9 @@ WORK: ``fp32/`` (the project's LM graph, ``export_lm``), ``int8w/`` and ``int4/`
 ``speed``: each form prefills a 166-position random prompt (the bench's prompt length) on every row, then decodes
 ``--steps`` greedy steps; with several forms they are alternated step by step in one process (the load hits all of
 them alike), then each form runs alone (``--alone``, the default: alternating 0.3-0.4 GB graphs evicts each
-other's weights from the L3). Prints the median and lower-quartile ms per step, tokens/s (rows / median step) and
-``speedup_vs_first`` (the first form's median step over this form's, in the same run).
+other's weights from the L3). Prints the median and lower-quartile ms per step, tokens/s (rows / median step),
+``speedup_vs_first`` (the first form's median step over this form's, in the same run) and the prompt's prefill
+time (every row's; the first call of a fresh compile for OpenVINO, so it includes its first-shape setup).
 
 ``agree``: 1 row, ``--prompts`` random prompts. Each form decodes greedily on its own (free run: steps equal to
 ``ort-int8w``'s, first divergence), and is fed the fp32 graph's greedy tokens (teacher-forced: argmax agreement with
@@ -183,7 +184,11 @@ def speed(args: argparse.Namespace, names: list[str], prompts: Prompts, label: s
     rows = []
     for b in [int(r) for r in args.rows.split(",")]:
         ps = [prompts.make(100 + i) for i in range(b)]
-        toks = {n: f.start(ps).argmax(-1).tolist() for n, f in forms.items()}
+        toks, prefill = {}, {}
+        for n, f in forms.items():
+            t0 = time.perf_counter()
+            toks[n] = f.start(ps).argmax(-1).tolist()
+            prefill[n] = time.perf_counter() - t0
         times: dict[str, list[float]] = {n: [] for n in forms}
         for _ in range(args.steps):
             for n, f in forms.items():
@@ -197,6 +202,7 @@ def speed(args: argparse.Namespace, names: list[str], prompts: Prompts, label: s
             p25 = float(np.percentile(times[n][3:], 25)) * 1e3
             row = {"run": label, "form": n, "rows": b, "ms_per_step": round(ms, 2), "p25_ms": round(p25, 2)}
             row.update(tokens_s=round(b * 1e3 / ms, 1), speedup_vs_first=round(base * 1e3 / ms, 2))
+            row["prefill_s"] = round(prefill[n], 3)  # all rows (ORT: one at a time; OpenVINO: one batch), cold
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
