@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.benchmark.tasks import SHORT_TEXT, TEXT, load
-from cosyvoice_cpu.flow.stream import FlowStream
+from cosyvoice_cpu.flow.cosyvoice2_stream import CosyVoice2FlowStream
 from cosyvoice_cpu.lm.prefix import DEFAULT_BYTES, PrefixCache
 from cosyvoice_cpu.vocoder.overlap_stream import VocoderStream
 
@@ -85,7 +85,7 @@ def _first_chunk(engine: Any, voice: Any, text_ids: list[int], prompt_ids: Any, 
     while len(got) < n + 3:
         got.append(next(tokens))
     t2 = time.perf_counter()
-    flow = FlowStream(engine.flow, voice.speech_tokens, voice.mel, voice.embedding, 10, 0.7, 25, cache)
+    flow = CosyVoice2FlowStream(engine.flow, voice.speech_tokens, voice.mel, voice.embedding, 10, 0.7, 25, cache)
     mel = flow.push(got[:n], got[n : n + 3])
     t3 = time.perf_counter()
     VocoderStream(engine.vocoder, np.random.default_rng(0)).push(mel, final=False)

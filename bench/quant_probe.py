@@ -36,7 +36,7 @@ def _median_ms(fn, repeat: int) -> float:
 
 def probe(model_dir: Path, threads: int, size: str) -> dict:
     sys.modules["torch"] = None  # type: ignore[assignment]  # the runtime must not need it
-    from cosyvoice_cpu.flow.stage import FlowStage
+    from cosyvoice_cpu.flow.cosyvoice2 import CosyVoice2Flow
     from cosyvoice_cpu.lm.session import LMSession
     from cosyvoice_cpu.manifest import Manifest
     from cosyvoice_cpu.vocoder.hift import Vocoder
@@ -46,7 +46,7 @@ def probe(model_dir: Path, threads: int, size: str) -> dict:
     t0 = time.perf_counter()
     m = Manifest.load(model_dir)
     lm = LMSession.from_dir(model_dir, m.graphs["lm"].attrs, threads=threads)
-    flow = FlowStage.from_dir(model_dir, m.flow, threads=threads)
+    flow = CosyVoice2Flow.from_dir(model_dir, m.flow, threads=threads)
     voc = Vocoder.from_dir(model_dir, m.graphs["hift_decode"].attrs, threads=threads)
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)

@@ -110,7 +110,7 @@ def dir_sizes(d: Path) -> dict:
 def flow_and_vocoder_quality(dirs: dict[str, Path], size: str, threads: int) -> dict[str, dict]:
     """mel L1 and wave SNR of each recipe vs fp32 on the same tokens, prompt, flow noise and source noise."""
     from cosyvoice_cpu.export.common import rel_err
-    from cosyvoice_cpu.flow.stage import FlowStage
+    from cosyvoice_cpu.flow.cosyvoice2 import CosyVoice2Flow
     from cosyvoice_cpu.vocoder.hift import Vocoder
     from cosyvoice_cpu.vocoder.source import SourceNoise
 
@@ -126,7 +126,7 @@ def flow_and_vocoder_quality(dirs: dict[str, Path], size: str, threads: int) -> 
     for recipe in dirs:  # fp32 first
         d = dirs[recipe]
         manifest = json.loads((d / "cosyvoice_cpu.json").read_text())
-        flow = FlowStage.from_dir(d, manifest["flow"], threads=threads)
+        flow = CosyVoice2Flow.from_dir(d, manifest["flow"], threads=threads)
         voc = Vocoder.from_dir(d, manifest["graphs"]["hift_decode"]["attrs"], threads=threads)
         mels, waves = [], []
         for i, (tok, ptok, pfeat, emb) in enumerate(cases):

@@ -9,9 +9,9 @@ by default, the default chunk plan (15 tokens, then doubling to 50). Modes, all 
 - ``official``: the work the official streaming does per chunk: encode every token so far and solve the whole
   prefix (prompt + all frames) again, keeping only the new frames (O(n^2)); timed with our full-attention
   estimator, which costs the same as the chunk-causal one;
-- ``exact``: :class:`FlowStream` with unbounded context (cached activations; equals a one-shot chunk-causal
+- ``exact``: :class:`CosyVoice2FlowStream` with unbounded context (cached activations; equals a one-shot chunk-causal
   solve);
-- ``ctx=N``: :class:`FlowStream` with N tokens of context (the engine default is 25).
+- ``ctx=N``: :class:`CosyVoice2FlowStream` with N tokens of context (the engine default is 25).
 
 All streams share one prompt cache (a registered voice); its one-off build time and size are reported.
 
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cosyvoice_cpu.flow.stage import FlowStage
-from cosyvoice_cpu.flow.stream import FlowStream, PromptCache
+from cosyvoice_cpu.flow.cosyvoice2 import CosyVoice2Flow
+from cosyvoice_cpu.flow.cosyvoice2_stream import CosyVoice2FlowStream, CosyVoice2PromptCache
 from cosyvoice_cpu.manifest import Manifest
 from cosyvoice_cpu.sentence import ChunkPlan
 
@@ -49,10 +49,10 @@ def _chunks(n_tok: int, lookahead: int) -> list[tuple[int, int, bool]]:
     return [*cuts, (plan.offset, n_tok, True)]
 
 
-def run_stream(stage: FlowStage, inputs: tuple[np.ndarray, ...], context: int | None,
-               cache: PromptCache) -> tuple[np.ndarray, list[float]]:  # fmt: skip
+def run_stream(stage: CosyVoice2Flow, inputs: tuple[np.ndarray, ...], context: int | None,
+               cache: CosyVoice2PromptCache) -> tuple[np.ndarray, list[float]]:  # fmt: skip
     prompt, toks, feat, emb = inputs
-    fs = FlowStream(stage, prompt, feat, emb, context_tokens=context, prompt_cache=cache)
+    fs = CosyVoice2FlowStream(stage, prompt, feat, emb, context_tokens=context, prompt_cache=cache)
     mels, times = [], []
     for a, b, final in _chunks(len(toks), fs.lookahead):
         t0 = time.perf_counter()
@@ -61,7 +61,7 @@ def run_stream(stage: FlowStage, inputs: tuple[np.ndarray, ...], context: int | 
     return np.concatenate(mels, axis=2), times
 
 
-def run_official(stage: FlowStage, inputs: tuple[np.ndarray, ...]) -> tuple[np.ndarray, list[float]]:
+def run_official(stage: CosyVoice2Flow, inputs: tuple[np.ndarray, ...]) -> tuple[np.ndarray, list[float]]:
     """Per chunk: the whole prefix again (encoder + every Euler step over prompt + all frames so far)."""
     prompt, toks, feat, emb = inputs
     look = stage.settings.pre_lookahead_len
@@ -87,14 +87,14 @@ def main() -> None:
     args = ap.parse_args()
 
     m = Manifest.load(args.model_dir)
-    stage = FlowStage.from_dir(args.model_dir, m.flow, threads=args.threads)
+    stage = CosyVoice2Flow.from_dir(args.model_dir, m.flow, threads=args.threads)
     inputs = _inputs(args.prompt_tokens, args.tokens)
     stage.inference(inputs[1][:20], inputs[0], inputs[2], inputs[3])  # warm-up
     t0 = time.perf_counter()
     whole = stage.inference(inputs[1], inputs[0], inputs[2], inputs[3])
     rows = {"whole": {"total_s": time.perf_counter() - t0, "chunk_s": []}}
     t0 = time.perf_counter()
-    cache = PromptCache.build(stage, inputs[0], inputs[2], inputs[3])
+    cache = CosyVoice2PromptCache.build(stage, inputs[0], inputs[2], inputs[3])
     build_s = time.perf_counter() - t0
     exact, times = run_stream(stage, inputs, None, cache)
     rows["exact"] = {"total_s": sum(times), "chunk_s": times}

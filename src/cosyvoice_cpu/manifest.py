@@ -211,7 +211,7 @@ class Manifest:
         row, never mapped: ``row_table``; 544 and 23 MB at full size) and, on CosyVoice2 and Fun-CosyVoice3 with
         the stream graph loaded, ``flow_estimator.onnx`` (whole sentences run on the stream graph; it opens only
         for padded batches; 94 / 344 MB at full size int8) and Fun-CosyVoice3's ``flow_time.onnx`` (opened once
-        per Euler schedule and closed, :meth:`~cosyvoice_cpu.flow.stage_v3.FlowStageV3.time_table`). OpenVINO
+        per Euler schedule and closed, :meth:`~cosyvoice_cpu.flow.cosyvoice3.CosyVoice3Flow.time_table`). OpenVINO
         models (``*_ov``) are not counted: an engine runs a graph on one backend, and a compiled model's size is
         not its file's (``EngineConfig.compiled_shapes``)."""
 

@@ -1,5 +1,5 @@
-"""Flow ONNX export (``export.flow_graph``) and the torch-free flow stage (``cosyvoice_cpu.flow.stage``) on the tiny
-fixture: every verification gate, dynamic batch/time, padding, streaming look-ahead context, whole-flow parity."""
+"""Flow ONNX export (``export.flow_graph``) and the torch-free flow stage (``cosyvoice_cpu.flow.cosyvoice2``) on the
+tiny fixture: every verification gate, dynamic batch/time, padding, streaming look-ahead context, whole-flow parity."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from cosyvoice_cpu.errors import ModelDirError
 from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.flow.cosyvoice2 import FILES, export_flow, verify_flow
 from cosyvoice_cpu.family_parts import load_reference
-from cosyvoice_cpu.flow.stage import FlowStage
+from cosyvoice_cpu.flow.cosyvoice2 import CosyVoice2Flow
 from cosyvoice_cpu.hardware.cpu import read_cpuinfo
 
 RTOL = 1e-5  # measured 2e-7 .. 1e-6 (fp32 ORT vs torch)
@@ -39,10 +39,10 @@ def flow_dir(flow, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def stage(flow_dir: Path, flow) -> FlowStage:
+def stage(flow_dir: Path, flow) -> CosyVoice2Flow:
     c = flow.config
     attrs = {"static_chunk_size": c.encoder.static_chunk_size, "pre_lookahead_len": c.pre_lookahead_len}
-    return FlowStage.from_dir(flow_dir, settings=attrs, threads=2)
+    return CosyVoice2Flow.from_dir(flow_dir, settings=attrs, threads=2)
 
 
 def _estimator_feeds(rng: np.random.Generator, lengths: list[int], size: int) -> dict[str, np.ndarray]:
@@ -115,7 +115,7 @@ def test_estimator_dynamic_batch_and_padding(flow, flow_dir: Path) -> None:
 
 @pytest.mark.parametrize("streaming", [False, True])
 @pytest.mark.parametrize("n_ctx", [0, 1, 3])
-def test_encoder_streaming_context_matches_reference(flow, stage: FlowStage, streaming: bool, n_ctx: int) -> None:
+def test_encoder_streaming_context_matches_reference(flow, stage: CosyVoice2Flow, streaming: bool, n_ctx: int) -> None:
     gen = torch.Generator().manual_seed(n_ctx)
     prompt = torch.randint(0, 6561, (1, 11), generator=gen)
     tokens = torch.randint(0, 6561, (1, 43), generator=gen)
@@ -137,7 +137,7 @@ def test_encoder_streaming_context_matches_reference(flow, stage: FlowStage, str
         assert rel_err(mu, ref_mu) < RTOL
 
 
-def test_encoder_relative_shift_is_a_strided_view(flow, flow_dir: Path, stage: FlowStage) -> None:
+def test_encoder_relative_shift_is_a_strided_view(flow, flow_dir: Path, stage: CosyVoice2Flow) -> None:
     """The rel shift is a slice/reshape of the padded scores (no expanded int64 index in the graph), equal to its
     definition ``out[i, j] = scores[i, T-1-i+j]`` for every length, one token included (empty strides)."""
     import onnx
@@ -194,7 +194,7 @@ def test_encoder_attention_in_query_blocks_is_the_same_attention(flow_dir: Path)
 
 @pytest.mark.parametrize("n_timesteps,cfg_rate", [(10, 0.7), (4, 0.0)])
 @pytest.mark.parametrize("finalize", [True, False])
-def test_stage_inference_matches_reference(flow, stage: FlowStage, n_timesteps, cfg_rate, finalize) -> None:
+def test_stage_inference_matches_reference(flow, stage: CosyVoice2Flow, n_timesteps, cfg_rate, finalize) -> None:
     gen = torch.Generator().manual_seed(n_timesteps)
     prompt = torch.randint(0, 6561, (1, 15), generator=gen)
     tokens = torch.randint(0, 6561, (1, 40), generator=gen)
@@ -208,7 +208,7 @@ def test_stage_inference_matches_reference(flow, stage: FlowStage, n_timesteps, 
     assert rel_err(mel, ref.numpy()) < 3e-5
 
 
-def test_stage_injected_noise_and_batch_solve(flow, stage: FlowStage) -> None:
+def test_stage_injected_noise_and_batch_solve(flow, stage: CosyVoice2Flow) -> None:
     rng = np.random.default_rng(0)
     mu, cond = rng.standard_normal((2, 80, 64)).astype(np.float32), np.zeros((2, 80, 64), np.float32)
     spks, noise = rng.standard_normal((2, 80)).astype(np.float32), rng.standard_normal((2, 80, 70)).astype(np.float32)
@@ -227,8 +227,8 @@ def test_whole_sentences_run_on_the_stream_graph(flow_dir: Path) -> None:
     rng = np.random.default_rng(1)
     mu, cond = rng.standard_normal((2, 80, 57)).astype(np.float32), np.zeros((2, 80, 57), np.float32)
     spks, noise = rng.standard_normal((2, 80)).astype(np.float32), rng.standard_normal((1, 80, 57)).astype(np.float32)
-    both = FlowStage.from_dir(flow_dir, threads=2)
-    whole_only = FlowStage.from_dir(flow_dir, threads=2, streaming=False)
+    both = CosyVoice2Flow.from_dir(flow_dir, threads=2)
+    whole_only = CosyVoice2Flow.from_dir(flow_dir, threads=2, streaming=False)
     mel = both.solve(mu, spks, cond, n_timesteps=3, noise=noise)
     assert set(both._sessions) == {"stream"}
     ref = whole_only.solve(mu, spks, cond, n_timesteps=3, noise=noise)
@@ -241,7 +241,7 @@ def test_whole_sentences_run_on_the_stream_graph(flow_dir: Path) -> None:
     assert rel_err(padded[:1], mel[:1]) < 1e-5 and rel_err(padded[1:, :, :40], mel[1:, :, :40]) > 1e-4
 
 
-def test_stage_rejects_bad_inputs_and_graphs(stage: FlowStage, flow_dir: Path) -> None:
+def test_stage_rejects_bad_inputs_and_graphs(stage: CosyVoice2Flow, flow_dir: Path) -> None:
     with pytest.raises(ValueError, match="at most pre_lookahead_len"):
         stage.encode([1, 2, 3], [], np.zeros(192, np.float32), context=[1, 2, 3, 4])
     with pytest.raises(ValueError, match="embedding must hold 192"):
@@ -251,9 +251,9 @@ def test_stage_rejects_bad_inputs_and_graphs(stage: FlowStage, flow_dir: Path) -
     with pytest.raises(ValueError, match="prompt_feat has"):
         stage.inference([1, 2], [3], np.zeros((1, 10, 80), np.float32), np.ones(192, np.float32))
     with pytest.raises(ModelDirError, match="does not have the expected graph contract"):
-        FlowStage(flow_dir / FILES["flow_estimator"], flow_dir / FILES["flow_estimator"])
+        CosyVoice2Flow(flow_dir / FILES["flow_estimator"], flow_dir / FILES["flow_estimator"])
     with pytest.raises(ModelDirError, match="missing"):
-        FlowStage(flow_dir / "nope.onnx", flow_dir / FILES["flow_estimator"])
+        CosyVoice2Flow(flow_dir / "nope.onnx", flow_dir / FILES["flow_estimator"])
 
 
 _CPU = read_cpuinfo()
@@ -286,7 +286,7 @@ def test_estimators_survive_dynamic_int8_quantization(flow, flow_dir: Path, redu
 
 
 def test_flow_stage_imports_without_torch() -> None:
-    code = ("import sys; sys.modules['torch'] = None\nimport cosyvoice_cpu.flow.stage\n"
+    code = ("import sys; sys.modules['torch'] = None\nimport cosyvoice_cpu.flow.cosyvoice2\n"
             "assert 'onnx' not in sys.modules, 'the runtime must not need the onnx package'\n")  # fmt: skip
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -1,5 +1,5 @@
 """Fun-CosyVoice3 flow export (``export.flow_graph_v3``) and its torch-free runtime (``flow_v3``, ``flow_stream_v3``)
-on the tiny v3 fixture: every gate (fp32 and int8), whole-sentence parity on the v2 ``FlowStage``, streamed chunks
+on the tiny v3 fixture: every gate (fp32 and int8), whole-sentence parity on the v2 ``CosyVoice2Flow``, streamed chunks
 vs the official prefix recompute (``FlowV3.inference(streaming=True, finalize=...)``)."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.flow.cosyvoice3 import FILES, export_flow, settings_of, verify_flow
 from cosyvoice_cpu.family_parts import load_reference
-from cosyvoice_cpu.flow.stage import FlowStage
-from cosyvoice_cpu.flow.stage_v3 import FlowStageV3
-from cosyvoice_cpu.flow.stream_v3 import FlowStreamV3, PromptCacheV3
+from cosyvoice_cpu.flow.cosyvoice2 import CosyVoice2Flow
+from cosyvoice_cpu.flow.cosyvoice3 import CosyVoice3Flow
+from cosyvoice_cpu.flow.cosyvoice3_stream import CosyVoice3FlowStream, CosyVoice3PromptCache
 
 RTOL = 1e-5  # measured 2.8e-7 .. 5e-7 (fp32 ORT vs torch, whole and streamed flow)
 
@@ -43,8 +43,8 @@ def flow_dir(flow, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def stage(flow_dir: Path, flow) -> FlowStageV3:
-    return FlowStageV3.from_dir(flow_dir, settings=settings_of(flow), threads=2)
+def stage(flow_dir: Path, flow) -> CosyVoice3Flow:
+    return CosyVoice3Flow.from_dir(flow_dir, settings=settings_of(flow), threads=2)
 
 
 def _inputs(flow, n_prompt: int, n_tok: int, seed: int = 0):
@@ -109,7 +109,7 @@ def test_artifact_contracts(flow, tmp_path: Path) -> None:
     ]  # fmt: skip
 
 
-def test_encoder_ignores_chunk_size(stage: FlowStageV3) -> None:
+def test_encoder_ignores_chunk_size(stage: CosyVoice3Flow) -> None:
     tokens = np.arange(1, 30)
     a, _ = stage.encode(tokens, [], np.ones(192, np.float32), streaming=False)
     b, _ = stage.encode(tokens, [], np.ones(192, np.float32), streaming=True)
@@ -118,8 +118,8 @@ def test_encoder_ignores_chunk_size(stage: FlowStageV3) -> None:
 
 @pytest.mark.parametrize("n_prompt", [23, 0])
 def test_v2_flow_stage_runs_v3_whole_sentences(flow, flow_dir: Path, n_prompt: int) -> None:
-    """The unchanged CosyVoice2 ``FlowStage`` (no stream graph) on a v3 directory = ``FlowV3.inference``."""
-    plain = FlowStage.from_dir(flow_dir, settings=settings_of(flow), threads=2, streaming=False)
+    """The unchanged CosyVoice2 ``CosyVoice2Flow`` (no stream graph) on a v3 directory = ``FlowV3.inference``."""
+    plain = CosyVoice2Flow.from_dir(flow_dir, settings=settings_of(flow), threads=2, streaming=False)
     prompt, tokens, emb, feat = _inputs(flow, n_prompt, 41, seed=n_prompt)
     ref, _ = flow.inference(tokens, torch.tensor([41]), prompt, torch.tensor([n_prompt]), feat, None, emb)
     mel = plain.inference(tokens.numpy(), prompt.numpy(), feat.numpy(), emb.numpy())
@@ -130,7 +130,7 @@ def test_v2_flow_stage_runs_v3_whole_sentences(flow, flow_dir: Path, n_prompt: i
 def test_whole_sentences_run_on_the_stream_graph(flow, flow_dir: Path) -> None:
     """A v3 stage with its stream graph serves whole sentences on it (one copy of the DiT's weights):
     ``flow_estimator.onnx`` is never opened, the mel equals ``FlowV3.inference``; a padded batch opens it."""
-    stage = FlowStageV3.from_dir(flow_dir, settings=settings_of(flow), threads=2)
+    stage = CosyVoice3Flow.from_dir(flow_dir, settings=settings_of(flow), threads=2)
     prompt, tokens, emb, feat = _inputs(flow, 23, 41, seed=5)
     ref, _ = flow.inference(tokens, torch.tensor([41]), prompt, torch.tensor([23]), feat, None, emb)
     mel = stage.inference(tokens.numpy(), prompt.numpy(), feat.numpy(), emb.numpy())
@@ -152,7 +152,7 @@ def test_the_time_table_is_made_once_per_schedule_and_its_graph_closed(flow, flo
     import weakref
 
     from cosyvoice_cpu.export.flow.cosyvoice3_stream import DiTRun
-    from cosyvoice_cpu.flow import stage_v3 as flow_v3
+    from cosyvoice_cpu.flow import cosyvoice3 as flow_v3
 
     opened: list[weakref.ref] = []
 
@@ -163,7 +163,7 @@ def test_the_time_table_is_made_once_per_schedule_and_its_graph_closed(flow, flo
 
     real = flow_v3.open_checked
     monkeypatch.setattr(flow_v3, "open_checked", spy)
-    stage = FlowStageV3.from_dir(flow_dir, settings=settings_of(flow), threads=2)
+    stage = CosyVoice3Flow.from_dir(flow_dir, settings=settings_of(flow), threads=2)
     prompt, tokens, emb, feat = _inputs(flow, 23, 41, seed=5)
     for steps in (10, 4, 10):
         stage.inference(tokens.numpy(), prompt.numpy(), feat.numpy(), emb.numpy(), n_timesteps=steps)
@@ -187,7 +187,7 @@ def _official_stream(flow, prompt, tokens, emb, feat, cuts, look=3) -> list[np.n
     return out
 
 
-def _our_stream(fs: FlowStreamV3, tokens, cuts, look=3) -> list[np.ndarray]:
+def _our_stream(fs: CosyVoice3FlowStream, tokens, cuts, look=3) -> list[np.ndarray]:
     n = tokens.size(1)
     return [fs.push(tokens[0, a:b].numpy(), None if b == n else tokens[0, b : b + look].numpy()) for a, b in cuts]
 
@@ -201,9 +201,9 @@ def _our_stream(fs: FlowStreamV3, tokens, cuts, look=3) -> list[np.ndarray]:
         (0, [(0, 30), (30, 55), (55, 80)]),  # no prompt
     ],
 )
-def test_stream_equals_official_prefix_recompute(flow, stage: FlowStageV3, n_prompt: int, cuts) -> None:
+def test_stream_equals_official_prefix_recompute(flow, stage: CosyVoice3Flow, n_prompt: int, cuts) -> None:
     prompt, tokens, emb, feat = _inputs(flow, n_prompt, cuts[-1][1], seed=n_prompt + 1)
-    fs = FlowStreamV3(stage, prompt.numpy()[0], feat.numpy()[0], emb.numpy(), context_tokens=None)
+    fs = CosyVoice3FlowStream(stage, prompt.numpy()[0], feat.numpy()[0], emb.numpy(), context_tokens=None)
     ours = _our_stream(fs, tokens, cuts)
     ref = _official_stream(flow, prompt, tokens, emb, feat, cuts)
     for (a, b), o, r in zip(cuts, ours, ref):
@@ -213,17 +213,17 @@ def test_stream_equals_official_prefix_recompute(flow, stage: FlowStageV3, n_pro
     assert fs.prompt.frames == max(0, n_prompt - 3) * 2 // 50 * 50
 
 
-def test_a_provisional_complete_chunk_is_not_committed(flow, stage: FlowStageV3) -> None:
+def test_a_provisional_complete_chunk_is_not_committed(flow, stage: CosyVoice3Flow) -> None:
     """A push with a short look-ahead completes the chunk [150, 200) with provisional mu (its last token's
     look-ahead is missing): the chunk serves that push only. The next push must equal a stream that never
     computed it (the same committed past, one look-ahead token fewer pushed before)."""
     prompt, tokens, emb, feat = _inputs(flow, 60, 120, seed=9)
     args = (stage, prompt.numpy()[0], feat.numpy()[0], emb.numpy())
     t = tokens[0].numpy()
-    a = FlowStreamV3(*args, context_tokens=None)
+    a = CosyVoice3FlowStream(*args, context_tokens=None)
     a.push(t[:40], t[40:41])  # window [100, 200): frames up to 196 stable, commit 150
     assert a.committed == 150 and all(k.shape[2] == 50 for k in a.ctx_k)
-    b = FlowStreamV3(*args, context_tokens=None)
+    b = CosyVoice3FlowStream(*args, context_tokens=None)
     b.push(t[:38], t[38:41])  # window [100, 196): all stable, commit 150
     assert b.committed == 150
     rest_a, rest_b = a.push(t[40:]), b.push(t[38:])
@@ -231,62 +231,62 @@ def test_a_provisional_complete_chunk_is_not_committed(flow, stage: FlowStageV3)
     assert rel_err(rest_a, rest_b[:, :, 4:]) < RTOL
 
 
-def test_prompt_cache_is_shared_and_context_bound_is_cheap(flow, stage: FlowStageV3) -> None:
+def test_prompt_cache_is_shared_and_context_bound_is_cheap(flow, stage: CosyVoice3Flow) -> None:
     prompt, tokens, emb, feat = _inputs(flow, 60, 80, seed=7)
-    cache = PromptCacheV3.build(stage, prompt.numpy()[0], feat.numpy()[0], emb.numpy())
+    cache = CosyVoice3PromptCache.build(stage, prompt.numpy()[0], feat.numpy()[0], emb.numpy())
     assert cache.frames == 100 and cache.k[0].shape == (2, 2, 100, 64) and cache.nbytes > 0
     cuts = [(0, 10), (10, 40), (40, 80)]
     args = (stage, prompt.numpy()[0], feat.numpy()[0], emb.numpy())
-    exact = np.concatenate(_our_stream(FlowStreamV3(*args, context_tokens=None), tokens, cuts), axis=2)
-    shared = FlowStreamV3(*args, context_tokens=None, prompt_cache=cache)
+    exact = np.concatenate(_our_stream(CosyVoice3FlowStream(*args, context_tokens=None), tokens, cuts), axis=2)
+    shared = CosyVoice3FlowStream(*args, context_tokens=None, prompt_cache=cache)
     again = np.concatenate(_our_stream(shared, tokens, cuts), axis=2)
     assert np.array_equal(exact, again)
-    fs = FlowStreamV3(*args, context_tokens=0, prompt_cache=cache)
+    fs = CosyVoice3FlowStream(*args, context_tokens=0, prompt_cache=cache)
     bounded = np.concatenate(_our_stream(fs, tokens, cuts), axis=2)
     assert all(k.shape[2] == 0 for k in fs.ctx_k)  # nothing generated is kept
     assert bounded.shape == exact.shape and np.isfinite(bounded).all()
     assert np.array_equal(bounded[:, :, :20], exact[:, :, :20])  # the first chunk sees only the prompt anyway
     # float16 storage of the keys/values: half the bytes, the same mel up to their rounding
-    half = PromptCacheV3.build(*args, dtype=np.float16)
+    half = CosyVoice3PromptCache.build(*args, dtype=np.float16)
     assert {a.dtype for a in half.k + half.v} == {np.dtype(np.float16)}
     assert sum(a.nbytes for a in half.k + half.v) * 2 == sum(a.nbytes for a in cache.k + cache.v)
-    rounded = np.concatenate(_our_stream(FlowStreamV3(*args, context_tokens=None, prompt_cache=half), tokens, cuts),
-                             axis=2)  # fmt: skip
+    stream = CosyVoice3FlowStream(*args, context_tokens=None, prompt_cache=half)
+    rounded = np.concatenate(_our_stream(stream, tokens, cuts), axis=2)
     assert 0 < rel_err(rounded, exact) < 1e-2, rel_err(rounded, exact)
 
 
-def test_stream_errors(flow, stage: FlowStageV3, flow_dir: Path) -> None:
+def test_stream_errors(flow, stage: CosyVoice3Flow, flow_dir: Path) -> None:
     prompt, tokens, emb, feat = _inputs(flow, 10, 20)
-    fs = FlowStreamV3(stage, prompt.numpy()[0], feat.numpy()[0], emb.numpy())
+    fs = CosyVoice3FlowStream(stage, prompt.numpy()[0], feat.numpy()[0], emb.numpy())
     with pytest.raises(ConfigError, match="pre_lookahead_len"):
         fs.push(tokens[0, :5].numpy(), tokens[0, 5:10].numpy())
     fs.push(tokens[0].numpy())
     with pytest.raises(ConfigError, match="finished"):
         fs.push(tokens[0].numpy())
-    plain = FlowStage.from_dir(flow_dir, settings=settings_of(flow))
-    with pytest.raises(ConfigError, match="FlowStageV3"):
-        FlowStreamV3(plain, prompt.numpy()[0], feat.numpy()[0], emb.numpy())
+    plain = CosyVoice2Flow.from_dir(flow_dir, settings=settings_of(flow))
+    with pytest.raises(ConfigError, match="CosyVoice3Flow"):
+        CosyVoice3FlowStream(plain, prompt.numpy()[0], feat.numpy()[0], emb.numpy())
     with pytest.raises(ConfigError, match="chunk_frames"):
-        FlowStageV3.from_dir(flow_dir, settings={"chunk_frames": 25})
+        CosyVoice3Flow.from_dir(flow_dir, settings={"chunk_frames": 25})
     from cosyvoice_cpu.errors import ModelDirError
 
     paths = [flow_dir / FILES[k] for k in ("flow_encoder", "flow_estimator", "flow_estimator_stream", "flow_noise")]
     with pytest.raises(ModelDirError, match=r"flow_time\.onnx is missing.*export the model directory again"):
-        FlowStageV3(*paths, settings=settings_of(flow), time_graph=flow_dir / "nowhere" / "flow_time.onnx")
-    FlowStageV3(*paths[:2], None, paths[3], settings=settings_of(flow))  # whole sentences only: not needed
+        CosyVoice3Flow(*paths, settings=settings_of(flow), time_graph=flow_dir / "nowhere" / "flow_time.onnx")
+    CosyVoice3Flow(*paths[:2], None, paths[3], settings=settings_of(flow))  # whole sentences only: not needed
 
 
 def test_v3_flow_runs_without_torch(flow, flow_dir: Path) -> None:
     code = f"""
 import sys; sys.modules['torch'] = None
 import numpy as np
-from cosyvoice_cpu.flow.stage_v3 import FlowStageV3
-from cosyvoice_cpu.flow.stream_v3 import FlowStreamV3
+from cosyvoice_cpu.flow.cosyvoice3 import CosyVoice3Flow
+from cosyvoice_cpu.flow.cosyvoice3_stream import CosyVoice3FlowStream
 assert 'onnx' not in sys.modules, 'the runtime must not need the onnx package'
-stage = FlowStageV3.from_dir({str(flow_dir)!r}, settings={settings_of(flow)!r})
+stage = CosyVoice3Flow.from_dir({str(flow_dir)!r}, settings={settings_of(flow)!r})
 emb, feat = np.ones(192, np.float32), np.zeros((20, 80), np.float32)
 mel = stage.inference(np.arange(30), np.arange(10), feat, emb)
-fs = FlowStreamV3(stage, np.arange(10), feat, emb, context_tokens=25)
+fs = CosyVoice3FlowStream(stage, np.arange(10), feat, emb, context_tokens=25)
 parts = [fs.push(np.arange(12), np.arange(12, 15)), fs.push(np.arange(12, 30))]
 assert mel.shape == (1, 80, 60) and sum(p.shape[2] for p in parts) == 60
 """

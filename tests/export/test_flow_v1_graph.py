@@ -18,8 +18,8 @@ from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.flow.cosyvoice import export_flow, settings_of, verify_flow
 from cosyvoice_cpu.family_parts import load_reference
-from cosyvoice_cpu.flow.stage_v1 import FILES, FlowStageV1, frames_for_tokens, interpolation_matrix, stretch_matrix
-from cosyvoice_cpu.flow.stream_v1 import FlowStreamV1
+from cosyvoice_cpu.flow.cosyvoice import FILES, CosyVoiceFlow, frames_for_tokens, interpolation_matrix, stretch_matrix
+from cosyvoice_cpu.flow.cosyvoice_stream import CosyVoiceFlowStream
 from cosyvoice_cpu.reference.flow import length_regulator
 
 # Measured (fp32 ORT vs torch, 1 thread, tiny fixture): encoder mu 5.6e-7 .. 6.4e-7, estimator 8.7e-7 .. 1.1e-6,
@@ -52,8 +52,8 @@ def flow_dir(flow, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def stage(flow_dir: Path, flow) -> FlowStageV1:
-    return FlowStageV1.from_dir(flow_dir, settings_of(flow), threads=1)
+def stage(flow_dir: Path, flow) -> CosyVoiceFlow:
+    return CosyVoiceFlow.from_dir(flow_dir, settings_of(flow), threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +199,7 @@ def test_stream_matches_reference_stream(flow, stage, inputs, n_tokens: int, n_p
     noises = [rng.standard_normal((1, 80, len(feat) + frames_for_tokens(b - a)), np.float32) for a, b, _ in windows]
     ref = _reference_stream(flow, tokens, prompt, feat, inputs["emb"], noises)
 
-    fs = FlowStreamV1(stage, prompt, feat, inputs["emb"])
+    fs = CosyVoiceFlowStream(stage, prompt, feat, inputs["emb"])
     pieces, k, got_windows = [], 0, []
     for available in range(1, n_tokens + 1):  # the LM hands over one token at a time
         while (w := fs.next_window(available, available == n_tokens)) is not None:
@@ -214,7 +214,7 @@ def test_stream_matches_reference_stream(flow, stage, inputs, n_tokens: int, n_p
 
 
 def test_stream_rejects_a_window_without_the_overlap(stage, inputs) -> None:
-    fs = FlowStreamV1(stage, [], np.zeros((0, 80), np.float32), inputs["emb"], rng=np.random.default_rng(0))
+    fs = CosyVoiceFlowStream(stage, [], np.zeros((0, 80), np.float32), inputs["emb"], rng=np.random.default_rng(0))
     assert fs.push(inputs["tokens"][:120], False).shape == (1, 80, frames_for_tokens(120) - 34)
     with pytest.raises(ConfigError, match="previous window's last 20 tokens"):
         fs.push(inputs["tokens"][101:221], False)
@@ -242,13 +242,14 @@ RUNTIME = """
 import json, sys
 sys.modules["torch"] = None
 import numpy as np
-from cosyvoice_cpu.flow.stage_v1 import FlowStageV1, stretch_matrix
-from cosyvoice_cpu.flow.stream_v1 import FlowStreamV1
-stage = FlowStageV1.from_dir(sys.argv[1])
+from cosyvoice_cpu.flow.cosyvoice import CosyVoiceFlow, stretch_matrix
+from cosyvoice_cpu.flow.cosyvoice_stream import CosyVoiceFlowStream
+stage = CosyVoiceFlow.from_dir(sys.argv[1])
 rng = np.random.default_rng(0)
 emb = rng.standard_normal((1, 192)).astype(np.float32)
 mel, cache = stage.inference_cached(rng.integers(0, 4096, 57), [], np.zeros((0, 80), np.float32), emb, rng=rng)
-fs = FlowStreamV1(stage, rng.integers(0, 4096, 9), rng.standard_normal((16, 80)).astype(np.float32), emb, rng=rng)
+prompt = rng.integers(0, 4096, 9)
+fs = CosyVoiceFlowStream(stage, prompt, rng.standard_normal((16, 80)).astype(np.float32), emb, rng=rng)
 toks = rng.integers(0, 4096, 150)
 out = [fs.push(toks[:120], False), fs.push(toks[100:], True)]
 assert stretch_matrix(3, 45, 5, 77).shape == (48, 82)

@@ -23,8 +23,8 @@ from cosyvoice_cpu.config import EngineConfig, SynthesisConfig
 from cosyvoice_cpu.engine import Engine
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.exporter import ExportOptions, export_model
-from cosyvoice_cpu.flow.stage import FlowStage
-from cosyvoice_cpu.flow.stream import FlowStream
+from cosyvoice_cpu.flow.cosyvoice2 import CosyVoice2Flow
+from cosyvoice_cpu.flow.cosyvoice2_stream import CosyVoice2FlowStream
 from cosyvoice_cpu.sentence import ChunkPlan
 from cosyvoice_cpu.vocoder.overlap_stream import VocoderStream, crossfade_weights
 
@@ -49,10 +49,10 @@ def _inputs(n_prompt: int = 40, n_tok: int = 170, seed: int = 0) -> tuple[np.nda
 
 
 def _stream(
-    stage: FlowStage, context: int | None, sizes: tuple[int, ...] = (15, 30, 50)
-) -> tuple[np.ndarray, FlowStream]:
+    stage: CosyVoice2Flow, context: int | None, sizes: tuple[int, ...] = (15, 30, 50)
+) -> tuple[np.ndarray, CosyVoice2FlowStream]:
     prompt, toks, feat, emb = _inputs()
-    fs = FlowStream(stage, prompt, feat, emb, context_tokens=context)
+    fs = CosyVoice2FlowStream(stage, prompt, feat, emb, context_tokens=context)
     plan = ChunkPlan(sizes[0], sizes[-1], fs.lookahead)
     mels = []
     while plan.ready(len(toks)):
@@ -140,8 +140,8 @@ def test_int8_stream_graph_takes_float16_caches(fp32_dir: Path, tmp_path: Path) 
 
     from cosyvoice_cpu.export.flow.common import half_cache_io
     from cosyvoice_cpu.export.quantize import quantize_int8_dynamic
+    from cosyvoice_cpu.flow.cosyvoice2 import FILES
     from cosyvoice_cpu.flow.graphs import cache_dtype
-    from cosyvoice_cpu.flow.stage import FILES
 
     src = fp32_dir / FILES["flow_estimator_stream"]
     wide, half = tmp_path / "wide.onnx", tmp_path / "half.onnx"
@@ -149,7 +149,7 @@ def test_int8_stream_graph_takes_float16_caches(fp32_dir: Path, tmp_path: Path) 
     shutil.copy(wide, half)
     shutil.copy(f"{wide}.data", f"{half}.data")
     half_cache_io(half, ("prompt_h", "context_h"), ("new_h",))
-    stages = [FlowStage(fp32_dir / FILES["flow_encoder"], fp32_dir / FILES["flow_estimator"], g,
+    stages = [CosyVoice2Flow(fp32_dir / FILES["flow_encoder"], fp32_dir / FILES["flow_estimator"], g,
                         fp32_dir / FILES["flow_noise"], threads=2) for g in (wide, half)]  # fmt: skip
     assert [cache_dtype(st.stream_estimator) for st in stages] == [np.float32, np.float16]
     (mel32, fs32), (mel16, fs16) = (_stream(st, 25) for st in stages)
@@ -251,6 +251,6 @@ def test_streaming_needs_the_chunk_estimator(fp32_dir: Path, tmp_path: Path) -> 
     with pytest.raises(ConfigError, match="streaming_estimator"):
         engine.synthesize("Hello", voice, SynthesisConfig(stream=True))
     with pytest.raises(ConfigError, match="streaming_estimator"):
-        FlowStream(engine.flow, voice.speech_tokens, voice.mel, voice.embedding)
+        CosyVoice2FlowStream(engine.flow, voice.speech_tokens, voice.mel, voice.embedding)
     with pytest.raises(ConfigError, match="chunk_tokens"):
         SynthesisConfig(first_chunk_tokens=30, chunk_tokens=20).validate()

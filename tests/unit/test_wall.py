@@ -40,7 +40,7 @@ runtime = [m.name for m in pkgutil.walk_packages(cosyvoice_cpu.__path__, "cosyvo
            and not m.name.endswith(".__main__")]
 for name in runtime:
     importlib.import_module(name)
-from cosyvoice_cpu.flow.stage import FlowStage
+from cosyvoice_cpu.flow.cosyvoice2 import CosyVoice2Flow
 from cosyvoice_cpu.lm.session import LMSession
 from cosyvoice_cpu.manifest import Manifest
 from cosyvoice_cpu.vocoder.hift import Vocoder
@@ -54,7 +54,7 @@ tokens = []
 for _ in range(12):
     tokens.append(int(np.argmax(logp[: m.lm["speech_token_size"]])))
     logp = lm.decode(cache, [0], [tokens[-1]])[0]
-flow = FlowStage.from_dir(d, m.flow)
+flow = CosyVoice2Flow.from_dir(d, m.flow)
 rng = np.random.default_rng(0)
 mel = flow.inference(tokens, [], np.zeros((0, 80), np.float32), rng.standard_normal(192).astype(np.float32))
 voc = Vocoder.from_dir(d, m.graphs["hift_decode"].attrs)
@@ -73,7 +73,7 @@ def test_runtime_runs_an_exported_model_without_torch_or_onnx(tiny_export_dir) -
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert (out["samples"], out["finite"]) == (11520, True)  # 12 tokens x 2 frames x 480 samples
-    stages = {"cosyvoice_cpu.lm.session", "cosyvoice_cpu.flow.stage", "cosyvoice_cpu.vocoder.hift",
+    stages = {"cosyvoice_cpu.lm.session", "cosyvoice_cpu.flow.cosyvoice2", "cosyvoice_cpu.vocoder.hift",
               "cosyvoice_cpu.manifest", "cosyvoice_cpu.backends.onnxruntime", "cosyvoice_cpu.cli.main"}  # fmt: skip
     assert stages <= set(out["modules"])
 

@@ -41,7 +41,7 @@ from cosyvoice_cpu.errors import ExportError, MissingExtraError
 from cosyvoice_cpu.export.common import GateResult, GraphArtifact, TensorSpec, gate, torch_export
 from cosyvoice_cpu.facts import facts
 from cosyvoice_cpu.flow.buckets import BucketedSession, ShapedGraph, bucket
-from cosyvoice_cpu.flow.stage import FILES
+from cosyvoice_cpu.flow.cosyvoice2 import FILES
 
 logger = logging.getLogger(__name__)
 

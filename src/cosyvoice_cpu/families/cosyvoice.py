@@ -18,9 +18,9 @@ import numpy as np
 from cosyvoice_cpu.backends.base import SessionConfig
 from cosyvoice_cpu.facts import FamilyFacts, facts
 from cosyvoice_cpu.families.base import Family, Stages
-from cosyvoice_cpu.flow.stage import FlowStage
-from cosyvoice_cpu.flow.stage_v1 import FlowStageV1
-from cosyvoice_cpu.flow.stream_v1 import FlowStreamV1
+from cosyvoice_cpu.flow.cosyvoice import CosyVoiceFlow
+from cosyvoice_cpu.flow.cosyvoice2 import CosyVoice2Flow
+from cosyvoice_cpu.flow.cosyvoice_stream import CosyVoiceFlowStream
 from cosyvoice_cpu.lm.files import TEXT_ENCODER_FILE
 from cosyvoice_cpu.lm.generate import SpeechTokenGenerator
 from cosyvoice_cpu.lm.prompt import TextEncoder
@@ -35,7 +35,7 @@ class CosyVoice(Family):
     """v1: the causal Conformer text encoder before the LM, the length-regulated flow, overlapping windows."""
 
     facts: ClassVar[FamilyFacts] = facts("cosyvoice")
-    flow_stage: ClassVar[type[FlowStage]] = FlowStageV1
+    flow_stage: ClassVar[type[CosyVoice2Flow]] = CosyVoiceFlow
 
     def load_lm(self, model_dir: Path, session: LMSession, sessions: SessionConfig) -> SpeechTokenGenerator:
         """The generator with the text-encoder graph (``lm_text_encoder.onnx``) that prepares its prompt."""
@@ -47,7 +47,7 @@ class CosyVoice(Family):
         voice, config = s.voice, s.config
         overlap = stages.flow.settings.overlap_tokens
         first = max(overlap + 1, 2 * config.first_chunk_tokens)
-        flow = FlowStreamV1(
+        flow = CosyVoiceFlowStream(
             stages.flow,
             voice.speech_tokens,
             voice.mel,

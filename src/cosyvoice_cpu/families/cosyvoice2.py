@@ -10,8 +10,8 @@ import numpy as np
 
 from cosyvoice_cpu.facts import FamilyFacts, facts
 from cosyvoice_cpu.families.base import Family, Stages
-from cosyvoice_cpu.flow.stage import FlowStage
-from cosyvoice_cpu.flow.stream import FlowStream, PromptCache
+from cosyvoice_cpu.flow.cosyvoice2 import CosyVoice2Flow
+from cosyvoice_cpu.flow.cosyvoice2_stream import CosyVoice2FlowStream, CosyVoice2PromptCache
 from cosyvoice_cpu.sentence import Piece, Sentence, speak_chunks
 from cosyvoice_cpu.vocoder.hift import Vocoder
 from cosyvoice_cpu.vocoder.overlap_stream import VocoderStream
@@ -22,9 +22,11 @@ class CosyVoice2(Family):
     cached prompt activations (:attr:`flow_stream`), vocoded by :meth:`vocoder_stream`."""
 
     facts: ClassVar[FamilyFacts] = facts("cosyvoice2")
-    flow_stage: ClassVar[type[FlowStage]] = FlowStage
-    prompt_cache: ClassVar[type | None] = PromptCache
-    flow_stream: ClassVar[type] = FlowStream  # (stage, prompt tokens, mel, x-vector, steps, cfg, context, cache)
+    flow_stage: ClassVar[type[CosyVoice2Flow]] = CosyVoice2Flow
+    prompt_cache: ClassVar[type | None] = CosyVoice2PromptCache
+    flow_stream: ClassVar[type] = (
+        CosyVoice2FlowStream  # (stage, prompt tokens, mel, x-vector, steps, cfg, context, cache)
+    )
 
     def vocoder_stream(self, vocoder: Vocoder, rng: np.random.Generator) -> Any:
         """The vocoder stream of one sentence: chunks joined over 8 mel frames (the official ``mel_cache_len``)."""

@@ -12,9 +12,9 @@ from cosyvoice_cpu.backends.base import SessionConfig
 from cosyvoice_cpu.config import EngineConfig
 from cosyvoice_cpu.facts import FamilyFacts, facts
 from cosyvoice_cpu.families.cosyvoice2 import CosyVoice2
-from cosyvoice_cpu.flow.stage import FlowStage
-from cosyvoice_cpu.flow.stage_v3 import FlowStageV3
-from cosyvoice_cpu.flow.stream_v3 import FlowStreamV3, PromptCacheV3
+from cosyvoice_cpu.flow.cosyvoice2 import CosyVoice2Flow
+from cosyvoice_cpu.flow.cosyvoice3 import CosyVoice3Flow
+from cosyvoice_cpu.flow.cosyvoice3_stream import CosyVoice3FlowStream, CosyVoice3PromptCache
 from cosyvoice_cpu.vocoder.causal_stream import CausalVocoderStream
 from cosyvoice_cpu.vocoder.hift import Vocoder
 
@@ -23,15 +23,15 @@ class CosyVoice3(CosyVoice2):
     """CosyVoice2's chunked stream recipe with the DiT's stream and the causal vocoder (no join needed)."""
 
     facts: ClassVar[FamilyFacts] = facts("cosyvoice3")
-    flow_stage: ClassVar[type[FlowStage]] = FlowStageV3
-    prompt_cache: ClassVar[type | None] = PromptCacheV3
-    flow_stream: ClassVar[type] = FlowStreamV3
+    flow_stage: ClassVar[type[CosyVoice2Flow]] = CosyVoice3Flow
+    prompt_cache: ClassVar[type | None] = CosyVoice3PromptCache
+    flow_stream: ClassVar[type] = CosyVoice3FlowStream
 
-    def load_flow(self, model_dir: Path, config: EngineConfig, sessions: SessionConfig) -> FlowStage:
+    def load_flow(self, model_dir: Path, config: EngineConfig, sessions: SessionConfig) -> CosyVoice2Flow:
         """The DiT stage; with its stream graph, the time table of the default Euler schedule is made now, while
-        little else is in memory (:meth:`~cosyvoice_cpu.flow.stage_v3.FlowStageV3.time_table`)."""
+        little else is in memory (:meth:`~cosyvoice_cpu.flow.cosyvoice3.CosyVoice3Flow.time_table`)."""
         flow = super().load_flow(model_dir, config, sessions)
-        if isinstance(flow, FlowStageV3) and flow.can_stream:
+        if isinstance(flow, CosyVoice3Flow) and flow.can_stream:
             flow.time_table(flow.schedule(flow.settings.n_timesteps))
         return flow
 

@@ -1,12 +1,12 @@
 """Export the CosyVoice-300M (v1) flow to ONNX: token encoder with the length regulator, UNet estimator.
 
-Graphs (``export_flow``; the runtime side is :class:`cosyvoice_cpu.flow.stage_v1.FlowStageV1`):
+Graphs (``export_flow``; the runtime side is :class:`cosyvoice_cpu.flow.cosyvoice.CosyVoiceFlow`):
 
 ``flow_encoder.onnx`` (batch 1)
     token (1, T) int64: prompt tokens then tokens to synthesise (negative ids count as 0)
     embedding (1, 192) float32: raw x-vector (L2-normalised in the graph)
     stretch (T, F) float32: the length regulator's linear interpolation as a matrix
-        (:func:`cosyvoice_cpu.flow.stage_v1.stretch_matrix`: prompt -> mel_len1 frames, new tokens -> mel_len2 frames,
+        (:func:`cosyvoice_cpu.flow.cosyvoice.stretch_matrix`: prompt -> mel_len1 frames, new tokens -> mel_len2 frames,
         head/middle/tail above 40 new tokens), so all of its length logic lives in one NumPy function
     -> mu (1, 80, F) float32 (embedding -> Conformer, full attention -> encoder_proj -> (1, 80, T) @ stretch ->
        the regulator's conv stack), spks (1, 80) float32
@@ -44,12 +44,12 @@ from cosyvoice_cpu.export.flow.common import (
     rel_position_encoding,
 )
 from cosyvoice_cpu.export.fused_ops import export_forms
-from cosyvoice_cpu.flow.stage_v1 import (
+from cosyvoice_cpu.flow.cosyvoice import (
     CACHE_TAIL_FRAMES,
     FILES,
     MEL_FRAMES_PER_SECOND,
     OVERLAP_TOKENS,
-    FlowStageV1,
+    CosyVoiceFlow,
     stretch_matrix,
 )
 from cosyvoice_cpu.reference.flow.causal_unet import MASK_BIAS, FlowEstimator, timestep_embedding
@@ -184,7 +184,8 @@ def _artifact(out_dir: Path, key: str, attrs: dict[str, Any]) -> GraphArtifact:
 
 
 def settings_of(flow: FlowV1) -> dict[str, Any]:
-    """The :class:`~cosyvoice_cpu.flow.stage_v1.FlowSettingsV1` fields of a reference flow (as the artifacts' attrs)."""
+    """The :class:`~cosyvoice_cpu.flow.cosyvoice.CosyVoiceFlowSettings` fields of a reference flow (as the artifacts'
+    attrs)."""
     cfg = flow.config
     return {
         "input_frame_rate": cfg.input_frame_rate,
@@ -237,7 +238,7 @@ def export_flow(flow: FlowV1, out_dir: Path) -> list[GraphArtifact]:
         "output_size": cfg.output_size,
         "mel_frames_per_second": MEL_FRAMES_PER_SECOND,
         "split_above_tokens": 2 * OVERLAP_TOKENS,
-        "stretch": "linear, align_corners=False (flow.stage_v1.stretch_matrix)",
+        "stretch": "linear, align_corners=False (flow.cosyvoice.stretch_matrix)",
         **solver,
     }
     estimator = {"attention": "full", "noise": "fresh Gaussian per call", **solver}
@@ -261,11 +262,11 @@ def verify_flow(
 
     Gates: encoder mu for <= 40, > 40 and 41 new tokens with a prompt and > 40 without (SFT), and spks; the
     estimator at batch 2 with a padded row and at batch 1 (odd lengths too); the whole flow
-    (:class:`~cosyvoice_cpu.flow.stage_v1.FlowStageV1`, 10 steps, CFG) vs ``FlowV1.inference`` with the same
+    (:class:`~cosyvoice_cpu.flow.cosyvoice.CosyVoiceFlow`, 10 steps, CFG) vs ``FlowV1.inference`` with the same
     injected noise: with a prompt, SFT, and a second window on the first one's ``flow_cache``.
 
     Args:
-        files: overrides of :data:`~cosyvoice_cpu.flow.stage_v1.FILES` by key, e.g. a quantized estimator.
+        files: overrides of :data:`~cosyvoice_cpu.flow.cosyvoice.FILES` by key, e.g. a quantized estimator.
         tolerance: overrides of :data:`TOLERANCE` by check kind (``encoder``, ``estimator``, ``mel``).
     Returns:
         the gates; ``GateResult.graph`` is the file key or ``flow`` for the whole-flow mel.
@@ -275,7 +276,7 @@ def verify_flow(
     cfg = flow.config
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
-    stage = FlowStageV1(paths["flow_encoder"], paths["flow_estimator"], settings_of(flow), threads)
+    stage = CosyVoiceFlow(paths["flow_encoder"], paths["flow_estimator"], settings_of(flow), threads)
     prompt = torch.randint(0, cfg.vocab_size, (1, 15), generator=gen)
     tokens = torch.randint(0, cfg.vocab_size, (1, 57), generator=gen)
     emb = torch.randn(1, cfg.spk_embed_dim, generator=gen)

@@ -1,6 +1,6 @@
 """Export the CosyVoice2 flow to ONNX: token encoder, estimator (whole and streamed chunks), fixed noise.
 
-Graphs (``export_flow``; the runtime side is :class:`cosyvoice_cpu.flow.stage.FlowStage`):
+Graphs (``export_flow``; the runtime side is :class:`cosyvoice_cpu.flow.cosyvoice2.CosyVoice2Flow`):
 
 ``flow_encoder.onnx`` (batch 1)
     token (1, T) int64: prompt tokens + tokens to synthesise, concatenated (negative ids count as 0)
@@ -14,7 +14,8 @@ Graphs (``export_flow``; the runtime side is :class:`cosyvoice_cpu.flow.stage.Fl
     x, mask, mu, t, spks, cond: (B, 80, T), (B, 1, T), (B, 80, T), (B,), (B, 80), (B, 80, T) float32
     -> estimator_out (B, 80, T) float32; full attention over the frames where mask = 1
 ``flow_estimator_stream.onnx``: one streamed chunk on cached activations of the prompt and the context
-    (contract in :mod:`cosyvoice_cpu.export.flow.cosyvoice2_stream`; runtime :mod:`cosyvoice_cpu.flow.stream`).
+    (contract in :mod:`cosyvoice_cpu.export.flow.cosyvoice2_stream`; runtime
+    :mod:`cosyvoice_cpu.flow.cosyvoice2_stream`).
 ``flow_noise.npy``: the official fixed noise ``randn(1, 80, 15000)`` after seed 0, float32.
 """
 
@@ -44,7 +45,7 @@ from cosyvoice_cpu.export.flow.common import (
 )
 from cosyvoice_cpu.export.flow.cosyvoice2_stream import export_stream_estimator, stream_layout, verify_stream_estimator
 from cosyvoice_cpu.export.fused_ops import export_forms
-from cosyvoice_cpu.flow.stage import FILES, FlowStage
+from cosyvoice_cpu.flow.cosyvoice2 import FILES, CosyVoice2Flow
 from cosyvoice_cpu.reference.flow.causal_unet import MASK_BIAS, FlowEstimator, timestep_embedding
 from cosyvoice_cpu.reference.flow.cfm import NOISE_FRAMES, NOISE_SEED, official_fixed_noise
 from cosyvoice_cpu.reference.flow.cosyvoice2 import Flow
@@ -210,8 +211,8 @@ def verify_flow(
     Gates: encoder mu/spks (final and non-final with look-ahead context, full and chunk attention); the
     estimator at batch 2 (a padded row, two lengths) plus padded rows vs single unpadded rows; the stream
     estimator on a prompt pass and two cached chunks vs the reference over the whole window; the whole flow
-    (ORT encoder + :class:`~cosyvoice_cpu.flow.stage.FlowStage` Euler/CFG loop + estimator) vs ``Flow.inference``
-    with the official noise, and streamed in chunks vs the reference solver with chunk-causal ids.
+    (ORT encoder + :class:`~cosyvoice_cpu.flow.cosyvoice2.CosyVoice2Flow` Euler/CFG loop + estimator) vs
+    ``Flow.inference`` with the official noise, and streamed in chunks vs the reference solver with chunk-causal ids.
 
     Args:
         files: overrides of :data:`FILES` by key (names relative to ``out_dir``), e.g. a quantized estimator.
@@ -226,7 +227,7 @@ def verify_flow(
     cfg = flow.config
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
-    stage = FlowStage(
+    stage = CosyVoice2Flow(
         paths["flow_encoder"],
         paths["flow_estimator"],
         paths["flow_estimator_stream"],
@@ -308,11 +309,11 @@ def verify_flow(
 def _gate_stream(
     flow: Flow, stage: Any, prompt: np.ndarray, tokens: np.ndarray, feat: np.ndarray, emb: np.ndarray, tol: float
 ) -> GateResult:
-    """:class:`~cosyvoice_cpu.flow.stream.FlowStream` (unbounded context, three chunks) vs the reference solver
-    over the same frames with chunk-causal ids [0 prompt, 1, 2, 3] in one call."""
-    from cosyvoice_cpu.flow.stream import FlowStream
+    """:class:`~cosyvoice_cpu.flow.cosyvoice2_stream.CosyVoice2FlowStream` (unbounded context, three chunks) vs the
+    reference solver over the same frames with chunk-causal ids [0 prompt, 1, 2, 3] in one call."""
+    from cosyvoice_cpu.flow.cosyvoice2_stream import CosyVoice2FlowStream
 
-    fs = FlowStream(stage, prompt, feat, emb, context_tokens=None)
+    fs = CosyVoice2FlowStream(stage, prompt, feat, emb, context_tokens=None)
     look = fs.lookahead
     cuts = [(0, 10), (10, 25), (25, len(tokens))]
     mel = np.concatenate(
@@ -338,7 +339,7 @@ def _gate_stream(
 
 
 def _settings(flow: Flow) -> dict[str, Any]:
-    """The :class:`~cosyvoice_cpu.flow.stage.FlowSettings` fields of a reference flow (as the artifacts' attrs)."""
+    """The :class:`~cosyvoice_cpu.flow.cosyvoice2.FlowSettings` fields of a reference flow (as the artifacts' attrs)."""
     cfg = flow.config
     return {
         "token_mel_ratio": cfg.token_mel_ratio,

@@ -1,7 +1,8 @@
 """Export the Fun-CosyVoice3 (v3) flow to ONNX: token encoder, DiT estimator (whole and streamed), fixed noise.
 
-Graphs (``export_flow``; runtime :class:`cosyvoice_cpu.flow.stage_v3.FlowStageV3`, whole sentences also run on the v2
-:class:`~cosyvoice_cpu.flow.stage.FlowStage` unchanged):
+Graphs (``export_flow``; runtime :class:`cosyvoice_cpu.flow.cosyvoice3.CosyVoice3Flow`, whole sentences also run on the
+v2
+:class:`~cosyvoice_cpu.flow.cosyvoice2.CosyVoice2Flow` unchanged):
 
 ``flow_encoder.onnx`` (batch 1; exactly the CosyVoice2 contract)
     token (1, T) int64: prompt tokens + tokens to synthesise (negative ids count as 0)
@@ -15,8 +16,8 @@ Graphs (``export_flow``; runtime :class:`cosyvoice_cpu.flow.stage_v3.FlowStageV3
     -> estimator_out (B, 80, T): the DiT, full attention over the frames where mask = 1, zero on padded frames
     (the official output there is unused garbage; every other frame equals the row alone: all convs are causal)
 ``flow_estimator_stream.onnx``: a window of frames on cached keys/values (v3 contract:
-    :mod:`cosyvoice_cpu.export.flow.cosyvoice3_stream`; runtime :mod:`cosyvoice_cpu.flow.stream_v3`); it takes the
-    DiT's time table of the step's t, which ``flow_time.onnx`` computes (t (N,) -> modulation (N, L x 6D + 2D)).
+    :mod:`cosyvoice_cpu.export.flow.cosyvoice3_stream`; runtime :mod:`cosyvoice_cpu.flow.cosyvoice3_stream`); it takes
+    the DiT's time table of the step's t, which ``flow_time.onnx`` computes (t (N,) -> modulation (N, L x 6D + 2D)).
 ``flow_noise.npy``: the official fixed noise ``randn(1, 80, 15000)`` after seed 0 (the same table as v2).
 """
 
@@ -43,8 +44,7 @@ from cosyvoice_cpu.export.flow.cosyvoice3_stream import (
     verify_stream_estimator,
 )
 from cosyvoice_cpu.export.fused_ops import export_forms
-from cosyvoice_cpu.flow.stage_v3 import FILES_V3 as FILES
-from cosyvoice_cpu.flow.stage_v3 import FlowStageV3
+from cosyvoice_cpu.flow.cosyvoice3 import FILES, CosyVoice3Flow
 from cosyvoice_cpu.reference.flow.cfm import NOISE_FRAMES, NOISE_SEED, official_fixed_noise
 from cosyvoice_cpu.reference.flow.cosyvoice3 import FlowV3
 from cosyvoice_cpu.reference.flow.dit import DiT, apply_rope
@@ -123,7 +123,8 @@ ESTIMATOR_GRAPH = EstimatorGraphV3
 
 
 def settings_of(flow: FlowV3) -> dict[str, Any]:
-    """The :class:`~cosyvoice_cpu.flow.stage_v3.FlowSettingsV3` fields of a reference flow (as the artifacts' attrs)."""
+    """The :class:`~cosyvoice_cpu.flow.cosyvoice3.CosyVoice3FlowSettings` fields of a reference flow (as the artifacts'
+    attrs)."""
     cfg = flow.config
     return {
         "token_mel_ratio": cfg.token_mel_ratio,
@@ -220,22 +221,23 @@ def verify_flow(
     padded row (valid frames) and the padded row vs the row alone; the stream estimator on three windows vs
     the reference DiT with the official chunk mask, its ``keep_frames`` and a whole sentence on it (full
     attention), given the exact time table; ``flow_time.onnx``'s table; the whole flow
-    (:class:`~cosyvoice_cpu.flow.stage_v3.FlowStageV3`, on the stream graph, 10 steps, CFG 0.7) vs ``FlowV3.inference``;
-    :class:`~cosyvoice_cpu.flow.stream_v3.FlowStreamV3` in three chunks vs the official prefix recompute
+    (:class:`~cosyvoice_cpu.flow.cosyvoice3.CosyVoice3Flow`, on the stream graph, 10 steps, CFG 0.7) vs
+    ``FlowV3.inference``;
+    :class:`~cosyvoice_cpu.flow.cosyvoice3_stream.CosyVoice3FlowStream` in three chunks vs the official prefix recompute
     (``FlowV3.inference(streaming=True, finalize=...)`` per chunk).
 
     Args:
         files: overrides of the file names by key (relative to ``out_dir``), e.g. a quantized estimator.
         tolerance: overrides of :data:`TOLERANCE` by check kind (``encoder``, ``estimator``, ``mel``).
     """
-    from cosyvoice_cpu.flow.stream_v3 import FlowStreamV3
+    from cosyvoice_cpu.flow.cosyvoice3_stream import CosyVoice3FlowStream
 
     paths, tol = verify_setup(out_dir, files, tolerance, FILES, TOLERANCE, "verify_flow")
     flow = flow.eval()
     cfg = flow.config
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
-    stage = FlowStageV3(
+    stage = CosyVoice3Flow(
         paths["flow_encoder"],
         paths["flow_estimator"],
         paths["flow_estimator_stream"],
@@ -291,7 +293,7 @@ def verify_flow(
     mel = stage.inference(tokens.numpy(), prompt.numpy(), feat.numpy(), emb.numpy())
     results.append(gate("flow", "mel rel err", mel, ref.numpy(), tol["mel"], "whole sentence, 10 steps, cfg 0.7"))
 
-    fs = FlowStreamV3(stage, prompt.numpy()[0], feat.numpy()[0], emb.numpy(), context_tokens=None)
+    fs = CosyVoice3FlowStream(stage, prompt.numpy()[0], feat.numpy()[0], emb.numpy(), context_tokens=None)
     ours_chunks, ref_chunks = [], []
     for a, b in ((0, 7), (7, 30), (30, n_tok)):
         final = b == n_tok

@@ -33,7 +33,8 @@ positions and causal-conv states::
 
 The official streaming mask is chunk-causal over absolute frames (key j visible from query i iff
 ``j < (i // 50 + 1) * 50``) and every other part of the DiT is causal, so once a 50-frame chunk is complete its
-keys, values and conv inputs never change within an Euler step. The runtime (:mod:`cosyvoice_cpu.flow.stream_v3`)
+keys, values and conv inputs never change within an Euler step. The runtime
+(:mod:`cosyvoice_cpu.flow.cosyvoice3_stream`)
 caches them per step and CFG row and recomputes only the open chunk plus the new frames: with the whole past
 cached this equals the official prefix recompute exactly (gated below). Past keys are all visible; inside the
 window the chunk-causal bias applies. Each attention is ``If(bias all zero)`` (:func:`~cosyvoice_cpu.export.
@@ -41,7 +42,8 @@ fused_ops.unbiased_when_zero`): a window inside one chunk, or ``chunk_frames`` 0
 
 With empty caches, ``offset`` 0, ``chunk_frames`` 0 and ``keep_frames`` 0 a call *is* the official whole-sentence
 estimator (``streaming=False``) on unpadded rows, returning no per-layer keys/values: a process that synthesizes
-whole sentences and streams holds one copy of the DiT's weights (:class:`~cosyvoice_cpu.flow.stage_v3.FlowStageV3`).
+whole sentences and streams holds one copy of the DiT's weights
+(:class:`~cosyvoice_cpu.flow.cosyvoice3.CosyVoice3Flow`).
 
 The time graph (:func:`cosyvoice_cpu.export.flow.cosyvoice3.export_time_graph`) is split off because its weights
 are 42 % of the DiT's (22 x 1024 x 6144 of 327 M at full size) yet an Euler schedule asks it for a handful of ``t``

@@ -12,7 +12,7 @@ which a non-final call already has. So within each Euler step, a *complete* 50-f
 * a push runs the estimator on the *window* = the open (incomplete) chunk's earlier frames + the new frames,
   then commits the chunks that became complete. Extra work per push: at most 49 recomputed frames;
 * the prompt's complete chunks whose mu cannot depend on generated tokens (those ending at least
-  ``pre_lookahead_len`` tokens before the prompt's end) are a :class:`PromptCacheV3`, one per voice and solver
+  ``pre_lookahead_len`` tokens before the prompt's end) are a :class:`CosyVoice3PromptCache`, one per voice and solver
   setting; the remaining prompt frames are recomputed with the first chunk, as the official code does;
 * the encoder runs on the window's tokens (plus the 2 tokens its causal conv needs); a frame's starting noise is
   the official fixed noise at its absolute position.
@@ -33,17 +33,17 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.flow.cosyvoice2 import token_ids
+from cosyvoice_cpu.flow.cosyvoice2_stream import chunk_ids, prompt_frames
+from cosyvoice_cpu.flow.cosyvoice3 import CosyVoice3Flow, stream_layout
 from cosyvoice_cpu.flow.graphs import cache_dtype, cache_storage
 from cosyvoice_cpu.flow.guidance import guidance_rows, guide, guided_rows
-from cosyvoice_cpu.flow.stage import token_ids
-from cosyvoice_cpu.flow.stage_v3 import FlowStageV3, stream_layout_v3
-from cosyvoice_cpu.flow.stream import chunk_ids, prompt_frames
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class PromptCacheV3:
+class CosyVoice3PromptCache:
     """The prompt's committed chunks (frames ``[0, frames)``) for one voice and one (steps, cfg_rate).
 
     Attributes:
@@ -67,14 +67,14 @@ class PromptCacheV3:
     @classmethod
     def build(
         cls,
-        stage: FlowStageV3,
+        stage: CosyVoice3Flow,
         prompt_tokens: Any,
         prompt_feat: np.ndarray,
         embedding: np.ndarray,
         n_timesteps: int | None = None,
         cfg_rate: float | None = None,
         dtype: Any = np.float32,
-    ) -> PromptCacheV3:
+    ) -> CosyVoice3PromptCache:
         """Integrate the prompt's stable complete chunks alone and keep their keys/values at every step (stored
         as ``dtype``: float32, or float16 for half the memory; always float16 for a graph that takes float16)."""
         sess = _stream_session(stage)
@@ -86,7 +86,7 @@ class PromptCacheV3:
         stable = max(0, tokens.shape[1] - s.pre_lookahead_len) * s.token_mel_ratio
         frames = stable // stage.chunk_frames * stage.chunk_frames
         rows = guidance_rows(cfg_rate)
-        layers, width, state, hist = stream_layout_v3(sess)
+        layers, width, state, hist = stream_layout(sess)
         empty = np.zeros((layers, rows, 0, width), wire)
         conv0 = np.zeros((rows, state, hist), np.float32)
         emb = np.asarray(embedding, dtype=np.float32)
@@ -122,34 +122,36 @@ class PromptCacheV3:
         return cache
 
 
-class FlowStreamV3:
+class CosyVoice3FlowStream:
     """One utterance's incremental v3 flow (not thread-safe; one per request). API as
-    :class:`~cosyvoice_cpu.flow.stream.FlowStream`.
+    :class:`~cosyvoice_cpu.flow.cosyvoice2_stream.CosyVoice2FlowStream`.
 
     Args:
-        stage: a :class:`~cosyvoice_cpu.flow.stage_v3.FlowStageV3` with its stream estimator.
+        stage: a :class:`~cosyvoice_cpu.flow.cosyvoice3.CosyVoice3Flow` with its stream estimator.
         prompt_tokens: (T_p,) prompt speech tokens; prompt_feat: (T_p * ratio, 80) prompt mel.
         embedding: (192,) or (1, 192) x-vector.
         n_timesteps, cfg_rate: solver settings (None: the stage defaults).
         context_tokens: generated tokens of committed history kept in the cache (None: all, the official result).
-        prompt_cache: a :class:`PromptCacheV3` for the same voice and settings (built here if None).
+        prompt_cache: a :class:`CosyVoice3PromptCache` for the same voice and settings (built here if None).
     """
 
     def __init__(
         self,
-        stage: FlowStageV3,
+        stage: CosyVoice3Flow,
         prompt_tokens: Any,
         prompt_feat: np.ndarray,
         embedding: np.ndarray,
         n_timesteps: int | None = None,
         cfg_rate: float | None = None,
         context_tokens: int | None = None,
-        prompt_cache: PromptCacheV3 | None = None,
+        prompt_cache: CosyVoice3PromptCache | None = None,
     ) -> None:
         if context_tokens is not None and context_tokens < 0:
             raise ConfigError(f"context_tokens must be >= 0 or None, got {context_tokens}")
-        if not isinstance(stage, FlowStageV3):
-            raise ConfigError("FlowStreamV3 needs a FlowStageV3 (a v3 model directory); use FlowStream for v2")
+        if not isinstance(stage, CosyVoice3Flow):
+            raise ConfigError(
+                "CosyVoice3FlowStream needs a CosyVoice3Flow (a v3 model directory); use CosyVoice2FlowStream for v2"
+            )
         self.sess = _stream_session(stage)
         self.stage = stage
         self.ratio = stage.settings.token_mel_ratio
@@ -164,7 +166,7 @@ class FlowStreamV3:
         self.feat = prompt_frames(prompt_feat, self.n_prompt)
         self.embedding = np.asarray(embedding, dtype=np.float32)
         if prompt_cache is None:
-            prompt_cache = PromptCacheV3.build(
+            prompt_cache = CosyVoice3PromptCache.build(
                 stage, self.tokens, prompt_feat, self.embedding, self.steps, self.cfg_rate
             )
         if len(prompt_cache.k) != self.steps or prompt_cache.k[0].shape[1] != self.rows:
@@ -172,7 +174,7 @@ class FlowStreamV3:
         if prompt_cache.frames > self.n_prompt:
             raise ConfigError("the prompt cache was built for a longer prompt (another voice)")
         self.prompt = prompt_cache
-        layers, width, _, self.hist = stream_layout_v3(self.sess)
+        layers, width, _, self.hist = stream_layout(self.sess)
         self.kv_dtype = cache_dtype(self.sess, "prompt_k")  # what the graph takes and returns keys/values in
         self.ctx_k = [np.zeros((layers, self.rows, 0, width), self.kv_dtype) for _ in range(self.steps)]
         self.ctx_v = list(self.ctx_k)
@@ -197,7 +199,7 @@ class FlowStreamV3:
         Returns:
             (1, 80, C * token_mel_ratio) float32 mel of the new tokens.
         """
-        new, ahead = chunk_ids(tokens, lookahead, self.finished, "FlowStreamV3")
+        new, ahead = chunk_ids(tokens, lookahead, self.finished, "CosyVoice3FlowStream")
         n_ahead = 0 if ahead is None else ahead.shape[1]
         if n_ahead > self.lookahead:
             raise ConfigError(f"lookahead has {n_ahead} tokens; pass at most pre_lookahead_len = {self.lookahead}")
@@ -263,7 +265,7 @@ def _next_state(state: np.ndarray, conv_in: np.ndarray, n: int, hist: int) -> np
     return np.ascontiguousarray(np.concatenate([state, conv_in], axis=2)[:, :, n : n + hist])
 
 
-def _stream_session(stage: FlowStageV3) -> Any:
+def _stream_session(stage: CosyVoice3Flow) -> Any:
     if not stage.can_stream:
         raise ConfigError(
             "streaming needs flow_estimator_stream.onnx: load the flow with streaming=True "

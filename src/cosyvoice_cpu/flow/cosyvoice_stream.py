@@ -1,7 +1,7 @@
 """The official CosyVoice-300M (v1) streaming token2wav, flow and mel side (NumPy + ONNX Runtime, no torch).
 
 The official ``CosyVoiceModel.tts(stream=True)`` cuts the utterance's speech tokens into overlapping windows
-and runs the whole flow (:meth:`FlowStageV1.inference`) on each one:
+and runs the whole flow (:meth:`CosyVoiceFlow.inference`) on each one:
 
     hop = token_min_hop_len = 2 * input_frame_rate = 100 tokens (``stream_scale_factor`` 1 keeps it there),
     overlap = token_overlap_len = 20 tokens
@@ -19,7 +19,7 @@ tokens = 34 frames. Across windows:
     mel overlap (1, 80, 34): a non-final window holds back its last 34 mel frames; the next window's first
         34 frames are cross-faded with them: ``new * hamming(68)[:34] + held * hamming(68)[34:]`` (float64)
 
-:meth:`FlowStreamV1.push` returns the mel the official code hands to HiFT *before* prepending HiFT's own
+:meth:`CosyVoiceFlowStream.push` returns the mel the official code hands to HiFT *before* prepending HiFT's own
 20-frame mel cache (``hift_cache_dict['mel']``, with ``cache_source`` and the speech fade: the vocoder side).
 """
 
@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.flow.stage import N_MELS, token_ids
-from cosyvoice_cpu.flow.stage_v1 import FlowStageV1, frames_for_tokens
+from cosyvoice_cpu.flow.cosyvoice import CosyVoiceFlow, frames_for_tokens
+from cosyvoice_cpu.flow.cosyvoice2 import N_MELS, token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +51,14 @@ def fade_in_out(mel: np.ndarray, held: np.ndarray, window: np.ndarray) -> np.nda
     return out
 
 
-class FlowStreamV1:
+class CosyVoiceFlowStream:
     """One utterance streamed as the official v1 ``tts(stream=True)`` does, flow and mel side.
 
     Drive it with :meth:`next_window` (which tokens to push next, given how many the LM has produced) and
     :meth:`push`; or cut windows yourself by the rules in the module doc.
 
     Args:
-        stage: the loaded :class:`~cosyvoice_cpu.flow.stage_v1.FlowStageV1`.
+        stage: the loaded :class:`~cosyvoice_cpu.flow.cosyvoice.CosyVoiceFlow`.
         prompt_tokens: (T1,) voice prompt tokens, may be empty (SFT); prompt_feat: (T_pm, 80) prompt mel or (0, 80).
         embedding: (1, 192) x-vector.
         n_timesteps, cfg_rate: solver settings (stage defaults if None).
@@ -70,7 +70,7 @@ class FlowStreamV1:
 
     def __init__(
         self,
-        stage: FlowStageV1,
+        stage: CosyVoiceFlow,
         prompt_tokens: Any,
         prompt_feat: np.ndarray,
         embedding: np.ndarray,
@@ -133,7 +133,9 @@ class FlowStreamV1:
             frames (held for the next window); final: the whole faded mel.
         """
         if self.finished:
-            raise ConfigError("this utterance's stream already ended with a final window; start a new FlowStreamV1")
+            raise ConfigError(
+                "this utterance's stream already ended with a final window; start a new CosyVoiceFlowStream"
+            )
         ids = token_ids(tokens, "tokens")
         n = ids.shape[1]
         if self._tail is not None and not np.array_equal(ids[0, : self.overlap], self._tail):

@@ -3,19 +3,21 @@
     tokens --flow_encoder.onnx (the v2 contract: token, context, embedding, chunk_size)--> mu (1, 80, 2T), spks
         (inside: Embedding(6561, 80) -> PreLookaheadLayer 80 -> 1024 -> 80 -> repeat x2; chunk_size is unused)
     cond = prompt mel then zeros; x_0 = the official fixed noise (``flow_noise.npy``, the same table as v2)
-    Euler/CFG over ``flow_estimator.onnx`` (the DiT, official contract) = :meth:`FlowStage.solve`
+    Euler/CFG over ``flow_estimator.onnx`` (the DiT, official contract) = :meth:`CosyVoice2Flow.solve`
     flow_time.onnx: t (N,) -> the DiT's time table (N, L x 6D + 2D), everything that depends on t alone
 
-Whole sentences therefore run on :class:`~cosyvoice_cpu.flow.stage.FlowStage`'s solver; :class:`FlowStageV3` swaps the
+Whole sentences therefore run on :class:`~cosyvoice_cpu.flow.cosyvoice2.CosyVoice2Flow`'s solver;
+:class:`CosyVoice3Flow` swaps the
 stream estimator's contract (``flow_estimator_stream.onnx`` of v3: a window of frames on a key/value cache,
 :mod:`cosyvoice_cpu.export.flow_stream_graph_v3`), runs whole sentences on that graph too (empty caches: the
 full-attention DiT, so a process that does both modes holds one copy of the DiT's weights, 202 MB at int8 full
 size; ``flow_estimator.onnx`` is opened only for padded rows or without the stream graph) and adds the DiT's
-attention chunk (``chunk_frames``, 50). Streaming is :class:`~cosyvoice_cpu.flow.stream_v3.FlowStreamV3`.
+attention chunk (``chunk_frames``, 50). Streaming is
+:class:`~cosyvoice_cpu.flow.cosyvoice3_stream.CosyVoice3FlowStream`.
 
 The stream graph takes the DiT's time table for the step's ``t`` (``modulation``) instead of ``t``: the AdaLN
 weights that map the time embedding to every block's shift/scale/gate are 42 % of the DiT's (138 M of 327 M
-parameters at full size), but a schedule has a handful of ``t`` values. :meth:`FlowStageV3.time_table` opens
+parameters at full size), but a schedule has a handful of ``t`` values. :meth:`CosyVoice3Flow.time_table` opens
 ``flow_time.onnx``, computes a schedule's table (0.55 MB per step at full size), keeps it and closes the graph,
 so a synthesizing process never holds those weights (format 5).
 """
@@ -35,16 +37,17 @@ import numpy as np
 from cosyvoice_cpu.backends.base import DEFAULT_SHRINK_FRAMES, SessionConfig
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.flow.buckets import ShapedGraph
+from cosyvoice_cpu.flow.cosyvoice2 import FILES as COSYVOICE2_FILES
+from cosyvoice_cpu.flow.cosyvoice2 import CosyVoice2Flow, FlowSettings
 from cosyvoice_cpu.flow.graphs import cache_dtype, open_checked
-from cosyvoice_cpu.flow.stage import FILES, FlowSettings, FlowStage
 
 logger = logging.getLogger(__name__)
 
 # manifest keys -> file names: the v2 names (the stream estimator has the v3 contract below) and the time graph
-FILES_V3 = {**FILES, "flow_time": "flow_time.onnx"}
+FILES = {**COSYVOICE2_FILES, "flow_time": "flow_time.onnx"}
 TIME_IO = ({"t": ("float", 1)}, ("modulation",))
 TIME_TABLES = 8  # schedules whose time table a stage keeps (10 steps: 5.5 MB at full size)
-STREAM_IO_V3 = (
+STREAM_IO = (
     {
         "x": ("float", 3),
         "mu": ("float", 3),
@@ -64,7 +67,7 @@ STREAM_IO_V3 = (
 )
 
 
-def stream_layout_v3(sess: Any) -> tuple[int, int, int, int]:
+def stream_layout(sess: Any) -> tuple[int, int, int, int]:
     """(L, I, 2D, K-1) of a v3 stream estimator from its input shapes (prompt_k (L, B, P, I), conv_state
     (B, 2D, K-1))."""
     shapes = {i.name: i.shape for i in sess.get_inputs()}
@@ -77,7 +80,7 @@ def stream_layout_v3(sess: Any) -> tuple[int, int, int, int]:
 
 
 @dataclass
-class FlowSettingsV3(FlowSettings):
+class CosyVoice3FlowSettings(FlowSettings):
     """:class:`FlowSettings` plus the DiT's streaming attention chunk (frames).
 
     ``static_chunk_size`` (tokens) is kept for the encoder contract but has no effect in v3 (no conformer).
@@ -86,7 +89,7 @@ class FlowSettingsV3(FlowSettings):
     chunk_frames: int = 50  # DiT static_chunk_size: key j visible from query i iff j < (i // 50 + 1) * 50
 
     @classmethod
-    def from_attrs(cls, attrs: dict[str, Any] | None) -> FlowSettingsV3:
+    def from_attrs(cls, attrs: dict[str, Any] | None) -> CosyVoice3FlowSettings:
         settings = super().from_attrs(attrs)
         if settings.chunk_frames <= 0 or settings.chunk_frames % settings.token_mel_ratio:
             raise ConfigError(
@@ -97,14 +100,14 @@ class FlowSettingsV3(FlowSettings):
         return settings  # type: ignore[return-value]
 
 
-class FlowStageV3(FlowStage):
-    """:class:`FlowStage` for v3 directories: same encoder/estimator/noise, the v3 stream estimator.
+class CosyVoice3Flow(CosyVoice2Flow):
+    """:class:`CosyVoice2Flow` for v3 directories: same encoder/estimator/noise, the v3 stream estimator.
 
-    Args: as :class:`FlowStage`; ``settings`` may carry ``chunk_frames`` (the stream graph's attrs);
+    Args: as :class:`CosyVoice2Flow`; ``settings`` may carry ``chunk_frames`` (the stream graph's attrs);
         ``time_graph``: ``flow_time.onnx``, which the stream graph needs (:meth:`time_table`).
     """
 
-    stream_io = STREAM_IO_V3
+    stream_io = STREAM_IO
     stream_serves_whole = True  # empty caches, chunk_frames 0: the full-attention DiT (format 4)
 
     def __init__(
@@ -113,14 +116,14 @@ class FlowStageV3(FlowStage):
         estimator: str | Path,
         estimator_stream: str | Path | None = None,
         noise: str | Path | None = None,
-        settings: FlowSettingsV3 | dict[str, Any] | None = None,
+        settings: CosyVoice3FlowSettings | dict[str, Any] | None = None,
         threads: int | SessionConfig = 1,
         time_graph: str | Path | None = None,
         arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES,
         whole: ShapedGraph | None = None,
     ) -> None:
-        if not isinstance(settings, FlowSettingsV3):
-            settings = FlowSettingsV3.from_attrs(
+        if not isinstance(settings, CosyVoice3FlowSettings):
+            settings = CosyVoice3FlowSettings.from_attrs(
                 settings if isinstance(settings, dict) else (vars(settings) if settings is not None else None)
             )
         super().__init__(encoder, estimator, estimator_stream, noise, settings, threads, arena_shrink_frames, whole)
@@ -137,23 +140,23 @@ class FlowStageV3(FlowStage):
     def from_dir(
         cls,
         model_dir: str | Path,
-        settings: FlowSettingsV3 | dict[str, Any] | None = None,
+        settings: CosyVoice3FlowSettings | dict[str, Any] | None = None,
         threads: int | SessionConfig = 1,
         streaming: bool = True,
         arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES,
         whole: ShapedGraph | None = None,
-    ) -> FlowStageV3:
+    ) -> CosyVoice3Flow:
         """The stage from the standard file names in an exported v3 directory."""
         d = Path(model_dir)
-        stream = d / FILES_V3["flow_estimator_stream"] if streaming else None
+        stream = d / FILES["flow_estimator_stream"] if streaming else None
         return cls(
-            d / FILES_V3["flow_encoder"],
-            d / FILES_V3["flow_estimator"],
+            d / FILES["flow_encoder"],
+            d / FILES["flow_estimator"],
             stream,
-            d / FILES_V3["flow_noise"],
+            d / FILES["flow_noise"],
             settings,
             threads,
-            d / FILES_V3["flow_time"],
+            d / FILES["flow_time"],
             arena_shrink_frames,
             whole,
         )
@@ -204,13 +207,13 @@ class FlowStageV3(FlowStage):
         return [{"modulation": table[k : k + 1]} for k in range(len(schedule))]
 
     def _whole_call(self, padded: bool, n: int) -> tuple[Any, dict[str, np.ndarray]]:
-        """As :meth:`FlowStage._whole_call`, with the v3 stream graph's feeds: empty key/value caches, zero conv
+        """As :meth:`CosyVoice2Flow._whole_call`, with the v3 stream graph's feeds: empty key/value caches, zero conv
         state, ``offset`` 0, ``chunk_frames`` 0 (full attention: ORT's flash kernel) and ``keep_frames`` 0 (no
         key/value is returned: ~117 MB of float16 at 650 frames)."""
         if not self.whole_on_stream_graph(padded):
             return super()._whole_call(padded, n)
         sess = self.stream_estimator
-        layers, width, state, hist = stream_layout_v3(sess)
+        layers, width, state, hist = stream_layout(sess)
         empty = np.zeros((layers, n, 0, width), cache_dtype(sess, "prompt_k"))
         conv = np.zeros((n, state, hist), np.float32)
         return sess, {

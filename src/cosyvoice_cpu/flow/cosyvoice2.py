@@ -4,7 +4,7 @@
     cond = prompt mel then zeros; x_0 = the official fixed noise (``flow_noise.npy``) or caller noise
     Euler over a cosine time schedule, classifier-free guidance as one batch-2 call of ``flow_estimator.onnx``:
     rows [conditioned; mu = spks = cond = 0]. Streaming (``flow_estimator_stream.onnx``, chunk by chunk on cached
-    activations) is :mod:`cosyvoice_cpu.flow.stream`.
+    activations) is :mod:`cosyvoice_cpu.flow.cosyvoice2_stream`.
 
 Numerically this is :meth:`cosyvoice_cpu.reference.flow.Flow.inference` (same time bookkeeping, same noise);
 graph contracts are documented in :mod:`cosyvoice_cpu.export.flow_graph`.
@@ -80,7 +80,7 @@ def token_ids(tokens: Any, what: str) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
-class FlowStage:
+class CosyVoice2Flow:
     """Tokens -> mel with the exported flow graphs.
 
     Args:
@@ -97,9 +97,9 @@ class FlowStage:
             ONNX Runtime (or the stream graph with empty caches) runs whole sentences.
     """
 
-    # the encoder graph's contract; a subclass with another encoder (v1: :mod:`cosyvoice_cpu.flow.stage_v1`) swaps it
+    # the encoder graph's contract; a subclass with another encoder (v1: :mod:`cosyvoice_cpu.flow.cosyvoice`) swaps it
     encoder_io: ClassVar[tuple[dict[str, tuple[str, int]], tuple[str, ...]]] = ENCODER_IO
-    # the stream estimator's contract (v3's key/value-cache graph: :mod:`cosyvoice_cpu.flow.stage_v3`)
+    # the stream estimator's contract (v3's key/value-cache graph: :mod:`cosyvoice_cpu.flow.cosyvoice3`)
     stream_io: ClassVar[tuple[dict[str, tuple[str, int]], tuple[str, ...]]] = STREAM_IO
     # whether that graph also runs whole sentences (v2: empty caches and keep_frames = 0 are the full-attention
     # estimator), so a process that does both modes holds one copy of the estimator's weights
@@ -155,7 +155,7 @@ class FlowStage:
         streaming: bool = True,
         arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES,
         whole: ShapedGraph | None = None,
-    ) -> FlowStage:
+    ) -> CosyVoice2Flow:
         """The stage from the standard file names in an exported directory."""
         d = Path(model_dir)
         stream = d / FILES["flow_estimator_stream"] if streaming else None
@@ -357,7 +357,7 @@ class FlowStage:
     ) -> list[dict[str, np.ndarray]]:
         """Per Euler step of ``schedule``, the estimator ``sess``'s time input for ``rows`` rows: ``t`` (rows,)
         (Fun-CosyVoice3's stream graph takes its time table
-        instead: :class:`~cosyvoice_cpu.flow.stage_v3.FlowStageV3`)."""
+        instead: :class:`~cosyvoice_cpu.flow.cosyvoice3.CosyVoice3Flow`)."""
         return [{"t": np.full(rows, t, dtype=np.float32)} for t, _ in schedule]
 
     def initial_noise(self, noise: np.ndarray | None, b: int, size: int, offset: int = 0) -> np.ndarray:

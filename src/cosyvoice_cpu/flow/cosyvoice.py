@@ -6,12 +6,13 @@
       ``int(T2 / 50 * 22050 / 256)``; ``stretch`` is built here by :func:`stretch_matrix`
     x_0 = fresh Gaussian noise (1, 80, F) per call (``rng``), or caller noise; a streaming ``flow_cache``
       (1, 80, n, 2) of [noise, mu] overwrites the first n frames of both (:func:`start_noise`)
-    Euler/CFG over ``flow_estimator.onnx`` (the official contract) = :meth:`FlowStage.solve`
+    Euler/CFG over ``flow_estimator.onnx`` (the official contract) = :meth:`CosyVoice2Flow.solve`
     -> mel (1, 80, mel_len2) without the prompt frames, and the next cache (1, 80, mel_len1 + 34, 2)
 
 Numerically this is :meth:`cosyvoice_cpu.reference.flow_v1.FlowV1.inference` with ``noise=`` (graph contracts in
 :mod:`cosyvoice_cpu.export.flow_graph_v1`). The official v1 streaming (``token_hop_len`` windows overlapping by
-20 tokens, the 34-frame Hamming cross-fade of the mel) is :class:`FlowStreamV1` in :mod:`cosyvoice_cpu.flow.stream_v1`.
+20 tokens, the 34-frame Hamming cross-fade of the mel) is :class:`CosyVoiceFlowStream` in
+:mod:`cosyvoice_cpu.flow.cosyvoice_stream`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 from cosyvoice_cpu.backends.base import DEFAULT_SHRINK_FRAMES, SessionConfig
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.flow.buckets import ShapedGraph
-from cosyvoice_cpu.flow.stage import N_MELS, FlowSettings, FlowStage, token_ids
+from cosyvoice_cpu.flow.cosyvoice2 import N_MELS, CosyVoice2Flow, FlowSettings, token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ CACHE_TAIL_FRAMES = 34  # the official ConditionalCFM keeps the last 34 frames (
 
 
 @dataclass
-class FlowSettingsV1(FlowSettings):
+class CosyVoiceFlowSettings(FlowSettings):
     """v1 stage facts (the graph artifacts' attrs). Of the inherited fields only ``n_timesteps``, ``cfg_rate``
     and ``t_scheduler`` matter (the v2 chunk/look-ahead fields are unused)."""
 
@@ -161,16 +162,17 @@ def start_noise(
     return z, mu, np.ascontiguousarray(cache, dtype=np.float32)
 
 
-class FlowStageV1(FlowStage):
+class CosyVoiceFlow(CosyVoice2Flow):
     """Tokens -> mel with the exported v1 flow graphs (encoder with a stretch input; the official estimator).
 
-    Reuses :class:`FlowStage`'s estimator session, :meth:`~FlowStage.solve`, :meth:`~FlowStage.schedule` and
-    :meth:`~FlowStage.solver_params`; there is no fixed noise table and no chunk estimator (``can_stream`` is
-    False: v1 streams whole windows, see :class:`cosyvoice_cpu.flow.stream_v1.FlowStreamV1`).
+    Reuses :class:`CosyVoice2Flow`'s estimator session, :meth:`~CosyVoice2Flow.solve`, :meth:`~CosyVoice2Flow.schedule`
+    and
+    :meth:`~CosyVoice2Flow.solver_params`; there is no fixed noise table and no chunk estimator (``can_stream`` is
+    False: v1 streams whole windows, see :class:`cosyvoice_cpu.flow.cosyvoice_stream.CosyVoiceFlowStream`).
 
     Args:
         encoder, estimator: ``flow_encoder.onnx`` and ``flow_estimator.onnx`` paths.
-        settings: :class:`FlowSettingsV1` or the artifacts' attrs dict.
+        settings: :class:`CosyVoiceFlowSettings` or the artifacts' attrs dict.
         threads: ORT intra-op threads per session.
     """
 
@@ -180,29 +182,29 @@ class FlowStageV1(FlowStage):
         self,
         encoder: str | Path,
         estimator: str | Path,
-        settings: FlowSettingsV1 | dict[str, Any] | None = None,
+        settings: CosyVoiceFlowSettings | dict[str, Any] | None = None,
         threads: int | SessionConfig = 1,
         arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES,
         whole: ShapedGraph | None = None,
     ) -> None:
-        if not isinstance(settings, FlowSettingsV1):
+        if not isinstance(settings, CosyVoiceFlowSettings):
             base = vars(settings) if isinstance(settings, FlowSettings) else settings
-            settings = FlowSettingsV1.from_attrs(base)
+            settings = CosyVoiceFlowSettings.from_attrs(base)
         super().__init__(encoder, estimator, None, None, settings, threads, arena_shrink_frames, whole)
-        self.settings: FlowSettingsV1 = settings
+        self.settings: CosyVoiceFlowSettings = settings
 
     @classmethod
     def from_dir(
         cls,
         model_dir: str | Path,
-        settings: FlowSettingsV1 | dict[str, Any] | None = None,
+        settings: CosyVoiceFlowSettings | dict[str, Any] | None = None,
         threads: int | SessionConfig = 1,
         streaming: bool = False,
         arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES,
         whole: ShapedGraph | None = None,
-    ) -> FlowStageV1:
+    ) -> CosyVoiceFlow:
         """The stage from the standard file names (:data:`FILES`); ``streaming`` is accepted for symmetry with
-        :meth:`FlowStage.from_dir` (v1 streaming needs no extra graph)."""
+        :meth:`CosyVoice2Flow.from_dir` (v1 streaming needs no extra graph)."""
         d = Path(model_dir)
         return cls(
             d / FILES["flow_encoder"], d / FILES["flow_estimator"], settings, threads, arena_shrink_frames, whole
@@ -246,13 +248,13 @@ class FlowStageV1(FlowStage):
         context: Any = None,
         streaming: bool = False,
     ) -> np.ndarray:
-        """Tokens -> mel (1, 80, mel_len2), as :meth:`FlowStage.inference`: ``noise`` None draws fresh Gaussian
+        """Tokens -> mel (1, 80, mel_len2), as :meth:`CosyVoice2Flow.inference`: ``noise`` None draws fresh Gaussian
         noise from ``rng`` (required then). v1 has no look-ahead context and no chunk-causal encoder: ``context``
         must be None and ``streaming`` False (its stream is :meth:`inference_cached` on overlapping windows)."""
         if context is not None or streaming:
             raise ConfigError(
                 "CosyVoice-300M's flow takes no context tokens and has no chunk-causal encoder; "
-                "stream with its overlapping windows (FlowStreamV1)"
+                "stream with its overlapping windows (CosyVoiceFlowStream)"
             )
         mel, _ = self.inference_cached(
             tokens,
@@ -285,7 +287,7 @@ class FlowStageV1(FlowStage):
             prompt_feat: (T_pm, 80) or (1, T_pm, 80) prompt mel; (0, 80) for an SFT voice (no prompt tokens).
             noise: (1, 80, >= F) starting noise; None draws fresh Gaussian noise from ``rng`` (required then).
             flow_cache: the previous chunk's cache (streaming), or None.
-            others: as :meth:`encode` and :meth:`FlowStage.solve`.
+            others: as :meth:`encode` and :meth:`CosyVoice2Flow.solve`.
         Returns:
             (mel (1, 80, mel_len2) float32 without the prompt frames, the new cache (1, 80, mel_len1 + 34, 2)).
         """

@@ -9,7 +9,7 @@ only (``flow_estimator_stream.onnx``), on cached activations of what came before
   is fixed once computed: per Euler step and CFG row, every transformer block's ``norm1`` output for the past
   frames (keys/values are linear in it) and every causal convolution's last two input frames;
 * the prompt's part depends only on the voice and the solver settings (steps, CFG rate): a
-  :class:`PromptCache`, computed once with the prompt alone and shared by every request with that voice;
+  :class:`CosyVoice2PromptCache`, computed once with the prompt alone and shared by every request with that voice;
 * the context is the latest ``context_tokens`` of generated frames (``None``: all of them, which reproduces the
   one-shot chunk-causal solve exactly; a test checks it). Older frames leave the attention window; the
   convolution states always continue from the frame just before the chunk, so nothing else is approximated;
@@ -30,15 +30,15 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.flow.cosyvoice2 import N_MELS, CosyVoice2Flow, token_ids
 from cosyvoice_cpu.flow.graphs import cache_dtype, cache_storage, stream_layout
 from cosyvoice_cpu.flow.guidance import guidance_rows, guide, guided_rows
-from cosyvoice_cpu.flow.stage import N_MELS, FlowStage, token_ids
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class PromptCache:
+class CosyVoice2PromptCache:
     """Everything the prompt contributes to streamed chunks, for one voice and one (steps, cfg_rate).
 
     Attributes:
@@ -61,14 +61,14 @@ class PromptCache:
     @classmethod
     def build(
         cls,
-        stage: FlowStage,
+        stage: CosyVoice2Flow,
         prompt_tokens: Any,
         prompt_feat: np.ndarray,
         embedding: np.ndarray,
         n_timesteps: int | None = None,
         cfg_rate: float | None = None,
         dtype: Any = np.float32,
-    ) -> PromptCache:
+    ) -> CosyVoice2PromptCache:
         """Integrate the prompt frames alone (chunk 0) and keep their activations at every step (stored as
         ``dtype``: float32, or float16 for half the memory; always float16 for a graph that takes float16)."""
         sess = _stream_session(stage)
@@ -100,28 +100,28 @@ class PromptCache:
         return cache
 
 
-class FlowStream:
+class CosyVoice2FlowStream:
     """One utterance's incremental flow state (not thread-safe; one per request).
 
     Args:
-        stage: the loaded :class:`~cosyvoice_cpu.flow.stage.FlowStage` (with its stream estimator).
+        stage: the loaded :class:`~cosyvoice_cpu.flow.cosyvoice2.CosyVoice2Flow` (with its stream estimator).
         prompt_tokens: (T_p,) prompt speech tokens; prompt_feat: (T_p * ratio, 80) prompt mel.
         embedding: (192,) or (1, 192) x-vector.
         n_timesteps, cfg_rate: solver settings (None: the stage defaults).
         context_tokens: tokens of history each chunk attends to (None: all of it).
-        prompt_cache: a :class:`PromptCache` built for the same voice and settings (built here if None).
+        prompt_cache: a :class:`CosyVoice2PromptCache` built for the same voice and settings (built here if None).
     """
 
     def __init__(
         self,
-        stage: FlowStage,
+        stage: CosyVoice2Flow,
         prompt_tokens: Any,
         prompt_feat: np.ndarray,
         embedding: np.ndarray,
         n_timesteps: int | None = None,
         cfg_rate: float | None = None,
         context_tokens: int | None = 25,
-        prompt_cache: PromptCache | None = None,
+        prompt_cache: CosyVoice2PromptCache | None = None,
     ) -> None:
         if context_tokens is not None and context_tokens < 0:
             raise ConfigError(f"context_tokens must be >= 0 or None, got {context_tokens}")
@@ -137,7 +137,7 @@ class FlowStream:
         self.n_prompt = self.prompt_tokens.shape[1] * self.ratio
         self.embedding = np.asarray(embedding, dtype=np.float32)
         if prompt_cache is None:
-            prompt_cache = PromptCache.build(
+            prompt_cache = CosyVoice2PromptCache.build(
                 stage, self.prompt_tokens, prompt_feat, self.embedding, self.steps, self.cfg_rate
             )
         if len(prompt_cache.h) != self.steps or prompt_cache.h[0].shape[1:3] != (self.rows, self.n_prompt):
@@ -167,7 +167,7 @@ class FlowStream:
         Returns:
             (1, 80, C * token_mel_ratio) float32 mel of the new tokens.
         """
-        new, lookahead = chunk_ids(tokens, lookahead, self.finished, "FlowStream")
+        new, lookahead = chunk_ids(tokens, lookahead, self.finished, "CosyVoice2FlowStream")
         self.finished = lookahead is None
         done = self.history.shape[1]
         keep = done if self.context_tokens is None else min(self.context_tokens, done)
@@ -227,7 +227,7 @@ def chunk_ids(tokens: Any, lookahead: Any, finished: bool, stream: str) -> tuple
     return new, ahead if ahead is not None and ahead.shape[1] else None
 
 
-def _stream_session(stage: FlowStage) -> Any:
+def _stream_session(stage: CosyVoice2Flow) -> Any:
     if not stage.can_stream:
         raise ConfigError(
             "streaming needs flow_estimator_stream.onnx: load the engine with EngineConfig(streaming_estimator=True)"
@@ -244,7 +244,7 @@ def prompt_frames(prompt_feat: np.ndarray, frames: int) -> np.ndarray:
     return np.ascontiguousarray(feat.T[None])
 
 
-def _encode(stage: FlowStage, prompt_tokens: np.ndarray, embedding: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _encode(stage: CosyVoice2Flow, prompt_tokens: np.ndarray, embedding: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The prompt's own encoder output (no generated tokens after it: zero look-ahead) and spks."""
     if prompt_tokens.shape[1] == 0:
         _, spks = stage.encode(np.zeros((1, 1), np.int64), prompt_tokens, embedding)
