@@ -11,7 +11,9 @@ name (the shape sherpa-onnx uses in ``OfflineTtsImpl::Create``):
 - :attr:`Family.prompt_cache`: the kind of per-voice prompt cache the streamed flow keeps (or None);
 - :meth:`Family.speak_stream`: the stream recipe (whole sentences share :func:`~cosyvoice_cpu.sentence.speak_whole`).
 
-Adding a family means one subclass here (plus its stage classes) and one row of facts.
+Adding a family means one subclass of :class:`Family` in a module of its own (plus its stage classes where its
+graphs differ) and one row of facts; CosyVoice2 and Fun-CosyVoice3 share the chunked stream recipe
+(:class:`~cosyvoice_cpu.families.common.ChunkedFamily`).
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from cosyvoice_cpu.backends.plan import GraphPlan, plan_backends
 from cosyvoice_cpu.config import EngineConfig
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.facts import FamilyFacts
+from cosyvoice_cpu.flow.base import FlowStage
 from cosyvoice_cpu.flow.buckets import ShapedGraph
-from cosyvoice_cpu.flow.cosyvoice2 import CosyVoice2Flow
-from cosyvoice_cpu.flow.prompt_caches import PromptCaches
+from cosyvoice_cpu.flow.prompt_caches import PromptCacheKind, PromptCaches
 from cosyvoice_cpu.lm.generate import SpeechTokenGenerator
 from cosyvoice_cpu.lm.session import LMSession
 from cosyvoice_cpu.lm.silence import SilentRunFilter
@@ -46,8 +48,8 @@ from cosyvoice_cpu.voices.voice import Voice
 logger = logging.getLogger(__name__)
 
 
-def _warm(flow: CosyVoice2Flow) -> None:
-    """:meth:`CosyVoice2Flow.warm` in a background thread: a failure is logged (the first sentence then compiles, or
+def _warm(flow: FlowStage) -> None:
+    """:meth:`FlowStage.warm` in a background thread: a failure is logged (the first sentence then compiles, or
     raises the same error where it can be reported)."""
     try:
         flow.warm()
@@ -70,7 +72,7 @@ class Stages:
 
     tokenizer: TextTokenizer
     lm: SpeechTokenGenerator
-    flow: CosyVoice2Flow
+    flow: FlowStage
     vocoder: Vocoder
     frontend: Frontend
     prompt_caches: PromptCaches | None = None  # per-voice streamed-flow caches (families that keep them)
@@ -83,8 +85,8 @@ class Family:
     """
 
     facts: ClassVar[FamilyFacts]
-    flow_stage: ClassVar[type[CosyVoice2Flow]]
-    prompt_cache: ClassVar[type | None] = None  # the streamed flow's per-voice cache (``build``, ``nbytes``)
+    flow_stage: ClassVar[type[FlowStage]]
+    prompt_cache: ClassVar[PromptCacheKind | None] = None  # the streamed flow's per-voice cache
 
     def __init__(self, manifest: Manifest) -> None:
         self.manifest = manifest
@@ -138,7 +140,7 @@ class Family:
         """The speech-token generator on the LM graph (the manifest's ``lm`` and ``sampling`` facts)."""
         return SpeechTokenGenerator.from_manifest(session, self.manifest)
 
-    def load_flow(self, model_dir: Path, config: EngineConfig, sessions: SessionConfig) -> CosyVoice2Flow:
+    def load_flow(self, model_dir: Path, config: EngineConfig, sessions: SessionConfig) -> FlowStage:
         """The flow stage, with the streamed estimator when ``config.streaming_estimator``, and the whole-sentence
         estimator on the backend the plan gives it (:func:`~cosyvoice_cpu.backends.plan.plan_backends`)."""
         plan = self.backend_plan(config.backend)["flow_estimator"]

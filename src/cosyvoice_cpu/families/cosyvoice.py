@@ -16,10 +16,11 @@ from typing import ClassVar
 import numpy as np
 
 from cosyvoice_cpu.backends.base import SessionConfig
+from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.facts import FamilyFacts, facts
 from cosyvoice_cpu.families.base import Family, Stages
+from cosyvoice_cpu.flow.base import FlowStage
 from cosyvoice_cpu.flow.cosyvoice import CosyVoiceFlow
-from cosyvoice_cpu.flow.cosyvoice2 import CosyVoice2Flow
 from cosyvoice_cpu.flow.cosyvoice_stream import CosyVoiceFlowStream
 from cosyvoice_cpu.lm.files import TEXT_ENCODER_FILE
 from cosyvoice_cpu.lm.generate import SpeechTokenGenerator
@@ -35,7 +36,7 @@ class CosyVoice(Family):
     """v1: the causal Conformer text encoder before the LM, the length-regulated flow, overlapping windows."""
 
     facts: ClassVar[FamilyFacts] = facts("cosyvoice")
-    flow_stage: ClassVar[type[CosyVoice2Flow]] = CosyVoiceFlow
+    flow_stage: ClassVar[type[FlowStage]] = CosyVoiceFlow
 
     def load_lm(self, model_dir: Path, session: LMSession, sessions: SessionConfig) -> SpeechTokenGenerator:
         """The generator with the text-encoder graph (``lm_text_encoder.onnx``) that prepares its prompt."""
@@ -44,11 +45,13 @@ class CosyVoice(Family):
         return SpeechTokenGenerator.from_manifest(session, self.manifest, encoder)
 
     def speak_stream(self, s: Sentence, stages: Stages) -> Iterator[Piece]:
-        voice, config = s.voice, s.config
-        overlap = stages.flow.settings.overlap_tokens
+        voice, config, stage = s.voice, s.config, stages.flow
+        if not isinstance(stage, CosyVoiceFlow):
+            raise ConfigError(f"CosyVoice-300M streams on its own flow stage, not {type(stage).__name__}")
+        overlap = stage.settings.overlap_tokens
         first = max(overlap + 1, 2 * config.first_chunk_tokens)
         flow = CosyVoiceFlowStream(
-            stages.flow,
+            stage,
             voice.speech_tokens,
             voice.mel,
             voice.embedding,

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
+
+from cosyvoice_cpu.backends.base import GraphSession, NodeInfo
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +59,7 @@ def bucket(frames: int) -> int:
         k += 1
 
 
-def pad_time(feeds: dict[str, np.ndarray], size: int) -> dict[str, np.ndarray]:
+def pad_time(feeds: Mapping[str, np.ndarray], size: int) -> dict[str, np.ndarray]:
     """The estimator feeds with their time axis (``x``, ``mu``, ``cond``, ``mask``) zero-padded to ``size``."""
     out = dict(feeds)
     for name in TIME_INPUTS:
@@ -68,7 +70,7 @@ def pad_time(feeds: dict[str, np.ndarray], size: int) -> dict[str, np.ndarray]:
     return out
 
 
-class BucketedSession:
+class BucketedSession(GraphSession):
     """A whole-sentence estimator session that pads every call's frames to a :func:`bucket` and cuts the output.
 
     Wraps any :class:`~cosyvoice_cpu.backends.base.GraphSession` with the estimator contract (x, mask, mu, t,
@@ -77,17 +79,19 @@ class BucketedSession:
     the backend compiles per shape.
     """
 
-    def __init__(self, session: Any, pad: bool = True) -> None:
+    def __init__(self, session: GraphSession, pad: bool = True) -> None:
         self.session, self.pad = session, pad
         self.calls = self.padded_frames = 0
 
-    def get_inputs(self) -> list[Any]:
+    def get_inputs(self) -> list[NodeInfo]:
         return self.session.get_inputs()
 
-    def get_outputs(self) -> list[Any]:
+    def get_outputs(self) -> list[NodeInfo]:
         return self.session.get_outputs()
 
-    def run(self, output_names: list[str] | None, feeds: dict[str, Any], release_memory: bool = False) -> list[Any]:
+    def run(
+        self, output_names: list[str] | None, feeds: Mapping[str, np.ndarray], release_memory: bool = False
+    ) -> list[np.ndarray]:
         """As the wrapped ``run``; every time-axis output is cut back to the caller's frames."""
         frames = int(feeds["x"].shape[2])
         size = bucket(frames) if self.pad else frames
@@ -99,11 +103,8 @@ class BucketedSession:
     def warm(self, frames: list[int], rows: int = 2) -> None:
         """Compile (or load from the backend's cache) the buckets of these frame counts for ``rows``-row calls,
         where the session compiles per shape (a no-op otherwise)."""
-        prepare = getattr(self.session, "prepare", None)
-        if prepare is None:
-            return
         for size in sorted({bucket(f) if self.pad else f for f in frames}):
-            prepare(
+            self.session.prepare(
                 {
                     "x": (rows, 80, size),
                     "mask": (rows, 1, size),

@@ -6,11 +6,12 @@
       ``int(T2 / 50 * 22050 / 256)``; ``stretch`` is built here by :func:`stretch_matrix`
     x_0 = fresh Gaussian noise (1, 80, F) per call (``rng``), or caller noise; a streaming ``flow_cache``
       (1, 80, n, 2) of [noise, mu] overwrites the first n frames of both (:func:`start_noise`)
-    Euler/CFG over ``flow_estimator.onnx`` (the official contract) = :meth:`CosyVoice2Flow.solve`
+    Euler/CFG over ``flow_estimator.onnx`` (the official contract) = :meth:`FlowStage.solve
+        <cosyvoice_cpu.flow.base.FlowStage.solve>`
     -> mel (1, 80, mel_len2) without the prompt frames, and the next cache (1, 80, mel_len1 + 34, 2)
 
-Numerically this is :meth:`cosyvoice_cpu.reference.flow_v1.FlowV1.inference` with ``noise=`` (graph contracts in
-:mod:`cosyvoice_cpu.export.flow_graph_v1`). The official v1 streaming (``token_hop_len`` windows overlapping by
+Numerically this is :meth:`cosyvoice_cpu.reference.flow.cosyvoice.FlowV1.inference` with ``noise=`` (graph contracts in
+:mod:`cosyvoice_cpu.export.flow.cosyvoice`). The official v1 streaming (``token_hop_len`` windows overlapping by
 20 tokens, the 34-frame Hamming cross-fade of the mel) is :class:`CosyVoiceFlowStream` in
 :mod:`cosyvoice_cpu.flow.cosyvoice_stream`.
 """
@@ -20,19 +21,21 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from cosyvoice_cpu.backends.base import DEFAULT_SHRINK_FRAMES, SessionConfig
 from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.flow.base import Attrs, FlowSettings, FlowStage, prompt_mel, token_ids
 from cosyvoice_cpu.flow.buckets import ShapedGraph
-from cosyvoice_cpu.flow.cosyvoice2 import N_MELS, CosyVoice2Flow, FlowSettings, token_ids
+from cosyvoice_cpu.flow.graphs import IO
 
 logger = logging.getLogger(__name__)
 
 FILES = {"flow_encoder": "flow_encoder.onnx", "flow_estimator": "flow_estimator.onnx"}
-ENCODER_IO = ({"token": ("int64", 2), "embedding": ("float", 2), "stretch": ("float", 2)}, ("mu", "spks"))
+ENCODER_IO: IO = ({"token": ("int64", 2), "embedding": ("float", 2), "stretch": ("float", 2)}, ("mu", "spks"))
 MEL_FRAMES_PER_SECOND = 22050 / 256  # hard-coded by the official v1 flow and length regulator
 OVERLAP_TOKENS = 20  # the official token_overlap_len; also the regulator's head/tail split
 SPLIT_ABOVE_TOKENS = 2 * OVERLAP_TOKENS  # more new tokens than this: stretched as head / middle / tail
@@ -41,8 +44,8 @@ CACHE_TAIL_FRAMES = 34  # the official ConditionalCFM keeps the last 34 frames (
 
 @dataclass
 class CosyVoiceFlowSettings(FlowSettings):
-    """v1 stage facts (the graph artifacts' attrs). Of the inherited fields only ``n_timesteps``, ``cfg_rate``
-    and ``t_scheduler`` matter (the v2 chunk/look-ahead fields are unused)."""
+    """CosyVoice-300M stage facts (the graph artifacts' attrs). Of the shared fields only ``n_timesteps``,
+    ``cfg_rate`` and ``t_scheduler`` matter (the chunk/look-ahead fields are unused)."""
 
     token_mel_ratio: int = 0  # no fixed ratio: the regulator stretches tokens to the mel length
     pre_lookahead_len: int = 0
@@ -162,13 +165,12 @@ def start_noise(
     return z, mu, np.ascontiguousarray(cache, dtype=np.float32)
 
 
-class CosyVoiceFlow(CosyVoice2Flow):
+class CosyVoiceFlow(FlowStage):
     """Tokens -> mel with the exported v1 flow graphs (encoder with a stretch input; the official estimator).
 
-    Reuses :class:`CosyVoice2Flow`'s estimator session, :meth:`~CosyVoice2Flow.solve`, :meth:`~CosyVoice2Flow.schedule`
-    and
-    :meth:`~CosyVoice2Flow.solver_params`; there is no fixed noise table and no chunk estimator (``can_stream`` is
-    False: v1 streams whole windows, see :class:`cosyvoice_cpu.flow.cosyvoice_stream.CosyVoiceFlowStream`).
+    The solve is :meth:`FlowStage.solve <cosyvoice_cpu.flow.base.FlowStage.solve>`; there is no fixed noise
+    table (fresh noise per call from ``rng``) and no chunk estimator (``can_stream`` is False: CosyVoice-300M
+    streams whole windows, see :class:`cosyvoice_cpu.flow.cosyvoice_stream.CosyVoiceFlowStream`).
 
     Args:
         encoder, estimator: ``flow_encoder.onnx`` and ``flow_estimator.onnx`` paths.
@@ -176,42 +178,41 @@ class CosyVoiceFlow(CosyVoice2Flow):
         threads: ORT intra-op threads per session.
     """
 
-    encoder_io: ClassVar[tuple[dict[str, tuple[str, int]], tuple[str, ...]]] = ENCODER_IO
+    encoder_io: ClassVar[IO] = ENCODER_IO
+    settings: CosyVoiceFlowSettings
 
     def __init__(
         self,
         encoder: str | Path,
         estimator: str | Path,
-        settings: CosyVoiceFlowSettings | dict[str, Any] | None = None,
+        settings: FlowSettings | Attrs | None = None,
         threads: int | SessionConfig = 1,
         arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES,
         whole: ShapedGraph | None = None,
     ) -> None:
         if not isinstance(settings, CosyVoiceFlowSettings):
-            base = vars(settings) if isinstance(settings, FlowSettings) else settings
-            settings = CosyVoiceFlowSettings.from_attrs(base)
-        super().__init__(encoder, estimator, None, None, settings, threads, arena_shrink_frames, whole)
-        self.settings: CosyVoiceFlowSettings = settings
+            settings = CosyVoiceFlowSettings.from_attrs(settings)
+        super().__init__(encoder, estimator, None, settings, threads, arena_shrink_frames, whole)
 
     @classmethod
     def from_dir(
         cls,
         model_dir: str | Path,
-        settings: CosyVoiceFlowSettings | dict[str, Any] | None = None,
+        settings: FlowSettings | Attrs | None = None,
         threads: int | SessionConfig = 1,
         streaming: bool = False,
         arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES,
         whole: ShapedGraph | None = None,
     ) -> CosyVoiceFlow:
-        """The stage from the standard file names (:data:`FILES`); ``streaming`` is accepted for symmetry with
-        :meth:`CosyVoice2Flow.from_dir` (v1 streaming needs no extra graph)."""
+        """The stage from the standard file names (:data:`FILES`); ``streaming`` is accepted for symmetry with the
+        other families' ``from_dir`` (CosyVoice-300M's streaming needs no extra graph)."""
         d = Path(model_dir)
         return cls(
             d / FILES["flow_encoder"], d / FILES["flow_estimator"], settings, threads, arena_shrink_frames, whole
         )
 
     def encode(
-        self, tokens: Any, prompt_tokens: Any, prompt_mel_frames: int, embedding: np.ndarray
+        self, tokens: ArrayLike, prompt_tokens: ArrayLike, prompt_mel_frames: int, embedding: ArrayLike
     ) -> tuple[np.ndarray, np.ndarray, int]:
         """Encode prompt + tokens and stretch them to mel frames.
 
@@ -226,36 +227,28 @@ class CosyVoiceFlow(CosyVoice2Flow):
         rate = self.settings.input_frame_rate
         mel_len1, mel_len2 = int(prompt_mel_frames), frames_for_tokens(new.shape[1], rate)
         stretch = stretch_matrix(prompt.shape[1], new.shape[1], mel_len1, mel_len2, rate)
-        emb = np.asarray(embedding, dtype=np.float32)
-        if emb.size != self._emb_dim:
-            raise ConfigError(f"embedding must hold {self._emb_dim} values ((1, {self._emb_dim})), got {emb.shape}")
+        emb = self.embedding_row(embedding)
         token = np.concatenate([prompt, new], axis=1)
-        feeds = {"token": token, "embedding": emb.reshape(1, self._emb_dim), "stretch": stretch}
+        feeds = {"token": token, "embedding": emb, "stretch": stretch}
         mu, spks = self.encoder.run(None, feeds, self.releases_memory(mel_len2))
         return mu, spks, mel_len1
 
     def inference(
         self,
-        tokens: Any,
-        prompt_tokens: Any,
-        prompt_feat: np.ndarray,
-        embedding: np.ndarray,
+        tokens: ArrayLike,
+        prompt_tokens: ArrayLike,
+        prompt_feat: ArrayLike,
+        embedding: ArrayLike,
         *,
         n_timesteps: int | None = None,
         cfg_rate: float | None = None,
         noise: np.ndarray | None = None,
         rng: np.random.Generator | None = None,
-        context: Any = None,
-        streaming: bool = False,
     ) -> np.ndarray:
-        """Tokens -> mel (1, 80, mel_len2), as :meth:`CosyVoice2Flow.inference`: ``noise`` None draws fresh Gaussian
-        noise from ``rng`` (required then). v1 has no look-ahead context and no chunk-causal encoder: ``context``
-        must be None and ``streaming`` False (its stream is :meth:`inference_cached` on overlapping windows)."""
-        if context is not None or streaming:
-            raise ConfigError(
-                "CosyVoice-300M's flow takes no context tokens and has no chunk-causal encoder; "
-                "stream with its overlapping windows (CosyVoiceFlowStream)"
-            )
+        """Tokens -> mel (1, 80, mel_len2), as :meth:`FlowStage.inference
+        <cosyvoice_cpu.flow.base.FlowStage.inference>`: ``noise`` None draws fresh Gaussian noise from ``rng``
+        (required then). Streaming is :meth:`inference_cached` on overlapping windows
+        (:mod:`cosyvoice_cpu.flow.cosyvoice_stream`)."""
         mel, _ = self.inference_cached(
             tokens,
             prompt_tokens,
@@ -270,10 +263,10 @@ class CosyVoiceFlow(CosyVoice2Flow):
 
     def inference_cached(
         self,
-        tokens: Any,
-        prompt_tokens: Any,
-        prompt_feat: np.ndarray,
-        embedding: np.ndarray,
+        tokens: ArrayLike,
+        prompt_tokens: ArrayLike,
+        prompt_feat: ArrayLike,
+        embedding: ArrayLike,
         *,
         n_timesteps: int | None = None,
         cfg_rate: float | None = None,
@@ -287,14 +280,11 @@ class CosyVoiceFlow(CosyVoice2Flow):
             prompt_feat: (T_pm, 80) or (1, T_pm, 80) prompt mel; (0, 80) for an SFT voice (no prompt tokens).
             noise: (1, 80, >= F) starting noise; None draws fresh Gaussian noise from ``rng`` (required then).
             flow_cache: the previous chunk's cache (streaming), or None.
-            others: as :meth:`encode` and :meth:`CosyVoice2Flow.solve`.
+            others: as :meth:`encode` and :meth:`FlowStage.solve <cosyvoice_cpu.flow.base.FlowStage.solve>`.
         Returns:
             (mel (1, 80, mel_len2) float32 without the prompt frames, the new cache (1, 80, mel_len1 + 34, 2)).
         """
-        feat = np.asarray(prompt_feat, dtype=np.float32)
-        feat = feat[None] if feat.ndim == 2 else feat
-        if feat.ndim != 3 or feat.shape[0] != 1 or feat.shape[2] != N_MELS:
-            raise ConfigError(f"prompt_feat must be (T_pm, 80) or (1, T_pm, 80), got {feat.shape}")
+        feat = prompt_mel(prompt_feat)
         mu, spks, mel_len1 = self.encode(tokens, prompt_tokens, feat.shape[1], embedding)
         z, mu, cache = start_noise(mu, flow_cache, mel_len1, noise, rng, self.settings.cache_tail_frames)
         cond = np.zeros_like(mu)

@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.flow.cosyvoice2 import N_MELS, CosyVoice2Flow, token_ids
-from cosyvoice_cpu.flow.graphs import cache_dtype, cache_storage, stream_layout
+from cosyvoice_cpu.flow.base import N_MELS, token_ids
+from cosyvoice_cpu.flow.common import chunk_ids, prompt_frames, stream_session
+from cosyvoice_cpu.flow.cosyvoice2 import CosyVoice2Flow, stream_layout
+from cosyvoice_cpu.flow.graphs import cache_dtype, cache_storage
 from cosyvoice_cpu.flow.guidance import guidance_rows, guide, guided_rows
 
 logger = logging.getLogger(__name__)
@@ -62,16 +64,16 @@ class CosyVoice2PromptCache:
     def build(
         cls,
         stage: CosyVoice2Flow,
-        prompt_tokens: Any,
-        prompt_feat: np.ndarray,
-        embedding: np.ndarray,
+        prompt_tokens: ArrayLike,
+        prompt_feat: ArrayLike,
+        embedding: ArrayLike,
         n_timesteps: int | None = None,
         cfg_rate: float | None = None,
-        dtype: Any = np.float32,
+        dtype: type[np.floating] = np.float32,
     ) -> CosyVoice2PromptCache:
         """Integrate the prompt frames alone (chunk 0) and keep their activations at every step (stored as
         ``dtype``: float32, or float16 for half the memory; always float16 for a graph that takes float16)."""
-        sess = _stream_session(stage)
+        sess = stream_session(stage)
         wire, dtype = cache_storage(sess, "prompt_h", dtype)
         steps, cfg_rate = stage.solver_params(n_timesteps, cfg_rate)
         tokens = token_ids(prompt_tokens, "prompt_tokens")
@@ -115,9 +117,9 @@ class CosyVoice2FlowStream:
     def __init__(
         self,
         stage: CosyVoice2Flow,
-        prompt_tokens: Any,
-        prompt_feat: np.ndarray,
-        embedding: np.ndarray,
+        prompt_tokens: ArrayLike,
+        prompt_feat: ArrayLike,
+        embedding: ArrayLike,
         n_timesteps: int | None = None,
         cfg_rate: float | None = None,
         context_tokens: int | None = 25,
@@ -125,7 +127,7 @@ class CosyVoice2FlowStream:
     ) -> None:
         if context_tokens is not None and context_tokens < 0:
             raise ConfigError(f"context_tokens must be >= 0 or None, got {context_tokens}")
-        self.sess = _stream_session(stage)
+        self.sess = stream_session(stage)
         self.stage = stage
         self.ratio = stage.settings.token_mel_ratio
         self.lookahead = stage.settings.pre_lookahead_len
@@ -158,7 +160,7 @@ class CosyVoice2FlowStream:
         """Mel frames produced so far."""
         return self.history.shape[1] * self.ratio
 
-    def push(self, tokens: Any, lookahead: Any = None) -> np.ndarray:
+    def push(self, tokens: ArrayLike, lookahead: ArrayLike | None = None) -> np.ndarray:
         """Turn the next tokens into mel.
 
         Args:
@@ -215,36 +217,7 @@ class CosyVoice2FlowStream:
         return np.ascontiguousarray(a[:, :, a.shape[2] - self.context_tokens * self.ratio :])
 
 
-def chunk_ids(tokens: Any, lookahead: Any, finished: bool, stream: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """The checked arguments of a chunked stream's ``push``: new ids (1, C) with C >= 1, and the look-ahead ids
-    (1, K) or None (None or no ids: the last chunk). ``finished``: the stream already had its last chunk."""
-    if finished:
-        raise ConfigError(f"this stream is finished (its last chunk had no look-ahead); start a new {stream}")
-    new = token_ids(tokens, "tokens")
-    if new.shape[1] == 0:
-        raise ConfigError("push needs at least one new token")
-    ahead = None if lookahead is None else token_ids(lookahead, "lookahead")
-    return new, ahead if ahead is not None and ahead.shape[1] else None
-
-
-def _stream_session(stage: CosyVoice2Flow) -> Any:
-    if not stage.can_stream:
-        raise ConfigError(
-            "streaming needs flow_estimator_stream.onnx: load the engine with EngineConfig(streaming_estimator=True)"
-        )
-    return stage.stream_estimator
-
-
-def prompt_frames(prompt_feat: np.ndarray, frames: int) -> np.ndarray:
-    """(frames, 80) or (1, frames, 80) prompt mel -> (1, 80, frames) float32."""
-    feat = np.asarray(prompt_feat, dtype=np.float32)
-    feat = feat[0] if feat.ndim == 3 else feat
-    if feat.ndim != 2 or feat.shape != (frames, N_MELS):
-        raise ConfigError(f"prompt_feat must be ({frames}, 80) for the prompt tokens, got {feat.shape}")
-    return np.ascontiguousarray(feat.T[None])
-
-
-def _encode(stage: CosyVoice2Flow, prompt_tokens: np.ndarray, embedding: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _encode(stage: CosyVoice2Flow, prompt_tokens: np.ndarray, embedding: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
     """The prompt's own encoder output (no generated tokens after it: zero look-ahead) and spks."""
     if prompt_tokens.shape[1] == 0:
         _, spks = stage.encode(np.zeros((1, 1), np.int64), prompt_tokens, embedding)

@@ -3,15 +3,15 @@
     tokens --flow_encoder.onnx (the v2 contract: token, context, embedding, chunk_size)--> mu (1, 80, 2T), spks
         (inside: Embedding(6561, 80) -> PreLookaheadLayer 80 -> 1024 -> 80 -> repeat x2; chunk_size is unused)
     cond = prompt mel then zeros; x_0 = the official fixed noise (``flow_noise.npy``, the same table as v2)
-    Euler/CFG over ``flow_estimator.onnx`` (the DiT, official contract) = :meth:`CosyVoice2Flow.solve`
+    Euler/CFG over ``flow_estimator.onnx`` (the DiT, official contract) = :meth:`FlowStage.solve
+        <cosyvoice_cpu.flow.base.FlowStage.solve>`
     flow_time.onnx: t (N,) -> the DiT's time table (N, L x 6D + 2D), everything that depends on t alone
 
-Whole sentences therefore run on :class:`~cosyvoice_cpu.flow.cosyvoice2.CosyVoice2Flow`'s solver;
-:class:`CosyVoice3Flow` swaps the
-stream estimator's contract (``flow_estimator_stream.onnx`` of v3: a window of frames on a key/value cache,
-:mod:`cosyvoice_cpu.export.flow_stream_graph_v3`), runs whole sentences on that graph too (empty caches: the
-full-attention DiT, so a process that does both modes holds one copy of the DiT's weights, 202 MB at int8 full
-size; ``flow_estimator.onnx`` is opened only for padded rows or without the stream graph) and adds the DiT's
+The encoder, noise and solve are the chunk-streamed families' (:class:`~cosyvoice_cpu.flow.common.ChunkedFlow`);
+:class:`CosyVoice3Flow` gives the stream estimator's contract (``flow_estimator_stream.onnx`` of v3: a window of frames
+on a key/value cache, :mod:`cosyvoice_cpu.export.flow.cosyvoice3_stream`), runs whole sentences on that graph too (empty
+caches: the full-attention DiT, so a process that does both modes holds one copy of the DiT's weights, 202 MB at int8
+full size; ``flow_estimator.onnx`` is opened only for padded rows or without the stream graph) and adds the DiT's
 attention chunk (``chunk_frames``, 50). Streaming is
 :class:`~cosyvoice_cpu.flow.cosyvoice3_stream.CosyVoice3FlowStream`.
 
@@ -30,24 +30,26 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import ClassVar
 
 import numpy as np
 
-from cosyvoice_cpu.backends.base import DEFAULT_SHRINK_FRAMES, SessionConfig
+from cosyvoice_cpu.backends.base import DEFAULT_SHRINK_FRAMES, GraphSession, SessionConfig
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
+from cosyvoice_cpu.flow.base import Attrs, Feeds, FlowSettings, Schedule
 from cosyvoice_cpu.flow.buckets import ShapedGraph
-from cosyvoice_cpu.flow.cosyvoice2 import FILES as COSYVOICE2_FILES
-from cosyvoice_cpu.flow.cosyvoice2 import CosyVoice2Flow, FlowSettings
-from cosyvoice_cpu.flow.graphs import cache_dtype, open_checked
+from cosyvoice_cpu.flow.common import FILES as CHUNKED_FILES
+from cosyvoice_cpu.flow.common import ChunkedFlow
+from cosyvoice_cpu.flow.graphs import IO, cache_dtype, open_checked
 
 logger = logging.getLogger(__name__)
 
-# manifest keys -> file names: the v2 names (the stream estimator has the v3 contract below) and the time graph
-FILES = {**COSYVOICE2_FILES, "flow_time": "flow_time.onnx"}
+# manifest keys -> file names: the chunk-streamed families' names (the stream estimator has the contract below)
+# and the time graph
+FILES = {**CHUNKED_FILES, "flow_time": "flow_time.onnx"}
 TIME_IO = ({"t": ("float", 1)}, ("modulation",))
 TIME_TABLES = 8  # schedules whose time table a stage keeps (10 steps: 5.5 MB at full size)
-STREAM_IO = (
+STREAM_IO: IO = (
     {
         "x": ("float", 3),
         "mu": ("float", 3),
@@ -67,7 +69,7 @@ STREAM_IO = (
 )
 
 
-def stream_layout(sess: Any) -> tuple[int, int, int, int]:
+def stream_layout(sess: GraphSession) -> tuple[int, int, int, int]:
     """(L, I, 2D, K-1) of a v3 stream estimator from its input shapes (prompt_k (L, B, P, I), conv_state
     (B, 2D, K-1))."""
     shapes = {i.name: i.shape for i in sess.get_inputs()}
@@ -89,26 +91,31 @@ class CosyVoice3FlowSettings(FlowSettings):
     chunk_frames: int = 50  # DiT static_chunk_size: key j visible from query i iff j < (i // 50 + 1) * 50
 
     @classmethod
-    def from_attrs(cls, attrs: dict[str, Any] | None) -> CosyVoice3FlowSettings:
+    def from_attrs(cls, attrs: Attrs | FlowSettings | None) -> CosyVoice3FlowSettings:
+        """As :meth:`FlowSettings.from_attrs <cosyvoice_cpu.flow.base.FlowSettings.from_attrs>`, with
+        ``chunk_frames`` checked."""
         settings = super().from_attrs(attrs)
+        assert isinstance(settings, CosyVoice3FlowSettings)
         if settings.chunk_frames <= 0 or settings.chunk_frames % settings.token_mel_ratio:
             raise ConfigError(
                 f"flow chunk_frames must be a positive multiple of token_mel_ratio "
                 f"{settings.token_mel_ratio}, got {settings.chunk_frames}; export the model "
                 "again"
             )
-        return settings  # type: ignore[return-value]
+        return settings
 
 
-class CosyVoice3Flow(CosyVoice2Flow):
-    """:class:`CosyVoice2Flow` for v3 directories: same encoder/estimator/noise, the v3 stream estimator.
+class CosyVoice3Flow(ChunkedFlow):
+    """Tokens -> mel with the exported Fun-CosyVoice3 flow graphs: the look-ahead encoder, the DiT estimator, its
+    key/value-cache stream graph (which also serves whole sentences: empty caches, chunk_frames 0, format 4).
 
-    Args: as :class:`CosyVoice2Flow`; ``settings`` may carry ``chunk_frames`` (the stream graph's attrs);
-        ``time_graph``: ``flow_time.onnx``, which the stream graph needs (:meth:`time_table`).
+    Args: as :class:`~cosyvoice_cpu.flow.cosyvoice2.CosyVoice2Flow`; ``settings`` may carry ``chunk_frames`` (the
+        stream graph's attrs); ``time_graph``: ``flow_time.onnx``, which the stream graph needs
+        (:meth:`time_table`).
     """
 
-    stream_io = STREAM_IO
-    stream_serves_whole = True  # empty caches, chunk_frames 0: the full-attention DiT (format 4)
+    stream_io: ClassVar[IO | None] = STREAM_IO
+    settings: CosyVoice3FlowSettings
 
     def __init__(
         self,
@@ -116,16 +123,14 @@ class CosyVoice3Flow(CosyVoice2Flow):
         estimator: str | Path,
         estimator_stream: str | Path | None = None,
         noise: str | Path | None = None,
-        settings: CosyVoice3FlowSettings | dict[str, Any] | None = None,
+        settings: FlowSettings | Attrs | None = None,
         threads: int | SessionConfig = 1,
         time_graph: str | Path | None = None,
         arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES,
         whole: ShapedGraph | None = None,
     ) -> None:
         if not isinstance(settings, CosyVoice3FlowSettings):
-            settings = CosyVoice3FlowSettings.from_attrs(
-                settings if isinstance(settings, dict) else (vars(settings) if settings is not None else None)
-            )
+            settings = CosyVoice3FlowSettings.from_attrs(settings)
         super().__init__(encoder, estimator, estimator_stream, noise, settings, threads, arena_shrink_frames, whole)
         self._time_graph = None if time_graph is None else Path(time_graph)
         if estimator_stream is not None and (self._time_graph is None or not self._time_graph.is_file()):
@@ -140,7 +145,7 @@ class CosyVoice3Flow(CosyVoice2Flow):
     def from_dir(
         cls,
         model_dir: str | Path,
-        settings: CosyVoice3FlowSettings | dict[str, Any] | None = None,
+        settings: FlowSettings | Attrs | None = None,
         threads: int | SessionConfig = 1,
         streaming: bool = True,
         arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES,
@@ -161,7 +166,7 @@ class CosyVoice3Flow(CosyVoice2Flow):
             whole,
         )
 
-    def time_table(self, schedule: list[tuple[np.float32, np.float32]]) -> np.ndarray:
+    def time_table(self, schedule: Schedule) -> np.ndarray:
         """(steps, L x 6D + 2D) float32: ``flow_time.onnx`` at the schedule's t values (row k for step k).
 
         Computed once per schedule and kept (the last :data:`TIME_TABLES`); the graph is opened for it and closed
@@ -178,7 +183,7 @@ class CosyVoice3Flow(CosyVoice2Flow):
                 raise ModelDirError("this v3 flow stage has no flow_time.onnx; export the model directory again")
             t0 = time.perf_counter()
             self._shrink_arena()
-            sess = open_checked(self._time_graph, self._threads, TIME_IO)
+            sess = open_checked(self._time_graph, self.threads, TIME_IO)
             table = sess.run(None, {"t": np.array(key, np.float32)})[0]
             del sess
             self._tables[key] = table
@@ -194,11 +199,9 @@ class CosyVoice3Flow(CosyVoice2Flow):
         what the arena gave back instead of on top of it (measured: docs/benchmarks-log.md, "2026-12-02:
         Fun-CosyVoice3, the time table split off"). The next calls fault their arena pages in again, once per new
         schedule."""
-        self.encode(np.zeros(1, np.int64), [], np.zeros(self._emb_dim, np.float32), shrink=True)
+        self.encode(np.zeros(1, np.int64), [], np.zeros(self.emb_dim, np.float32), shrink=True)
 
-    def time_feeds(
-        self, sess: Any, schedule: list[tuple[np.float32, np.float32]], rows: int
-    ) -> list[dict[str, np.ndarray]]:
+    def time_feeds(self, sess: GraphSession, schedule: Schedule, rows: int) -> list[Feeds]:
         """Per Euler step, the stream graph's ``modulation`` (1, L x 6D + 2D) (one row serves every row: they
         share t); ``flow_estimator.onnx`` keeps the official ``t`` input."""
         if "modulation" not in {i.name for i in sess.get_inputs()}:
@@ -206,17 +209,13 @@ class CosyVoice3Flow(CosyVoice2Flow):
         table = self.time_table(schedule)
         return [{"modulation": table[k : k + 1]} for k in range(len(schedule))]
 
-    def _whole_call(self, padded: bool, n: int) -> tuple[Any, dict[str, np.ndarray]]:
-        """As :meth:`CosyVoice2Flow._whole_call`, with the v3 stream graph's feeds: empty key/value caches, zero conv
-        state, ``offset`` 0, ``chunk_frames`` 0 (full attention: ORT's flash kernel) and ``keep_frames`` 0 (no
-        key/value is returned: ~117 MB of float16 at 650 frames)."""
-        if not self.whole_on_stream_graph(padded):
-            return super()._whole_call(padded, n)
-        sess = self.stream_estimator
+    def empty_stream_feeds(self, sess: GraphSession, n: int) -> Feeds:
+        """Empty key/value caches, zero conv state, ``offset`` 0, ``chunk_frames`` 0 (full attention: ORT's flash
+        kernel) and ``keep_frames`` 0 (no key/value is returned: ~117 MB of float16 at 650 frames)."""
         layers, width, state, hist = stream_layout(sess)
         empty = np.zeros((layers, n, 0, width), cache_dtype(sess, "prompt_k"))
         conv = np.zeros((n, state, hist), np.float32)
-        return sess, {
+        return {
             "prompt_k": empty,
             "prompt_v": empty,
             "context_k": empty,
@@ -230,4 +229,4 @@ class CosyVoice3Flow(CosyVoice2Flow):
     @property
     def chunk_frames(self) -> int:
         """The DiT's streaming attention chunk in mel frames."""
-        return int(self.settings.chunk_frames)  # type: ignore[attr-defined]
+        return int(self.settings.chunk_frames)

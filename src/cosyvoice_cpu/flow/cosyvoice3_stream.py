@@ -8,7 +8,7 @@ which a non-final call already has. So within each Euler step, a *complete* 50-f
 
 * per Euler step and CFG row we cache every block's keys (after RoPE) and values of the complete chunks, and
   the conv position embedding's inputs on the 30 frames before the first open frame (``flow_estimator_stream.onnx``
-  of v3, :mod:`cosyvoice_cpu.export.flow_stream_graph_v3`);
+  of v3, :mod:`cosyvoice_cpu.export.flow.cosyvoice3_stream`);
 * a push runs the estimator on the *window* = the open (incomplete) chunk's earlier frames + the new frames,
   then commits the chunks that became complete. Extra work per push: at most 49 recomputed frames;
 * the prompt's complete chunks whose mu cannot depend on generated tokens (those ending at least
@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.flow.cosyvoice2 import token_ids
-from cosyvoice_cpu.flow.cosyvoice2_stream import chunk_ids, prompt_frames
+from cosyvoice_cpu.flow.base import token_ids
+from cosyvoice_cpu.flow.common import chunk_ids, prompt_frames, stream_session
 from cosyvoice_cpu.flow.cosyvoice3 import CosyVoice3Flow, stream_layout
 from cosyvoice_cpu.flow.graphs import cache_dtype, cache_storage
 from cosyvoice_cpu.flow.guidance import guidance_rows, guide, guided_rows
@@ -68,16 +68,16 @@ class CosyVoice3PromptCache:
     def build(
         cls,
         stage: CosyVoice3Flow,
-        prompt_tokens: Any,
-        prompt_feat: np.ndarray,
-        embedding: np.ndarray,
+        prompt_tokens: ArrayLike,
+        prompt_feat: ArrayLike,
+        embedding: ArrayLike,
         n_timesteps: int | None = None,
         cfg_rate: float | None = None,
-        dtype: Any = np.float32,
+        dtype: type[np.floating] = np.float32,
     ) -> CosyVoice3PromptCache:
         """Integrate the prompt's stable complete chunks alone and keep their keys/values at every step (stored
         as ``dtype``: float32, or float16 for half the memory; always float16 for a graph that takes float16)."""
-        sess = _stream_session(stage)
+        sess = stream_session(stage)
         wire, dtype = cache_storage(sess, "prompt_k", dtype)
         steps, cfg_rate = stage.solver_params(n_timesteps, cfg_rate)
         s = stage.settings
@@ -138,9 +138,9 @@ class CosyVoice3FlowStream:
     def __init__(
         self,
         stage: CosyVoice3Flow,
-        prompt_tokens: Any,
-        prompt_feat: np.ndarray,
-        embedding: np.ndarray,
+        prompt_tokens: ArrayLike,
+        prompt_feat: ArrayLike,
+        embedding: ArrayLike,
         n_timesteps: int | None = None,
         cfg_rate: float | None = None,
         context_tokens: int | None = None,
@@ -152,7 +152,7 @@ class CosyVoice3FlowStream:
             raise ConfigError(
                 "CosyVoice3FlowStream needs a CosyVoice3Flow (a v3 model directory); use CosyVoice2FlowStream for v2"
             )
-        self.sess = _stream_session(stage)
+        self.sess = stream_session(stage)
         self.stage = stage
         self.ratio = stage.settings.token_mel_ratio
         self.lookahead = stage.settings.pre_lookahead_len
@@ -189,7 +189,7 @@ class CosyVoice3FlowStream:
         """Mel frames produced so far."""
         return self.done
 
-    def push(self, tokens: Any, lookahead: Any = None) -> np.ndarray:
+    def push(self, tokens: ArrayLike, lookahead: ArrayLike | None = None) -> np.ndarray:
         """Turn the next tokens into mel.
 
         Args:
@@ -263,12 +263,3 @@ def _next_state(state: np.ndarray, conv_in: np.ndarray, n: int, hist: int) -> np
     """Conv state (rows, 2D, hist) before frame ``offset + n`` from the state before ``offset`` and the window's
     conv inputs (rows, 2D, T)."""
     return np.ascontiguousarray(np.concatenate([state, conv_in], axis=2)[:, :, n : n + hist])
-
-
-def _stream_session(stage: CosyVoice3Flow) -> Any:
-    if not stage.can_stream:
-        raise ConfigError(
-            "streaming needs flow_estimator_stream.onnx: load the flow with streaming=True "
-            "(EngineConfig(streaming_estimator=True))"
-        )
-    return stage.stream_estimator

@@ -26,13 +26,13 @@ tokens = 34 frames. Across windows:
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.flow.base import N_MELS, token_ids
 from cosyvoice_cpu.flow.cosyvoice import CosyVoiceFlow, frames_for_tokens
-from cosyvoice_cpu.flow.cosyvoice2 import N_MELS, token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +71,9 @@ class CosyVoiceFlowStream:
     def __init__(
         self,
         stage: CosyVoiceFlow,
-        prompt_tokens: Any,
-        prompt_feat: np.ndarray,
-        embedding: np.ndarray,
+        prompt_tokens: ArrayLike,
+        prompt_feat: ArrayLike,
+        embedding: ArrayLike,
         n_timesteps: int | None = None,
         cfg_rate: float | None = None,
         rng: np.random.Generator | None = None,
@@ -120,7 +120,7 @@ class CosyVoiceFlowStream:
             return self.offset, n_available, True
         return None
 
-    def push(self, tokens: Any, final: bool, noise: np.ndarray | None = None) -> np.ndarray:
+    def push(self, tokens: ArrayLike, final: bool, noise: np.ndarray | None = None) -> np.ndarray:
         """Run one window through the flow; returns its new mel (1, 80, n) float32.
 
         Args:

@@ -1,11 +1,11 @@
 """Per-voice work kept in memory across requests: the flow's prompt activations for streaming.
 
-A voice's prompt contributes the same cached activations to every streamed chunk of every request with the same
-solver settings (:class:`~cosyvoice_cpu.flow.cosyvoice2_stream.CosyVoice2PromptCache`). Building them costs one flow
-solve over the
-prompt frames; keeping them costs ``steps x rows x L x T_prompt x 256`` floats (172 MB for a 3 s prompt with the
-full-size CosyVoice2 at 10 steps with CFG). :class:`PromptCaches` is a thread-safe LRU bounded in bytes: a server
-with a few hot voices pays the prompt once per voice; a lone edge box can set the budget to 0 (built per request).
+A voice's prompt contributes the same cached activations to every streamed chunk of every request with the same solver
+settings (:class:`~cosyvoice_cpu.flow.cosyvoice2_stream.CosyVoice2PromptCache`, or Fun-CosyVoice3's keys and values).
+Building them costs one flow solve over the prompt frames; keeping them costs ``steps x rows x L x T_prompt x 256``
+floats (172 MB for a 3 s prompt with the full-size CosyVoice2 at 10 steps with CFG). :class:`PromptCaches` is a
+thread-safe LRU bounded in bytes: a server with a few hot voices pays the prompt once per voice; a lone edge box can set
+the budget to 0 (built per request).
 """
 
 from __future__ import annotations
@@ -13,33 +13,65 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 
-from cosyvoice_cpu.flow.cosyvoice2 import CosyVoice2Flow
-from cosyvoice_cpu.flow.cosyvoice2_stream import CosyVoice2PromptCache
+from cosyvoice_cpu.flow.base import FlowStage
 
 logger = logging.getLogger(__name__)
 
 
-class PromptCaches:
-    """LRU of :class:`CosyVoice2PromptCache` keyed by (voice fingerprint, steps, cfg rate), at most ``budget`` bytes.
+class PromptCache(Protocol):
+    """A voice's cached prompt activations for one solver setting (a family's stream module defines one)."""
 
-    ``kind`` is the cache class with a ``build(stage, prompt_tokens, prompt_mel, embedding, steps, cfg_rate,
-    dtype)`` classmethod and ``nbytes`` (CosyVoice2's :class:`CosyVoice2PromptCache`, Fun-CosyVoice3's
-    ``CosyVoice3PromptCache``);
-    ``dtype`` is the storage type of the cached activations (float32, or float16 for half the memory).
+    @property
+    def nbytes(self) -> int: ...
+
+
+class PromptCacheKind(Protocol):
+    """A family's prompt-cache class: ``build`` integrates the prompt frames alone and keeps their activations
+    (:class:`~cosyvoice_cpu.flow.cosyvoice2_stream.CosyVoice2PromptCache`,
+    :class:`~cosyvoice_cpu.flow.cosyvoice3_stream.CosyVoice3PromptCache`)."""
+
+    def build(
+        self,
+        stage: FlowStage,
+        prompt_tokens: np.ndarray,
+        prompt_feat: np.ndarray,
+        embedding: np.ndarray,
+        n_timesteps: int | None,
+        cfg_rate: float | None,
+        dtype: type[np.floating],
+    ) -> PromptCache: ...
+
+
+class PromptVoice(Protocol):
+    """What a prompt cache needs of a voice (:class:`~cosyvoice_cpu.voices.voice.Voice` is one): its prompt speech
+    tokens (T_p,), prompt mel (T_p * ratio, 80), x-vector (192,), a fingerprint of them and a name for the log."""
+
+    name: str
+    fingerprint: str
+    speech_tokens: np.ndarray
+    mel: np.ndarray
+    embedding: np.ndarray
+
+
+class PromptCaches:
+    """LRU of a family's :class:`PromptCache` keyed by (voice fingerprint, steps, cfg rate), at most ``budget`` bytes.
+
+    ``kind`` is the family's cache class (:class:`PromptCacheKind`); ``dtype`` is the storage type of the cached
+    activations (float32, or float16 for half the memory).
     """
 
     def __init__(
-        self, stage: CosyVoice2Flow, budget: int, kind: type = CosyVoice2PromptCache, dtype: Any = np.float32
+        self, stage: FlowStage, budget: int, kind: PromptCacheKind, dtype: type[np.floating] = np.float32
     ) -> None:
         self.stage = stage
         self.budget = budget
         self.kind = kind
         self.dtype = dtype
-        self._items: OrderedDict[tuple[str, int, float], CosyVoice2PromptCache] = OrderedDict()
+        self._items: OrderedDict[tuple[str, int, float], PromptCache] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
@@ -48,7 +80,7 @@ class PromptCaches:
         with self._lock:
             return sum(c.nbytes for c in self._items.values())
 
-    def get(self, voice: Any, steps: int, cfg_rate: float) -> CosyVoice2PromptCache:
+    def get(self, voice: PromptVoice, steps: int, cfg_rate: float) -> PromptCache:
         """The voice's prompt cache for these settings, built (outside the lock) on a miss."""
         key = (voice.fingerprint, int(steps), float(cfg_rate))
         with self._lock:
