@@ -28,10 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
+from cosyvoice_cpu.flow.common import ChunkPlan
 from cosyvoice_cpu.flow.cosyvoice2 import CosyVoice2Flow
 from cosyvoice_cpu.flow.cosyvoice2_stream import CosyVoice2FlowStream, CosyVoice2PromptCache
 from cosyvoice_cpu.manifest import Manifest
-from cosyvoice_cpu.sentence import ChunkPlan
 
 
 def _inputs(n_prompt: int, n_tok: int) -> tuple[np.ndarray, ...]:

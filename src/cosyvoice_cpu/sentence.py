@@ -5,11 +5,9 @@ the engine makes one per sentence and hands it to the family (:mod:`cosyvoice_cp
 calls the functions here. Nothing here knows the engine or tests a family's name.
 
 - :func:`speak_whole`: all tokens, then the flow over the sentence, then the vocoder: one piece.
-- :func:`speak_chunks`: chunks of ``first_chunk_tokens`` doubling up to ``chunk_tokens`` (:class:`ChunkPlan`),
-  each cut once the flow's look-ahead tokens exist, rendered by a flow stream on cached prompt activations
-  (CosyVoice2, Fun-CosyVoice3).
-- :func:`stream_pieces`: the loop under every streamed recipe: decode, cut, render, vocode, yield. The LM is held
-  at the first piece until its audio exists (on a small machine decoding ahead only takes cores from it).
+- :func:`stream_pieces`: the loop under every streamed recipe: decode, ask the family's flow stream
+  (:class:`~cosyvoice_cpu.flow.base.FlowStream`) for the next window, render, vocode, yield. The LM is held at the
+  first piece until its audio exists (on a small machine decoding ahead only takes cores from it).
 
 Every function yields ``(samples (N,) float32, last piece of the sentence)`` and adds stage times to the
 sentence's :class:`Timings`.
@@ -21,19 +19,26 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 
 from cosyvoice_cpu.config import SynthesisConfig
-from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.flow.base import FlowStage, FlowStream
 from cosyvoice_cpu.lm.hold import Hold
 from cosyvoice_cpu.lm.source import TokenSource
+from cosyvoice_cpu.vocoder.hift import Vocoder
 from cosyvoice_cpu.voices.voice import Voice
 
 logger = logging.getLogger(__name__)
 
 Piece = tuple[np.ndarray, bool]  # (samples (N,) float32, the sentence's last piece)
+
+
+class AudioStream(Protocol):
+    """One sentence's vocoder stream: ``push(mel (1, 80, T), final)`` -> samples (N,) float32 of that mel."""
+
+    def push(self, mel: np.ndarray, final: bool) -> np.ndarray: ...
 
 
 @dataclass
@@ -67,38 +72,6 @@ class Sentence:
     timings: Timings = field(default_factory=Timings)
 
 
-@dataclass
-class ChunkPlan:
-    """Token chunk boundaries for one utterance.
-
-    Args:
-        first: tokens in the first chunk; largest: the cap of later chunks (each doubles the previous one);
-        lookahead: tokens the flow needs after a chunk's end before it can be cut (pre_lookahead_len).
-    """
-
-    first: int
-    largest: int
-    lookahead: int
-    offset: int = 0  # tokens already cut into chunks
-    size: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.first <= self.largest or self.lookahead < 0:
-            raise ConfigError(f"bad chunk plan: first {self.first}, largest {self.largest}, lookahead {self.lookahead}")
-        self.size = self.first
-
-    def ready(self, available: int) -> bool:
-        """Whether the next chunk can be cut when ``available`` tokens exist."""
-        return available - self.offset >= self.size + self.lookahead
-
-    def cut(self) -> tuple[int, int]:
-        """The next chunk's (start, end) token indices; advances the plan."""
-        start, end = self.offset, self.offset + self.size
-        self.offset = end
-        self.size = min(2 * self.size, self.largest)
-        return start, end
-
-
 def change_speed(mel: np.ndarray, speed: float) -> np.ndarray:
     """Resample the mel (1, 80, T) to int(T / speed) frames, as the official speed option
     (``F.interpolate(mel, size=int(T / speed), mode="linear")``, align_corners False)."""
@@ -113,7 +86,9 @@ def change_speed(mel: np.ndarray, speed: float) -> np.ndarray:
     return (mel[:, :, lo] * (1 - w) + mel[:, :, hi] * w).astype(np.float32)
 
 
-def speak_whole(s: Sentence, flow: Any, vocoder: Any, keep: Callable[[list[int]], list[int]]) -> Iterator[Piece]:
+def speak_whole(
+    s: Sentence, flow: FlowStage, vocoder: Vocoder, keep: Callable[[list[int]], list[int]]
+) -> Iterator[Piece]:
     """The sentence in one piece: yields (samples, True) once, or nothing when no token reaches the flow.
 
     ``keep`` is the family's token filter (tokens the flow sees, from all the LM decoded).
@@ -145,48 +120,19 @@ def speak_whole(s: Sentence, flow: Any, vocoder: Any, keep: Callable[[list[int]]
     yield wave[0].astype(np.float32), True
 
 
-def speak_chunks(
-    s: Sentence,
-    flow: Any,
-    vocoder: Any,
-    keep: Callable[[int], bool] | None = None,
-) -> Iterator[Piece]:
-    """Chunks of ``first_chunk_tokens`` doubling up to ``chunk_tokens``, each cut once its look-ahead tokens
-    exist. ``flow`` is a flow stream (``push(tokens, lookahead)``, ``lookahead``), ``vocoder`` a vocoder stream
-    (``push(mel, final)``); ``keep`` (or None) says per decoded token whether the flow sees it."""
-    config = s.config
-    plan = ChunkPlan(config.first_chunk_tokens, config.chunk_tokens, max(flow.lookahead, 1))
-    tokens: list[int] = []
-
-    def cut(n: int, done: bool) -> tuple[int, int, bool] | None:
-        if done:
-            return plan.offset, n, True
-        return (*plan.cut(), False) if plan.ready(n) else None
-
-    def mel(a: int, b: int, final: bool) -> np.ndarray:
-        return flow.push(tokens[a:b], None if final else tokens[b : b + flow.lookahead])
-
-    return stream_pieces(s, tokens, cut, mel, vocoder, plan.first + plan.lookahead, keep)
-
-
 def stream_pieces(
-    s: Sentence,
-    tokens: list[int],
-    cut: Callable[[int, bool], tuple[int, int, bool] | None],
-    mel: Callable[[int, int, bool], np.ndarray],
-    vocoder: Any,
-    hold_at: int,
-    keep: Callable[[int], bool] | None = None,
+    s: Sentence, flow: FlowStream, vocoder: AudioStream, keep: Callable[[int], bool] | None = None
 ) -> Iterator[Piece]:
-    """The loop every streamed recipe shares: decode speech tokens into ``tokens``; whenever ``cut(n, done)``
-    gives a ``(start, end, final)`` piece, vocode ``mel(start, end, final)`` (speed applied) and yield it. The
-    LM is held after ``hold_at`` tokens until the first piece's audio exists; ``keep`` drops tokens before the
-    flow sees them."""
+    """The loop every streamed recipe shares: decode speech tokens into a list; whenever ``flow.next_window(n,
+    done)`` gives a ``(start, end, final)`` window, vocode ``flow.render(tokens, start, end, final)`` (speed
+    applied) and yield it. The LM is held after ``flow.hold_at`` tokens until the first piece's audio exists;
+    ``keep`` (or None) says per decoded token whether the flow sees it."""
     t = s.timings
+    tokens: list[int] = []
 
     def piece(a: int, b: int, final: bool) -> np.ndarray:
         t1 = time.perf_counter()
-        m = change_speed(mel(a, b, final), s.config.speed)
+        m = change_speed(flow.render(tokens, a, b, final), s.config.speed)
         t2 = time.perf_counter()
         wave = vocoder.push(m, final)
         t.flow += t2 - t1
@@ -194,14 +140,14 @@ def stream_pieces(
         return wave.astype(np.float32, copy=False)
 
     t0 = time.perf_counter()
-    first_done = Hold(hold_at)
+    first_done = Hold(flow.hold_at)
     decoded = 0
     for token in s.tokens.open(first_done):
         decoded += 1
         if keep is not None and not keep(token):
             continue
         tokens.append(token)
-        window = cut(len(tokens), False)
+        window = flow.next_window(len(tokens), False)
         if window is not None:
             t.lm += time.perf_counter() - t0
             wave = piece(*window)
@@ -210,6 +156,6 @@ def stream_pieces(
             t0 = time.perf_counter()  # the consumer's time between chunks is not the LM's
     t.lm += time.perf_counter() - t0
     t.tokens += decoded
-    window = cut(len(tokens), True)
+    window = flow.next_window(len(tokens), True)
     if window is not None and window[1] > window[0]:
         yield piece(*window), True

@@ -204,22 +204,22 @@ def test_stream_matches_reference_stream(flow, stage, inputs, n_tokens: int, n_p
     for available in range(1, n_tokens + 1):  # the LM hands over one token at a time
         while (w := fs.next_window(available, available == n_tokens)) is not None:
             got_windows.append(w)
-            pieces.append(fs.push(tokens[w[0] : w[1]], w[2], noise=noises[k]))
+            pieces.append(fs.push_window(tokens[w[0] : w[1]], w[2], noise=noises[k]))
             k += 1
     assert got_windows == windows
     mel = np.concatenate(pieces, axis=2)
     assert mel.shape == ref.shape and rel_err(mel, ref) <= RTOL
     with pytest.raises(ConfigError, match="already ended"):
-        fs.push(tokens[-30:], True)
+        fs.push_window(tokens[-30:], True)
 
 
 def test_stream_rejects_a_window_without_the_overlap(stage, inputs) -> None:
     fs = CosyVoiceFlowStream(stage, [], np.zeros((0, 80), np.float32), inputs["emb"], rng=np.random.default_rng(0))
-    assert fs.push(inputs["tokens"][:120], False).shape == (1, 80, frames_for_tokens(120) - 34)
+    assert fs.push_window(inputs["tokens"][:120], False).shape == (1, 80, frames_for_tokens(120) - 34)
     with pytest.raises(ConfigError, match="previous window's last 20 tokens"):
-        fs.push(inputs["tokens"][101:221], False)
+        fs.push_window(inputs["tokens"][101:221], False)
     with pytest.raises(ConfigError, match="> 40 tokens"):
-        fs.push(inputs["tokens"][100:130], False)
+        fs.push_window(inputs["tokens"][100:130], False)
 
 
 def test_int8_estimator_passes_its_gate(flow, flow_dir: Path) -> None:
@@ -251,7 +251,7 @@ mel, cache = stage.inference_cached(rng.integers(0, 4096, 57), [], np.zeros((0, 
 prompt = rng.integers(0, 4096, 9)
 fs = CosyVoiceFlowStream(stage, prompt, rng.standard_normal((16, 80)).astype(np.float32), emb, rng=rng)
 toks = rng.integers(0, 4096, 150)
-out = [fs.push(toks[:120], False), fs.push(toks[100:], True)]
+out = [fs.push_window(toks[:120], False), fs.push_window(toks[100:], True)]
 assert stretch_matrix(3, 45, 5, 77).shape == (48, 82)
 assert "torch" not in {m for m in sys.modules if sys.modules[m] is not None}
 print(json.dumps([mel.shape, cache.shape, sum(m.shape[2] for m in out)]))

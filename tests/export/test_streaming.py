@@ -23,9 +23,9 @@ from cosyvoice_cpu.config import EngineConfig, SynthesisConfig
 from cosyvoice_cpu.engine import Engine
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.exporter import ExportOptions, export_model
+from cosyvoice_cpu.flow.common import ChunkPlan
 from cosyvoice_cpu.flow.cosyvoice2 import CosyVoice2Flow
 from cosyvoice_cpu.flow.cosyvoice2_stream import CosyVoice2FlowStream
-from cosyvoice_cpu.sentence import ChunkPlan
 from cosyvoice_cpu.vocoder.overlap_stream import VocoderStream, crossfade_weights
 
 

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import ClassVar, Protocol
+from typing import ClassVar
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 from cosyvoice_cpu.families.base import Family, Stages
 from cosyvoice_cpu.flow.base import FlowStage
-from cosyvoice_cpu.flow.common import ChunkFlowStream
+from cosyvoice_cpu.flow.common import ChunkedStream, ChunkFlowStream
 from cosyvoice_cpu.flow.prompt_caches import PromptCache
-from cosyvoice_cpu.sentence import Piece, Sentence, speak_chunks
+from cosyvoice_cpu.sentence import AudioStream, Piece, Sentence, stream_pieces
 from cosyvoice_cpu.vocoder.hift import Vocoder
 
 # (stage, prompt tokens (T_p,), prompt mel (T_p * ratio, 80), x-vector (192,), steps, cfg rate, context tokens,
@@ -24,12 +24,6 @@ FlowStreamKind = Callable[
     [FlowStage, ArrayLike, ArrayLike, ArrayLike, int | None, float | None, int | None, PromptCache | None],
     ChunkFlowStream,
 ]
-
-
-class AudioStream(Protocol):
-    """One sentence's vocoder stream: ``push(mel (1, 80, T), final)`` -> samples (N,) float32 of that mel."""
-
-    def push(self, mel: np.ndarray, final: bool) -> np.ndarray: ...
 
 
 class ChunkedFamily(Family):
@@ -58,5 +52,6 @@ class ChunkedFamily(Family):
             prompt,
         )
         s.timings.flow += time.perf_counter() - t0
+        chunks = ChunkedStream(flow, config.first_chunk_tokens, config.chunk_tokens)
         flt = self.token_filter()
-        return speak_chunks(s, flow, self.vocoder_stream(stages.vocoder, s.rng), None if flt is None else flt.push)
+        return stream_pieces(s, chunks, self.vocoder_stream(stages.vocoder, s.rng), None if flt is None else flt.push)

@@ -13,8 +13,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
 
-import numpy as np
-
 from cosyvoice_cpu.backends.base import SessionConfig
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.facts import FamilyFacts, facts
@@ -62,9 +60,4 @@ class CosyVoice(Family):
             max_hop=max(first, 2 * config.chunk_tokens),
         )
         vocoder = VocoderStream(stages.vocoder, s.rng, overlap_frames=VOCODER_OVERLAP)
-        tokens: list[int] = []
-
-        def mel(a: int, b: int, final: bool) -> np.ndarray:
-            return flow.push(tokens[a:b], final)
-
-        return stream_pieces(s, tokens, flow.next_window, mel, vocoder, flow.window_tokens)
+        return stream_pieces(s, flow, vocoder)

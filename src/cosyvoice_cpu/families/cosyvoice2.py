@@ -7,11 +7,12 @@ from typing import ClassVar
 import numpy as np
 
 from cosyvoice_cpu.facts import FamilyFacts, facts
-from cosyvoice_cpu.families.common import AudioStream, ChunkedFamily, FlowStreamKind
+from cosyvoice_cpu.families.common import ChunkedFamily, FlowStreamKind
 from cosyvoice_cpu.flow.base import FlowStage
 from cosyvoice_cpu.flow.cosyvoice2 import CosyVoice2Flow
 from cosyvoice_cpu.flow.cosyvoice2_stream import CosyVoice2FlowStream, CosyVoice2PromptCache
 from cosyvoice_cpu.flow.prompt_caches import PromptCacheKind
+from cosyvoice_cpu.sentence import AudioStream
 from cosyvoice_cpu.vocoder.hift import Vocoder
 from cosyvoice_cpu.vocoder.overlap_stream import VocoderStream
 

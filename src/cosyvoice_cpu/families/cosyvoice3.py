@@ -11,11 +11,12 @@ import numpy as np
 from cosyvoice_cpu.backends.base import SessionConfig
 from cosyvoice_cpu.config import EngineConfig
 from cosyvoice_cpu.facts import FamilyFacts, facts
-from cosyvoice_cpu.families.common import AudioStream, ChunkedFamily, FlowStreamKind
+from cosyvoice_cpu.families.common import ChunkedFamily, FlowStreamKind
 from cosyvoice_cpu.flow.base import FlowStage
 from cosyvoice_cpu.flow.cosyvoice3 import CosyVoice3Flow
 from cosyvoice_cpu.flow.cosyvoice3_stream import CosyVoice3FlowStream, CosyVoice3PromptCache
 from cosyvoice_cpu.flow.prompt_caches import PromptCacheKind
+from cosyvoice_cpu.sentence import AudioStream
 from cosyvoice_cpu.vocoder.causal_stream import CausalVocoderStream
 from cosyvoice_cpu.vocoder.hift import Vocoder
 

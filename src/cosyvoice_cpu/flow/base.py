@@ -17,9 +17,10 @@ import math
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -90,6 +91,31 @@ def prompt_mel(prompt_feat: ArrayLike) -> np.ndarray:
     if feat.ndim != 3 or feat.shape[0] != 1 or feat.shape[2] != N_MELS:
         raise ConfigError(f"prompt_feat must be (T_pm, 80) or (1, T_pm, 80), got {feat.shape}")
     return feat
+
+
+class FlowStream(Protocol):
+    """One utterance's flow, rendered piece by piece as its speech tokens are decoded; what every family's stream
+    gives the loop that drives it (:func:`cosyvoice_cpu.sentence.stream_pieces`). Not thread-safe: one per request.
+
+    The loop appends each decoded token to a list and asks :meth:`next_window` with the list's length; a window
+    ``(start, end, final)`` is rendered with :meth:`render` (the whole list is passed: a window may need tokens
+    after ``end`` as look-ahead). Once the LM is done it asks with ``done=True`` for the final window.
+
+    Attributes:
+        hold_at: tokens after which the LM may pause until the first window's audio exists (the first window
+            plus whatever it waits for after it).
+    """
+
+    hold_at: int
+
+    def next_window(self, available: int, done: bool) -> tuple[int, int, bool] | None:
+        """The next window as (start, end, final) token indices given ``available`` decoded tokens (``done``: the
+        LM has finished), or None to wait for more tokens."""
+        ...
+
+    def render(self, tokens: Sequence[int], start: int, end: int, final: bool) -> np.ndarray:
+        """The mel (1, 80, frames) float32 of window ``tokens[start:end]`` (``final``: the utterance's last)."""
+        ...
 
 
 class FlowStage(ABC):

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 from abc import abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Protocol
 
@@ -60,6 +62,60 @@ class ChunkFlowStream(Protocol):
     lookahead: int
 
     def push(self, tokens: ArrayLike, lookahead: ArrayLike | None = None) -> np.ndarray: ...
+
+
+@dataclass
+class ChunkPlan:
+    """Token chunk boundaries for one utterance.
+
+    Args:
+        first: tokens in the first chunk; largest: the cap of later chunks (each doubles the previous one);
+        lookahead: tokens the flow needs after a chunk's end before it can be cut (pre_lookahead_len).
+    """
+
+    first: int
+    largest: int
+    lookahead: int
+    offset: int = 0  # tokens already cut into chunks
+    size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.first <= self.largest or self.lookahead < 0:
+            raise ConfigError(f"bad chunk plan: first {self.first}, largest {self.largest}, lookahead {self.lookahead}")
+        self.size = self.first
+
+    def ready(self, available: int) -> bool:
+        """Whether the next chunk can be cut when ``available`` tokens exist."""
+        return available - self.offset >= self.size + self.lookahead
+
+    def cut(self) -> tuple[int, int]:
+        """The next chunk's (start, end) token indices; advances the plan."""
+        start, end = self.offset, self.offset + self.size
+        self.offset = end
+        self.size = min(2 * self.size, self.largest)
+        return start, end
+
+
+class ChunkedStream:
+    """A :class:`~cosyvoice_cpu.flow.base.FlowStream` of chunks of ``first`` tokens doubling up to ``largest``, each
+    cut once the flow's look-ahead tokens exist and rendered by a :class:`ChunkFlowStream` (CosyVoice2,
+    Fun-CosyVoice3)."""
+
+    def __init__(self, flow: ChunkFlowStream, first: int, largest: int) -> None:
+        self.flow = flow
+        self.plan = ChunkPlan(first, largest, max(flow.lookahead, 1))
+        self.hold_at = self.plan.first + self.plan.lookahead
+
+    def next_window(self, available: int, done: bool) -> tuple[int, int, bool] | None:
+        """The next chunk (start, end, final): everything left once ``done``, else a planned chunk once its
+        look-ahead exists, or None."""
+        if done:
+            return self.plan.offset, available, True
+        return (*self.plan.cut(), False) if self.plan.ready(available) else None
+
+    def render(self, tokens: Sequence[int], start: int, end: int, final: bool) -> np.ndarray:
+        """The chunk's mel (1, 80, ratio (end - start)), with the next ``lookahead`` tokens unless ``final``."""
+        return self.flow.push(tokens[start:end], None if final else tokens[end : end + self.flow.lookahead])
 
 
 class ChunkedFlow(FlowStage):

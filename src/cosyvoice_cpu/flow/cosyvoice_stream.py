@@ -19,13 +19,14 @@ tokens = 34 frames. Across windows:
     mel overlap (1, 80, 34): a non-final window holds back its last 34 mel frames; the next window's first
         34 frames are cross-faded with them: ``new * hamming(68)[:34] + held * hamming(68)[34:]`` (float64)
 
-:meth:`CosyVoiceFlowStream.push` returns the mel the official code hands to HiFT *before* prepending HiFT's own
+:meth:`CosyVoiceFlowStream.push_window` returns the mel the official code hands to HiFT *before* prepending HiFT's own
 20-frame mel cache (``hift_cache_dict['mel']``, with ``cache_source`` and the speech fade: the vocoder side).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -54,8 +55,9 @@ def fade_in_out(mel: np.ndarray, held: np.ndarray, window: np.ndarray) -> np.nda
 class CosyVoiceFlowStream:
     """One utterance streamed as the official v1 ``tts(stream=True)`` does, flow and mel side.
 
-    Drive it with :meth:`next_window` (which tokens to push next, given how many the LM has produced) and
-    :meth:`push`; or cut windows yourself by the rules in the module doc.
+    A :class:`~cosyvoice_cpu.flow.base.FlowStream`: :meth:`next_window` says which tokens to render next, given
+    how many the LM has produced, and :meth:`render` renders them (:meth:`push_window` on the window's ids); or cut
+    windows yourself by the rules in the module doc and call :meth:`push_window`.
 
     Args:
         stage: the loaded :class:`~cosyvoice_cpu.flow.cosyvoice.CosyVoiceFlow`.
@@ -107,6 +109,15 @@ class CosyVoiceFlowStream:
         """Tokens in a non-final window: hop + overlap (120 at 50 Hz)."""
         return self.hop + self.overlap
 
+    @property
+    def hold_at(self) -> int:
+        """Tokens after which the LM may pause until the first window's audio exists: the first window's."""
+        return self.window_tokens
+
+    def render(self, tokens: Sequence[int], start: int, end: int, final: bool) -> np.ndarray:
+        """The window ``tokens[start:end]`` through the flow (:meth:`push_window`)."""
+        return self.push_window(tokens[start:end], final)
+
     def next_window(self, n_available: int, llm_done: bool) -> tuple[int, int, bool] | None:
         """The next window as (start, end, final) indices into the utterance's tokens, or None to wait.
 
@@ -120,7 +131,7 @@ class CosyVoiceFlowStream:
             return self.offset, n_available, True
         return None
 
-    def push(self, tokens: ArrayLike, final: bool, noise: np.ndarray | None = None) -> np.ndarray:
+    def push_window(self, tokens: ArrayLike, final: bool, noise: np.ndarray | None = None) -> np.ndarray:
         """Run one window through the flow; returns its new mel (1, 80, n) float32.
 
         Args:
