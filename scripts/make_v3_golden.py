@@ -13,7 +13,7 @@ strictly, as ``CosyVoice3Model.load`` does; the tokenizer is the official ``get_
 'cosyvoice3')`` -> fixed inputs are run through the official code and only the results are saved: arrays plus a
 json ``header`` (how they were made, the official commit). Draws are injected: ``Tensor.multinomial`` is replaced
 by an inverse CDF over a seeded NumPy uniform stream, which our reference replays exactly
-(tests/parity/test_v3_lm_golden.py).
+(tests/parity/test_lm_golden_cosyvoice3.py).
 """
 
 from __future__ import annotations

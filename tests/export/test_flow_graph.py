@@ -1,5 +1,6 @@
-"""Flow ONNX export (``export.flow_graph``) and the torch-free flow stage (``cosyvoice_cpu.flow.cosyvoice2``) on the
-tiny fixture: every verification gate, dynamic batch/time, padding, streaming look-ahead context, whole-flow parity."""
+"""Flow ONNX export (``export.flow.cosyvoice2``) and the torch-free flow stage (``cosyvoice_cpu.flow.cosyvoice2``) on
+the tiny fixture: every verification gate, dynamic batch/time, padding, streaming look-ahead context, whole-flow
+parity."""
 
 from __future__ import annotations
 

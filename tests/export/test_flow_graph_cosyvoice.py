@@ -1,5 +1,5 @@
-"""CosyVoice-300M (v1) flow ONNX export (``export.flow_graph_v1``) and its torch-free runtime (``flow_v1``,
-``flow_stream_v1``) on the tiny v1 fixture: gates, the length regulator's matrix bit for bit, whole inference and
+"""CosyVoice-300M (v1) flow ONNX export (``export.flow.cosyvoice``) and its torch-free runtime (``flow.cosyvoice``,
+``flow.cosyvoice_stream``) on the tiny v1 fixture: gates, the length regulator's matrix bit for bit, whole inference and
 the official streaming (flow cache, 34-frame mel fade) vs the PyTorch reference with the same noise, int8."""
 
 from __future__ import annotations

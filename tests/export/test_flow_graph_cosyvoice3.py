@@ -1,6 +1,7 @@
-"""Fun-CosyVoice3 flow export (``export.flow_graph_v3``) and its torch-free runtime (``flow_v3``, ``flow_stream_v3``)
-on the tiny v3 fixture: every gate (fp32 and int8), whole-sentence parity on the v2 ``CosyVoice2Flow``, streamed chunks
-vs the official prefix recompute (``FlowV3.inference(streaming=True, finalize=...)``)."""
+"""Fun-CosyVoice3 flow export (``export.flow.cosyvoice3``) and its torch-free runtime (``flow.cosyvoice3``,
+``flow.cosyvoice3_stream``) on the tiny v3 fixture: every gate (fp32 and int8), whole-sentence parity on the v2
+``CosyVoice2Flow``, streamed chunks vs the official prefix recompute (``FlowV3.inference(streaming=True,
+finalize=...)``)."""
 
 from __future__ import annotations
 
