@@ -181,6 +181,9 @@ class SynthesisConfig:
         top_p, top_k, win_size, tau_r: RAS sampling overrides (None = the model's defaults).
         min_tokens, max_tokens: speech tokens per sentence (None = the model's rule: 2x to 20x the text tokens);
             equal values force an exact length (benchmarks).
+        forced_token_ratio: benchmarks of random weights (which seldom sample EOS): every sentence, and every
+            passage of a text stream, gets exactly this many speech tokens per text token (its stop ids masked
+            until then); None = the model decides. Excludes ``min_tokens`` / ``max_tokens``.
     """
 
     seed: int | None = None
@@ -198,6 +201,7 @@ class SynthesisConfig:
     tau_r: float | None = None
     min_tokens: int | None = None
     max_tokens: int | None = None
+    forced_token_ratio: float | None = None
 
     def validate(self) -> SynthesisConfig:
         _types(
@@ -213,8 +217,8 @@ class SynthesisConfig:
                 "min_tokens",
                 "max_tokens",
             ),
-            ("cfg_rate", "speed", "top_p", "tau_r"),
-            optional=("seed", "top_p", "top_k", "win_size", "tau_r", "min_tokens", "max_tokens"),
+            ("cfg_rate", "speed", "top_p", "tau_r", "forced_token_ratio"),
+            optional=("seed", "top_p", "top_k", "win_size", "tau_r", "min_tokens", "max_tokens", "forced_token_ratio"),
         )
         need(self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "0 to 2**63-1, or None")
         need(1 <= self.flow_steps <= 100, "flow_steps", self.flow_steps, "1 to 100 (official 10)")
@@ -241,7 +245,23 @@ class SynthesisConfig:
                 self.min_tokens,
                 f"at most max_tokens ({self.max_tokens})",
             )
+        r = self.forced_token_ratio
+        need(r is None or 0.5 <= r <= 20.0, "forced_token_ratio", r, "0.5 to 20 speech tokens per text token")
+        need(
+            r is None or (self.min_tokens is None and self.max_tokens is None),
+            "forced_token_ratio",
+            r,
+            "unset when min_tokens or max_tokens is set (both fix the length)",
+        )
         return self
+
+    def token_budget(self, n_text: int) -> tuple[int | None, int | None]:
+        """(min, max) speech tokens of a sentence of ``n_text`` text tokens (None: the model's rule):
+        ``forced_token_ratio`` x ``n_text`` (at least 1) for both when set, else ``min_tokens``, ``max_tokens``."""
+        if self.forced_token_ratio is None:
+            return self.min_tokens, self.max_tokens
+        n = max(1, round(self.forced_token_ratio * n_text))
+        return n, n
 
     def with_(self, **changes: Any) -> SynthesisConfig:
         """A validated copy with some fields changed."""

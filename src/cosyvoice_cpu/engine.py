@@ -198,14 +198,18 @@ class Engine:
         """Positions of the LM's KV cache (the export's ``--max-len``): prompt, text and speech must fit in it."""
         return int(self.lm.session.spec.max_len)
 
-    def segment_cap(self, prompt: LMPrompt, max_tokens: int | None = None, minimum: int = 8) -> int:
+    def segment_cap(
+        self, prompt: LMPrompt, max_tokens: int | None = None, minimum: int = 8, ratio: float | None = None
+    ) -> int:
         """Text tokens per LM call so that ``prompt`` (:meth:`lm_prompt`) + text + the longest speech fits the KV
-        cache; ConfigError when that leaves fewer than ``minimum`` (a prompt or instruction too long)."""
+        cache (speech: ``max_tokens``, else ``ratio`` (``SynthesisConfig.forced_token_ratio``) or the model's
+        largest ratio times the text); ConfigError when that leaves fewer than ``minimum`` (a prompt or
+        instruction too long)."""
         facts = self.lm.facts
         free = self.lm.session.spec.max_len - (
             2 + len(prompt.text_ids) + len(prompt.speech) + (prompt.speaker is not None)
         )
-        cap = int(free - max_tokens if max_tokens else free // (1 + facts.max_token_text_ratio))
+        cap = int(free - max_tokens if max_tokens else free // (1 + (ratio or facts.max_token_text_ratio)))
         if cap < minimum:
             raise ConfigError(
                 f"the voice prompt leaves room for only {max(cap, 0)} text tokens in the KV cache (max_len "
@@ -239,7 +243,10 @@ class Engine:
         config = self._checked_request(voice, config)
         prompt = self.lm_prompt(voice, instruct, config.normalize)
         segments = prepare(
-            text, self.tokenizer, normalize=config.normalize, max_tokens=self.segment_cap(prompt, config.max_tokens)
+            text,
+            self.tokenizer,
+            normalize=config.normalize,
+            max_tokens=self.segment_cap(prompt, config.max_tokens, ratio=config.forced_token_ratio),
         )
         lm_rng, rng = config.rngs()
         req = _Request(voice, config, prompt, RngDraw(lm_rng), self.sampling_for(config), rng, check)
@@ -321,7 +328,7 @@ class Engine:
             p.speaker,
             req.draw,
             req.sampling,
-            (c.min_tokens, c.max_tokens),
+            c.token_budget(len(text_ids)),
             req.check,
         )
 

@@ -70,7 +70,9 @@ class Speaker(Protocol):
 
     def lm_prompt(self, voice: Voice, instruct: str | None = None, normalize: bool = True) -> LMPrompt: ...
 
-    def segment_cap(self, prompt: LMPrompt, max_tokens: int | None = None, minimum: int = 8) -> int: ...
+    def segment_cap(
+        self, prompt: LMPrompt, max_tokens: int | None = None, minimum: int = 8, ratio: float | None = None
+    ) -> int: ...
 
     def sampling_for(self, config: SynthesisConfig) -> SamplingConfig: ...
 
@@ -124,7 +126,7 @@ class TextStream:
         self.engine, self.voice, self.config, self.check = engine, voice, config, check
         self.timings = timings or Timings()
         self.prompt = engine.lm_prompt(voice, instruct, config.normalize)
-        self.cap = engine.segment_cap(self.prompt, config.max_tokens)
+        self.cap = engine.segment_cap(self.prompt, config.max_tokens, ratio=config.forced_token_ratio)
         self.interleaved = config.stream and engine.facts.mix_ratio is not None
         lm_rng, self._rng = config.rngs()
         self._seeds = lm_rng  # one child generator per passage, in text order: passages may decode concurrently
@@ -197,7 +199,8 @@ class TextStream:
         if st.open is None:
             request = BistreamRequest(self.engine.lm, self.prompt.text_ids, self.prompt.speech,
                                       self.engine.facts.mix_ratio, self.engine.fill_token,
-                                      draw=self._draw(), sampling=self._sampling)  # fmt: skip
+                                      draw=self._draw(), sampling=self._sampling,
+                                      forced_ratio=self.config.forced_token_ratio)  # fmt: skip
             st.open = _Passage(StreamTokens(request, self.engine.scheduler, self._check), request=request)
             st.passages.append(st.open)
             self._lock.notify_all()
@@ -240,7 +243,7 @@ class TextStream:
         for seg in segments:
             source = SentenceTokens(self.engine.lm, self.engine.scheduler, list(seg.token_ids), p.text_ids, p.speech,
                                     p.speaker, self._draw(), self._sampling,
-                                    (self.config.min_tokens, self.config.max_tokens), self._check)  # fmt: skip
+                                    self.config.token_budget(len(seg.token_ids)), self._check)  # fmt: skip
             st.passages.append(_Passage(source, seg.text, len(seg.token_ids), span=(start, start + len(text))))
         self._lock.notify_all()
 

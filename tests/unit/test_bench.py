@@ -142,3 +142,25 @@ def test_bench_children_do_not_print_the_tokenizers_fork_warning(monkeypatch: py
     assert bench._child([sys.executable, "-c", FORKING_CHILD], "forking child") == {"TOKENIZERS_PARALLELISM": "true"}
     assert "forked" not in runs[-1].stderr
     assert bench.quiet_forks({}) == {"TOKENIZERS_PARALLELISM": "false"}
+
+
+def test_forced_ratio_gives_a_text_stream_passage_its_length(tiny_export_dir: Path) -> None:
+    from cosyvoice_cpu.benchmark.tasks import load
+    from cosyvoice_cpu.lm.bistream import BistreamRequest
+    from cosyvoice_cpu.lm.sampling import RngDraw
+
+    engine, voice = load(tiny_export_dir, threads=1)
+    p = engine.lm_prompt(voice, None, False)
+    ids = engine.tokenizer.encode("Check valve seven now and call the supervisor.")  # 18 tokens: 90 speech tokens
+    # fit the tiny export's KV cache, and outnumber the 15 per 5 text tokens decoded before the text's end
+    size = engine.lm.facts.speech_token_size
+    for seed in range(4):  # random weights sample other special ids; forced, none ends the passage early
+        req = BistreamRequest(engine.lm, p.text_ids, p.speech, engine.facts.mix_ratio, engine.fill_token,
+                              draw=RngDraw(np.random.default_rng(seed)), forced_ratio=5.0)  # fmt: skip
+        for i in range(0, len(ids), 4):
+            req.feed(ids[i : i + 4])
+        req.end()
+        tokens = list(req)
+        assert len(tokens) == 5 * len(ids) and req.stop_reason == "stop" and max(tokens) < size
+    engine.close()
+

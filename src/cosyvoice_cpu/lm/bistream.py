@@ -16,7 +16,10 @@ algorithm (FunAudioLLM/CosyVoice ``cosyvoice/llm/llm.py`` at ace7c47) event by e
 
 Where the official code raises (a special token other than the fill or EOS sampled), the request ends its speech
 there with a warning. The official loop has no length limit; here the speech ends at the KV cache's capacity or at
-``max_token_text_ratio`` times the text fed (a degenerate LM), with a warning.
+``max_token_text_ratio`` times the text fed (a degenerate LM), with a warning. Benchmarks of random weights, which
+seldom sample EOS and often other special ids, set ``forced_ratio``: every special id but the fill is masked and,
+after the text's end, the speech ends at ``forced_ratio`` times the text fed (the prompt transcript excluded), or
+at once when the 15 per 5 text tokens decoded before were more.
 
 The scheduler drives the request (:mod:`cosyvoice_cpu.lm.scheduler`): :meth:`next_input` gives the positions to
 feed next (None: waiting for text), :meth:`advance` samples after them. Iterating the request runs it alone,
@@ -51,6 +54,7 @@ class BistreamRequest:
         prompt_speech: (Ts,) the prompt audio's speech tokens.
         mix_ratio: (text, speech) tokens per group; fill_token: the id that asks for more text.
         draw, sampling: the random source and sampling settings (default: the generator's, a fresh RngDraw).
+        forced_ratio: benchmarks only (see the module docstring): speech tokens per text token; None = official.
 
     Attributes:
         tokens: the speech tokens yielded so far; history: every sampled id, fill tokens included (what the
@@ -68,6 +72,7 @@ class BistreamRequest:
         *,
         draw: Draw | None = None,
         sampling: SamplingConfig | None = None,
+        forced_ratio: float | None = None,
     ) -> None:
         if gen.text_encoder is not None:
             raise ConfigError("this model's LM was not trained on a text stream; speak its text a sentence at a time")
@@ -95,6 +100,8 @@ class BistreamRequest:
             prompt_text = prompt_text[hits[0] + 1 :]
         self._input: list[np.ndarray] = head  # the positions to feed next, as official lm_input
         self._text: list[int] = [int(i) for i in prompt_text]  # the text cache
+        self._forced = forced_ratio
+        self._prompt_text = len(self._text)  # transcript ids in the text cache: not counted by forced_ratio
         self._speech: list[int] = [int(i) for i in speech]  # prompt speech tokens not yet in the input
         ts, group = len(self._speech), mix_ratio[1]
         self._next_fill = (ts // group + 1) * group - ts  # the official first forced fill position
@@ -206,6 +213,12 @@ class BistreamRequest:
         if self.finished:
             return None
         f, h = self.facts, self.history
+        if self._forced is not None:  # benchmarks: no special id but the fill (before the text's end)
+            logp = np.array(logp, dtype=np.float32)
+            fill = logp[self.fill] if self.fill < len(logp) else None
+            logp[f.speech_token_size :] = -np.inf
+            if fill is not None and not self._final:
+                logp[self.fill] = fill
         if not self._final:
             if len(h) == self._next_fill:
                 token = self.fill
@@ -237,6 +250,12 @@ class BistreamRequest:
     def _full(self) -> bool:
         """End the speech when the KV cache or the text's token budget is used up (a warning says which)."""
         room = self.cache is None or self.cache.lengths[self.row] + 1 < self.session.spec.max_len
+        if self._forced is not None and room:  # benchmarks: the forced length, once all the text is in
+            forced = max(1, round(self._forced * (self.text_fed - self._prompt_text)))
+            if not self._final or len(self.tokens) < forced:
+                return False
+            self.stop_reason = "stop"
+            return True
         budget = max(self.text_fed + len(self._text), 1) * self.facts.max_token_text_ratio
         if room and len(self.tokens) < budget:
             return False
