@@ -164,3 +164,15 @@ def test_forced_ratio_gives_a_text_stream_passage_its_length(tiny_export_dir: Pa
         assert len(tokens) == 5 * len(ids) and req.stop_reason == "stop" and max(tokens) < size
     engine.close()
 
+
+def test_bench_text_stream_only_writes_its_section(tiny_export_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "ts"
+    rc = main(["bench", "-m", str(tiny_export_dir), "--text-stream", "only", "--runs", "1", "--text-rate", "200",
+               "--reply", "Check valve seven now. Then call me.", "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    ts = json.loads((out / "bench.json").read_text())["text_stream"]
+    assert ts["text_stream"]["mode"] == "interleaved" and ts["by_sentence"]["passages"] == 2
+    assert len(ts["sentence_tokens"]) == 2 and ts["first_audio_ratio"] > 0
+    assert ts["text_stream"]["audio_s"] > 0 and ts["by_sentence"]["audio_s"] > 0
+    md = (out / "bench.md").read_text()
+    assert "### Text that is still being written (CosyVoice2-0.5B)" in md and "| how it is spoken |" in md

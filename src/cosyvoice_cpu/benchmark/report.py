@@ -1,7 +1,8 @@
 """The ``cosyvoice-cpu bench`` report: JSON, a markdown page and PNG plots from one run's results.
 
 Input is the dict :func:`cosyvoice_cpu.cli.bench.cmd_bench` builds (``ours``, ``concurrency``, ``thread_sweep``,
-``peers``, ``machine``). Plots need matplotlib (the ``[bench]`` extra); without it the report says so.
+``peers``, ``machine``, ``text_stream``; ``bench --text-stream only`` has only ``machine`` and ``text_stream``).
+Plots need matplotlib (the ``[bench]`` extra); without it the report says so.
 """
 
 from __future__ import annotations
@@ -112,7 +113,53 @@ def targets(result: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
     ]
 
 
+def text_stream_rows(ts: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(metric, text stream, sentence by sentence) rows of the text-stream task's section
+    (:func:`cosyvoice_cpu.benchmark.text_stream.summarize`)."""
+    a, b = ts["text_stream"], ts["by_sentence"]
+    ratio = ts.get("first_audio_ratio")
+
+    def both(fmt: str, key: str, unit: str = "") -> tuple[str, str]:
+        return f"{a[key]:{fmt}}{unit}", f"{b[key]:{fmt}}{unit}"
+
+    mode = "interleaved LM (bistream)" if a["mode"] == "interleaved" else "sentence mode (no interleaved LM)"
+    return [
+        ("how it is spoken", mode, "each sentence once complete, streamed synthesize"),
+        ("first audio after the first text piece", *both(".2f", "first_audio_s", " s")),
+        ("first audio, sentence by sentence / text stream", f"{_f(ratio)}×", "–"),
+        (
+            "stalls after the first chunk (worst run): count, seconds",
+            f"{a['stalls']}, {a['stall_s']:.2f} s ({a['stalls_while_writing']} while text kept coming)",
+            f"{b['stalls']}, {b['stall_s']:.2f} s ({b['stalls_while_writing']} while text kept coming)",
+        ),
+        ("streamed RTF (first text piece to last chunk, per s of audio)", *both(".3f", "stream_rtf")),
+        ("audio, s", *both(".1f", "audio_s")),
+        ("LM requests (passages / sentences)", str(a["passages"]), str(b["passages"])),
+    ]
+
+
+def text_stream_markdown(ts: dict[str, Any]) -> list[str]:
+    """The report's section on the text-stream task."""
+    tokens = ", ".join(str(n) for n in ts["sentence_tokens"])
+    lines = [
+        "",
+        f"### Text that is still being written ({ts['family']})",
+        "",
+        f"A simulated LLM writes a reply of {len(ts['sentence_tokens'])} sentences ({tokens} text tokens) at "
+        f"{ts['rate']:g} text tokens/s ({ts['writing_s']:.2f} s of writing); {ts['speech_ratio']:g} speech tokens "
+        f"per text token; a voice of {ts.get('voice_tokens', '?')} prompt speech tokens; medians of "
+        f"{len(ts['runs']['text_stream'])} runs after a warm-up.",
+        "",
+        "| | text stream | sentence by sentence |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {m} | {x} | {y} |" for m, x, y in text_stream_rows(ts)]
+    return lines
+
+
 def markdown(result: dict[str, Any], plots: list[str]) -> str:
+    if "ours" not in result:  # bench --text-stream only
+        return _text_stream_only(result)
     m = result["machine"]
     lines = [
         f"Model: {result['model']}. Workload: {result['tokens']} speech tokens ({_audio_s(result):.0f} s) "
@@ -186,7 +233,22 @@ def markdown(result: dict[str, Any], plots: list[str]) -> str:
         lines += ["", "### Threads", "", "| threads | RTF | flow RTF | LM s |", "|---|---|---|---|"]
         for r in result["thread_sweep"]:
             lines.append(f"| {r['threads']} | {r['rtf']:.3f} | {r['flow_rtf']:.3f} | {r['lm_s']:.2f} |")
+    if result.get("text_stream"):
+        lines += text_stream_markdown(result["text_stream"])
     lines += [""] + [f"![{p}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def _machine_line(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    return (
+        f"Machine: {m['cpu']} ({m['isa']}), {m['usable_cores']} usable cores, {m['memory_gb']} GB; {m['threads']} "
+        f"threads; onnxruntime {m['onnxruntime']}; load average before the run {m['load_avg_before'][0]:.2f}."
+    )
+
+
+def _text_stream_only(result: dict[str, Any]) -> str:
+    lines = [f"Model: {result['model']}.", _machine_line(result), *text_stream_markdown(result["text_stream"])]
     return "\n".join(lines) + "\n"
 
 
@@ -241,6 +303,6 @@ def write_report(result: dict[str, Any], out: Path) -> Path:
     """Write ``bench.json``, the plots and ``bench.md`` into ``out``; returns ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(result, indent=1))
-    plots = plot(result, out)
+    plots = plot(result, out) if "ours" in result else []
     (out / "bench.md").write_text(markdown(result, plots))
     return out

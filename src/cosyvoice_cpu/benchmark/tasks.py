@@ -1,12 +1,13 @@
 """Benchmark tasks on an exported model directory (torch-free); each runs in its own process for a clean RSS.
 
-    python -m cosyvoice_cpu.benchmark MODEL_DIR --task single|concurrent|threads [--threads N] [--streams N] ...
+    python -m cosyvoice_cpu.benchmark MODEL_DIR --task single|concurrent|threads|text-stream [--threads N] ...
 
 prints one JSON object. ``cosyvoice-cpu bench`` (:mod:`cosyvoice_cpu.cli.bench`) spawns the tasks, adds the
 PyTorch peers and writes the report. The workload follows ``docs/benchmarks.md``: a registered 3 s voice (made
 once from a synthetic harmonic prompt, not timed), a sentence forced to ``tokens`` speech tokens
 (``SynthesisConfig(min_tokens=max_tokens=N)``: random weights give fixed-length output), warm-up excluded,
-medians of ``runs`` repetitions.
+medians of ``runs`` repetitions. The text-stream task (:mod:`cosyvoice_cpu.benchmark.text_stream`) has its own
+workload: a reply written by a simulated LLM.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.backends.plan import CHOICES, describe
+from cosyvoice_cpu.benchmark import text_stream
 from cosyvoice_cpu.config import DEFAULT_LM_BATCH_ROWS, EngineConfig, SynthesisConfig
 from cosyvoice_cpu.engine import Engine, Timings
 from cosyvoice_cpu.hardware.pages import status_mb
@@ -304,11 +306,22 @@ def task_threads(model_dir: Path, threads: int, tokens: int, runs: int, backend:
     return {"threads": threads, **measure_e2e(engine, voice, tokens, runs), "peak_rss_mb": peak_rss_mb()}
 
 
+def task_text_stream(model_dir: Path, threads: int, runs: int, args: argparse.Namespace) -> dict:
+    """The text-stream workload (:mod:`cosyvoice_cpu.benchmark.text_stream`): ``args.reply`` or a reply of
+    ``args.sentences`` x ``args.sentence_tokens`` text tokens, written at ``args.rate`` tokens/s."""
+    engine, voice = load(model_dir, threads, backend=args.backend)
+    reply = args.reply or text_stream.reply_text(engine.tokenizer, args.sentences, args.sentence_tokens)
+    out = text_stream.measure(engine, voice, reply, args.rate, runs, args.speech_ratio)
+    out.update(reply=reply, voice_tokens=len(voice.speech_tokens), peak_rss_mb=peak_rss_mb())
+    engine.close()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # run alone too: no tokenizers fork warnings
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model_dir", type=Path)
-    ap.add_argument("--task", choices=["single", "concurrent", "threads"], required=True)
+    ap.add_argument("--task", choices=["single", "concurrent", "threads", "text-stream"], required=True)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=250)
     ap.add_argument("--short-tokens", type=int, default=50)
@@ -316,6 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--fast-steps", type=int, default=5)
     ap.add_argument("--backend", choices=CHOICES, default="auto")
+    ap.add_argument("--rate", type=float, default=text_stream.RATE, help="text-stream: text tokens/s written")
+    ap.add_argument("--reply", default="", help="text-stream: the reply (default: a made one)")
+    ap.add_argument("--sentences", type=int, default=text_stream.SENTENCES)
+    ap.add_argument("--sentence-tokens", type=int, default=text_stream.SENTENCE_TOKENS)
+    ap.add_argument("--speech-ratio", type=float, default=text_stream.SPEECH_RATIO)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.task == "single":
@@ -324,8 +342,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     elif args.task == "concurrent":
         out = task_concurrent(args.model_dir, args.threads, args.tokens, args.streams, args.runs, args.backend)
-    else:
+    elif args.task == "threads":
         out = task_threads(args.model_dir, args.threads, args.tokens, args.runs, args.backend)
+    else:
+        out = task_text_stream(args.model_dir, args.threads, args.runs, args)
     json.dump({"task": args.task, "threads": args.threads, "tokens": args.tokens, **out}, sys.stdout)
     print()
     return 0

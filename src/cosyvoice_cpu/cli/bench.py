@@ -3,6 +3,7 @@
     cosyvoice-cpu bench --recipe int8w                 # full-size random CosyVoice2, exported once and cached
     cosyvoice-cpu bench -m MODEL_DIR [--peer-from OFFICIAL_DIR]
     cosyvoice-cpu bench --recipe int8w --concurrency 1,4,8 --thread-sweep --peer official,reference --out DIR
+    cosyvoice-cpu bench -m MODEL_DIR --text-stream only [--text-rate 20]   # a reply written by a simulated LLM
 
 Every measurement runs in a child process (:mod:`cosyvoice_cpu.benchmark.tasks`, ``bench/peer.py``) so each peak RSS is
 its own. Writes ``bench.json``, ``bench.md`` and PNG plots into ``--out``; the report is
@@ -191,6 +192,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     model_dir, official_dir, what = resolve_model(args)
     rate = Manifest.load(model_dir).token_frame_rate  # 25 Hz (CosyVoice2) or 50 Hz (CosyVoice-300M) tokens
     args.tokens, args.short_tokens = args.tokens or 10 * rate, args.short_tokens or 2 * rate
+    if args.text_stream == "only":
+        return _text_stream_only(args, model_dir, what, threads, rate)
     try:
         streams = [int(s) for s in args.concurrency.split(",") if s.strip()] if args.concurrency else []
     except ValueError:
@@ -236,8 +239,38 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result["thread_sweep"] = [_task(model_dir, "threads", n, args) for n in range(1, top + 1)]
     result["peers"] = run_peers(official_dir, [p for p in args.peer.split(",") if p], threads, args.tokens)
     partial.write_text(json.dumps(result, indent=1))
+    if args.text_stream == "yes":
+        result["text_stream"] = _text_stream(model_dir, threads, args)
+    return _finish(result, args, partial)
+
+
+def _text_stream(model_dir: Path, threads: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The text-stream task (:mod:`cosyvoice_cpu.benchmark.text_stream`) in a child."""
+    extra: dict[str, Any] = {"rate": args.text_rate, "speech_ratio": args.speech_ratio}
+    if args.reply:
+        extra["reply"] = args.reply
+    return _task(model_dir, "text-stream", threads, args, **extra)
+
+
+def _text_stream_only(args: argparse.Namespace, model_dir: Path, what: str, threads: int, rate: int) -> int:
+    print(f"benchmarking text streams of {what} with {threads} threads ...", file=sys.stderr, flush=True)
+    result: dict[str, Any] = {
+        "model": what,
+        "model_dir": str(model_dir),
+        "token_rate": rate,
+        "runs": args.runs,
+        "machine": machine_facts(threads),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    result["text_stream"] = _text_stream(model_dir, threads, args)
+    return _finish(result, args, None)
+
+
+def _finish(result: dict[str, Any], args: argparse.Namespace, partial: Path | None) -> int:
     out = write_report(result, args.out)
-    partial.unlink()
+    if partial is not None:
+        partial.unlink()
     print(f"wrote {out}", file=sys.stderr)
     print((args.out / "bench.md").read_text())
     return 0
@@ -276,5 +309,22 @@ def add_parser(sub: Any) -> None:
     b.add_argument("--thread-sweep", action="store_true", help="also measure RTF for 1..all usable cores")
     b.add_argument("--peer", default="official,reference", help="PyTorch peers to run ('' to skip)")
     b.add_argument("--peer-from", type=Path, help="official-layout model directory for the peers (with -m)")
+    b.add_argument(
+        "--text-stream",
+        nargs="?",
+        const="yes",
+        default="no",
+        choices=["no", "yes", "only"],
+        help="also (or with 'only': only) run the text-stream task: a reply written by a simulated LLM into "
+        "a text stream, against the same reply spoken sentence by sentence (docs/benchmarks.md)",
+    )
+    b.add_argument("--text-rate", type=float, default=20.0, help="text-stream: text tokens/s the simulated LLM writes")
+    b.add_argument("--reply", default="", help="text-stream: the reply (default: 3 sentences of ~25 text tokens)")
+    b.add_argument(
+        "--speech-ratio",
+        type=float,
+        default=3.0,
+        help="text-stream: speech tokens per text token (random weights: SynthesisConfig.forced_token_ratio)",
+    )
     b.add_argument("--out", type=Path, default=Path("bench-results"), help="report directory")
     b.set_defaults(func=cmd_bench)
