@@ -10,7 +10,6 @@ import logging
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -24,13 +23,13 @@ logger = logging.getLogger(__name__)
 DEFAULT_LM_BATCH_ROWS = 4  # EngineConfig.lm_batch_rows: the LM decodes ahead in its own thread
 
 
-def need(ok: bool, name: str, value: Any, rule: str) -> None:
+def need(ok: bool, name: str, value: object, rule: str) -> None:
     """Raise ConfigError ``"<name> = <value> is out of range: <rule>"`` unless ``ok``."""
     if not ok:
         raise ConfigError(f"{name} = {value!r} is out of range: {rule}")
 
 
-def _types(obj: Any, ints: tuple[str, ...], floats: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
+def _types(obj: object, ints: tuple[str, ...], floats: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
     """Integer fields must be ints (not bools), float fields real numbers; ``optional`` ones may also be None."""
     for name in ints + floats:
         value = getattr(obj, name)
@@ -263,7 +262,7 @@ class SynthesisConfig:
         n = max(1, round(self.forced_token_ratio * n_text))
         return n, n
 
-    def with_(self, **changes: Any) -> SynthesisConfig:
+    def with_(self, **changes: object) -> SynthesisConfig:
         """A validated copy with some fields changed."""
         return replace(self, **changes).validate()
 

@@ -13,10 +13,10 @@ import logging
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 from cosyvoice_cpu.errors import ModelDirError
 from cosyvoice_cpu.facts import FAMILIES, facts
+from cosyvoice_cpu.jsontypes import JsonObject
 from cosyvoice_cpu.lm.files import EMBEDDING_FILES
 
 logger = logging.getLogger(__name__)
@@ -64,12 +64,12 @@ class GraphEntry:
     file: FileEntry
     data: list[FileEntry]
     precision: str
-    inputs: list[dict[str, Any]]
-    outputs: list[dict[str, Any]]
-    attrs: dict[str, Any] = field(default_factory=dict)
+    inputs: list[JsonObject]
+    outputs: list[JsonObject]
+    attrs: JsonObject = field(default_factory=dict)
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> GraphEntry:
+    def from_json(cls, d: JsonObject) -> GraphEntry:
         return cls(
             FileEntry(**d["file"]),
             [FileEntry(**x) for x in d.get("data", [])],
@@ -105,25 +105,25 @@ class Manifest:
     format_version: int
     family: str
     created_by: str
-    recipe: dict[str, Any]
+    recipe: JsonObject
     sample_rate: int
     token_frame_rate: int
     token_mel_ratio: int
-    mel: dict[str, Any]
-    text: dict[str, Any]
-    lm: dict[str, Any]
-    sampling: dict[str, Any]
-    flow: dict[str, Any]
-    hift: dict[str, Any]
+    mel: JsonObject
+    text: JsonObject
+    lm: JsonObject
+    sampling: JsonObject
+    flow: JsonObject
+    hift: JsonObject
     graphs: dict[str, GraphEntry]
     arrays: dict[str, FileEntry]
     files: dict[str, FileEntry]
-    source: dict[str, Any]
-    verification: list[dict[str, Any]] = field(default_factory=list)
+    source: JsonObject
+    verification: list[JsonObject] = field(default_factory=list)
 
     # ------------------------------------------------------------------ io
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return asdict(self)
 
     def save(self, model_dir: str | Path) -> Path:
@@ -135,7 +135,7 @@ class Manifest:
         return path
 
     @classmethod
-    def from_json(cls, d: dict[str, Any], where: Path) -> Manifest:
+    def from_json(cls, d: JsonObject, where: Path) -> Manifest:
         version = d.get("format_version")
         if not isinstance(version, int):
             raise ModelDirError(f"{where}: 'format_version' is missing; is this a cosyvoice-cpu model directory?")

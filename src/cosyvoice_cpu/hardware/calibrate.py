@@ -27,11 +27,10 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from cosyvoice_cpu.backends.base import SessionConfig
+from cosyvoice_cpu.backends.base import GraphSession, SessionConfig
 from cosyvoice_cpu.backends.registry import open_graph
 from cosyvoice_cpu.errors import ConfigError
 
@@ -57,7 +56,7 @@ class Calibration:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Calibration:
+    def from_dict(cls, d: dict[str, float]) -> Calibration:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__})
 
     def summary(self) -> str:
@@ -123,7 +122,7 @@ def best_seconds(fn: Callable[[], object], budget_s: float, warmup: int = 2, min
     return best
 
 
-def _session(name: str, threads: int) -> Any:
+def _session(name: str, threads: int) -> GraphSession:
 
     path = GRAPHS / name
     if not path.is_file():

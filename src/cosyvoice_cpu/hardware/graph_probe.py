@@ -24,11 +24,10 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from cosyvoice_cpu.backends.base import SessionConfig
+from cosyvoice_cpu.backends.base import NodeInfo, SessionConfig
 from cosyvoice_cpu.backends.registry import open_graph
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.hardware.features import numpy_cpu_features
@@ -87,7 +86,7 @@ class Diff:
         return f"{self.key:40s} err {self.err:9.2e} (max abs {self.max_abs:9.2e}) tol {self.tolerance:7.0e} {verdict}"
 
 
-def _dims(shape: list[Any]) -> list[int]:
+def _dims(shape: list[int | str | None]) -> list[int]:
     return [d if isinstance(d, int) else DIMS.get(str(d), DEFAULT_DIM) for d in shape]
 
 
@@ -99,7 +98,9 @@ def _dtype(onnx_type: str) -> type:
     return types[onnx_type]
 
 
-def graph_feeds(name: str, inputs: list[Any], manifest: Manifest, rng: np.random.Generator) -> dict[str, np.ndarray]:
+def graph_feeds(
+    name: str, inputs: list[NodeInfo], manifest: Manifest, rng: np.random.Generator
+) -> dict[str, np.ndarray]:
     """Fixed random inputs for the graph ``name`` from its declared inputs (``GraphSession.get_inputs()``).
 
     Float inputs are standard normal draws (a mel is shifted to log-mel values around -4, a time ``t`` drawn in

@@ -22,7 +22,6 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +36,7 @@ def mappings(smaps: Path = SMAPS) -> list[tuple[int, int, str, int, frozenset[st
         text = smaps.read_text()
     except OSError:
         return []
-    spans: list[list[Any]] = []
+    spans: list[list[int | str | frozenset[str]]] = []
     for line in text.splitlines():
         fields = line.split(maxsplit=5)
         if not fields:

@@ -25,16 +25,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.jsontypes import JsonValue
 from cosyvoice_cpu.lm.kv_cache import KVCache
 from cosyvoice_cpu.lm.prefix import PrefixCache, prefix_key
 from cosyvoice_cpu.lm.prompt import TextEncoder, assemble
 from cosyvoice_cpu.lm.sampling import Draw, RngDraw, SamplingConfig, sample_next
 from cosyvoice_cpu.lm.session import LMSession
+from cosyvoice_cpu.manifest import Manifest
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class LMFacts:
             object.__setattr__(self, "min_len_masked_id", self.eos_id)
 
     @classmethod
-    def from_manifest(cls, d: Mapping[str, Any]) -> LMFacts:
+    def from_manifest(cls, d: Mapping[str, JsonValue]) -> LMFacts:
         """Read from the manifest's ``lm`` dict; raise ConfigError if a fact is missing or inconsistent."""
         optional = ("min_len_masked_id", "endofprompt_id")
         missing = [k for k in cls.__dataclass_fields__ if k not in d and k not in optional]
@@ -127,7 +128,7 @@ class SpeechTokenGenerator:
     def from_manifest(
         cls,
         session: LMSession,
-        manifest: Any,
+        manifest: Manifest,
         text_encoder: TextEncoder | None = None,
     ) -> SpeechTokenGenerator:
         """Build from a :class:`cosyvoice_cpu.manifest.Manifest` (its ``lm`` and ``sampling`` sections)."""
@@ -224,7 +225,7 @@ class SpeechTokenGenerator:
             request.prefix = prefix_key(prompt_text, speaker if self.text_encoder is not None else None)
         return request
 
-    def generate(self, text: Sequence[int] | np.ndarray, *args: Any, **kw: Any) -> Iterator[int]:
+    def generate(self, text: Sequence[int] | np.ndarray, *args: object, **kw: object) -> Iterator[int]:
         """Shorthand for ``iter(self.request(text, ...))``: speech tokens one at a time."""
         return iter(self.request(text, *args, **kw))
 

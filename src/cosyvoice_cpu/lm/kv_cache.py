@@ -12,12 +12,12 @@ import logging
 import mmap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
 
 import numpy as np
 
 from cosyvoice_cpu.backends.base import BoundRun
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
+from cosyvoice_cpu.jsontypes import JsonValue
 from cosyvoice_cpu.lm.files import EXPORT_HINT
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class LMSpec:
     text_dim: int = 0
 
     @classmethod
-    def from_attrs(cls, attrs: Mapping[str, Any]) -> LMSpec:
+    def from_attrs(cls, attrs: Mapping[str, JsonValue]) -> LMSpec:
         optional = ("speech_rows", "text_dim")
         missing = [k for k in cls.__dataclass_fields__ if k not in attrs and k not in optional]
         if missing:
@@ -76,7 +76,7 @@ def zero_pages(shape: tuple[int, ...]) -> np.ndarray:
 
 def _mapping_of(array: np.ndarray) -> mmap.mmap | None:
     """The :func:`zero_pages` mapping under ``array`` (None for a plain NumPy array)."""
-    base: Any = array
+    base: object = array
     while base is not None and not isinstance(base, mmap.mmap):
         base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)  # frombuffer: a memoryview
     return base

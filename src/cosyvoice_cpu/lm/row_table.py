@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -77,7 +76,7 @@ class RowTable:
             self.close()
 
 
-def open_table(path: str | Path) -> Any:
+def open_table(path: str | Path) -> RowTable | np.ndarray:
     """A :class:`RowTable` for ``path`` where ``os.preadv`` exists, else a read-only memory map of it.
 
     Raises OSError or ValueError for a missing, unreadable, malformed or truncated file."""

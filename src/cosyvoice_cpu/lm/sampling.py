@@ -17,11 +17,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
 
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError, CosyVoiceCpuError
+from cosyvoice_cpu.jsontypes import JsonValue
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +66,12 @@ class SamplingConfig:
             raise ConfigError(f"sampling eos_policy must be one of {', '.join(EOS_POLICIES)}, got {self.eos_policy!r}")
 
     @classmethod
-    def token2wav_0_1_0(cls, **kw: Any) -> SamplingConfig:
+    def token2wav_0_1_0(cls, **kw: object) -> SamplingConfig:
         """The behaviour of the official code packaged as ``token2wav-cosyvoice==0.1.0`` (parity tests)."""
         return cls(exclude_repeated=False, eos_policy="resample", **kw)
 
     @classmethod
-    def from_manifest(cls, d: Mapping[str, Any]) -> SamplingConfig:
+    def from_manifest(cls, d: Mapping[str, JsonValue]) -> SamplingConfig:
         """Build from the manifest's ``sampling`` section (missing keys take the defaults) and validate."""
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(d) - set(known))

@@ -27,7 +27,6 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -186,7 +185,7 @@ class LMScheduler:
         prompt_text: Sequence[int] = (),
         prompt_speech: Sequence[int] = (),
         hold: Hold | None = None,
-        **kw: Any,
+        **kw: object,
     ) -> Iterator[int]:
         """Queue a request (arguments of :meth:`SpeechTokenGenerator.request`, checked now) and return its
         speech tokens as they are decoded. Raises ConfigError at once for bad input or after :meth:`close`.

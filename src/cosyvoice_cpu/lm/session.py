@@ -31,13 +31,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from cosyvoice_cpu.backends.base import BoundRun, SessionConfig, as_config, check_io
 from cosyvoice_cpu.backends.registry import open_graph
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
+from cosyvoice_cpu.jsontypes import JsonValue
 from cosyvoice_cpu.lm.files import EMBEDDING_FILES, EXPORT_HINT, GRAPH_FILE, MIN_ROWS_KEY, SPECIALS
 from cosyvoice_cpu.lm.kv_cache import KVCache, LMSpec, past_names, present_names
 from cosyvoice_cpu.lm.row_table import open_table
@@ -66,7 +66,7 @@ class LMSession:
         self,
         graph: str | Path,
         embeddings: Mapping[str, str | Path],
-        attrs: Mapping[str, Any],
+        attrs: Mapping[str, JsonValue],
         threads: int | SessionConfig = 2,
         min_rows: int | None = None,
     ) -> None:
@@ -101,7 +101,7 @@ class LMSession:
     def from_dir(
         cls,
         model_dir: str | Path,
-        attrs: Mapping[str, Any],
+        attrs: Mapping[str, JsonValue],
         graph_file: str = GRAPH_FILE,
         threads: int | SessionConfig = 2,
         min_rows: int | None = None,

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from cosyvoice_cpu.backends.base import SessionConfig, as_config, check_io
 from cosyvoice_cpu.backends.registry import open_graph
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
+from cosyvoice_cpu.jsontypes import JsonValue
 from cosyvoice_cpu.vocoder.source import SourceConfig, SourceNoise, harmonic_source
 from cosyvoice_cpu.vocoder.windows import DEFAULT_WINDOW_FRAMES, check_window, context_of, decode_windows, plan
 
@@ -54,7 +54,7 @@ class Vocoder:
         self,
         f0_path: str | Path,
         decode_path: str | Path,
-        attrs: dict[str, Any],
+        attrs: dict[str, JsonValue],
         threads: int | SessionConfig = 1,
         window_frames: int = DEFAULT_WINDOW_FRAMES,
     ) -> None:
@@ -85,7 +85,7 @@ class Vocoder:
     def from_dir(
         cls,
         model_dir: str | Path,
-        attrs: dict[str, Any],
+        attrs: dict[str, JsonValue],
         threads: int | SessionConfig = 1,
         window_frames: int = DEFAULT_WINDOW_FRAMES,
     ) -> Vocoder:

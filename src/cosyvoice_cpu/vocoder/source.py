@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
+from cosyvoice_cpu.jsontypes import JsonValue
 
 _F32 = np.float32
 SINE_TYPES = ("v1", "v2", "v3")
@@ -105,7 +105,7 @@ class SourceNoise:
         return cls(phase, NoiseStream(rng, length, harmonics, uniform=sine_type == "v3"))
 
 
-def _noise_table(noise: Any) -> np.ndarray | NoiseStream:
+def _noise_table(noise: np.ndarray | NoiseStream) -> np.ndarray | NoiseStream:
     """``sine_noise`` as float32 array, or the :class:`NoiseStream` itself."""
     return noise if isinstance(noise, NoiseStream) else np.asarray(noise, dtype=_F32)
 
@@ -130,7 +130,7 @@ class SourceConfig:
     bias: float
 
     @classmethod
-    def from_attrs(cls, attrs: dict[str, Any]) -> SourceConfig:
+    def from_attrs(cls, attrs: dict[str, JsonValue]) -> SourceConfig:
         missing = [k for k in REQUIRED_ATTRS if k not in attrs]
         if missing:
             raise ModelDirError(f"hift attrs lack {missing}; re-export the model directory")

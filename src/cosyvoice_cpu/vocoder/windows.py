@@ -19,17 +19,17 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
+from cosyvoice_cpu.jsontypes import JsonValue
 
 DEFAULT_WINDOW_FRAMES = 500  # 10 s of CosyVoice2 mel: the bench's sentence still runs in one call
 MIN_WINDOW_FRAMES = 20
 
 
-def context_of(attrs: dict[str, Any]) -> tuple[int, int] | None:
+def context_of(attrs: dict[str, JsonValue]) -> tuple[int, int] | None:
     """``(left, right)`` mel frames of context from the ``hift_decode`` attrs; None if the export did not measure
     them (directories exported before windows existed: every call stays whole)."""
     value = attrs.get("context_frames")

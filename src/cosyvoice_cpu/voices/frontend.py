@@ -13,12 +13,11 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from cosyvoice_cpu.audio import check_prompt, load_audio, matcha_mel, resample, spk_embedding_input, whisper_log_mel
-from cosyvoice_cpu.audio.io import PROMPT_MAX_SECONDS
+from cosyvoice_cpu.audio.io import PROMPT_MAX_SECONDS, AudioSource
 from cosyvoice_cpu.backends.base import SessionConfig
 from cosyvoice_cpu.backends.registry import open_graph
 from cosyvoice_cpu.errors import ConfigError
@@ -60,7 +59,7 @@ class Frontend:
         finally:
             del sess
 
-    def make_voice(self, prompt: Any, prompt_text: str = "", name: str = "voice") -> Voice:
+    def make_voice(self, prompt: AudioSource, prompt_text: str = "", name: str = "voice") -> Voice:
         """Build a voice from prompt audio (path, bytes or file object, any common format and rate).
 
         Args:

@@ -17,12 +17,12 @@ import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.facts import FamilyFacts, facts
+from cosyvoice_cpu.jsontypes import JsonValue
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class Voice:
     embedding: np.ndarray
     family: str = "cosyvoice2"
     sample_rate: int = 24000
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, JsonValue] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_name(self.name)
