@@ -20,16 +20,23 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from cosyvoice_cpu.config import SynthesisConfig, need
 from cosyvoice_cpu.server import handlers
 from cosyvoice_cpu.server.guard import ApiKeyMiddleware, HostOriginGuard
 from cosyvoice_cpu.server.identity import ReplicaHeaderMiddleware, ReplicaInfo
 from cosyvoice_cpu.server.metrics import Metrics
-from cosyvoice_cpu.server.speech import Admission, AudioBound
+from cosyvoice_cpu.server.speech import Admission, AudioBound, Job
 from cosyvoice_cpu.server.voices import VoiceStore
 from cosyvoice_cpu.voices.voice import check_name
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+    from fastapi.responses import HTMLResponse
+
+    from cosyvoice_cpu.engine import Engine
+    from cosyvoice_cpu.server.unload import UnloadingEngine
 
 logger = logging.getLogger(__name__)
 
@@ -118,10 +125,18 @@ class ServerSettings:
         return self
 
 
+class Service(Protocol):
+    """Another server on the app's state (the Wyoming server): started and stopped with the app."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
 class State:
     """What the handlers share: engine, settings, voices, metrics, admission, the worker pool."""
 
-    def __init__(self, engine: Any, settings: ServerSettings) -> None:
+    def __init__(self, engine: Engine | UnloadingEngine, settings: ServerSettings) -> None:
         self.engine, self.settings = engine, settings
         self.model_id = settings.model_id or Path(engine.model_dir).name
         builtin = engine.builtin_voices()  # CosyVoice-300M-SFT speakers ({} for other models)
@@ -131,9 +146,9 @@ class State:
         self.executor = ThreadPoolExecutor(settings.max_active, thread_name_prefix="synth")
         self.voice_lock: asyncio.Lock | None = None  # voices are made one at a time (made in the lifespan)
         self.started = time.time()
-        self.jobs: set[Any] = set()  # running syntheses (server.speech.Job), cancelled at shutdown
+        self.jobs: set[Job] = set()  # running syntheses, cancelled at shutdown
         self.replica = ReplicaInfo()  # which replica answers (create_app sets it)
-        self.services: list[Any] = []  # more servers on this state (Wyoming): start()/stop() in the lifespan
+        self.services: list[Service] = []  # more servers on this state (Wyoming), started and stopped in the lifespan
         self.text_streams = 0  # open text stream WebSockets (server.text_ws)
 
 
@@ -145,7 +160,9 @@ def _rss_bytes() -> int:
         return 0
 
 
-def create_app(engine: Any, settings: ServerSettings, replica: ReplicaInfo | None = None) -> Any:
+def create_app(
+    engine: Engine | UnloadingEngine, settings: ServerSettings, replica: ReplicaInfo | None = None
+) -> FastAPI:
     """The FastAPI app serving ``engine`` (an :class:`~cosyvoice_cpu.engine.Engine`, or any object with its
     ``synthesize``/``make_voice``/``manifest``/``sample_rate``/``model_dir``) with ``settings``; ``replica`` says
     which replica this is (``X-Replica``, ``/health``; default: this host, one replica)."""
@@ -196,7 +213,7 @@ def create_app(engine: Any, settings: ServerSettings, replica: ReplicaInfo | Non
         )
 
     @asynccontextmanager
-    async def lifespan(app: Any):
+    async def lifespan(app: FastAPI):
         state.admission = Admission(settings.max_active, settings.max_queue)
         state.voice_lock = asyncio.Lock()
         logger.info("serving %s (%d voices) with %d workers", state.model_id, len(state.voices), settings.max_active)
@@ -245,11 +262,11 @@ def create_app(engine: Any, settings: ServerSettings, replica: ReplicaInfo | Non
     )
     app.add_middleware(ReplicaHeaderMiddleware, info=state.replica)  # outermost: every response says who answered
 
-    def static(name: str) -> Any:
+    def static(name: str) -> HTMLResponse:
         return HTMLResponse(resources.files("cosyvoice_cpu.server").joinpath(f"static/{name}").read_text("utf-8"))
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
-    async def page() -> Any:
+    async def page() -> Any:  # (FastAPI reads a route's annotations at run time: fastapi is not imported here)
         return static("index.html")
 
     @app.get("/docs", response_class=HTMLResponse, include_in_schema=False)

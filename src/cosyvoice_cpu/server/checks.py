@@ -12,10 +12,13 @@ from __future__ import annotations
 import logging
 import re
 import unicodedata
-from typing import Any
+from typing import TYPE_CHECKING
 
 from cosyvoice_cpu.facts import FAMILIES, facts
-from cosyvoice_cpu.server.voices import VoiceNotFoundError
+from cosyvoice_cpu.server.voices import VoiceNotFoundError, VoiceStore
+
+if TYPE_CHECKING:
+    from cosyvoice_cpu.voices.voice import Voice
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +138,7 @@ def check_speed(speed: float) -> tuple[float, bool]:
     return applied, applied != speed
 
 
-def resolve_voice(voices: Any, name: str, default: str | None) -> tuple[Any, str]:
+def resolve_voice(voices: VoiceStore, name: str, default: str | None) -> tuple[Voice, str]:
     """(voice, its name) for a request's ``voice``: a saved voice, or for an OpenAI voice name (``alloy``, ...)
     that is not saved, the server's ``--default-voice``. ``voices`` is the app's VoiceStore."""
     name = voice_name(name)

@@ -29,11 +29,14 @@ import ipaddress
 import logging
 import secrets
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from cosyvoice_cpu.server.handlers import endpoint_label, send_error
 from cosyvoice_cpu.server.metrics import Metrics
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +67,7 @@ def json_type_problem(content_type: str | None) -> str:
     return f"the body must be a JSON object sent with Content-Type: application/json; this request {given}{hint}"
 
 
-def _header(scope: Any, name: bytes) -> str | None:
+def _header(scope: Scope, name: bytes) -> str | None:
     value = next((v for k, v in scope.get("headers", ()) if k == name), None)
     return None if value is None else value.decode("latin-1")
 
@@ -103,7 +106,7 @@ class HostOriginGuard:
 
     def __init__(
         self,
-        app: Any,
+        app: ASGIApp,
         bind: str,
         allow_hosts: Iterable[str],
         allow_origins: Iterable[str],
@@ -143,7 +146,7 @@ class HostOriginGuard:
         name, port = split_host(host)
         return o.hostname.rstrip(".") == name and (o_port or default) == (port or default)
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
@@ -210,7 +213,7 @@ class HostOriginGuard:
             "limits in characters (docs/server.md)"
         )
 
-    def deadline(self, receive: Any) -> Any:
+    def deadline(self, receive: Receive) -> Receive:
         """``receive`` that raises a 408 (``request_timeout``, and the connection is closed) when the body has not
         fully arrived ``body_timeout`` seconds after the headers; once it has, ``receive`` as it is."""
         import asyncio
@@ -220,7 +223,7 @@ class HostOriginGuard:
         loop = asyncio.get_running_loop()
         until, complete = loop.time() + self.body_timeout, False
 
-        async def wrapped() -> Any:
+        async def wrapped() -> Message:
             nonlocal complete
             if complete:
                 return await receive()
@@ -238,13 +241,13 @@ class HostOriginGuard:
 
         return wrapped
 
-    def limited(self, receive: Any) -> Any:
+    def limited(self, receive: Receive) -> Receive:
         """``receive`` that raises a 413 once the body passes the limit (bodies sent without Content-Length)."""
         from starlette.exceptions import HTTPException
 
         seen = 0
 
-        async def wrapped() -> Any:
+        async def wrapped() -> Message:
             nonlocal seen
             message = await receive()
             if message["type"] == "http.request":
@@ -266,10 +269,10 @@ class ApiKeyMiddleware:
     handshake without the header passes: browsers cannot send one, so the text stream route takes the key in its
     first message instead (``server.text_ws``); a wrong header is refused here."""
 
-    def __init__(self, app: Any, key: str, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, key: str, metrics: Metrics) -> None:
         self.app, self.metrics, self.key = app, metrics, key
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         if scope["type"] in ("http", "websocket") and (path.startswith("/v1/") or path == "/metrics"):
             given = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)

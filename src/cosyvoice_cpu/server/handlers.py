@@ -11,11 +11,18 @@ from __future__ import annotations
 import json
 import logging
 import re
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from cosyvoice_cpu.errors import CosyVoiceCpuError
+from cosyvoice_cpu.jsontypes import JsonObject
 from cosyvoice_cpu.server.checks import RequestProblem
 from cosyvoice_cpu.server.metrics import Metrics
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+    from starlette.applications import Starlette
+    from starlette.types import Scope, Send
 
 logger = logging.getLogger(__name__)
 
@@ -60,19 +67,19 @@ def outcome_of(status: int) -> str:
     )
 
 
-def error_body(message: str, kind: str, code: str) -> dict[str, Any]:
+def error_body(message: str, kind: str, code: str) -> JsonObject:
     """The JSON body of an error."""
     return {"error": {"message": _OBJECT_REPR.sub("the uploaded data", message), "type": kind, "code": code}}
 
 
 async def send_error(
-    send: Any,
+    send: Send,
     status: int,
     message: str,
     kind: str,
     code: str,
     headers: dict[str, str] | None = None,
-    scope: Any = None,
+    scope: Scope | None = None,
 ) -> None:
     """Answer an error from plain ASGI middleware (before any route ran). A WebSocket handshake (``scope`` of type
     ``websocket``) is refused with the same HTTP status and JSON body where the server can send one (the ASGI
@@ -90,7 +97,7 @@ async def send_error(
     await send({"type": prefix + "http.response.body", "body": body})
 
 
-def validation_problem(errors: list[dict[str, Any]]) -> tuple[str, str]:
+def validation_problem(errors: Sequence[Mapping[str, object]]) -> tuple[str, str]:
     """(message, code) of a request pydantic refused: its first five problems, each naming its field."""
     problems, code = [], "invalid_field"
     for err in errors[:5]:
@@ -127,7 +134,7 @@ def body_problem(cause: BaseException) -> str:
     )
 
 
-def allowed_methods(app: Any, scope: Any) -> list[str]:
+def allowed_methods(app: Starlette, scope: Scope) -> list[str]:
     """Every method the routes matching ``scope``'s path take, plus OPTIONS (sorted)."""
     from starlette.routing import Match
 
@@ -139,7 +146,7 @@ def allowed_methods(app: Any, scope: Any) -> list[str]:
     return sorted(methods)
 
 
-def install(app: Any, metrics: Metrics) -> None:
+def install(app: FastAPI, metrics: Metrics) -> None:
     """The exception handlers of ``app``: every error answered as JSON with a code, and counted."""
     from fastapi import Request
     from fastapi.exceptions import RequestValidationError
@@ -156,21 +163,21 @@ def install(app: Any, metrics: Metrics) -> None:
         code: str,
         headers: dict[str, str] | None = None,
         counted: bool = False,
-    ) -> Any:
+    ) -> Response:
         if not counted:
             metrics.count(endpoint_label(request.scope["path"]), outcome_of(status))
         return JSONResponse(error_body(message, kind, code), status, headers=headers)
 
     @app.exception_handler(ApiError)
-    async def _api_error(request: Request, e: ApiError) -> Any:
+    async def _api_error(request: Request, e: ApiError) -> Response:
         return answer(request, e.status, str(e), e.kind, e.code, e.headers, e.counted)
 
     @app.exception_handler(RequestProblem)
-    async def _problem(request: Request, e: RequestProblem) -> Any:
+    async def _problem(request: Request, e: RequestProblem) -> Response:
         return answer(request, e.status, str(e), "invalid_request_error", e.code)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, e: StarletteHTTPException) -> Any:  # unknown paths, wrong methods
+    async def _http(request: Request, e: StarletteHTTPException) -> Response:  # unknown paths, wrong methods
         if e.status_code == 405:
             allow = ", ".join(allowed_methods(app, request.scope))
             if request.method == "OPTIONS":
@@ -197,21 +204,21 @@ def install(app: Any, metrics: Metrics) -> None:
         return answer(request, e.status_code, str(e.detail), "invalid_request_error", code, getattr(e, "headers", None))
 
     @app.exception_handler(Rejected)
-    async def _rejected(request: Request, e: Rejected) -> Any:
+    async def _rejected(request: Request, e: Rejected) -> Response:
         kind, code = ("server_busy", "server_busy") if e.status == 429 else ("unavailable", "shutting_down")
         return answer(request, e.status, str(e), kind, code, {"Retry-After": str(e.retry_after)})
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, e: RequestValidationError) -> Any:
+    async def _invalid(request: Request, e: RequestValidationError) -> Response:
         message, code = validation_problem(list(e.errors()))
         return answer(request, 400, message, "invalid_request_error", code)
 
     @app.exception_handler(CosyVoiceCpuError)
-    async def _config(request: Request, e: CosyVoiceCpuError) -> Any:
+    async def _config(request: Request, e: CosyVoiceCpuError) -> Response:
         return answer(request, 400, str(e), "invalid_request_error", "invalid_request")
 
     @app.exception_handler(Exception)
-    async def _crash(request: Request, e: Exception) -> Any:
+    async def _crash(request: Request, e: Exception) -> Response:
         if isinstance(e, StreamAborted):  # a speech stream cut after its status line: counted, logged, answered
             raise e
         logger.exception("%s %s failed", request.method, request.url.path)

@@ -13,7 +13,12 @@ import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+from cosyvoice_cpu.jsontypes import JsonObject
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +37,7 @@ class ReplicaInfo:
     pid: int = field(default_factory=os.getpid)
     count: Callable[[], int | None] = _one
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> JsonObject:
         """The fields ``/health`` adds (the count is None when it cannot be had)."""
         try:
             replicas = self.count()
@@ -45,7 +50,7 @@ class ReplicaInfo:
 class ReplicaHeaderMiddleware:
     """Plain ASGI: every HTTP response gets ``X-Replica: <id>``."""
 
-    def __init__(self, app: Any, info: ReplicaInfo) -> None:
+    def __init__(self, app: ASGIApp, info: ReplicaInfo) -> None:
         self.app, self.value = app, info.id.encode("latin-1", "replace")
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:

@@ -10,10 +10,14 @@ true with a bounded schemathesis run against a live server.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from cosyvoice_cpu.jsontypes import JsonObject
 from cosyvoice_cpu.server.checks import MAX_VOICE_CHARS
 from cosyvoice_cpu.server.encode import FORMATS
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +41,7 @@ _ERROR = {
         }
     },
 }
-_SCHEMAS: dict[str, Any] = {
+_SCHEMAS: JsonObject = {
     "Error": _ERROR,
     "Voice": {
         "type": "object",
@@ -138,21 +142,21 @@ _ERRORS = {
 _BINARY = {"schema": {"type": "string", "format": "binary"}}
 
 
-def _error(status: int) -> dict[str, Any]:
+def _error(status: int) -> JsonObject:
     out = _json(_ERRORS[status], "Error")
     if status in (429, 503):
         out["headers"] = {"Retry-After": {"description": "seconds to wait", "schema": _INT}}
     return out
 
 
-def _json(description: str, name: str) -> dict[str, Any]:
+def _json(description: str, name: str) -> JsonObject:
     return {
         "description": description,
         "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}},
     }
 
 
-def _speech_ok() -> dict[str, Any]:
+def _speech_ok() -> JsonObject:
     content = {media: _BINARY for media in FORMATS.values()}
     event = {
         "type": "object",
@@ -188,7 +192,7 @@ def _speech_ok() -> dict[str, Any]:
     }
 
 
-def _upload_body(settings: Any) -> dict[str, Any]:
+def _upload_body(settings: Any) -> JsonObject:
     rule = "1-64 letters, digits, '_', '-', '.' or spaces, starting with a letter or digit"
     name = {"type": "string", "minLength": 1, "maxLength": MAX_VOICE_CHARS, "description": rule}
     text = {
@@ -216,7 +220,7 @@ def _upload_body(settings: Any) -> dict[str, Any]:
     return {"required": True, "content": {"multipart/form-data": {"schema": schema}}}
 
 
-def amend(schema: dict[str, Any], settings: Any) -> dict[str, Any]:
+def amend(schema: JsonObject, settings: Any) -> JsonObject:
     """Make FastAPI's generated ``schema`` describe this server (with ``settings``: a ServerSettings)."""
     schemas = schema.setdefault("components", {}).setdefault("schemas", {})
     for gone in ("HTTPValidationError", "ValidationError"):
@@ -256,11 +260,11 @@ def amend(schema: dict[str, Any], settings: Any) -> dict[str, Any]:
     return schema
 
 
-def install(app: Any, settings: Any) -> None:
+def install(app: FastAPI, settings: Any) -> None:
     """Serve the amended schema at ``/openapi.json`` (built once, at the first request for it)."""
     from fastapi.openapi.utils import get_openapi
 
-    def build() -> dict[str, Any]:
+    def build() -> JsonObject:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=DESCRIPTION, routes=app.routes)
             app.openapi_schema = amend(schema, settings)

@@ -12,20 +12,25 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from cosyvoice_cpu.errors import ConfigError, WorkCancelled
+from cosyvoice_cpu.jsontypes import JsonObject
 from cosyvoice_cpu.server.checks import RequestProblem, check_model, check_speed, check_text, resolve_voice
 from cosyvoice_cpu.server.encode import Encoder, UnsupportedFormatError, check_format
 from cosyvoice_cpu.server.handlers import ApiError
 from cosyvoice_cpu.server.speech import AudioTooLong, Cancelled, Job, SpeechRequest, StreamAborted, TimedOut
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+    from starlette.types import Receive, Scope, Send
+
     from cosyvoice_cpu.config import SynthesisConfig
     from cosyvoice_cpu.engine import Engine
+    from cosyvoice_cpu.server.metrics import Metrics
     from cosyvoice_cpu.voices.voice import Voice
 
 logger = logging.getLogger(__name__)
@@ -34,7 +39,7 @@ SPEECH = "/v1/audio/speech"
 FILE_BLOCK = 256 << 10  # a whole file is sent in blocks of this size
 
 
-def add_routes(app: Any, state: Any) -> None:
+def add_routes(app: FastAPI, state: Any) -> None:
     """Register ``/v1/models`` and the speech route on ``app`` (``state``: the app's
     :class:`~cosyvoice_cpu.server.app.State`)."""
     settings, m = state.settings, state.metrics
@@ -59,7 +64,7 @@ def add_routes(app: Any, state: Any) -> None:
         }
 
     @app.post(SPEECH)
-    async def speech(body: SpeechRequest, request: Request) -> Any:
+    async def speech(body: SpeechRequest, request: Request) -> Response:
         """Speak ``input`` with ``voice``: audio chunks as they are made (``"stream": false``: the whole file at
         the end), or server-sent events."""
         # every check before any work: lengths first (a megabyte of text costs a len()), then content
@@ -157,7 +162,7 @@ def _outcome(e: BaseException) -> str:
     return "error"
 
 
-def _as_api_error(e: BaseException, m: Any) -> Exception:
+def _as_api_error(e: BaseException, m: Metrics) -> Exception:
     """The ApiError for a synthesis that failed before its first audio (or, sent whole, before its end; counted)."""
     outcome = _outcome(e)
     m.count(SPEECH, outcome)
@@ -196,7 +201,7 @@ async def _watch_disconnect(request: Request, job: Job) -> None:
         await asyncio.sleep(0.1)
 
 
-def _sse(event: dict[str, Any]) -> bytes:
+def _sse(event: JsonObject) -> bytes:
     return f"data: {json.dumps(event)}\n\n".encode()
 
 
@@ -272,17 +277,17 @@ class _FileResponse(StreamingResponse):
     """A whole file (``"stream": false``) from the encoder's spooled temporary file, sent in blocks with its
     ``Content-Length``; the file is closed (and deleted, when on disk) however the response ends."""
 
-    def __init__(self, file: Any, size: int, **kw: Any) -> None:
+    def __init__(self, file: IO[bytes], size: int, **kw: object) -> None:
         super().__init__(self._blocks(file), **kw)
         self.headers["content-length"] = str(size)
         self.file = file
 
     @staticmethod
-    async def _blocks(file: Any) -> AsyncIterator[bytes]:
+    async def _blocks(file: IO[bytes]) -> AsyncIterator[bytes]:
         while block := file.read(FILE_BLOCK):
             yield block
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
@@ -293,11 +298,11 @@ class _StreamResponse(StreamingResponse):
     """A StreamingResponse that closes its :class:`_SpeechStream` even when the body was never iterated (a client
     that hung up before the status line went out)."""
 
-    def __init__(self, stream: _SpeechStream, **kw: Any) -> None:
+    def __init__(self, stream: _SpeechStream, **kw: object) -> None:
         super().__init__(stream.body(), **kw)
         self.stream = stream
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:

@@ -15,14 +15,19 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from cosyvoice_cpu.config import SynthesisConfig
 from cosyvoice_cpu.server.checks import MAX_MODEL_CHARS, MAX_VOICE_CHARS
+
+if TYPE_CHECKING:
+    from cosyvoice_cpu.config import AudioChunk
+    from cosyvoice_cpu.server.encode import Encoder
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +86,7 @@ class SpeechOptions(BaseModel):
     def synthesis_config(self, base: SynthesisConfig, speed: float) -> SynthesisConfig:
         """The engine config: ``base`` with this request's fields and ``speed`` (the clamped one; validated:
         ConfigError names a bad field)."""
-        changes: dict[str, Any] = {"speed": speed, "stream": self.stream}
+        changes: dict[str, object] = {"speed": speed, "stream": self.stream}
         for name in (
             "seed",
             "flow_steps",
@@ -211,13 +216,13 @@ class Admission:
 class Job:
     """One synthesis crossing from a worker thread to the event loop."""
 
-    run: Callable[[Callable[[], None]], Any]  # run(check) -> iterator of AudioChunk
+    run: Callable[[Callable[[], None]], Iterator[AudioChunk]]  # run(check) -> the synthesis's chunks
     timeout: float
     cancel: threading.Event = field(default_factory=threading.Event)
     started: float = field(default_factory=time.perf_counter)
     first_audio: float | None = None
     audio: float = 0.0
-    future: Any = None  # the worker's asyncio future, once started
+    future: asyncio.Future[None] | None = None  # the worker's asyncio future, once started
     # the audio bound: its seconds, the message, and how tokens and samples count towards it (0: not counted)
     max_audio_s: float = float("inf")
     too_long: str = ""
@@ -254,7 +259,7 @@ class Job:
         if self.sample_rate and self.samples > self.max_audio_s * self.sample_rate:
             raise AudioTooLong(self.too_long)
 
-    async def chunks(self, executor: Any, encoder: Any) -> AsyncIterator[bytes]:
+    async def chunks(self, executor: Executor, encoder: Encoder) -> AsyncIterator[bytes]:
         """Run the synthesis on ``executor`` and yield each chunk as ``encoder`` (a server ``Encoder``) encodes it,
         then the encoder's tail.
 

@@ -17,10 +17,18 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cosyvoice_cpu.backends.registry import release_idle_memory
 from cosyvoice_cpu.config import need
+
+if TYPE_CHECKING:
+    from cosyvoice_cpu.config import AudioChunk
+    from cosyvoice_cpu.engine import Engine
+    from cosyvoice_cpu.families.base import LMPrompt
+    from cosyvoice_cpu.lm.scheduler import LMScheduler
+    from cosyvoice_cpu.text_stream import TextStream
+    from cosyvoice_cpu.voices.voice import Voice
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +55,14 @@ def rss_mb() -> float:
 class _Held:
     """An iterator of the engine's chunks that releases its hold on the engine once, however it ends."""
 
-    def __init__(self, chunks: Iterator[Any], release: Callable[[], None]) -> None:
+    def __init__(self, chunks: Iterator[AudioChunk], release: Callable[[], None]) -> None:
         self.chunks, self._release = chunks, release
         self.done = False
 
     def __iter__(self) -> _Held:
         return self
 
-    def __next__(self) -> Any:
+    def __next__(self) -> AudioChunk:
         try:
             return next(self.chunks)
         except BaseException:
@@ -87,11 +95,11 @@ class UnloadingEngine:
         poll_s: how often the reaper looks (default: a quarter of ``idle_s``, at most 1 s).
     """
 
-    def __init__(self, load: Callable[[], Any], idle_s: float, poll_s: float | None = None) -> None:
+    def __init__(self, load: Callable[[], Engine], idle_s: float, poll_s: float | None = None) -> None:
         need(0 < idle_s <= 7 * 86_400, "unload_after", idle_s, "above 0, at most a week (seconds)")
         self._load, self.idle_s = load, float(idle_s)
         self._lock = threading.Lock()
-        self._engine: Any = load()
+        self._engine: Engine | None = load()
         self._users = 0
         self._releasing = False
         self._last = time.monotonic()
@@ -120,7 +128,7 @@ class UnloadingEngine:
         """Whether the engine holds its memory: False once a release has finished (not while it runs)."""
         return self._engine is not None or self._releasing
 
-    def _acquire(self) -> Any:
+    def _acquire(self) -> Engine:
         with self._lock:
             self._users += 1
             if self._engine is None:
@@ -140,7 +148,7 @@ class UnloadingEngine:
             self._users -= 1
             self._last = time.monotonic()
 
-    def _call(self, method: str, /, *args: Any, **kw: Any) -> Any:
+    def _call(self, method: str, /, *args: object, **kw: object) -> Any:
         engine = self._acquire()
         try:
             return getattr(engine, method)(*args, **kw)
@@ -149,7 +157,7 @@ class UnloadingEngine:
 
     # ------------------------------------------------------------------ the engine's calls
 
-    def synthesize(self, *args: Any, **kw: Any) -> Iterator[Any]:
+    def synthesize(self, *args: object, **kw: object) -> Iterator[AudioChunk]:
         """``Engine.synthesize``; the engine is held until the iteration ends (or the iterator is dropped)."""
         engine = self._acquire()
         try:
@@ -159,7 +167,7 @@ class UnloadingEngine:
             raise
         return _Held(chunks, self._release)
 
-    def _open_text_stream(self, *args: Any, **kw: Any) -> Any:
+    def _open_text_stream(self, *args: object, **kw: object) -> _HeldStream:
         """``Engine.open_text_stream``; the engine is held until the stream's iteration ends."""
         engine = self._acquire()
         try:
@@ -169,20 +177,20 @@ class UnloadingEngine:
             raise
         return _HeldStream(stream, self._release)
 
-    def make_voice(self, *args: Any, **kw: Any) -> Any:
+    def make_voice(self, *args: object, **kw: object) -> Voice:
         return self._call("make_voice", *args, **kw)
 
-    def lm_prompt(self, *args: Any, **kw: Any) -> Any:
+    def lm_prompt(self, *args: object, **kw: object) -> LMPrompt:
         return self._call("lm_prompt", *args, **kw)
 
-    def segment_cap(self, *args: Any, **kw: Any) -> int:
+    def segment_cap(self, *args: object, **kw: object) -> int:
         return self._call("segment_cap", *args, **kw)
 
-    def builtin_voices(self) -> dict[str, Any]:
+    def builtin_voices(self) -> dict[str, Voice]:
         return dict(self._builtin)
 
     @property
-    def scheduler(self) -> Any:
+    def scheduler(self) -> LMScheduler | None:
         """The loaded engine's LM scheduler (None while released: its counters start again at the next load)."""
         engine = self._engine
         return None if engine is None else engine.scheduler
@@ -191,7 +199,7 @@ class UnloadingEngine:
 
     def _reap(self, poll_s: float) -> None:
         while not self._stop.wait(poll_s):
-            taken: list[Any] = []  # the engine is handed over in a list: no frame of this loop keeps it alive
+            taken: list[Engine] = []  # the engine is handed over in a list: no frame of this loop keeps it alive
             with self._lock:
                 idle = time.monotonic() - self._last
                 if self._engine is not None and self._users == 0 and idle >= self.idle_s:
@@ -205,7 +213,7 @@ class UnloadingEngine:
                 finally:
                     self._releasing = False
 
-    def _unload(self, taken: list[Any], idle: float) -> None:
+    def _unload(self, taken: list[Engine], idle: float) -> None:
         before = rss_mb()
         taken.pop().close()  # the last reference: the sessions, caches and the scheduler go with it
         gc.collect()
@@ -226,7 +234,7 @@ class UnloadingEngine:
 class _HeldStream:
     """A text stream (``feed``/``close``/``cancel``/iterate) that holds the engine until its iteration ends."""
 
-    def __init__(self, stream: Any, release: Callable[[], None]) -> None:
+    def __init__(self, stream: TextStream, release: Callable[[], None]) -> None:
         self.stream = stream
         self.held = _Held(iter(()), release)
 
@@ -239,7 +247,7 @@ class _HeldStream:
     def cancel(self) -> None:
         self.stream.cancel()
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[AudioChunk]:
         try:
             yield from self.stream
         finally:

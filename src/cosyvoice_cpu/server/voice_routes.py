@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -22,6 +22,10 @@ from cosyvoice_cpu.server.handlers import ApiError
 from cosyvoice_cpu.server.voices import VoiceExistsError, VoiceNotFoundError
 from cosyvoice_cpu.voices.voice import VoiceError, check_name
 
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+    from starlette.datastructures import FormData, UploadFile
+
 logger = logging.getLogger(__name__)
 
 VOICES = "/v1/audio/voices"
@@ -30,7 +34,7 @@ FIELDS = ("name", "file", *TRANSCRIPT_FIELDS, "overwrite")
 BOOLEANS = {"true": True, "1": True, "false": False, "0": False}
 
 
-def add_routes(app: Any, state: Any) -> None:
+def add_routes(app: FastAPI, state: Any) -> None:
     """Register the voice routes on ``app`` (``state``: the app's :class:`~cosyvoice_cpu.server.app.State`)."""
     settings, m = state.settings, state.metrics
 
@@ -102,7 +106,7 @@ def add_routes(app: Any, state: Any) -> None:
         return {"id": name, "name": name, "prompt_text": voice.prompt_text, "duration_s": round(voice.duration, 2)}
 
     @app.delete(VOICES + "/{name}", status_code=204, response_model=None)
-    async def delete_voice(name: str) -> Any:
+    async def delete_voice(name: str) -> Response:
         """Delete a saved voice."""
         name = _checked_name(name)
         if name == settings.default_voice and name in state.voices.names():
@@ -121,7 +125,7 @@ def add_routes(app: Any, state: Any) -> None:
         return Response(status_code=204)
 
 
-def _transcript(form: Any) -> Any:
+def _transcript(form: FormData) -> str | UploadFile:
     """The upload's transcript: ``prompt_text``, or one of its other names ``text`` (what clients of the first
     server sent; it was ignored then, and the voice silently became cross-lingual) and ``transcript``. Two of them
     with different values are refused rather than one picked."""
@@ -149,7 +153,7 @@ def _too_large(what: str, max_mb: float) -> ApiError:
     return ApiError(413, f"{what} is over the limit of {max_mb:g} MB; send 3-10 s of speech", code="upload_too_large")
 
 
-async def _read_form(request: Request, limit: int, max_mb: float) -> Any:
+async def _read_form(request: Request, limit: int, max_mb: float) -> FormData:
     """The multipart form of an upload, read under a hard cap (also for chunked uploads without Content-Length)."""
     body_limit = limit + 64 * 1024  # the audio plus the multipart framing and the text fields
     declared = request.headers.get("content-length")

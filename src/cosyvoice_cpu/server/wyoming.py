@@ -18,11 +18,19 @@ import asyncio
 import ipaddress
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from cosyvoice_cpu.config import need
 from cosyvoice_cpu.errors import ConfigError, MissingExtraError
+
+if TYPE_CHECKING:
+    from wyoming.info import Info
+    from wyoming.server import AsyncServer
+    from zeroconf.asyncio import AsyncZeroconf
+
+    from cosyvoice_cpu.server.app import State
+    from cosyvoice_cpu.server.wyoming_handler import CosyVoiceHandler
 
 logger = logging.getLogger(__name__)
 
@@ -94,15 +102,15 @@ class WyomingService:
     alone): starts and stops the ``wyoming`` package's server and the zeroconf advertisement, counts connections,
     and says what the server offers (:meth:`info`)."""
 
-    def __init__(self, state: Any, options: WyomingOptions) -> None:
+    def __init__(self, state: State, options: WyomingOptions) -> None:
         need_wyoming()
         self.state, self.options = state, options.validate(state.settings.max_input_chars)
         self.connections = 0
-        self.handlers: set[Any] = set()
-        self.server: Any = None
-        self.zeroconf: Any = None
+        self.handlers: set[CosyVoiceHandler] = set()
+        self.server: AsyncServer | None = None
+        self.zeroconf: AsyncZeroconf | None = None
 
-    def handler(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Any:
+    def handler(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> CosyVoiceHandler:
         """The handler of one new connection (the ``wyoming`` server's handler factory)."""
         from cosyvoice_cpu.server.wyoming_handler import CosyVoiceHandler
 
@@ -124,9 +132,9 @@ class WyomingService:
         from wyoming.server import AsyncServer
 
         self.server = AsyncServer.from_uri("stdio://")
-        handlers: list[Any] = []
+        handlers: list[CosyVoiceHandler] = []
 
-        def make(reader: Any, writer: Any) -> Any:
+        def make(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> CosyVoiceHandler:
             handlers.append(self.handler(reader, writer))
             return handlers[-1]
 
@@ -147,7 +155,7 @@ class WyomingService:
         if self.server is not None:
             await self.server.stop()
 
-    def info(self) -> Any:
+    def info(self) -> Info:
         """The ``info`` event's :class:`wyoming.info.Info`: one TTS program with every saved and built-in voice,
         each speaking the family's languages. Reads the voices directory: call it off the event loop."""
         from wyoming.info import Attribution, Info, TtsProgram, TtsVoice
@@ -194,7 +202,7 @@ def _advertised_host(uri: str) -> str | None:
     return None if address.is_unspecified or address.version != 4 else host
 
 
-async def advertise(uri: str, name: str) -> Any:
+async def advertise(uri: str, name: str) -> AsyncZeroconf | None:
     """Register ``NAME._wyoming._tcp.local.`` for the server at ``uri`` with the ``wyoming`` package's zeroconf
     helper (needs ``zeroconf``); returns the AsyncZeroconf to close at stop, or None when it could not bind (the
     server goes on without discovery; Home Assistant can still be given the host and port)."""
@@ -213,7 +221,7 @@ async def advertise(uri: str, name: str) -> Any:
     return getattr(helper, "_aiozc", None)
 
 
-async def serve_alone(state: Any, options: WyomingOptions) -> None:
+async def serve_alone(state: State, options: WyomingOptions) -> None:
     """``cosyvoice-cpu wyoming``: the Wyoming server on ``state`` until SIGINT/SIGTERM (stdio: until stdin ends)."""
     import signal
 

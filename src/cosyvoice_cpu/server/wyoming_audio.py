@@ -11,19 +11,24 @@ import re
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from concurrent.futures import Executor
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from cosyvoice_cpu.facts import facts
+from cosyvoice_cpu.jsontypes import JsonValue
 from cosyvoice_cpu.server.checks import RequestProblem, voice_name
 from cosyvoice_cpu.server.speech import MAX_PENDING_CHUNKS, Job
 from cosyvoice_cpu.server.voices import VoiceNotFoundError
+
+if TYPE_CHECKING:
+    from cosyvoice_cpu.voices.voice import Voice
 
 logger = logging.getLogger(__name__)
 
 WIDTH = 2  # bytes per sample: 16-bit PCM
 
 
-def check_language(family: str, language: Any) -> None:
+def check_language(family: str, language: object) -> None:
     """Refuse a ``language`` (``en``, ``en-US``, ``en_US``, ``zh-Hans``; case-insensitive) whose primary subtag is not
     one the family speaks (the facts table's ``languages``)."""
     if language is None:
@@ -39,7 +44,7 @@ def check_language(family: str, language: Any) -> None:
         )
 
 
-def resolve_voice(state: Any, voice: Any) -> Any:
+def resolve_voice(state: Any, voice: JsonValue) -> Voice:  # state: server.app.State (imports this module)
     """The :class:`~cosyvoice_cpu.voices.voice.Voice` of a request's ``voice`` (``{name, language, speaker}`` or
     None): the named saved or built-in voice; an unknown name, or none, speaks with ``--default-voice`` when there
     is one; no name and no default: the first voice of ``info``. Reads the voices directory: call it off the loop.
@@ -76,7 +81,7 @@ def resolve_voice(state: Any, voice: Any) -> Any:
 
 
 async def pump(
-    job: Job, executor: Any, on_stop: Callable[[], None] | None = None
+    job: Job, executor: Executor, on_stop: Callable[[], None] | None = None
 ) -> AsyncIterator[tuple[bytes, tuple[str, tuple[int, int]]]]:
     """Run ``job`` on ``executor`` and yield ``(16-bit PCM bytes, (sentence text, span))`` per chunk as made.
 
@@ -90,7 +95,7 @@ async def pump(
     room = threading.Semaphore(MAX_PENDING_CHUNKS)
     done = object()
 
-    def put(item: Any) -> None:
+    def put(item: object) -> None:
         while not room.acquire(timeout=0.1):
             job.check()  # the client is gone or the time is up: stop waiting for it
         loop.call_soon_threadsafe(q.put_nowait, item)
@@ -124,13 +129,26 @@ async def pump(
             on_stop()
 
 
+class TextSink(Protocol):
+    """Where streamed text goes: an open text stream (``Engine.open_text_stream``, or the unloading engine's)."""
+
+    def feed(self, text: str) -> None: ...
+
+    def close(self) -> None: ...
+
+    def cancel(self) -> None: ...
+
+
+Sink = TypeVar("Sink", bound=TextSink)
+
+
 class TextInbox:
     """The text of a stream that is not open yet (its voice being loaded, its slot awaited): what is fed, closed or
     cancelled meanwhile is handed to the stream when it is :meth:`attach` ed; from then on it passes through."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()  # fed on the event loop, attached in the synthesis worker
-        self.stream: Any = None
+        self.stream: TextSink | None = None
         self.pending: list[str] = []
         self.closed = self.cancelled = False
 
@@ -155,7 +173,7 @@ class TextInbox:
                 return
         self.stream.cancel()
 
-    def attach(self, stream: Any) -> Any:
+    def attach(self, stream: Sink) -> Sink:
         """Hand ``stream`` what came so far (then everything passes through); returns it."""
         with self.lock:
             for text in self.pending:

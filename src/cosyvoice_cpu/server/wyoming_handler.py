@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from typing import TYPE_CHECKING, Any
 
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.error import Error
@@ -31,6 +31,10 @@ from cosyvoice_cpu.errors import ConfigError, WorkCancelled
 from cosyvoice_cpu.server.checks import RequestProblem, check_text
 from cosyvoice_cpu.server.speech import AudioTooLong, Cancelled, Job, Rejected, TimedOut
 from cosyvoice_cpu.server.wyoming_audio import WIDTH, TextInbox, pump, resolve_voice
+
+if TYPE_CHECKING:
+    from cosyvoice_cpu.config import AudioChunk
+    from cosyvoice_cpu.voices.voice import Voice
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +83,7 @@ class CosyVoiceHandler(AsyncEventHandler):
         self.options = service.options
         self.bounded = BoundedReader(reader, self.options.max_event_bytes)
         self.task: asyncio.Task | None = None  # the synthesis running (one-shot or streamed)
-        self.stream: Any = None  # the open text stream (synthesize-start .. synthesize-stop)
+        self.stream: TextInbox | None = None  # the open text stream (synthesize-start .. synthesize-stop)
         self.stream_chars = 0
         self.job: Job | None = None
         self.closed = False
@@ -193,7 +197,7 @@ class CosyVoiceHandler(AsyncEventHandler):
         await self.fail(f"unknown event type {event.type[:64]!r} (this is a TTS server)", "unknown_event")
         return True
 
-    async def _start(self, work: Any) -> bool:
+    async def _start(self, work: Coroutine[object, object, None]) -> bool:
         """Run ``work`` (a synthesis) beside the reading loop, unless one runs already."""
         if self.task is not None and not self.task.done():
             work.close()
@@ -233,7 +237,7 @@ class CosyVoiceHandler(AsyncEventHandler):
 
     # ------------------------------------------------------------------ synthesis
 
-    def _job(self, run: Callable[[Callable[[], None]], Any], chars: int) -> Job:
+    def _job(self, run: Callable[[Callable[[], None]], Iterator[AudioChunk]], chars: int) -> Job:
         settings, engine = self.state.settings, self.state.engine
         bound = settings.audio_bound
         return Job(
@@ -295,7 +299,8 @@ class CosyVoiceHandler(AsyncEventHandler):
         config = self.state.settings.defaults.with_(stream=True)
         engine = self.state.engine
 
-        def run(check: Callable[[], None]) -> Any:  # in the worker: a ConfigError of the engine comes out of pump
+        # run in the worker: a ConfigError of the engine comes out of pump
+        def run(check: Callable[[], None]) -> Iterator[AudioChunk]:
             return iter(inbox.attach(engine.open_text_stream(voice, config, check=check)))
 
         job = self.job = self._job(run, max(self.stream_chars, 1))
@@ -306,7 +311,7 @@ class CosyVoiceHandler(AsyncEventHandler):
         finally:
             timer.cancel()
 
-    async def _voice(self, event: Event) -> Any:
+    async def _voice(self, event: Event) -> Voice:
         """The request's voice (reads the voices directory: off the loop)."""
         voice = event.data.get("voice")
         return await asyncio.get_running_loop().run_in_executor(None, resolve_voice, self.state, voice)
@@ -317,14 +322,16 @@ class CosyVoiceHandler(AsyncEventHandler):
         await self.fail(str(e) if isinstance(e, RequestProblem) else f"a malformed request ({e!r})", code)
         await self.close()
 
-    async def _speak(self, job: Job, chunks: AsyncIterator[Any], streamed: bool) -> None:
+    async def _speak(
+        self, job: Job, chunks: AsyncIterator[tuple[bytes, tuple[str, tuple[int, int]]]], streamed: bool
+    ) -> None:
         """Send the audio of ``chunks`` (one-shot: one audio-start..audio-stop; streamed: one per sentence, then
         synthesize-stopped); on failure an ``error`` and the connection closes. The slot is freed when the worker
         has stopped."""
         self.state.jobs.add(job)
         rate, n = self.state.engine.sample_rate, self.options.samples_per_chunk
         sent = 0  # samples
-        sentence: Any = None
+        sentence: tuple[str, tuple[int, int]] | None = None
         outcome = "cancelled"
         try:
             if not streamed:
