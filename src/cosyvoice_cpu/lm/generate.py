@@ -1,6 +1,6 @@
 """The speech-token decoding loop on the exported LM: text ids + prompt -> a stream of speech tokens.
 
-The torch-free twin of ``Qwen2LM.inference`` (:mod:`cosyvoice_cpu.reference.lm`). One request:
+The torch-free twin of ``Qwen2LM.inference`` (:mod:`cosyvoice_cpu.reference.lm.cosyvoice2`). One request:
 
 1. prefill embeddings ``[sos, text_emb(prompt_text ⊕ text), task_id, speech_emb(prompt_speech)]`` (T, D) into a
    KV-cache row (``T = 1 + Tp + Tt + 1 + Ts``);

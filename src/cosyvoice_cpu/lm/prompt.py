@@ -4,7 +4,7 @@
 - CosyVoice-300M (v1): ``[sos, speaker, encode(text_emb(prompt_text ⊕ text)), task_id, speech_emb(prompt_speech)]``
   where ``encode`` is the causal Conformer text encoder graph (``lm_text_encoder.onnx``) and ``speaker`` the
   projected, L2-normalised x-vector (left out in instruct mode, as the official ``frontend_instruct`` drops
-  ``llm_embedding``). See :mod:`cosyvoice_cpu.export.lm_graph_v1` for the graph.
+  ``llm_embedding``). See :mod:`cosyvoice_cpu.export.lm.cosyvoice` for the graph.
 """
 
 from __future__ import annotations

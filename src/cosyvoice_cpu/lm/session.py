@@ -1,6 +1,6 @@
 """Torch-free driver of the exported LM graph (``lm.onnx``): embeddings, a shared KV cache, prefill and decode.
 
-The graph (written by :mod:`cosyvoice_cpu.export.lm_graph`) is the Qwen2 backbone plus the speech head; it takes
+The graph (written by :mod:`cosyvoice_cpu.export.lm.cosyvoice2`) is the Qwen2 backbone plus the speech head; it takes
 ``inputs_embeds`` (B, S, D), a KV cache per layer and the per-row cache lengths, and returns the speech-token
 log-probabilities at the last position of every row. Embedding tables live beside it as ``.npy`` files (float32
 or float16; gathered rows are widened to float32). The text and speech tables are read row by row with ``pread``

@@ -2,13 +2,13 @@
 
 mel ``(B, 80, T)`` -> ``hift_f0.onnx`` -> F0 ``(B, T)`` -> NumPy sine source ``(B, 1, T*480)`` ->
 ``hift_decode.onnx`` (source STFT as a conv, the conv stack, the inverse STFT as a transposed conv) -> wave
-``(B, T*480)``. The graphs and the attrs come from :mod:`cosyvoice_cpu.export.hift_graph`; its docstring gives
+``(B, T*480)``. The graphs and the attrs come from :mod:`cosyvoice_cpu.export.hift.cosyvoice`; its docstring gives
 the measurements behind the split.
 
 The source (:mod:`cosyvoice_cpu.vocoder.source`) is NumPy, not a graph: its randomness must come from the
 caller's RNG and its phase integration mirrors the reference's float32 operations one by one.
 
-The v3 (Fun-CosyVoice3 causal HiFT) graphs come from :mod:`cosyvoice_cpu.export.hift_graph_v3` with the same
+The v3 (Fun-CosyVoice3 causal HiFT) graphs come from :mod:`cosyvoice_cpu.export.hift.cosyvoice3` with the same
 contracts and attrs that say ``causal``: sine type ``"v3"`` (:func:`~cosyvoice_cpu.vocoder.source.source_v3`) and
 ``finalize=False`` calls, which cut the finalize graphs' output to upstream's non-final lengths. Streaming
 with bounded work: :class:`cosyvoice_cpu.vocoder.causal_stream.CausalVocoderStream`.

@@ -25,7 +25,7 @@ from cosyvoice_cpu.jsontypes import JsonValue
 
 _F32 = np.float32
 SINE_TYPES = ("v1", "v2", "v3")
-# attrs of the hift_decode artifact the runtime reads (see export.hift_graph.export_hift)
+# attrs of the hift_decode artifact the runtime reads (see export.hift.common.hift_attrs)
 REQUIRED_ATTRS = (
     "in_channels",
     "sampling_rate",
@@ -69,7 +69,7 @@ class NoiseStream:
 
 @dataclass
 class SourceNoise:
-    """The random draws of one source computation (NumPy twin of ``reference.hift_source.SourceNoise``).
+    """The random draws of one source computation (NumPy twin of ``reference.hift.source.SourceNoise``).
 
     Attributes:
         initial_phase: ``(B, H)`` float32 uniform in ``[0, 1)``, ``H = nb_harmonics + 1``; column 0 is ignored.

@@ -3,7 +3,7 @@
 HiFT's decode graph is a stack of convolutions, an STFT and an inverse STFT: a wave sample depends on the mel
 frames and source samples within a fixed distance of it and on nothing else (no normalisation over time). So the
 samples of frames ``[a, b)`` can be computed from the frames ``[a - left, b + right)`` alone, where ``left`` and
-``right`` cover that distance (:func:`cosyvoice_cpu.export.hift_graph.decode_context`, measured at export and
+``right`` cover that distance (:func:`cosyvoice_cpu.export.hift.common.decode_context`, measured at export and
 stored in the ``hift_decode`` attrs as ``context_frames``). At the utterance's ends a window starts or stops where
 the whole call does, with the same padding. What differs from one call is float rounding only (the convolutions
 block their products by length), ~1e-7 relative.
