@@ -6,9 +6,12 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cosyvoice_cpu.cli.common import add_backend_args, add_unload_flag, load_engine
+
+if TYPE_CHECKING:
+    from cosyvoice_cpu.server.wyoming import WyomingOptions
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +61,7 @@ def add_wyoming_flags(p: argparse.ArgumentParser | Any, positive: type) -> None:
     )
 
 
-def wyoming_options(args: argparse.Namespace, uri: str) -> Any:
+def wyoming_options(args: argparse.Namespace, uri: str) -> WyomingOptions:
     from cosyvoice_cpu.server.wyoming import WyomingOptions
 
     return WyomingOptions(

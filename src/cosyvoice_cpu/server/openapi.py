@@ -10,7 +10,7 @@ true with a bounded schemathesis run against a live server.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cosyvoice_cpu.jsontypes import JsonObject
 from cosyvoice_cpu.server.checks import MAX_VOICE_CHARS
@@ -18,6 +18,8 @@ from cosyvoice_cpu.server.encode import FORMATS
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
+
+    from cosyvoice_cpu.server.state import ServerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +194,7 @@ def _speech_ok() -> JsonObject:
     }
 
 
-def _upload_body(settings: Any) -> JsonObject:
+def _upload_body(settings: ServerSettings) -> JsonObject:
     rule = "1-64 letters, digits, '_', '-', '.' or spaces, starting with a letter or digit"
     name = {"type": "string", "minLength": 1, "maxLength": MAX_VOICE_CHARS, "description": rule}
     text = {
@@ -220,7 +222,7 @@ def _upload_body(settings: Any) -> JsonObject:
     return {"required": True, "content": {"multipart/form-data": {"schema": schema}}}
 
 
-def amend(schema: JsonObject, settings: Any) -> JsonObject:
+def amend(schema: JsonObject, settings: ServerSettings) -> JsonObject:
     """Make FastAPI's generated ``schema`` describe this server (with ``settings``: a ServerSettings)."""
     schemas = schema.setdefault("components", {}).setdefault("schemas", {})
     for gone in ("HTTPValidationError", "ValidationError"):
@@ -260,7 +262,7 @@ def amend(schema: JsonObject, settings: Any) -> JsonObject:
     return schema
 
 
-def install(app: FastAPI, settings: Any) -> None:
+def install(app: FastAPI, settings: ServerSettings) -> None:
     """Serve the amended schema at ``/openapi.json`` (built once, at the first request for it)."""
     from fastapi.openapi.utils import get_openapi
 

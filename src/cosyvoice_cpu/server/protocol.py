@@ -13,9 +13,9 @@ WebSocket ``header_timeout`` seconds after it opened, with a stray HTTP 408 writ
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +58,13 @@ def timed_protocol(header_timeout: float, base: type | None = None) -> type:
     base = base or base_protocol()
 
     class HeaderTimeoutProtocol(base):  # type: ignore[misc, valid-type]
-        def __init__(self, *args: Any, **kw: Any) -> None:
+        def __init__(self, *args: object, **kw: object) -> None:
             super().__init__(*args, **kw)
-            self._header_timer: Any = None
-            self._header_cycle: Any = None  # the request in flight when the timer was armed
+            self._header_timer: asyncio.TimerHandle | None = None
+            self._header_cycle: object = None  # the request in flight (uvicorn's cycle) when the timer was armed
             self._header_bytes = False  # part of a request arrived since then
 
-        def connection_made(self, transport: Any) -> None:
+        def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
             self._arm_header_timer()
 
@@ -76,7 +76,7 @@ def timed_protocol(header_timeout: float, base: type | None = None) -> type:
             if self._header_timer is not None and self.cycle is not None and self.cycle is not self._header_cycle:
                 self._cancel_header_timer()  # the headers are in: the request runs (its body has its own deadline)
 
-        def handle_websocket_upgrade(self, *args: Any) -> None:
+        def handle_websocket_upgrade(self, *args: object) -> None:
             self._cancel_header_timer()  # the headers are in and the connection is a WebSocket's from now on
             super().handle_websocket_upgrade(*args)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any
+from collections.abc import Callable
 
 from cosyvoice_cpu.errors import CosyVoiceCpuError
 
@@ -53,7 +53,7 @@ class RayWatch:
     fails within a second of the death, with what to do.
     """
 
-    def __init__(self, list_children: Any = ray_children) -> None:
+    def __init__(self, list_children: Callable[[], dict[int, tuple[str, bool]]] = ray_children) -> None:
         self.list_children = list_children
         self.seen: dict[int, str] = {}
         self.release = threading.Event()  # ends the thread that started the instance (see start_local_ray)
@@ -81,7 +81,11 @@ def what_to_do() -> str:
 
 
 def start_local_ray(
-    init: Any, watch: RayWatch | None = None, poll_s: float = WATCH_S, then: Any = None, **kw: Any
+    init: Callable[..., object],
+    watch: RayWatch | None = None,
+    poll_s: float = WATCH_S,
+    then: Callable[[], object] | None = None,
+    **kw: object,
 ) -> RayWatch:
     """``init(**kw)`` (``ray.init`` of a local instance), then ``then()`` (Serve's start and the app), in a thread
     while this one watches the daemons ``init`` starts; raises :class:`RayStartError` as soon as one of them

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from cosyvoice_cpu.config import SynthesisConfig
     from cosyvoice_cpu.engine import Engine
     from cosyvoice_cpu.server.metrics import Metrics
+    from cosyvoice_cpu.server.state import State
     from cosyvoice_cpu.voices.voice import Voice
 
 logger = logging.getLogger(__name__)
@@ -39,9 +40,9 @@ SPEECH = "/v1/audio/speech"
 FILE_BLOCK = 256 << 10  # a whole file is sent in blocks of this size
 
 
-def add_routes(app: FastAPI, state: Any) -> None:
+def add_routes(app: FastAPI, state: State) -> None:
     """Register ``/v1/models`` and the speech route on ``app`` (``state``: the app's
-    :class:`~cosyvoice_cpu.server.app.State`)."""
+    :class:`~cosyvoice_cpu.server.state.State`)."""
     settings, m = state.settings, state.metrics
 
     @app.get("/v1/models")
@@ -185,7 +186,7 @@ def _as_api_error(e: BaseException, m: Metrics) -> Exception:
     )
 
 
-def _release(state: Any, job: Job) -> None:
+def _release(state: State, job: Job) -> None:
     """Free a request's slot; called once its worker thread has stopped."""
     state.jobs.discard(job)
     state.admission.leave()
@@ -216,7 +217,7 @@ class _SpeechStream:
         job: Job,
         sse: bool,
         queue_wait: float,
-        state: Any,
+        state: State,
         watcher: asyncio.Task,
     ) -> None:
         self.first, self.chunks, self.job, self.sse = first, chunks, job, sse

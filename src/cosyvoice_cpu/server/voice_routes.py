@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
     from starlette.datastructures import FormData, UploadFile
 
+    from cosyvoice_cpu.server.state import State
+
 logger = logging.getLogger(__name__)
 
 VOICES = "/v1/audio/voices"
@@ -34,8 +36,8 @@ FIELDS = ("name", "file", *TRANSCRIPT_FIELDS, "overwrite")
 BOOLEANS = {"true": True, "1": True, "false": False, "0": False}
 
 
-def add_routes(app: FastAPI, state: Any) -> None:
-    """Register the voice routes on ``app`` (``state``: the app's :class:`~cosyvoice_cpu.server.app.State`)."""
+def add_routes(app: FastAPI, state: State) -> None:
+    """Register the voice routes on ``app`` (``state``: the app's :class:`~cosyvoice_cpu.server.state.State`)."""
     settings, m = state.settings, state.metrics
 
     @app.get(VOICES)

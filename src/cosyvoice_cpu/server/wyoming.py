@@ -1,7 +1,7 @@
 """The Wyoming protocol server (Home Assistant's way to plug in a TTS engine), on the HTTP server's engine.
 
 ``cosyvoice-cpu wyoming`` serves it alone; ``serve --wyoming URI`` beside the HTTP API in one process, on the same
-:class:`~cosyvoice_cpu.server.app.State`: one engine (one copy of the model, one LM scheduler batching the
+:class:`~cosyvoice_cpu.server.state.State`: one engine (one copy of the model, one LM scheduler batching the
 requests of both protocols), one admission (``--max-active``/``--max-queue`` count both), one voice store (a voice
 uploaded over HTTP is in the next ``describe``). The framing and events are the ``wyoming`` package's (the
 ``[wyoming]`` extra); the handler of one connection is :mod:`cosyvoice_cpu.server.wyoming_handler`.
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from wyoming.server import AsyncServer
     from zeroconf.asyncio import AsyncZeroconf
 
-    from cosyvoice_cpu.server.app import State
+    from cosyvoice_cpu.server.state import State
     from cosyvoice_cpu.server.wyoming_handler import CosyVoiceHandler
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class WyomingOptions:
 
 
 class WyomingService:
-    """The Wyoming server of one :class:`~cosyvoice_cpu.server.app.State` (the HTTP server's, or one made for it
+    """The Wyoming server of one :class:`~cosyvoice_cpu.server.state.State` (the HTTP server's, or one made for it
     alone): starts and stops the ``wyoming`` package's server and the zeroconf advertisement, counts connections,
     and says what the server offers (:meth:`info`)."""
 

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from cosyvoice_cpu.facts import facts
 from cosyvoice_cpu.jsontypes import JsonValue
@@ -21,6 +21,7 @@ from cosyvoice_cpu.server.speech import MAX_PENDING_CHUNKS, Job
 from cosyvoice_cpu.server.voices import VoiceNotFoundError
 
 if TYPE_CHECKING:
+    from cosyvoice_cpu.server.state import State
     from cosyvoice_cpu.voices.voice import Voice
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ def check_language(family: str, language: object) -> None:
         )
 
 
-def resolve_voice(state: Any, voice: JsonValue) -> Voice:  # state: server.app.State (imports this module)
+def resolve_voice(state: State, voice: JsonValue) -> Voice:
     """The :class:`~cosyvoice_cpu.voices.voice.Voice` of a request's ``voice`` (``{name, language, speaker}`` or
     None): the named saved or built-in voice; an unknown name, or none, speaks with ``--default-voice`` when there
     is one; no name and no default: the first voice of ``info``. Reads the voices directory: call it off the loop.

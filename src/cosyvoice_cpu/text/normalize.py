@@ -20,7 +20,7 @@ import logging
 import re
 import unicodedata
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Literal, Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -183,8 +183,14 @@ def _fallback_en(text: str) -> str:
     return re.sub(r"(\$)?([0-9]+)(?:\.([0-9]+))?(%)?", num, text)
 
 
+class TextNormalizer(Protocol):
+    """What is used of ``wetext.Normalizer``: text in, normalized text out."""
+
+    def normalize(self, text: str) -> str: ...
+
+
 @lru_cache(maxsize=4)
-def _wetext_normalizer(lang: Lang) -> Any | None:
+def _wetext_normalizer(lang: Lang) -> TextNormalizer | None:
     """The ``wetext`` TN normalizer for ``lang``, or None (logged once) when ``wetext`` is not installed."""
     try:
         from wetext import Normalizer
