@@ -230,22 +230,11 @@ def _stale_references(sources: dict[str, str]) -> list[str]:
     return stale
 
 
-# Runtime modules whose docstrings still name torch-side modules that moved, left to the work that renames them
-# (the flow stage's family files, issue 36): empty this set as they are rewritten.
-STALE_ALLOWED = {
-    "cosyvoice_cpu.flow.graphs",
-    "cosyvoice_cpu.flow.stage",
-    "cosyvoice_cpu.flow.stage_v1",
-    "cosyvoice_cpu.flow.stage_v3",
-    "cosyvoice_cpu.flow.stream_v3",
-}
-
-
 def test_runtime_docstrings_name_modules_that_exist() -> None:
     """A docstring or comment of the runtime that names ``cosyvoice_cpu.<module>[.<name>]`` names one that exists
     (the torch side was reorganized once: ``export.lm_graph`` became ``export.lm.cosyvoice2``, and so on)."""
     sources = {_module_name(p): p.read_text() for p in PACKAGE.rglob("*.py")}
-    runtime = {m: t for m, t in sources.items() if not m.startswith(EXPORT_SIDE) and m not in STALE_ALLOWED}
+    runtime = {m: t for m, t in sources.items() if not m.startswith(EXPORT_SIDE)}
     stale = _stale_references(sources)
     bad = [s for s in stale if s.split(":")[0] in runtime]
     assert not bad, "runtime docstrings naming modules or names that do not exist:\n" + "\n".join(bad)

@@ -4,7 +4,8 @@ The official ``CosyVoice3Model.llm_job`` (``cosyvoice/cli/model.py``, commit ``a
 tokens of :data:`SILENT_TOKENS` (FSQ silence/breath codes, any mix of them) and drops each one past the
 :data:`MAX_SILENT_RUN`-th; any other token resets the count. It is not an LM rule: the LM still feeds every token
 back and keeps it in the RAS window, only the list handed to the flow loses them. Twin of
-:class:`cosyvoice_cpu.reference.lm.cosyvoice3.SilentRunFilter` (checked against it in tests/export/test_lm_graph_cosyvoice3.py).
+:class:`cosyvoice_cpu.reference.lm.cosyvoice3.SilentRunFilter` (checked against it in
+tests/export/test_lm_graph_cosyvoice3.py).
 
 Data flow (v3 only; v1/v2 hand every token on)::
 
