@@ -147,7 +147,8 @@ def text_stream_markdown(ts: dict[str, Any]) -> list[str]:
         "",
         f"A simulated LLM writes a reply of {len(ts['sentence_tokens'])} sentences ({tokens} text tokens) at "
         f"{ts['rate']:g} text tokens/s ({ts['writing_s']:.2f} s of writing); {ts['speech_ratio']:g} speech tokens "
-        f"per text token; a voice of {ts.get('voice_tokens', '?')} prompt speech tokens; medians of "
+        f"per text token; a voice of {ts.get('voice_tokens', '?')} prompt speech tokens and "
+        f"{ts.get('transcript_tokens', '?')} transcript text tokens; medians of "
         f"{len(ts['runs']['text_stream'])} runs after a warm-up.",
         "",
         "| | text stream | sentence by sentence |",

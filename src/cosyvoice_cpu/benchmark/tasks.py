@@ -312,7 +312,12 @@ def task_text_stream(model_dir: Path, threads: int, runs: int, args: argparse.Na
     engine, voice = load(model_dir, threads, backend=args.backend)
     reply = args.reply or text_stream.reply_text(engine.tokenizer, args.sentences, args.sentence_tokens)
     out = text_stream.measure(engine, voice, reply, args.rate, runs, args.speech_ratio)
-    out.update(reply=reply, voice_tokens=len(voice.speech_tokens), peak_rss_mb=peak_rss_mb())
+    prompt = engine.lm_prompt(voice)  # the first speech token waits for 5 * ceil(Ts / 15) text tokens, Tp included
+    text = [int(i) for i in prompt.text_ids]
+    eop = engine.lm.facts.endofprompt_id  # Fun-CosyVoice3: what precedes <|endofprompt|> goes in before the text
+    text = text[text.index(eop) + 1 :] if eop in text else text
+    out.update(reply=reply, voice_tokens=len(prompt.speech), transcript_tokens=len(text))
+    out["peak_rss_mb"] = peak_rss_mb()
     engine.close()
     return out
 
