@@ -41,7 +41,7 @@ from cosyvoice_cpu.lm.bistream import BistreamRequest
 from cosyvoice_cpu.lm.generate import SpeechTokenGenerator
 from cosyvoice_cpu.lm.sampling import RngDraw, SamplingConfig
 from cosyvoice_cpu.lm.scheduler import LMScheduler
-from cosyvoice_cpu.lm.source import SentenceTokens, StreamTokens, TokenSource
+from cosyvoice_cpu.lm.source import EarlyTokens, SentenceTokens, StreamTokens, TokenSource
 from cosyvoice_cpu.sentence import Piece, Timings
 from cosyvoice_cpu.text import normalize_text, prepare
 from cosyvoice_cpu.text.normalize import detect_language
@@ -108,6 +108,7 @@ class _State:
     closed: bool = False
     cancelled: bool = False
     first_text: float | None = None
+    speaking: bool = False  # the reader has taken a passage: the next one's LM may start early
 
 
 class TextStream:
@@ -178,6 +179,8 @@ class TextStream:
             for p in [*st.passages, *([st.open] if st.open else [])]:
                 if p.request is not None:
                     p.request.cancel()
+                if isinstance(p.source, EarlyTokens):
+                    p.source.abandon()
             self._lock.notify_all()
 
     def abort(self, error: BaseException) -> None:
@@ -203,6 +206,7 @@ class TextStream:
                                       forced_ratio=self.config.forced_token_ratio)  # fmt: skip
             st.open = _Passage(StreamTokens(request, self.engine.scheduler, self._check), request=request)
             st.passages.append(st.open)
+            self._start_next()
             self._lock.notify_all()
         p = st.open
         p.request.feed(ids)
@@ -210,6 +214,15 @@ class TextStream:
         p.tokens += len(ids)
         if p.tokens >= self.cap or (ends_sentence(phrase) and p.tokens >= self.cap // 2):
             self._end_passage()
+
+    def _start_next(self) -> None:
+        """Start the LM of the next interleaved passage while the reader speaks the one before (called under the
+        lock): it prefills and decodes its first chunk's tokens, then waits for its turn, so the audio does not
+        run dry at the passage boundary. (Sentence mode keeps one LM request at a time.)"""
+        st = self._state
+        head = st.passages[0] if st.passages else None
+        if st.speaking and head is not None and head.request is not None and not isinstance(head.source, EarlyTokens):
+            head.source = EarlyTokens(head.source, self.config.first_chunk_tokens)
 
     def _ids(self, phrase: str) -> list[int]:
         """A phrase normalized (as the engine's text is) and tokenized; a leading blank is kept for the BPE."""
@@ -273,11 +286,16 @@ class TextStream:
                 self._lock.wait()
             if st.cancelled:
                 raise self._error or TextStreamCancelled("the text stream was cancelled")
-            return st.passages.popleft() if st.passages else None
+            if not st.passages:
+                return None
+            p = st.passages.popleft()
+            st.speaking = True
+            self._start_next()
+            return p
 
     def _run(self) -> Iterator[AudioChunk]:
         t, sr = self.timings, self.engine.sample_rate
-        produced = 0
+        produced, done = 0, False
         try:
             while (p := self._next()) is not None:
                 for samples, _ in self.engine.speak(p.source, self.voice, self.config, self._rng, t):
@@ -289,8 +307,9 @@ class TextStream:
                     t.audio += len(samples) / sr
                     produced += len(samples)
                     yield AudioChunk(samples, sr, False, p.text, p.span)
+            done = True
         finally:
-            if not self._state.closed:
+            if not done:  # the reader stopped early: a passage started ahead of its turn must not keep its row
                 self.cancel()
         if not produced:
             raise ConfigError("the text stream ended without speech: it held no speakable text")

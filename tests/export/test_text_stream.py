@@ -17,6 +17,7 @@ import soundfile as sf
 from cosyvoice_cpu.config import EngineConfig, SynthesisConfig
 from cosyvoice_cpu.engine import Engine
 from cosyvoice_cpu.errors import ConfigError, WorkCancelled
+from cosyvoice_cpu.lm.source import EarlyTokens
 from cosyvoice_cpu.text_stream import MAX_STREAM_CHARS, TextStreamCancelled
 
 REPLY = "The alarm on line three is active. Please check the pressure valve at 3.5 bar now, then call the supervisor."
@@ -107,6 +108,39 @@ def test_cancel_frees_the_lm_row(engine: Engine, voice) -> None:
     while engine.scheduler.active and time.monotonic() < deadline:
         time.sleep(0.02)
     assert engine.scheduler.active == 0
+
+
+def _second_passage_held(engine: Engine, voice):
+    """A stream fed and closed at once, read up to its first chunk: its second passage, started ahead."""
+    stream = engine.open_text_stream(voice, STREAM)
+    for p in _words(REPLY):
+        stream.feed(p)
+    stream.close()
+    chunks = iter(stream)
+    next(chunks)  # the reader is on the first passage
+    ahead = stream._state.passages[0]
+    assert isinstance(ahead.source, EarlyTokens)
+    deadline = time.monotonic() + 60
+    while len(ahead.request.tokens) < STREAM.first_chunk_tokens and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return chunks, ahead
+
+
+def test_the_next_passage_starts_while_the_one_before_is_spoken(engine: Engine, voice) -> None:
+    chunks, ahead = _second_passage_held(engine, voice)
+    time.sleep(0.2)
+    assert len(ahead.request.tokens) == STREAM.first_chunk_tokens  # its first chunk decoded, then held
+    rest = list(chunks)
+    assert rest[-1].final and len({c.text for c in rest if len(c.samples)}) >= 2
+
+
+def test_a_reader_that_stops_early_frees_the_passage_started_ahead(engine: Engine, voice) -> None:
+    chunks, ahead = _second_passage_held(engine, voice)
+    chunks.close()
+    deadline = time.monotonic() + 10
+    while engine.scheduler.active and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.scheduler.active == 0 and ahead.request.stop_reason == "cancelled"
 
 
 def test_writer_error_reaches_the_reader(engine: Engine, voice) -> None:

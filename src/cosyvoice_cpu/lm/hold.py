@@ -34,6 +34,28 @@ class Hold:
         notify(self._wake)
 
 
+class RelayHold(Hold):
+    """A hold for a request submitted before its reader exists (a text stream's next passage, decoded while the
+    one before is spoken): pauses after ``after`` tokens until :meth:`hand_over` gives it the reader's hold (from
+    then on it pauses as that one does) or None (released)."""
+
+    def __init__(self, after: int) -> None:
+        super().__init__(after)
+        self._to: Hold | None = None
+
+    @property
+    def released(self) -> bool:
+        return self._released.is_set() or (self._to is not None and self._to.released)
+
+    def hand_over(self, hold: Hold | None) -> None:
+        if hold is None:
+            self.release()
+            return
+        self._to, self.after = hold, hold.after
+        hold.attach(self._wake)  # its release wakes the scheduler that holds this one
+        notify(self._wake)
+
+
 def notify(wake: threading.Condition | None) -> None:
     """Notify one waiter of ``wake`` (None: nobody to wake)."""
     if wake is not None:

@@ -4,7 +4,8 @@ iterated.
 
 - :class:`SentenceTokens`: the tokens of one sentence whose text is known (``Qwen2LM.inference``);
 - :class:`StreamTokens`: the tokens of a text stream's passage whose text is still arriving
-  (:mod:`cosyvoice_cpu.lm.bistream`).
+  (:mod:`cosyvoice_cpu.lm.bistream`);
+- :class:`EarlyTokens`: a source opened before its turn, so its LM starts while the passage before is spoken.
 
 Both decode on the engine's LM scheduler when it has one (batched with every other request), else in the caller's
 thread, and call ``check()`` after every token (it may raise to stop: a server's cancellation and timeout).
@@ -21,7 +22,7 @@ import numpy as np
 
 from cosyvoice_cpu.lm.bistream import BistreamRequest
 from cosyvoice_cpu.lm.generate import SpeechTokenGenerator
-from cosyvoice_cpu.lm.hold import Hold
+from cosyvoice_cpu.lm.hold import Hold, RelayHold
 from cosyvoice_cpu.lm.sampling import Draw, SamplingConfig
 from cosyvoice_cpu.lm.scheduler import LMScheduler
 
@@ -81,6 +82,24 @@ class StreamTokens:
         else:
             tokens = iter(self.request)
         return checked(tokens, self.check)
+
+
+class EarlyTokens:
+    """``source`` opened now (on a scheduler, its request is queued at once) with a :class:`RelayHold` that
+    pauses it after ``after`` tokens; :meth:`open` hands the reader's hold over and returns the same tokens."""
+
+    def __init__(self, source: TokenSource, after: int) -> None:
+        self._hold = RelayHold(after)
+        self._tokens = source.open(self._hold)
+
+    def open(self, hold: Hold | None = None) -> Iterator[int]:
+        self._hold.hand_over(hold)
+        return self._tokens
+
+    def abandon(self) -> None:
+        """Never to be read (its request was cancelled): release the hold so the scheduler's next step, which
+        skips held rows, ends the request and frees its row."""
+        self._hold.release()
 
 
 def checked(tokens: Iterator[int], check: Callable[[], None] | None) -> Iterator[int]:
