@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cosyvoice_cpu.errors import ConfigError, MissingExtraError
 from cosyvoice_cpu.server.identity import ReplicaInfo
@@ -34,6 +34,10 @@ from cosyvoice_cpu.server.ray_local import (  # re-exported: the local Ray insta
     start_local_ray,
     what_to_do,
 )
+
+if TYPE_CHECKING:
+    from cosyvoice_cpu.config import EngineConfig
+    from cosyvoice_cpu.server.state import ServerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +107,9 @@ class ReplicaPlan:
             )
         return self
 
-    def deployment_options(self) -> dict[str, Any]:
+    def deployment_options(self) -> dict[str, object]:
         """The ``serve.deployment`` options of this plan."""
-        opts: dict[str, Any] = {
+        opts: dict[str, object] = {
             "ray_actor_options": {"num_cpus": self.threads},
             "max_ongoing_requests": self.max_ongoing,
             "health_check_period_s": self.health_period_s,
@@ -152,7 +156,7 @@ def _build_deployment(plan: ReplicaPlan) -> Any:
     class CosyVoiceReplica:
         """One replica: its own engine, loaded once, and the app around it."""
 
-        async def __init__(self, model_dir: str, settings: Any, engine_config: Any) -> None:
+        async def __init__(self, model_dir: str, settings: ServerSettings, engine_config: EngineConfig) -> None:
             import asyncio
 
             from cosyvoice_cpu.engine import Engine
@@ -183,7 +187,11 @@ def _build_deployment(plan: ReplicaPlan) -> Any:
 
 
 def serve_replicas(
-    model_dir: Path, settings: Any, engine_config: Any, plan: ReplicaPlan, stop: threading.Event | None = None
+    model_dir: Path,
+    settings: ServerSettings,
+    engine_config: EngineConfig,
+    plan: ReplicaPlan,
+    stop: threading.Event | None = None,
 ) -> int:
     """Run the app as replicas on Ray Serve until SIGINT/SIGTERM (or ``stop``), then take them down.
 

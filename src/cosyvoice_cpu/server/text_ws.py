@@ -21,12 +21,14 @@ import base64
 import json
 import logging
 import time
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 from starlette.websockets import WebSocket
 
 from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.jsontypes import JsonObject
 from cosyvoice_cpu.server.checks import RequestProblem, check_model, check_speed, check_text, resolve_voice
 from cosyvoice_cpu.server.guard import key_matches
 from cosyvoice_cpu.server.handlers import error_body, validation_problem
@@ -42,10 +44,17 @@ from cosyvoice_cpu.server.text_ws_messages import (
 )
 from cosyvoice_cpu.server.wyoming_audio import WIDTH, TextInbox, pump
 
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+    from starlette.types import Message
+
+    from cosyvoice_cpu.config import AudioChunk
+    from cosyvoice_cpu.server.state import State
+
 logger = logging.getLogger(__name__)
 
 
-def add_route(app: Any, state: Any) -> None:
+def add_route(app: FastAPI, state: State) -> None:
     """Register the text stream WebSocket on ``app`` (``state``: the app's ``State``)."""
 
     @app.websocket(PATH)
@@ -56,7 +65,7 @@ def add_route(app: Any, state: Any) -> None:
 class TextSocket:
     """One text stream connection: a reader of the client's messages (this task) and a speaker task."""
 
-    def __init__(self, state: Any, ws: Any) -> None:
+    def __init__(self, state: State, ws: WebSocket) -> None:
         self.state, self.ws, self.settings = state, ws, state.settings
         self.inbox = TextInbox()
         self.job: Job | None = None
@@ -123,7 +132,7 @@ class TextSocket:
         if outcome == "ok":
             total = time.perf_counter() - self.opened
             self.state.metrics.speech_done(self.queue_wait, self._first_audio(), total, audio)
-        done: dict[str, Any] = {"type": "done", "stop_reason": reason, "timings": self._timings(audio)}
+        done: JsonObject = {"type": "done", "stop_reason": reason, "timings": self._timings(audio)}
         if error is not None:
             done.update(error_body(str(error), error.kind, error.code))
             logger.info("text stream closed: %s (%s)", error.code, error)
@@ -137,7 +146,7 @@ class TextSocket:
             return None
         return max(self.first_audio - self.first_text, 0.0)
 
-    def _timings(self, audio: float) -> dict[str, Any]:
+    def _timings(self, audio: float) -> JsonObject:
         first = self._first_audio()
         return {
             "first_audio_s": None if first is None else round(first, 3),  # from the first text to the first audio
@@ -147,7 +156,7 @@ class TextSocket:
             "text_chars": self.chars,
         }
 
-    async def _send(self, what: dict[str, Any]) -> None:
+    async def _send(self, what: Message) -> None:
         """Send ``{"text": str}``, ``{"bytes": bytes}`` or ``{"close": (code, reason)}``; a client that went away
         stops the stream instead of raising."""
         if self.gone:
@@ -169,7 +178,7 @@ class TextSocket:
 
     # ------------------------------------------------------------------ the client's messages
 
-    async def _message(self, idle: bool = True) -> dict[str, Any] | None:
+    async def _message(self, idle: bool = True) -> Message | None:
         """The next JSON message (None: the client went away). ``idle``: refused after ``stream_idle_timeout`` s
         without a message from the client or audio to it."""
         limit = self.settings.stream_idle_timeout
@@ -271,7 +280,7 @@ class TextSocket:
             else:
                 raise StreamError(f"unknown message type {kind[:32]!r} (start, text, end, cancel)", "bad_message")
 
-    def _feed(self, data: dict[str, Any]) -> None:
+    def _feed(self, data: JsonObject) -> None:
         text, limit = data.get("text"), self.settings.max_input_chars
         if not isinstance(text, str) or set(data) - {"type", "text"}:
             raise StreamError('a text message is {"type": "text", "text": STRING} and nothing else', "bad_message")
@@ -310,7 +319,8 @@ class TextSocket:
         self.admitted, self.last_activity = True, time.monotonic()  # the wait in the queue was not the client's
         voice, config, instruct, inbox = self.voice, self.config, self.instruct, self.inbox
 
-        def run(check: Any) -> Any:  # in the worker: a ConfigError of the engine comes out of pump
+        # run in the worker: a ConfigError of the engine comes out of pump
+        def run(check: Callable[[], None]) -> Iterator[AudioChunk]:
             return iter(inbox.attach(engine.open_text_stream(voice, config, instruct, check=check)))
 
         bound = settings.audio_bound

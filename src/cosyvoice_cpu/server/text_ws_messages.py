@@ -4,12 +4,15 @@ ends a stream, and the close code of each error (docs/server.md lists them)."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
 from cosyvoice_cpu.errors import ConfigError, WorkCancelled
 from cosyvoice_cpu.server.speech import AudioTooLong, Cancelled, SpeechOptions, TimedOut
+
+if TYPE_CHECKING:
+    from starlette.types import Message
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +68,7 @@ def ending_of(e: Exception) -> tuple[str, StreamError | None]:
     return "error", StreamError(message, "synthesis_failed", "server_error", outcome="error")
 
 
-def protocol_error(message: dict[str, Any]) -> StreamError:
+def protocol_error(message: Message) -> StreamError:
     """The error of a connection the WebSocket protocol closed (the close went out already)."""
     if message.get("code") == 1009:
         return StreamError(f"a message over the server's size limit ({message.get('reason') or ''})", "too_big")
