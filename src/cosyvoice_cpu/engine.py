@@ -194,6 +194,12 @@ class Engine:
         return float(self.family.facts.token_rate)
 
     @property
+    def loaded(self) -> bool:
+        """Always True: this engine holds its models until :meth:`close` (``--unload-after`` wraps it in one that
+        releases them, :class:`~cosyvoice_cpu.server.unload.UnloadingEngine`)."""
+        return True
+
+    @property
     def kv_cache_positions(self) -> int:
         """Positions of the LM's KV cache (the export's ``--max-len``): prompt, text and speech must fit in it."""
         return int(self.lm.session.spec.max_len)

@@ -26,14 +26,14 @@ class FakeEngine:
     def builtin_voices(self) -> dict[str, Any]:
         return {"x": object()}
 
-    def synthesize(self, text: str, voice: Any = None, **kw: Any) -> Iterator[str]:
+    def synthesize(self, text: str, voice: Any = None, *options: Any) -> Iterator[str]:
         assert not self.closed
         yield from text.split()
 
     def make_voice(self, prompt: Any, prompt_text: str = "", name: str = "voice") -> tuple[Any, str, str]:
         return prompt, prompt_text, name
 
-    def segment_cap(self, prompt: Any) -> int:
+    def segment_cap(self, prompt: Any, *options: Any) -> int:
         assert not self.closed
         return 7
 
@@ -66,12 +66,12 @@ def test_never_released_while_an_iteration_holds_it() -> None:
     made: list[FakeEngine] = []
     engine = UnloadingEngine(lambda: made.append(FakeEngine()) or made[-1], idle_s=0.1, poll_s=0.02)
     try:
-        chunks = engine.synthesize("a b c")
+        chunks = engine.synthesize("a b c", None)
         assert next(chunks) == "a"
         time.sleep(0.4)  # idle far past 0.1 s, but held
         assert engine.loaded and list(chunks) == ["b", "c"]
         wait_for(lambda: not engine.loaded)  # released once the iteration ended
-        chunks = engine.synthesize("d e")
+        chunks = engine.synthesize("d e", None)
         next(chunks)
         del chunks  # dropped half way: the hold goes with it
         wait_for(lambda: not engine.loaded)

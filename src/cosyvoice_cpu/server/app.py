@@ -28,8 +28,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
     from fastapi.responses import HTMLResponse
 
-    from cosyvoice_cpu.engine import Engine
-    from cosyvoice_cpu.server.unload import UnloadingEngine
+    from cosyvoice_cpu.server.engine_api import SpeechEngine
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +41,9 @@ def _rss_bytes() -> int:
         return 0
 
 
-def create_app(
-    engine: Engine | UnloadingEngine, settings: ServerSettings, replica: ReplicaInfo | None = None
-) -> FastAPI:
-    """The FastAPI app serving ``engine`` (an :class:`~cosyvoice_cpu.engine.Engine`, or any object with its
-    ``synthesize``/``make_voice``/``manifest``/``sample_rate``/``model_dir``) with ``settings``; ``replica`` says
+def create_app(engine: SpeechEngine, settings: ServerSettings, replica: ReplicaInfo | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` (an :class:`~cosyvoice_cpu.engine.Engine`, or anything that gives
+    :class:`~cosyvoice_cpu.server.engine_api.SpeechEngine`) with ``settings``; ``replica`` says
     which replica this is (``X-Replica``, ``/health``; default: this host, one replica)."""
     try:
         from fastapi import FastAPI
@@ -171,7 +168,7 @@ def create_app(
             "active": adm.active,
             "queued": adm.waiting,
             "voices": voices,
-            "engine_loaded": getattr(engine, "loaded", True),  # False: released by --unload-after until the next use
+            "engine_loaded": engine.loaded,  # False: released by --unload-after until the next use
             "uptime_s": round(time.time() - state.started, 1),
             **replica,
         }

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
 
     from cosyvoice_cpu.config import SynthesisConfig
-    from cosyvoice_cpu.engine import Engine
+    from cosyvoice_cpu.server.engine_api import SpeechEngine
     from cosyvoice_cpu.server.metrics import Metrics
     from cosyvoice_cpu.server.state import State
     from cosyvoice_cpu.voices.voice import Voice
@@ -133,7 +133,7 @@ def add_routes(app: FastAPI, state: State) -> None:
         return _StreamResponse(stream, media_type=media, headers=headers)
 
 
-def check_instruction_room(engine: Engine, voice: Voice, instruct: str, config: SynthesisConfig) -> None:
+def check_instruction_room(engine: SpeechEngine, voice: Voice, instruct: str, config: SynthesisConfig) -> None:
     """Refuse instructions that leave the LM's KV cache no room for text (the engine's message would blame the
     voice prompt). The instructions are short by now (``max_instructions_chars``): tokenizing them is cheap."""
     prompt = engine.lm_prompt(voice, instruct, config.normalize)

@@ -22,8 +22,7 @@ from cosyvoice_cpu.server.voices import VoiceStore
 from cosyvoice_cpu.voices.voice import check_name
 
 if TYPE_CHECKING:
-    from cosyvoice_cpu.engine import Engine
-    from cosyvoice_cpu.server.unload import UnloadingEngine
+    from cosyvoice_cpu.server.engine_api import SpeechEngine
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +122,7 @@ class Service(Protocol):
 class State:
     """What the handlers share: engine, settings, voices, metrics, admission, the worker pool."""
 
-    def __init__(self, engine: Engine | UnloadingEngine, settings: ServerSettings) -> None:
+    def __init__(self, engine: SpeechEngine, settings: ServerSettings) -> None:
         self.engine, self.settings = engine, settings
         self.model_id = settings.model_id or Path(engine.model_dir).name
         builtin = engine.builtin_voices()  # CosyVoice-300M-SFT speakers ({} for other models)

@@ -16,15 +16,17 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from cosyvoice_cpu.backends.registry import release_idle_memory
 from cosyvoice_cpu.config import need
+from cosyvoice_cpu.server.engine_api import PromptAudio
 
 if TYPE_CHECKING:
-    from cosyvoice_cpu.config import AudioChunk
-    from cosyvoice_cpu.engine import Engine
+    from cosyvoice_cpu.config import AudioChunk, SynthesisConfig
+    from cosyvoice_cpu.engine import Engine, Timings
     from cosyvoice_cpu.families.base import LMPrompt
     from cosyvoice_cpu.lm.scheduler import LMScheduler
     from cosyvoice_cpu.text_stream import TextStream
@@ -114,8 +116,6 @@ class UnloadingEngine:
         )
         self.token_rate, self.kv_cache_positions = e.token_rate, e.kv_cache_positions
         self._builtin = e.builtin_voices()
-        if callable(getattr(type(e), "open_text_stream", None)):
-            self.open_text_stream = self._open_text_stream
         self._stop = threading.Event()
         poll = poll_s if poll_s is not None else min(1.0, self.idle_s / 4)
         self._reaper = threading.Thread(target=self._reap, args=(poll,), name="engine-unload", daemon=True)
@@ -148,43 +148,65 @@ class UnloadingEngine:
             self._users -= 1
             self._last = time.monotonic()
 
-    def _call(self, method: str, /, *args: object, **kw: object) -> Any:
+    @contextmanager
+    def _held(self) -> Iterator[Engine]:
+        """The engine (loaded first when released), held for the ``with`` block."""
         engine = self._acquire()
         try:
-            return getattr(engine, method)(*args, **kw)
+            yield engine
         finally:
             self._release()
 
     # ------------------------------------------------------------------ the engine's calls
 
-    def synthesize(self, *args: object, **kw: object) -> Iterator[AudioChunk]:
+    def synthesize(
+        self,
+        text: str | Iterable[str],
+        voice: Voice,
+        config: SynthesisConfig | None = None,
+        instruct: str | None = None,
+        timings: Timings | None = None,
+        check: Callable[[], None] | None = None,
+    ) -> Iterator[AudioChunk]:
         """``Engine.synthesize``; the engine is held until the iteration ends (or the iterator is dropped)."""
         engine = self._acquire()
         try:
-            chunks = engine.synthesize(*args, **kw)
+            chunks = engine.synthesize(text, voice, config, instruct, timings, check)
         except BaseException:
             self._release()
             raise
         return _Held(chunks, self._release)
 
-    def _open_text_stream(self, *args: object, **kw: object) -> _HeldStream:
+    def open_text_stream(
+        self,
+        voice: Voice,
+        config: SynthesisConfig | None = None,
+        instruct: str | None = None,
+        check: Callable[[], None] | None = None,
+        timings: Timings | None = None,
+    ) -> _HeldStream:
         """``Engine.open_text_stream``; the engine is held until the stream's iteration ends."""
         engine = self._acquire()
         try:
-            stream = engine.open_text_stream(*args, **kw)
+            stream = engine.open_text_stream(voice, config, instruct, check, timings)
         except BaseException:
             self._release()
             raise
         return _HeldStream(stream, self._release)
 
-    def make_voice(self, *args: object, **kw: object) -> Voice:
-        return self._call("make_voice", *args, **kw)
+    def make_voice(self, prompt: PromptAudio, prompt_text: str = "", name: str = "voice") -> Voice:
+        with self._held() as engine:
+            return engine.make_voice(prompt, prompt_text, name)
 
-    def lm_prompt(self, *args: object, **kw: object) -> LMPrompt:
-        return self._call("lm_prompt", *args, **kw)
+    def lm_prompt(self, voice: Voice, instruct: str | None = None, normalize: bool = True) -> LMPrompt:
+        with self._held() as engine:
+            return engine.lm_prompt(voice, instruct, normalize)
 
-    def segment_cap(self, *args: object, **kw: object) -> int:
-        return self._call("segment_cap", *args, **kw)
+    def segment_cap(
+        self, prompt: LMPrompt, max_tokens: int | None = None, minimum: int = 8, ratio: float | None = None
+    ) -> int:
+        with self._held() as engine:
+            return engine.segment_cap(prompt, max_tokens, minimum, ratio)
 
     def builtin_voices(self) -> dict[str, Voice]:
         return dict(self._builtin)
