@@ -174,5 +174,7 @@ def test_bench_text_stream_only_writes_its_section(tiny_export_dir: Path, tmp_pa
     assert ts["text_stream"]["mode"] == "interleaved" and ts["by_sentence"]["passages"] == 2
     assert len(ts["sentence_tokens"]) == 2 and ts["first_audio_ratio"] > 0
     assert ts["text_stream"]["audio_s"] > 0 and ts["by_sentence"]["audio_s"] > 0
+    run = ts["runs"]["by_sentence"][0]
+    assert len(run["passage_at_s"]) == 2 and len(run["boundary_gap_s"]) == 1  # one boundary between 2 sentences
     md = (out / "bench.md").read_text()
     assert "### Text that is still being written (CosyVoice2-0.5B)" in md and "| how it is spoken |" in md

@@ -83,7 +83,7 @@ def test_playback_counts_the_times_the_audio_runs_dry() -> None:
     assert play.start == 1.0 and play.stalls == [(2.3, pytest.approx(0.5))]
     s = play.summary(origin=0.5, text_end=2.0)
     assert s["first_audio_s"] == 0.5 and s["stalls"] == 1 and s["stall_s"] == pytest.approx(0.5)
-    assert s["stalls_while_writing"] == 0 and s["stall_at_s"] == [1.8]
+    assert s["stalls_while_writing"] == 0 and s["stall_at_s"] == [[1.8, 0.5]]
     assert s["audio_s"] == pytest.approx(2.9) and s["stream_rtf"] == pytest.approx((3.405 - 0.5) / 2.9)
     with pytest.raises(ConfigError, match="no audio"):
         Playback().summary(0.0, 1.0)

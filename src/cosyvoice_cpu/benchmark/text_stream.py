@@ -150,7 +150,7 @@ class Playback:
             "stalls": len(self.stalls),
             "stall_s": sum(s for _, s in self.stalls),
             "stalls_while_writing": sum(1 for at, _ in self.stalls if at < text_end),
-            "stall_at_s": [round(at - origin, 3) for at, _ in self.stalls],
+            "stall_at_s": [[round(at - origin, 3), round(s, 3)] for at, s in self.stalls],
             "stream_rtf": (self.last - origin) / self.audio,
         }
 
@@ -161,20 +161,23 @@ def speak_text_stream(engine: Any, voice: Any, pieces: Sequence[str], rate: floa
     writer, play = Writer(pieces, rate), Playback()
     thread = threading.Thread(target=writer.run, args=(stream.feed, stream.close), name="bench-writer", daemon=True)
     thread.start()
-    starts, text = [], None  # a passage's text grows as it is written: a chunk whose text does not extend the
-    for chunk in stream:  # previous chunk's starts the next passage
+    starts, gaps, text = [], [], None  # a passage's text grows as it is written: a chunk whose text does not
+    for chunk in stream:  # extend the previous chunk's starts the next passage
         now = time.perf_counter()
-        play.add(now, chunk.duration)
         if len(chunk.samples) and (text is None or not chunk.text.startswith(text)):
             starts.append(now)
+            if play.last is not None:  # the boundary: the last chunk of the passage before to this one
+                gaps.append(round(now - play.last, 3))
+        play.add(now, chunk.duration)
         text = chunk.text if len(chunk.samples) else text
     thread.join()
     mode = "interleaved" if stream.interleaved else "sentence"
-    return {**play.summary(writer.first, writer.last), "mode": mode, **_passages(starts, writer.first)}
+    return {**play.summary(writer.first, writer.last), "mode": mode, **_passages(starts, writer.first, gaps)}
 
 
-def _passages(starts: list[float], origin: float) -> dict[str, Any]:
-    return {"passages": len(starts), "passage_at_s": [round(t - origin, 3) for t in starts]}
+def _passages(starts: list[float], origin: float, gaps: list[float]) -> dict[str, Any]:
+    """When each passage's (or sentence's) first chunk came, and the seconds from the chunk before it."""
+    return {"passages": len(starts), "passage_at_s": [round(t - origin, 3) for t in starts], "boundary_gap_s": gaps}
 
 
 class SentenceQueue:
@@ -210,17 +213,18 @@ def speak_by_sentence(engine: Any, voice: Any, pieces: Sequence[str], rate: floa
     writer = Writer(pieces, rate)
     thread = threading.Thread(target=writer.run, args=(sentences.feed, sentences.close), daemon=True)
     thread.start()
-    starts = []
+    starts, gaps = [], []
     while (sentence := sentences.get()) is not None:
         first = True
         for chunk in engine.synthesize(sentence.strip(), voice, config):
             now = time.perf_counter()
-            play.add(now, chunk.duration)
             if first and len(chunk.samples):
                 starts.append(now)
+                gaps += [round(now - play.last, 3)] if play.last is not None else []
                 first = False
+            play.add(now, chunk.duration)
     thread.join()
-    return {**play.summary(writer.first, writer.last), "mode": "sentence", **_passages(starts, writer.first)}
+    return {**play.summary(writer.first, writer.last), "mode": "sentence", **_passages(starts, writer.first, gaps)}
 
 
 def measure(
