@@ -10,25 +10,25 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
 
 from cosyvoice_cpu.benchmark.tasks import TOKEN_RATE
 from cosyvoice_cpu.hardware.calibrate import Calibration
+from cosyvoice_cpu.jsontypes import JsonObject
 
 logger = logging.getLogger(__name__)
 
 
-def _audio_s(result: dict[str, Any]) -> float:
+def _audio_s(result: JsonObject) -> float:
     """Seconds of audio of the workload's sentence: tokens / the model's token rate (25 Hz, 50 for CosyVoice-300M;
     reports written before the rate was recorded are 25 Hz)."""
     return result["tokens"] / result.get("token_rate", TOKEN_RATE)
 
 
-def _f(value: Any, fmt: str = ".2f") -> str:
+def _f(value: object, fmt: str = ".2f") -> str:
     return "–" if value is None else format(value, fmt)
 
 
-def peer_rows(result: dict[str, Any]) -> list[tuple[str, str, dict[str, float | None]]]:
+def peer_rows(result: JsonObject) -> list[tuple[str, str, dict[str, float | None]]]:
     """(label, format, {official, reference, ours}) per stage metric; lower is better unless marked."""
     ours, audio = result["ours"], _audio_s(result)
     d = ours["default"]
@@ -61,7 +61,7 @@ def _ratio(label: str, v: dict[str, float | None]) -> str:
     return f"{r:.1f}×"
 
 
-def targets(result: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
+def targets(result: JsonObject) -> list[tuple[str, str, str, bool | None]]:
     """(metric, target, measured, met) for issue 5's table."""
     ours, d = result["ours"], result["ours"]["default"]
     off = result.get("peers", {}).get("official", {})
@@ -113,7 +113,7 @@ def targets(result: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
     ]
 
 
-def text_stream_rows(ts: dict[str, Any]) -> list[tuple[str, str, str]]:
+def text_stream_rows(ts: JsonObject) -> list[tuple[str, str, str]]:
     """(metric, text stream, sentence by sentence) rows of the text-stream task's section
     (:func:`cosyvoice_cpu.benchmark.text_stream.summarize`)."""
     a, b = ts["text_stream"], ts["by_sentence"]
@@ -138,7 +138,7 @@ def text_stream_rows(ts: dict[str, Any]) -> list[tuple[str, str, str]]:
     ]
 
 
-def text_stream_markdown(ts: dict[str, Any]) -> list[str]:
+def text_stream_markdown(ts: JsonObject) -> list[str]:
     """The report's section on the text-stream task."""
     tokens = ", ".join(str(n) for n in ts["sentence_tokens"])
     lines = [
@@ -158,7 +158,7 @@ def text_stream_markdown(ts: dict[str, Any]) -> list[str]:
     return lines
 
 
-def markdown(result: dict[str, Any], plots: list[str]) -> str:
+def markdown(result: JsonObject, plots: list[str]) -> str:
     if "ours" not in result:  # bench --text-stream only
         return _text_stream_only(result)
     m = result["machine"]
@@ -240,7 +240,7 @@ def markdown(result: dict[str, Any], plots: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _machine_line(result: dict[str, Any]) -> str:
+def _machine_line(result: JsonObject) -> str:
     m = result["machine"]
     return (
         f"Machine: {m['cpu']} ({m['isa']}), {m['usable_cores']} usable cores, {m['memory_gb']} GB; {m['threads']} "
@@ -248,12 +248,12 @@ def _machine_line(result: dict[str, Any]) -> str:
     )
 
 
-def _text_stream_only(result: dict[str, Any]) -> str:
+def _text_stream_only(result: JsonObject) -> str:
     lines = [f"Model: {result['model']}.", _machine_line(result), *text_stream_markdown(result["text_stream"])]
     return "\n".join(lines) + "\n"
 
 
-def plot(result: dict[str, Any], out: Path) -> list[str]:
+def plot(result: JsonObject, out: Path) -> list[str]:
     """PNG plots (stage split, memory vs streams, RTF vs threads); file names written."""
     try:
         import matplotlib
@@ -300,7 +300,7 @@ def plot(result: dict[str, Any], out: Path) -> list[str]:
     return names
 
 
-def write_report(result: dict[str, Any], out: Path) -> Path:
+def write_report(result: JsonObject, out: Path) -> Path:
     """Write ``bench.json``, the plots and ``bench.md`` into ``out``; returns ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(result, indent=1))

@@ -24,7 +24,6 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -33,6 +32,8 @@ from cosyvoice_cpu.benchmark import text_stream
 from cosyvoice_cpu.config import DEFAULT_LM_BATCH_ROWS, EngineConfig, SynthesisConfig
 from cosyvoice_cpu.engine import Engine, Timings
 from cosyvoice_cpu.hardware.pages import status_mb
+from cosyvoice_cpu.jsontypes import JsonObject
+from cosyvoice_cpu.voices.voice import Voice
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +89,8 @@ def _prompt_wav(path: Path, seconds: float = 3.0, sr: int = 16000) -> Path:
 
 
 def load(
-    model_dir: Path, threads: int, spinning: bool = False, lm_batch_rows: int | None = None, **config: Any
-) -> tuple[Any, Any]:
+    model_dir: Path, threads: int, spinning: bool = False, lm_batch_rows: int | None = None, **config: object
+) -> tuple[Engine, Voice]:
     """The engine (``lm_batch_rows`` None: the engine's default, what users get; ``config``: other
     :class:`~cosyvoice_cpu.config.EngineConfig` fields) and a registered voice (voice creation is setup, not
     timed)."""
@@ -103,7 +104,7 @@ def load(
 
 
 def alternate(
-    engines: dict[str, tuple[Any, Any]], runs: int, measure: Callable[[Any, Any], dict[str, float]]
+    engines: dict[str, tuple[Engine, Voice]], runs: int, measure: Callable[[Engine, Voice], dict[str, float]]
 ) -> dict[str, list[dict[str, float]]]:
     """``runs`` x ``measure(engine, voice)`` for each labelled (engine, voice), the engines taking turns (an A/B
     in one process under the same load); the engines are closed afterwards. Returns label -> the results."""
@@ -116,12 +117,12 @@ def alternate(
     return results
 
 
-def _config(tokens: int, **kw: Any) -> Any:
+def _config(tokens: int, **kw: object) -> SynthesisConfig:
 
     return SynthesisConfig(seed=0, min_tokens=tokens, max_tokens=tokens, normalize=False, **kw)
 
 
-def measure_lm(engine: Any, voice: Any, tokens: int, runs: int) -> dict[str, float]:
+def measure_lm(engine: Engine, voice: Voice, tokens: int, runs: int) -> dict[str, float]:
     """Prefill (+ first token) seconds and decode tokens/s (median step) of the LM alone."""
     prompt_ids, prompt_speech, speaker = engine.lm_prompt(voice, None, False)
     text_ids = engine.tokenizer.encode(TEXT)
@@ -149,7 +150,7 @@ def measure_lm(engine: Any, voice: Any, tokens: int, runs: int) -> dict[str, flo
     }
 
 
-def measure_lm_batched(engine: Any, voice: Any, streams: int, steps: int = 100) -> dict[str, float]:
+def measure_lm_batched(engine: Engine, voice: Voice, streams: int, steps: int = 100) -> dict[str, float]:
     """The LM's batch API: ``streams`` rows of one KV cache decoded by one call per step (what a scheduler
     does); aggregate tokens/s from the median step. Greedy tokens: sampling is not what is measured here."""
     embeds = engine.lm.prompt_embeddings(engine.tokenizer.encode(TEXT), *engine.lm_prompt(voice, None, False))
@@ -170,7 +171,7 @@ def measure_lm_batched(engine: Any, voice: Any, streams: int, steps: int = 100) 
     return {"streams": streams, "step_ms": step * 1000, "aggregate_tok_s": streams / step}
 
 
-def measure_e2e(engine: Any, voice: Any, tokens: int, runs: int, **kw: Any) -> dict[str, float]:
+def measure_e2e(engine: Engine, voice: Voice, tokens: int, runs: int, **kw: object) -> dict[str, float]:
     """Whole-sentence synthesis: per-stage seconds and RTF (medians)."""
 
     rows = []
@@ -201,7 +202,7 @@ def measure_e2e(engine: Any, voice: Any, tokens: int, runs: int, **kw: Any) -> d
     }
 
 
-def first_audio(engine: Any, voice: Any, text: str, tokens: int, runs: int) -> dict[str, float]:
+def first_audio(engine: Engine, voice: Voice, text: str, tokens: int, runs: int) -> dict[str, float]:
     """Seconds from the call to the first streamed chunk (prompt cache warm), and the whole streamed RTF."""
     firsts, rtfs = [], []
     for i in range(runs + 1):
@@ -217,7 +218,7 @@ def first_audio(engine: Any, voice: Any, text: str, tokens: int, runs: int) -> d
     return {"first_audio_s": statistics.median(firsts), "stream_rtf": statistics.median(rtfs)}
 
 
-def fast_preset_quality(engine: Any, voice: Any, tokens: int, steps: int) -> dict[str, float]:
+def fast_preset_quality(engine: Engine, voice: Voice, tokens: int, steps: int) -> dict[str, float]:
     """Mel L1 of ``steps`` Euler steps against the default 10, on the same tokens (flow only)."""
     toks = np.random.default_rng(0).integers(0, engine.lm.facts.speech_token_size, tokens)
 
@@ -235,7 +236,7 @@ def task_single(
 ) -> dict:
     t0 = time.perf_counter()
     engine, voice = load(model_dir, threads, backend=backend)
-    out: dict[str, Any] = {
+    out: JsonObject = {
         "load_s": time.perf_counter() - t0,
         "rss_after_load_mb": peak_rss_mb(),
         "backend": backend,

@@ -24,12 +24,17 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from cosyvoice_cpu.config import SynthesisConfig
 from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.jsontypes import JsonObject, JsonValue
 from cosyvoice_cpu.text.phrases import PhraseCutter, ends_sentence
 from cosyvoice_cpu.text.tokenizer import TextTokenizer
+
+if TYPE_CHECKING:
+    from cosyvoice_cpu.engine import Engine
+    from cosyvoice_cpu.voices.voice import Voice
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +144,7 @@ class Playback:
         self.audio += seconds
         self.last = t
 
-    def summary(self, origin: float, text_end: float) -> dict[str, Any]:
+    def summary(self, origin: float, text_end: float) -> JsonObject:
         """Seconds from ``origin`` (the first text piece): first audio, stalls (all, and those that began before
         ``text_end``, the last piece), streamed RTF (origin to the last chunk, per second of audio)."""
         if self.start is None or self.last is None:
@@ -155,7 +160,9 @@ class Playback:
         }
 
 
-def speak_text_stream(engine: Any, voice: Any, pieces: Sequence[str], rate: float, config: SynthesisConfig) -> dict:
+def speak_text_stream(
+    engine: Engine, voice: Voice, pieces: Sequence[str], rate: float, config: SynthesisConfig
+) -> JsonObject:
     """One reply through :meth:`Engine.open_text_stream`, written by a :class:`Writer` thread."""
     stream = engine.open_text_stream(voice, config)
     writer, play = Writer(pieces, rate), Playback()
@@ -175,7 +182,7 @@ def speak_text_stream(engine: Any, voice: Any, pieces: Sequence[str], rate: floa
     return {**play.summary(writer.first, writer.last), "mode": mode, **_passages(starts, writer.first, gaps)}
 
 
-def _passages(starts: list[float], origin: float, gaps: list[float]) -> dict[str, Any]:
+def _passages(starts: list[float], origin: float, gaps: list[float]) -> JsonObject:
     """When each passage's (or sentence's) first chunk came, and the seconds from the chunk before it."""
     return {"passages": len(starts), "passage_at_s": [round(t - origin, 3) for t in starts], "boundary_gap_s": gaps}
 
@@ -207,7 +214,9 @@ class SentenceQueue:
         return self._q.get()
 
 
-def speak_by_sentence(engine: Any, voice: Any, pieces: Sequence[str], rate: float, config: SynthesisConfig) -> dict:
+def speak_by_sentence(
+    engine: Engine, voice: Voice, pieces: Sequence[str], rate: float, config: SynthesisConfig
+) -> JsonObject:
     """The same reply spoken sentence by sentence: each once complete, with the normal streamed synthesize."""
     sentences, play = SentenceQueue(), Playback()
     writer = Writer(pieces, rate)
@@ -228,14 +237,14 @@ def speak_by_sentence(engine: Any, voice: Any, pieces: Sequence[str], rate: floa
 
 
 def measure(
-    engine: Any,
-    voice: Any,
+    engine: Engine,
+    voice: Voice,
     reply: str,
     rate: float = RATE,
     runs: int = 3,
     speech_ratio: float = SPEECH_RATIO,
     seed: int = 0,
-) -> dict[str, Any]:
+) -> JsonObject:
     """Both ways, alternated ``runs`` times after one untimed warm-up of each; medians of the times, the worst
     run's stalls. Returns the ``text_stream`` section of a bench result (:func:`summarize`)."""
     pieces = llm_pieces(engine.tokenizer, reply)
@@ -264,11 +273,11 @@ def measure(
     )
 
 
-def summarize(rows: dict[str, list[dict]], **workload: Any) -> dict[str, Any]:
+def summarize(rows: dict[str, list[JsonObject]], **workload: JsonValue) -> JsonObject:
     """Per way: medians of the times over the runs, the largest stall count and stall seconds, the mode and the
     passages; ``first_audio_ratio``: by-sentence first audio / text-stream first audio (> 1: the stream is
     sooner); ``runs``: every run's row."""
-    out: dict[str, Any] = {**workload, "runs": rows}
+    out: JsonObject = {**workload, "runs": rows}
     for name, rs in rows.items():
         if not rs:
             raise ConfigError(f"no timed run of {name}")

@@ -19,8 +19,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import MutableMapping
 from pathlib import Path
-from typing import Any
 
 from cosyvoice_cpu.backends.plan import CHOICES, may_use_openvino
 from cosyvoice_cpu.benchmark.report import write_report
@@ -31,6 +31,7 @@ from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.facts import FAMILIES, facts
 from cosyvoice_cpu.hardware.calibrate import calibrate
 from cosyvoice_cpu.hardware.cpu import detect
+from cosyvoice_cpu.jsontypes import JsonObject, JsonValue
 from cosyvoice_cpu.manifest import Manifest
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[3]  # a source checkout: bench/peer.py l
 QUIET_FORKS = {"TOKENIZERS_PARALLELISM": "false"}
 
 
-def quiet_forks(environ: Any = os.environ) -> Any:
+def quiet_forks(environ: MutableMapping[str, str] = os.environ) -> MutableMapping[str, str]:
     """Settle what the HF ``tokenizers`` library would otherwise warn about at every fork ("The current process
     just got forked, after parallelism has already been used. Disabling parallelism to avoid deadlocks..."): its
     parallelism is off in ``environ`` unless the user chose (``TOKENIZERS_PARALLELISM`` set either way). The
@@ -52,7 +53,7 @@ def quiet_forks(environ: Any = os.environ) -> Any:
     return environ
 
 
-def _child(cmd: list[str], what: str) -> dict[str, Any]:
+def _child(cmd: list[str], what: str) -> JsonObject:
     """Run a benchmark child (with :func:`quiet_forks`' environment); its last stdout line is JSON."""
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, env=quiet_forks(dict(os.environ)))
@@ -67,7 +68,7 @@ def _child(cmd: list[str], what: str) -> dict[str, Any]:
     return result
 
 
-def _task(model_dir: Path, task: str, threads: int, args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
+def _task(model_dir: Path, task: str, threads: int, args: argparse.Namespace, **extra: JsonValue) -> JsonObject:
     extra.setdefault("backend", args.backends[0])
     cmd = [
         sys.executable,
@@ -124,7 +125,7 @@ def resolve_model(args: argparse.Namespace) -> tuple[Path, Path | None, str]:
     return dst, args.peer_from or src, f"full-size random {facts(family).title}, recipe {args.recipe}"
 
 
-def run_peers(official_dir: Path | None, names: list[str], threads: int, tokens: int) -> dict[str, Any]:
+def run_peers(official_dir: Path | None, names: list[str], threads: int, tokens: int) -> JsonObject:
     """``bench/peer.py`` per implementation (PyTorch; needs a source checkout and the [export] extra)."""
     script = ROOT / "bench" / "peer.py"
     if not names:
@@ -133,7 +134,7 @@ def run_peers(official_dir: Path | None, names: list[str], threads: int, tokens:
         why = "no official-layout model directory (--peer-from)" if official_dir is None else f"{script} is missing"
         print(f"  peers skipped: {why}", file=sys.stderr)
         return {n: {"skipped": why} for n in names}
-    peers: dict[str, Any] = {}
+    peers: JsonObject = {}
     for n in names:
         try:
             peers[n] = _child(
@@ -157,7 +158,7 @@ def run_peers(official_dir: Path | None, names: list[str], threads: int, tokens:
     return peers
 
 
-def machine_facts(threads: int) -> dict[str, Any]:
+def machine_facts(threads: int) -> JsonObject:
     """CPU, cores, memory, versions, the load average and the kernel calibration
     (:mod:`cosyvoice_cpu.hardware.calibrate`) of this machine: what a result must carry to be compared with one
     from another day or machine."""
@@ -201,7 +202,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if any(n < 1 for n in streams) or args.tokens < 1 or args.runs < 1:
         raise ConfigError("--concurrency counts, --tokens and --runs must be >= 1")
     print(f"benchmarking {what} with {threads} threads ...", file=sys.stderr, flush=True)
-    result: dict[str, Any] = {
+    result: JsonObject = {
         "model": what,
         "model_dir": str(model_dir),
         "tokens": args.tokens,
@@ -244,9 +245,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return _finish(result, args, partial)
 
 
-def _text_stream(model_dir: Path, threads: int, args: argparse.Namespace) -> dict[str, Any]:
+def _text_stream(model_dir: Path, threads: int, args: argparse.Namespace) -> JsonObject:
     """The text-stream task (:mod:`cosyvoice_cpu.benchmark.text_stream`) in a child."""
-    extra: dict[str, Any] = {"rate": args.text_rate, "speech_ratio": args.speech_ratio}
+    extra: JsonObject = {"rate": args.text_rate, "speech_ratio": args.speech_ratio}
     if args.reply:
         extra["reply"] = args.reply
     return _task(model_dir, "text-stream", threads, args, **extra)
@@ -254,7 +255,7 @@ def _text_stream(model_dir: Path, threads: int, args: argparse.Namespace) -> dic
 
 def _text_stream_only(args: argparse.Namespace, model_dir: Path, what: str, threads: int, rate: int) -> int:
     print(f"benchmarking text streams of {what} with {threads} threads ...", file=sys.stderr, flush=True)
-    result: dict[str, Any] = {
+    result: JsonObject = {
         "model": what,
         "model_dir": str(model_dir),
         "token_rate": rate,
@@ -267,7 +268,7 @@ def _text_stream_only(args: argparse.Namespace, model_dir: Path, what: str, thre
     return _finish(result, args, None)
 
 
-def _finish(result: dict[str, Any], args: argparse.Namespace, partial: Path | None) -> int:
+def _finish(result: JsonObject, args: argparse.Namespace, partial: Path | None) -> int:
     out = write_report(result, args.out)
     if partial is not None:
         partial.unlink()
@@ -276,7 +277,7 @@ def _finish(result: dict[str, Any], args: argparse.Namespace, partial: Path | No
     return 0
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="benchmark the engine (and its PyTorch peers) on one workload")
     src = b.add_mutually_exclusive_group()
     src.add_argument("-m", "--model", type=Path, help="an exported model directory")
