@@ -55,10 +55,26 @@ def test_auto_keeps_onnxruntime_where_memory_is_short() -> None:
 def test_auto_keeps_onnxruntime_without_openvino_or_an_ir_or_exact_padding() -> None:
     missing = plan_backends(_graphs(), "auto", BF16, installed=False)["flow_estimator"]
     assert missing.backend == "onnxruntime" and "not installed" in missing.reason
-    no_ir = plan_backends(_graphs(with_ov=False), "auto", BF16, installed=True)["flow_estimator"]
+    no_ir = plan_backends(_graphs(with_ov=False), "auto", BF16, installed=True, memory=None)["flow_estimator"]
     assert no_ir.backend == "onnxruntime" and "no OpenVINO model" in no_ir.reason
     groupnorm = plan_backends(_graphs(pad_exact=False), "auto", BF16, installed=True, memory=None)["flow_estimator"]
     assert groupnorm.backend == "onnxruntime" and "padding changes" in groupnorm.reason
+
+
+def test_a_capable_cpu_without_the_openvino_model_is_told_the_command() -> None:
+    """doctor prints these reasons: on a CPU where OpenVINO wins, the missing model comes with how to make it."""
+    plan = plan_backends(_graphs(with_ov=False), "auto", AMX, installed=True, memory=None)
+    hint = plan["flow_estimator"].reason
+    assert "AMX" in hint and "--openvino int8" in hint and "pip install" not in hint
+    assert plan["lm"].reason == "no OpenVINO model of this graph in the directory"  # export writes none of the LM
+    uninstalled = plan_backends(_graphs(with_ov=False), "auto", BF16, installed=False, memory=None)
+    assert "pip install 'cosyvoice-cpu[openvino,openvino-export]'" in uninstalled["flow_estimator"].reason
+    avx2 = plan_backends(_graphs(with_ov=False), "auto", AVX2, installed=True, memory=None)["flow_estimator"]
+    assert "none needed" in avx2.reason and "--openvino" not in avx2.reason
+    small = plan_backends(_graphs(with_ov=False), "auto", BF16, installed=True, memory=1 << 30)["flow_estimator"]
+    assert "none needed" in small.reason and "1.0 GiB" in small.reason
+    explicit = plan_backends(_graphs(with_ov=False), "onnxruntime", BF16, installed=True)["flow_estimator"]
+    assert explicit.reason == "--backend onnxruntime"
 
 
 def test_explicit_choices() -> None:
