@@ -2,7 +2,7 @@
 
 ``python bench/ov_bucket_memory.py -m DIR`` opens ``DIR``'s ``flow_estimator.ov.xml`` through the runtime's OpenVINO
 backend (``max_shapes`` 0: one dynamic compile), then calls it once per bucket of
-:mod:`cosyvoice_cpu.flow.buckets` (batch 2, the guidance pair), smallest first, twice over. Per call it prints the
+:mod:`cosyvoice_cpu.backends.buckets` (batch 2, the guidance pair), smallest first, twice over. Per call it prints the
 frames, the process RSS after it and the call's time: the first pass shows what a bucket's first call costs
 (kernels made for that shape, kept afterwards), the second whether memory grows further. ``--max-frames`` bounds
 the largest bucket (long ones take seconds per call). Results go to ``--out`` as JSON.
@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from cosyvoice_cpu.backends.base import SessionConfig
+from cosyvoice_cpu.backends.buckets import bucket
 from cosyvoice_cpu.backends.openvino import OpenVino
 from cosyvoice_cpu.benchmark.feeds import estimator_feeds
-from cosyvoice_cpu.flow.buckets import bucket
 from cosyvoice_cpu.hardware.pages import status_mb
 
 

@@ -7,7 +7,7 @@
 
 - ``ort``: ONNX Runtime's estimator, unpadded (what the ORT engine runs);
 - ``ov dynamic``: the OpenVINO model compiled once with its dynamic axes (the runtime's default,
-  ``--compiled-shapes 0``), unpadded and padded to the frame bucket (what the runtime runs: ``flow/buckets.py``);
+  ``--compiled-shapes 0``), unpadded and padded to the frame bucket (what the runtime runs: ``backends/buckets.py``);
 - ``ov static``: compiled for the bucket's shape alone (``--compiled-shapes N``).
 
 Also printed, from the model's graph at the bucket's shape: the multiply-accumulates of one call in weight layers
@@ -30,9 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from cosyvoice_cpu.backends.buckets import bucket, pad_axis
 from cosyvoice_cpu.backends.openvino import precision_for_cpu
 from cosyvoice_cpu.benchmark.feeds import estimator_feeds
-from cosyvoice_cpu.flow.buckets import bucket, pad_time
+from cosyvoice_cpu.flow.graphs import ESTIMATOR_PADDING
 
 
 def _constant(node: Any) -> bool:
@@ -93,7 +94,7 @@ def main() -> None:
     xml = args.model_dir / "flow_estimator.ov.xml"
     size = bucket(args.frames)
     plain = estimator_feeds(args.frames, np.random.default_rng(0))
-    padded = pad_time(plain, size)
+    padded = pad_axis(plain, ESTIMATOR_PADDING, size)
     props = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": precision_for_cpu(),
              "INFERENCE_NUM_THREADS": args.threads, "PERF_COUNT": args.profile}  # fmt: skip
     core = ov.Core()

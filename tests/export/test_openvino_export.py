@@ -18,11 +18,11 @@ pytest.importorskip("torch")
 pytest.importorskip("openvino")
 pytest.importorskip("nncf")
 
+from cosyvoice_cpu.backends.buckets import BucketedSession, bucket
 from cosyvoice_cpu.backends.plan import OV_MIN_MEMORY
 from cosyvoice_cpu.config import EngineConfig, SynthesisConfig
 from cosyvoice_cpu.engine import Engine
 from cosyvoice_cpu.export.exporter import ExportOptions, export_model
-from cosyvoice_cpu.flow.buckets import BucketedSession, bucket
 from cosyvoice_cpu.hardware.cpu import detect
 from cosyvoice_cpu.manifest import Manifest
 
@@ -83,7 +83,7 @@ def test_openvino_runs_whole_sentences_close_to_onnxruntime_padded_to_buckets(ov
     session = ov.flow.estimator
     assert isinstance(session, BucketedSession) and session.calls == 10
     frames = a.shape[2] + voice.mel.shape[0]
-    assert session.padded_frames == 10 * (bucket(frames) - frames)
+    assert session.padded == 10 * (bucket(frames) - frames)
     assert [s[0][2] for s in session.session.shapes] == [bucket(frames)]  # one compiled shape
     wave = ov.synthesize_wav("Hello there, this is a test.", voice)
     assert len(wave) > 0 and np.isfinite(wave).all()

@@ -7,10 +7,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from cosyvoice_cpu.backends.buckets import BucketedSession, bucket
 from cosyvoice_cpu.backends.plan import describe, plan_backends
 from cosyvoice_cpu.config import EngineConfig
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.flow.buckets import BucketedSession, bucket
+from cosyvoice_cpu.flow.graphs import ESTIMATOR_PADDING, estimator_shapes
 
 
 def _entry(file: str, precision: str = "fp32", **attrs: object) -> SimpleNamespace:
@@ -118,12 +119,16 @@ class _Echo:
 
     def __init__(self) -> None:
         self.shapes: list[tuple[int, ...]] = []
+        self.prepared: list[dict] = []
 
     def get_inputs(self) -> list:
         return []
 
     def get_outputs(self) -> list:
         return []
+
+    def prepare(self, shapes):
+        self.prepared.append(shapes)
 
     def run(self, names, feeds, options=None):
         self.shapes.append(feeds["x"].shape)
@@ -133,7 +138,7 @@ class _Echo:
 
 def test_a_bucketed_session_pads_with_masked_zeros_and_cuts_the_output() -> None:
     inner = _Echo()
-    session = BucketedSession(inner, pad=True)
+    session = BucketedSession(inner, ESTIMATOR_PADDING)
     for frames in (70, 100, 100, 250):
         inner.frames = frames
         x = np.random.default_rng(frames).standard_normal((2, 80, frames)).astype(np.float32)
@@ -142,9 +147,10 @@ def test_a_bucketed_session_pads_with_masked_zeros_and_cuts_the_output() -> None
         out = session.run(None, feeds)[0]
         assert out.shape == x.shape and np.array_equal(out, x + 1)
     assert [s[2] for s in inner.shapes] == [bucket(70), bucket(100), bucket(100), bucket(250)]
-    assert session.padded_frames == sum(bucket(n) - n for n in (70, 100, 100, 250))
+    assert session.padded == sum(bucket(n) - n for n in (70, 100, 100, 250))
     inner.shapes.clear()
-    unpadded = BucketedSession(inner, pad=False)
-    inner.frames = 70
-    unpadded.run(None, {"x": np.zeros((1, 80, 70), np.float32), "mask": np.ones((1, 1, 70), np.float32)})
-    assert inner.shapes == [(1, 80, 70)]
+    inner.frames = 64  # a bucket's own size runs as it is
+    session.run(None, {k: np.ones((1, 80 if k != "mask" else 1, 64), np.float32) for k in ("x", "mu", "cond", "mask")})
+    assert inner.shapes == [(1, 80, 64)] and session.calls == 5
+    session.prepare(estimator_shapes(650))  # warm-up compiles the bucket a 650-frame call lands in
+    assert inner.prepared == [estimator_shapes(bucket(650))]

@@ -10,9 +10,10 @@ import pytest
 
 import cosyvoice_cpu
 from cosyvoice_cpu.backends.base import BACKEND_NAMES, Backend, GraphSession, SessionConfig, check_io
+from cosyvoice_cpu.backends.buckets import BucketedSession, bucket
 from cosyvoice_cpu.backends.registry import BACKENDS, backend_for, open_graph
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
-from cosyvoice_cpu.flow.buckets import bucket
+from cosyvoice_cpu.flow.graphs import ESTIMATOR_PADDING
 
 GRAPH = Path(cosyvoice_cpu.__file__).parent / "demo_model" / "campplus.onnx"
 
@@ -97,6 +98,13 @@ def test_openvino_implements_the_same_interface(tmp_path: Path, fp32_estimator: 
     ov_sess.run(None, feeds(32, 32))
     assert len(ov_sess.shapes) == 2 and ov_sess.compiles == 3  # the least recently used shape was dropped
     assert any((tmp_path / "ov-cache").iterdir())  # compiled shapes are cached on disk for the next process
+    # padding is the session's: OpenVINO pads to a bucket and cuts back, ONNX Runtime runs the shape as it comes
+    padding = SessionConfig(threads=1, padding=ESTIMATOR_PADDING)
+    bucketed = backend.open(fp32_estimator, padding)
+    assert isinstance(bucketed, BucketedSession)
+    assert np.abs(bucketed.run(None, plain)[0] - got).max() <= 1e-5 * np.abs(got).max()
+    assert bucketed.calls == 1 and bucketed.padded == bucket(40) - 40
+    assert not isinstance(open_graph(fp32_estimator, padding), BucketedSession)
 
 
 def test_one_dynamic_compile_is_renewed_after_too_many_shapes(tmp_path: Path, fp32_estimator: Path) -> None:

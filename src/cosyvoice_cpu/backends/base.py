@@ -160,6 +160,16 @@ class Backend(ABC):
 
 
 @dataclass(frozen=True)
+class Padding:
+    """Which inputs of a graph may be zero-padded along one axis to a shared size without changing the outputs
+    (cut back along the same axis): ``inputs`` (the first one's size is the call's), ``axis``. A backend that
+    compiles per shape pads to :func:`~cosyvoice_cpu.backends.buckets.bucket` sizes; others ignore it."""
+
+    inputs: tuple[str, ...]
+    axis: int = 2
+
+
+@dataclass(frozen=True)
 class SessionConfig:
     """Options for one graph session (a backend applies those it has; the arena and order options are ORT's).
 
@@ -179,6 +189,8 @@ class SessionConfig:
             touch their pages again.
         max_shapes: for a backend that compiles (OpenVINO): 0 compiles each graph once with its dynamic axes; N > 0
             compiles per input shape and keeps N shapes compiled per session.
+        padding: inputs a backend that compiles per shape may pad to shared sizes (:class:`Padding`; None: run
+            every shape as it comes). The session pads and cuts back itself (:mod:`~cosyvoice_cpu.backends.buckets`).
 
     ORT's CPU memory arena stays on for every graph, and by default one arena is shared by every session of the
     process, so the LM, the flow and the vocoder, which run one after the other, reuse one another's memory
@@ -194,6 +206,7 @@ class SessionConfig:
     priority_order: bool = False
     release_weight_pages: bool = True
     max_shapes: int = 0
+    padding: Padding | None = None
 
     def validate(self) -> None:
         if self.threads < 0:

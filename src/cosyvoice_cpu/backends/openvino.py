@@ -14,9 +14,9 @@ A :class:`OpenVinoSession` compiles its model in one of two ways (``max_shapes``
   memory").
 
 With ``cache_dir`` set, OpenVINO's model cache keeps each compiled model on disk, so it compiles once per machine
-and loads faster afterwards. Callers bound the number of shapes by padding
-(buckets) where their graph allows it (:mod:`cosyvoice_cpu.flow.buckets`), and can compile the likely shapes ahead
-of use with :meth:`OpenVinoSession.prepare`.
+and loads faster afterwards. The number of shapes stays bounded where a graph may be padded: opened with
+``SessionConfig.padding``, the session pads every call to a shape bucket (:mod:`cosyvoice_cpu.backends.buckets`);
+``prepare`` compiles the likely shapes ahead of use.
 
 OpenVINO memory-maps an IR's ``.bin``; compiling repacks the weights into the compiled model, after which the
 mapped pages are not read again until the next compile. With ``SessionConfig.release_weight_pages`` the kernel is
@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cosyvoice_cpu.backends.base import OPENVINO, Backend, BoundRun, GraphSession, NodeInfo, SessionConfig
+from cosyvoice_cpu.backends.buckets import BucketedSession
 from cosyvoice_cpu.config import cache_dir
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.hardware.pages import release_file_pages
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # distinct input shapes one dynamic compile serves before it is recompiled (more than the 21 frame buckets of
-# cosyvoice_cpu.flow.buckets from 64 to 2048 frames, so the padded estimator never recompiles)
+# cosyvoice_cpu.backends.buckets from 64 to 2048 frames, so the padded estimator never recompiles)
 DYNAMIC_SHAPES = 24
 # OpenVINO's usage-telemetry package, hidden while ``openvino`` is imported (import_openvino)
 TELEMETRY_MODULE = "openvino_telemetry"
@@ -323,4 +324,5 @@ class OpenVino(Backend):
             properties["INFERENCE_NUM_THREADS"] = int(config.threads)
         weights = path.with_suffix(".bin") if config.release_weight_pages and path.suffix == ".xml" else None
         max_shapes = config.max_shapes if self.max_shapes is None else self.max_shapes
-        return OpenVinoSession(core, model, properties, max_shapes, path.name, weights)
+        session = OpenVinoSession(core, model, properties, max_shapes, path.name, weights)
+        return session if config.padding is None else BucketedSession(session, config.padding)

@@ -3,7 +3,7 @@
 Written beside the ONNX graphs as ``flow_estimator.ov.xml`` + ``.ov.bin`` (manifest key ``flow_estimator_ov``),
 for every family. What runs it is :mod:`cosyvoice_cpu.backends.openvino`, chosen per graph by
 :mod:`cosyvoice_cpu.backends.plan`; whole-sentence calls are padded to shared shapes
-(:mod:`cosyvoice_cpu.flow.buckets`).
+(:mod:`cosyvoice_cpu.backends.buckets`).
 
 - The graph is the estimator in its plain form (attention as MatMul/Softmax, not ONNX Runtime's fused
   ``com.microsoft`` ops, which OpenVINO expands into a graph that takes far more memory to compile: measured in
@@ -35,13 +35,14 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.backends.base import SessionConfig
+from cosyvoice_cpu.backends.buckets import BucketedSession, bucket
 from cosyvoice_cpu.backends.openvino import OpenVino, import_openvino
 from cosyvoice_cpu.backends.registry import open_graph
 from cosyvoice_cpu.errors import ExportError, MissingExtraError
 from cosyvoice_cpu.export.common import GateResult, GraphArtifact, TensorSpec, gate, torch_export
 from cosyvoice_cpu.facts import facts
-from cosyvoice_cpu.flow.buckets import BucketedSession, ShapedGraph, bucket
 from cosyvoice_cpu.flow.cosyvoice2 import FILES
+from cosyvoice_cpu.flow.graphs import ESTIMATOR_PADDING, ShapedGraph
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +269,7 @@ def gate_openvino(
     if bucket(int(feeds["x"].shape[2])) == feeds["x"].shape[2]:
         short = {k: (v[:, :, :-8] if v.ndim == 3 else v) for k, v in feeds.items()}
     alone = fp32.run(None, short)[0]
-    padded = BucketedSession(fp32, pad=True).run(None, short)[0]
+    padded = BucketedSession(fp32, ESTIMATOR_PADDING).run(None, short)[0]
     worst_pad = float(np.abs(padded - alone).max() / max(np.abs(alone).max(), 1e-12))
     pad_exact = worst_pad <= PAD_EXACT
     logger.info(

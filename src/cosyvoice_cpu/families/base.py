@@ -33,7 +33,7 @@ from cosyvoice_cpu.config import EngineConfig
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.facts import FamilyFacts
 from cosyvoice_cpu.flow.base import FlowStage
-from cosyvoice_cpu.flow.buckets import ShapedGraph
+from cosyvoice_cpu.flow.graphs import ShapedGraph
 from cosyvoice_cpu.flow.prompt_caches import PromptCacheKind, PromptCaches
 from cosyvoice_cpu.lm.generate import SpeechTokenGenerator
 from cosyvoice_cpu.lm.session import LMSession

@@ -7,7 +7,7 @@ estimator graph from noise (t = 0) to mel (t = 1); the families differ in the en
 the stream graph. The solve here is the reference's time bookkeeping, so results match it bit for bit in fp32.
 
 The estimators are opened on first use (:meth:`FlowStage.estimator`, :meth:`FlowStage.stream_estimator`), on the
-backend the engine's plan gives the whole-sentence graph (:class:`~cosyvoice_cpu.flow.buckets.ShapedGraph`).
+backend the engine's plan gives the whole-sentence graph (:class:`~cosyvoice_cpu.flow.graphs.ShapedGraph`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from numpy.typing import ArrayLike
 
 from cosyvoice_cpu.backends.base import DEFAULT_SHRINK_FRAMES, GraphSession, SessionConfig, as_config
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
-from cosyvoice_cpu.flow.buckets import BucketedSession, ShapedGraph
-from cosyvoice_cpu.flow.graphs import ESTIMATOR_IO, IO, open_checked
+from cosyvoice_cpu.flow.graphs import ESTIMATOR_IO, ESTIMATOR_PADDING, IO, ShapedGraph, estimator_shapes, open_checked
 from cosyvoice_cpu.flow.guidance import guidance_rows, guide, guided_rows
 
 logger = logging.getLogger(__name__)
@@ -131,7 +130,7 @@ class FlowStage(ABC):
             counted) has the backend give its free memory back after it (0: never;
             ``EngineConfig.arena_shrink_frames``).
         whole: the whole-sentence estimator on another backend (the OpenVINO model, and whether its calls are
-            padded to buckets: :class:`~cosyvoice_cpu.flow.buckets.ShapedGraph`), or None: then ``estimator`` on
+            padded to buckets: :class:`~cosyvoice_cpu.flow.graphs.ShapedGraph`), or None: then ``estimator`` on
             ONNX Runtime (or the stream graph with empty caches, where it serves whole sentences) runs them.
     """
 
@@ -168,7 +167,6 @@ class FlowStage(ABC):
             if not path.is_file():
                 raise ModelDirError(f"{path} is missing; export the model directory again")
         self._sessions: dict[str, GraphSession] = {}
-        self._bucketed: BucketedSession | None = None
         self._lock = threading.Lock()
         self.noise: np.ndarray | None = None  # a fixed noise table (1, 80, frames), for families that have one
 
@@ -224,11 +222,10 @@ class FlowStage(ABC):
                 config = as_config(self.threads)
                 if kind == "stream":  # its cache gathers run early: see SessionConfig.priority_order
                     config = replace(config, priority_order=True)
-                if kind == "whole" and self.whole is not None:
-                    config = replace(config, backend=self.whole.backend)
+                if kind == "whole" and self.whole is not None:  # padding: where its backend compiles per shape
+                    padding = ESTIMATOR_PADDING if self.whole.pad else None
+                    config = replace(config, backend=self.whole.backend, padding=padding)
                 session = open_checked(path, config, io)
-                if kind == "whole" and self.whole is not None:
-                    session = self._bucketed = BucketedSession(session, self.whole.pad)
                 self._sessions[kind] = session
                 logger.info("opened %s (%s)", path.name, config.backend)
             return self._sessions[kind]
@@ -240,9 +237,7 @@ class FlowStage(ABC):
         if self.whole is None:
             return
         t0 = time.perf_counter()
-        self._estimator("whole")
-        if self._bucketed is not None:
-            self._bucketed.warm([frames])
+        self._estimator("whole").prepare(estimator_shapes(frames))
         logger.info("whole-sentence estimator ready on %s in %.1f s", self.whole.backend, time.perf_counter() - t0)
 
     @property

@@ -25,8 +25,7 @@ from numpy.typing import ArrayLike
 from cosyvoice_cpu.backends.base import DEFAULT_SHRINK_FRAMES, GraphSession, SessionConfig
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.flow.base import N_MELS, Feeds, FlowSettings, FlowStage, prompt_mel, token_ids
-from cosyvoice_cpu.flow.buckets import ShapedGraph
-from cosyvoice_cpu.flow.graphs import ENCODER_IO, IO
+from cosyvoice_cpu.flow.graphs import ENCODER_IO, IO, ShapedGraph
 
 logger = logging.getLogger(__name__)
 

@@ -29,8 +29,7 @@ from numpy.typing import ArrayLike
 from cosyvoice_cpu.backends.base import DEFAULT_SHRINK_FRAMES, SessionConfig
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.flow.base import Attrs, FlowSettings, FlowStage, prompt_mel, token_ids
-from cosyvoice_cpu.flow.buckets import ShapedGraph
-from cosyvoice_cpu.flow.graphs import IO
+from cosyvoice_cpu.flow.graphs import IO, ShapedGraph
 
 logger = logging.getLogger(__name__)
 

@@ -25,9 +25,8 @@ import numpy as np
 
 from cosyvoice_cpu.backends.base import DEFAULT_SHRINK_FRAMES, GraphSession, SessionConfig
 from cosyvoice_cpu.flow.base import Attrs, Feeds, FlowSettings
-from cosyvoice_cpu.flow.buckets import ShapedGraph
 from cosyvoice_cpu.flow.common import FILES, ChunkedFlow
-from cosyvoice_cpu.flow.graphs import IO, cache_dtype
+from cosyvoice_cpu.flow.graphs import IO, ShapedGraph, cache_dtype
 
 logger = logging.getLogger(__name__)
 

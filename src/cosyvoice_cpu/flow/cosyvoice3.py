@@ -37,10 +37,9 @@ import numpy as np
 from cosyvoice_cpu.backends.base import DEFAULT_SHRINK_FRAMES, GraphSession, SessionConfig
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.flow.base import Attrs, Feeds, FlowSettings, Schedule
-from cosyvoice_cpu.flow.buckets import ShapedGraph
 from cosyvoice_cpu.flow.common import FILES as CHUNKED_FILES
 from cosyvoice_cpu.flow.common import ChunkedFlow
-from cosyvoice_cpu.flow.graphs import IO, cache_dtype, open_checked
+from cosyvoice_cpu.flow.graphs import IO, ShapedGraph, cache_dtype, open_checked
 
 logger = logging.getLogger(__name__)
 

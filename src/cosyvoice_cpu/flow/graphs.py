@@ -9,11 +9,12 @@ family module holds its own (:data:`cosyvoice_cpu.flow.cosyvoice2.STREAM_IO`, ..
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from cosyvoice_cpu.backends.base import GraphSession, SessionConfig, as_config, check_io
+from cosyvoice_cpu.backends.base import GraphSession, Padding, SessionConfig, as_config, check_io
 from cosyvoice_cpu.backends.registry import open_graph
 
 # ({input: (dtypes, rank)}, (output | (output, dtypes))); dtypes like "float|float16"
@@ -34,6 +35,33 @@ ESTIMATOR_IO: IO = (
     },
     ("estimator_out",),
 )
+
+# The estimator's frame axis: x, mu, cond and mask zero-padded (mask 0 marks absent frames) give the unpadded
+# output for graphs whose ``pad_exact`` attr says so (the export measures it)
+ESTIMATOR_PADDING = Padding(inputs=("x", "mu", "cond", "mask"), axis=2)
+
+
+@dataclass(frozen=True)
+class ShapedGraph:
+    """A whole-sentence estimator to open on another backend: ``path`` (e.g. the OpenVINO model), ``backend`` (its
+    name in :data:`~cosyvoice_cpu.backends.base.BACKEND_NAMES`), and ``pad``: whether calls may be padded to
+    shared frame counts (the graph's ``pad_exact`` attr: padding leaves its output alone)."""
+
+    path: Path
+    backend: str = "openvino"
+    pad: bool = True
+
+
+def estimator_shapes(frames: int, rows: int = 2) -> dict[str, tuple[int, ...]]:
+    """The input shapes of a ``rows``-row estimator call of ``frames`` frames (two rows: one guided call)."""
+    return {
+        "x": (rows, 80, frames),
+        "mask": (rows, 1, frames),
+        "mu": (rows, 80, frames),
+        "t": (rows,),
+        "spks": (rows, 80),
+        "cond": (rows, 80, frames),
+    }
 
 
 def open_checked(path: Path, threads: int | SessionConfig, io: IO) -> GraphSession:
