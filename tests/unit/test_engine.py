@@ -194,7 +194,7 @@ def test_one_flow_estimator_serves_both_modes(tiny_export_dir: Path) -> None:
     # priority-based node order: the per-layer new_h gathers run early instead of holding every layer's input
     import onnxruntime as ort
 
-    order = engine.flow.stream_estimator.inner.get_session_options().execution_order  # an OrtSession
+    order = engine.flow.stream_estimator.ort.get_session_options().execution_order  # an OrtSession
     assert order == ort.ExecutionOrder.PRIORITY_BASED
     engine.synthesize_wav("Hello.", voice, SynthesisConfig(seed=1, stream=True))
     assert set(engine.flow._sessions) == {"stream"}

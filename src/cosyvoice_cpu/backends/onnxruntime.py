@@ -100,30 +100,30 @@ def shrink_after_run() -> ort.RunOptions:
 
 
 class OrtSession(GraphSession):
-    """ONNX Runtime's ``InferenceSession`` as a :class:`~cosyvoice_cpu.backends.base.GraphSession` (``inner``)."""
+    """ONNX Runtime's ``InferenceSession`` as a :class:`~cosyvoice_cpu.backends.base.GraphSession` (``ort``)."""
 
     def __init__(self, inner: ort.InferenceSession) -> None:
-        self.inner = inner
+        self.ort = inner
 
     def get_inputs(self) -> list[NodeInfo]:
-        return list(self.inner.get_inputs())
+        return list(self.ort.get_inputs())
 
     def get_outputs(self) -> list[NodeInfo]:
-        return list(self.inner.get_outputs())
+        return list(self.ort.get_outputs())
 
     def run(
         self, output_names: list[str] | None, feeds: Mapping[str, np.ndarray], release_memory: bool = False
     ) -> list[np.ndarray]:
         """ORT's ``run``; ``release_memory`` adds the arena-shrink run option (:func:`shrink_after_run`)."""
-        return list(self.inner.run(output_names, dict(feeds), shrink_after_run() if release_memory else None))
+        return list(self.ort.run(output_names, dict(feeds), shrink_after_run() if release_memory else None))
 
     def metadata(self) -> dict[str, str]:
-        return dict(self.inner.get_modelmeta().custom_metadata_map)
+        return dict(self.ort.get_modelmeta().custom_metadata_map)
 
     def bind_in_place(self, pairs: Mapping[str, tuple[str, np.ndarray]]) -> BoundRun:
         """IO binding: each buffer is bound by its address as both the input and its paired output, so the graph
         (GroupQueryAttention writing the new positions into its ``present`` cache) updates it without a copy."""
-        return OrtBoundRun(self.inner, pairs)
+        return OrtBoundRun(self.ort, pairs)
 
 
 class OrtBoundRun:
