@@ -17,14 +17,14 @@ from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, Self
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 from cosyvoice_cpu.backends.base import DEFAULT_SHRINK_FRAMES, GraphSession, SessionConfig
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
-from cosyvoice_cpu.flow.base import N_MELS, Feeds, FlowSettings, FlowStage, prompt_mel, token_ids
+from cosyvoice_cpu.flow.base import N_MELS, Attrs, Feeds, FlowSettings, FlowStage, prompt_mel, token_ids
 from cosyvoice_cpu.flow.graphs import ENCODER_IO, IO, ShapedGraph
 
 logger = logging.getLogger(__name__)
@@ -144,6 +144,37 @@ class ChunkedFlow(FlowStage):
         super().__init__(encoder, estimator, estimator_stream, settings, threads, arena_shrink_frames, whole)
         if noise is not None:
             self.noise = load_noise(noise)
+
+    @classmethod
+    def from_dir(
+        cls,
+        model_dir: str | Path,
+        settings: FlowSettings | Attrs | None = None,
+        threads: int | SessionConfig = 1,
+        streaming: bool = True,
+        arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES,
+        whole: ShapedGraph | None = None,
+    ) -> Self:
+        """The stage from the standard file names (:data:`FILES`) in an exported directory, with the family's
+        own graphs (:meth:`extra_files`)."""
+        d = Path(model_dir)
+        stream = d / FILES["flow_estimator_stream"] if streaming else None
+        return cls(
+            d / FILES["flow_encoder"],
+            d / FILES["flow_estimator"],
+            stream,
+            d / FILES["flow_noise"],
+            settings,
+            threads,
+            arena_shrink_frames=arena_shrink_frames,
+            whole=whole,
+            **cls.extra_files(d),
+        )
+
+    @classmethod
+    def extra_files(cls, model_dir: Path) -> dict[str, Path]:
+        """The family's own graph files beyond :data:`FILES`, as keyword arguments of its constructor."""
+        return {}
 
     @abstractmethod
     def empty_stream_feeds(self, sess: GraphSession, n: int) -> Feeds:

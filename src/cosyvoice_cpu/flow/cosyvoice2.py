@@ -81,30 +81,6 @@ class CosyVoice2Flow(ChunkedFlow):
         settings = settings if isinstance(settings, FlowSettings) else FlowSettings.from_attrs(settings)
         super().__init__(encoder, estimator, estimator_stream, noise, settings, threads, arena_shrink_frames, whole)
 
-    @classmethod
-    def from_dir(
-        cls,
-        model_dir: str | Path,
-        settings: FlowSettings | Attrs | None = None,
-        threads: int | SessionConfig = 1,
-        streaming: bool = True,
-        arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES,
-        whole: ShapedGraph | None = None,
-    ) -> CosyVoice2Flow:
-        """The stage from the standard file names in an exported directory."""
-        d = Path(model_dir)
-        stream = d / FILES["flow_estimator_stream"] if streaming else None
-        return cls(
-            d / FILES["flow_encoder"],
-            d / FILES["flow_estimator"],
-            stream,
-            d / FILES["flow_noise"],
-            settings,
-            threads,
-            arena_shrink_frames,
-            whole,
-        )
-
     def empty_stream_feeds(self, sess: GraphSession, n: int) -> Feeds:
         """Empty ``prompt_h``/``context_h``, zero conv state and ``keep_frames`` 0: the full-attention estimator."""
         layers, width, state = stream_layout(sess)

@@ -141,29 +141,9 @@ class CosyVoice3Flow(ChunkedFlow):
         self._tables_lock = threading.Lock()
 
     @classmethod
-    def from_dir(
-        cls,
-        model_dir: str | Path,
-        settings: FlowSettings | Attrs | None = None,
-        threads: int | SessionConfig = 1,
-        streaming: bool = True,
-        arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES,
-        whole: ShapedGraph | None = None,
-    ) -> CosyVoice3Flow:
-        """The stage from the standard file names in an exported v3 directory."""
-        d = Path(model_dir)
-        stream = d / FILES["flow_estimator_stream"] if streaming else None
-        return cls(
-            d / FILES["flow_encoder"],
-            d / FILES["flow_estimator"],
-            stream,
-            d / FILES["flow_noise"],
-            settings,
-            threads,
-            d / FILES["flow_time"],
-            arena_shrink_frames,
-            whole,
-        )
+    def extra_files(cls, model_dir: Path) -> dict[str, Path]:
+        """``flow_time.onnx``, the DiT's time table (:meth:`time_table`)."""
+        return {"time_graph": model_dir / FILES["flow_time"]}
 
     def time_table(self, schedule: Schedule) -> np.ndarray:
         """(steps, L x 6D + 2D) float32: ``flow_time.onnx`` at the schedule's t values (row k for step k).
