@@ -17,7 +17,7 @@ from pathlib import Path
 from cosyvoice_cpu.errors import ModelDirError
 from cosyvoice_cpu.facts import FAMILIES, facts
 from cosyvoice_cpu.jsontypes import JsonObject
-from cosyvoice_cpu.lm.files import EMBEDDING_FILES
+from cosyvoice_cpu.lm_files import EMBEDDING_FILES
 
 logger = logging.getLogger(__name__)
 

@@ -195,9 +195,9 @@ def test_int4_lone_rows_run_beside_an_idle_row(exported, monkeypatch: pytest.Mon
     on the many-row 4-bit kernel, and gets the same bits alone as beside other rows. (AVX2's one-row kernel rounds
     differently: the full-size int4 LM's batched rows differed from lone ones by 1.9e-3 on an AMD Zen 3.)"""
     from cosyvoice_cpu.export.quantize import quantize_nbits
-    from cosyvoice_cpu.lm.files import MIN_ROWS_KEY
     from cosyvoice_cpu.lm.kv_cache import KVCache
     from cosyvoice_cpu.lm.session import LMSession
+    from cosyvoice_cpu.lm_files import MIN_ROWS_KEY
 
     _, out, artifact = exported
     quantize_nbits(out / "lm.onnx", out / "lm.q4.onnx", bits=4, metadata={MIN_ROWS_KEY: "2"})

@@ -134,8 +134,8 @@ def test_rows_round_trip_and_wrong_shapes_are_refused(gen) -> None:
 @pytest.fixture(scope="module")
 def gen_v1(tiny_v1_export_dir: Path) -> SpeechTokenGenerator:
     """The tiny CosyVoice-300M generator (int8w): a causal text encoder and a speaker row after sos."""
-    from cosyvoice_cpu.lm.files import TEXT_ENCODER_FILE
     from cosyvoice_cpu.lm.prompt import TextEncoder
+    from cosyvoice_cpu.lm_files import TEXT_ENCODER_FILE
 
     m = Manifest.load(tiny_v1_export_dir)
     session = LMSession.from_dir(tiny_v1_export_dir, m.graphs["lm"].attrs, threads=2)

@@ -10,9 +10,9 @@ import pytest
 
 from cosyvoice_cpu.errors import ModelDirError
 from cosyvoice_cpu.hardware.pages import file_mappings
-from cosyvoice_cpu.lm.files import EMBEDDING_FILES
 from cosyvoice_cpu.lm.row_table import RowTable, open_table
 from cosyvoice_cpu.lm.session import LMSession
+from cosyvoice_cpu.lm_files import EMBEDDING_FILES
 
 pread = pytest.mark.skipif(not hasattr(os, "preadv"), reason="os.preadv is POSIX-only (elsewhere: a memory map)")
 

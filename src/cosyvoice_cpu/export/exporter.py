@@ -28,7 +28,7 @@ from cosyvoice_cpu.export.quantize import DEFAULT_RECIPE, Recipe, parse_recipe
 from cosyvoice_cpu.export.stages import export_stage_files
 from cosyvoice_cpu.facts import FAMILIES
 from cosyvoice_cpu.family_parts import detect_family, export_family, read_model_config
-from cosyvoice_cpu.lm.files import SPECIALS
+from cosyvoice_cpu.lm_files import SPECIALS
 from cosyvoice_cpu.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,

@@ -23,7 +23,7 @@ from cosyvoice_cpu.export.quantize import (
     quantize_nbits,
 )
 from cosyvoice_cpu.family_parts import export_family, load_reference
-from cosyvoice_cpu.lm.files import MIN_ROWS_KEY
+from cosyvoice_cpu.lm_files import MIN_ROWS_KEY
 
 logger = logging.getLogger(__name__)
 

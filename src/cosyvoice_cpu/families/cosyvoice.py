@@ -20,10 +20,10 @@ from cosyvoice_cpu.families.base import Family, Stages
 from cosyvoice_cpu.flow.base import FlowStage
 from cosyvoice_cpu.flow.cosyvoice import CosyVoiceFlow
 from cosyvoice_cpu.flow.cosyvoice_stream import CosyVoiceFlowStream
-from cosyvoice_cpu.lm.files import TEXT_ENCODER_FILE
 from cosyvoice_cpu.lm.generate import SpeechTokenGenerator
 from cosyvoice_cpu.lm.prompt import TextEncoder
 from cosyvoice_cpu.lm.session import LMSession
+from cosyvoice_cpu.lm_files import TEXT_ENCODER_FILE
 from cosyvoice_cpu.sentence import Piece, Sentence, stream_pieces
 from cosyvoice_cpu.vocoder.overlap_stream import VocoderStream
 

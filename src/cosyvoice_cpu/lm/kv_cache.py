@@ -18,7 +18,7 @@ import numpy as np
 from cosyvoice_cpu.backends.base import BoundRun
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.jsontypes import JsonValue
-from cosyvoice_cpu.lm.files import EXPORT_HINT
+from cosyvoice_cpu.lm_files import EXPORT_HINT
 
 logger = logging.getLogger(__name__)
 

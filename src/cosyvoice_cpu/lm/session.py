@@ -38,9 +38,9 @@ from cosyvoice_cpu.backends.base import BoundRun, SessionConfig, as_config, chec
 from cosyvoice_cpu.backends.registry import open_graph
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.jsontypes import JsonValue
-from cosyvoice_cpu.lm.files import EMBEDDING_FILES, EXPORT_HINT, GRAPH_FILE, MIN_ROWS_KEY, SPECIALS
 from cosyvoice_cpu.lm.kv_cache import KVCache, LMSpec, past_names, present_names
 from cosyvoice_cpu.lm.row_table import open_table
+from cosyvoice_cpu.lm_files import EMBEDDING_FILES, EXPORT_HINT, GRAPH_FILE, MIN_ROWS_KEY, SPECIALS
 
 logger = logging.getLogger(__name__)
 

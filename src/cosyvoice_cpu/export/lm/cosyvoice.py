@@ -37,8 +37,8 @@ from cosyvoice_cpu.export.common import OPSET, GraphArtifact, LMGate, save_onnx,
 from cosyvoice_cpu.export.lm import common
 from cosyvoice_cpu.export.lm.common import IO_DOCS, IR_VERSION
 from cosyvoice_cpu.facts import facts
-from cosyvoice_cpu.lm.files import EMBEDDING_FILES, GRAPH_FILE, SPECIALS, TEXT_ENCODER_FILE
 from cosyvoice_cpu.lm.kv_cache import past_names, present_names
+from cosyvoice_cpu.lm_files import EMBEDDING_FILES, GRAPH_FILE, SPECIALS, TEXT_ENCODER_FILE
 
 logger = logging.getLogger(__name__)
 

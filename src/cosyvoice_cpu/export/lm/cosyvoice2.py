@@ -34,7 +34,7 @@ from cosyvoice_cpu.export.common import GateResult, GraphArtifact, LMGate, save_
 from cosyvoice_cpu.export.lm import common
 from cosyvoice_cpu.export.lm.qwen2 import build_lm_model, lm_attrs, lm_weights, rope_tables, text_vocab
 from cosyvoice_cpu.facts import facts
-from cosyvoice_cpu.lm.files import EMBEDDING_FILES, GRAPH_FILE
+from cosyvoice_cpu.lm_files import EMBEDDING_FILES, GRAPH_FILE
 
 logger = logging.getLogger(__name__)
 

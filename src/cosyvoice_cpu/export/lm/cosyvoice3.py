@@ -36,7 +36,7 @@ from cosyvoice_cpu.export.common import GateResult, GraphArtifact, LMGate, save_
 from cosyvoice_cpu.export.lm import common
 from cosyvoice_cpu.export.lm.qwen2 import build_lm_model, lm_attrs, lm_weights, rope_tables, text_vocab
 from cosyvoice_cpu.facts import facts
-from cosyvoice_cpu.lm.files import EMBEDDING_FILES, GRAPH_FILE, SPECIALS
+from cosyvoice_cpu.lm_files import EMBEDDING_FILES, GRAPH_FILE, SPECIALS
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def lm_facts_v3(lm: Any) -> dict[str, Any]:
 
 
 def lm_tables_v3(lm: Any) -> dict[str, np.ndarray]:
-    """The three embedding tables (float32) keyed like :data:`cosyvoice_cpu.lm.files.EMBEDDING_FILES`."""
+    """The three embedding tables (float32) keyed like :data:`cosyvoice_cpu.lm_files.EMBEDDING_FILES`."""
     import torch
 
     c = lm.cfg

@@ -11,8 +11,8 @@ import numpy as np
 
 from cosyvoice_cpu.export.common import OPSET
 from cosyvoice_cpu.export.lm.common import IO_DOCS, IR_VERSION
-from cosyvoice_cpu.lm.files import EMBEDDING_FILES, SPECIALS
 from cosyvoice_cpu.lm.kv_cache import past_names, present_names
+from cosyvoice_cpu.lm_files import EMBEDDING_FILES, SPECIALS
 
 logger = logging.getLogger(__name__)
 

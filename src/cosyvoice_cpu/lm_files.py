@@ -1,6 +1,6 @@
 """The file names and graph metadata keys of an exported LM, shared by the runtime, the manifest and the exporter.
 
-Imports nothing of the package: the manifest (a lower floor than the LM session) reads these names too.
+Ground floor (imports nothing of the package): the manifest, below the LM, reads these names too.
 """
 
 from __future__ import annotations
@@ -12,6 +12,6 @@ EMBEDDING_FILES = {
     "special": "lm_special_embedding.npy",  # (2, D): llm_embedding rows below
 }
 SPECIALS = {"sos": 0, "task_id": 1}
-TEXT_ENCODER_FILE = "lm_text_encoder.onnx"  # v1 only: the Conformer text encoder (runtime: lm_prompt.TextEncoder)
+TEXT_ENCODER_FILE = "lm_text_encoder.onnx"  # v1 only: the Conformer text encoder (runtime: lm.prompt.TextEncoder)
 EXPORT_HINT = "re-export the model directory with `cosyvoice-cpu export`"
 MIN_ROWS_KEY = "min_rows"  # lm.onnx metadata: see LMSession's min_rows
