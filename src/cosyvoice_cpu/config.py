@@ -15,18 +15,12 @@ import numpy as np
 
 from cosyvoice_cpu.backends.base import DEFAULT_SHRINK_FRAMES
 from cosyvoice_cpu.backends.plan import CHOICES as BACKEND_CHOICES
-from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.errors import ConfigError, need
 from cosyvoice_cpu.vocoder.windows import DEFAULT_WINDOW_FRAMES, MIN_WINDOW_FRAMES
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_LM_BATCH_ROWS = 4  # EngineConfig.lm_batch_rows: the LM decodes ahead in its own thread
-
-
-def need(ok: bool, name: str, value: object, rule: str) -> None:
-    """Raise ConfigError ``"<name> = <value> is out of range: <rule>"`` unless ``ok``."""
-    if not ok:
-        raise ConfigError(f"{name} = {value!r} is out of range: {rule}")
 
 
 def _types(obj: object, ints: tuple[str, ...], floats: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:

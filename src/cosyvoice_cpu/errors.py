@@ -26,3 +26,10 @@ class MissingExtraError(CosyVoiceCpuError, ImportError):
 
 class ExportError(ModelDirError):
     """An export failed: a bad source directory or target, too little disk, or a graph failed its numerics gate."""
+
+
+def need(ok: bool, name: str, value: object, rule: str) -> None:
+    """Raise ConfigError ``"<name> = <value> is out of range: <rule>"`` unless ``ok``: the one-line check every
+    validated configuration uses."""
+    if not ok:
+        raise ConfigError(f"{name} = {value!r} is out of range: {rule}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from cosyvoice_cpu.config import need
+from cosyvoice_cpu.errors import need
 
 
 class Hold:

@@ -30,8 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cosyvoice_cpu.config import need
-from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.errors import ConfigError, need
 from cosyvoice_cpu.lm.bistream import BistreamRequest
 from cosyvoice_cpu.lm.generate import SpeechTokenGenerator, TokenRequest
 from cosyvoice_cpu.lm.hold import Hold

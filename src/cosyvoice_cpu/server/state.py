@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from cosyvoice_cpu.config import SynthesisConfig, need
+from cosyvoice_cpu.config import SynthesisConfig
+from cosyvoice_cpu.errors import need
 from cosyvoice_cpu.server.identity import ReplicaInfo
 from cosyvoice_cpu.server.metrics import Metrics
 from cosyvoice_cpu.server.speech import Admission, AudioBound, Job

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from cosyvoice_cpu.backends.registry import release_idle_memory
-from cosyvoice_cpu.config import need
+from cosyvoice_cpu.errors import need
 from cosyvoice_cpu.server.engine_api import PromptAudio
 
 if TYPE_CHECKING:

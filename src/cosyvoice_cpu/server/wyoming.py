@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
-from cosyvoice_cpu.config import need
-from cosyvoice_cpu.errors import ConfigError, MissingExtraError
+from cosyvoice_cpu.errors import ConfigError, MissingExtraError, need
 
 if TYPE_CHECKING:
     from wyoming.info import Info
