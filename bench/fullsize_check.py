@@ -63,8 +63,8 @@ def _run(code: str, *args: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from cosyvoice_cpu.cli.main import cache_dir
     from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
+    from cosyvoice_cpu.paths import cache_dir
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", type=Path, default=cache_dir() / "fixtures" / "cosyvoice2-full-seed0")

@@ -29,8 +29,8 @@ import numpy as np
 from quant_probe import probe_runtime  # bench/ is the script directory, first on sys.path
 
 from cosyvoice_cpu.benchmark.feeds import estimator_feeds
-from cosyvoice_cpu.cli.main import cache_dir
 from cosyvoice_cpu.export.quantize import RECIPES
+from cosyvoice_cpu.paths import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 

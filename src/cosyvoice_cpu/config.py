@@ -7,9 +7,7 @@ parameters fail before any work (and a server can answer 4xx with the message).
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import numpy as np
 
@@ -292,10 +290,3 @@ class AudioChunk:
     def pcm16(self) -> bytes:
         """Little-endian 16-bit PCM bytes of the samples (clipped)."""
         return (np.clip(self.samples, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
-
-
-def cache_dir() -> Path:
-    """Where cosyvoice-cpu keeps generated files (fixtures, bench exports, compiled OpenVINO shapes):
-    ``$COSYVOICE_CPU_CACHE`` or ``~/.cache/cosyvoice-cpu``."""
-    env = os.environ.get("COSYVOICE_CPU_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "cosyvoice-cpu"

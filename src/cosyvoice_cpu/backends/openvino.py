@@ -44,9 +44,9 @@ import numpy as np
 
 from cosyvoice_cpu.backends.base import OPENVINO, Backend, BoundRun, GraphSession, NodeInfo, SessionConfig
 from cosyvoice_cpu.backends.buckets import BucketedSession
-from cosyvoice_cpu.config import cache_dir
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.hardware.pages import release_file_pages
+from cosyvoice_cpu.paths import cache_dir
 
 if TYPE_CHECKING:
     import openvino as ov

@@ -26,13 +26,13 @@ from cosyvoice_cpu.backends.plan import CHOICES, may_use_openvino
 from cosyvoice_cpu.benchmark.report import write_report
 from cosyvoice_cpu.benchmark.tasks import energy_counters
 from cosyvoice_cpu.cli.common import need_export_extra
-from cosyvoice_cpu.config import cache_dir
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.facts import FAMILIES, facts
 from cosyvoice_cpu.hardware.calibrate import calibrate
 from cosyvoice_cpu.hardware.cpu import detect
 from cosyvoice_cpu.jsontypes import JsonObject, JsonValue
 from cosyvoice_cpu.manifest import Manifest
+from cosyvoice_cpu.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 

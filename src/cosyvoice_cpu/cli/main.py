@@ -16,9 +16,9 @@ from pathlib import Path
 
 from cosyvoice_cpu import __version__
 from cosyvoice_cpu.cli.common import add_backend_args, need_export_extra
-from cosyvoice_cpu.config import cache_dir
 from cosyvoice_cpu.errors import CosyVoiceCpuError
 from cosyvoice_cpu.facts import FAMILIES
+from cosyvoice_cpu.paths import cache_dir
 
 logger = logging.getLogger("cosyvoice_cpu")
 
