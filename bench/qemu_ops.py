@@ -4,8 +4,8 @@ estimator node by node, natively and under qemu (the targets of bench/qemu_platf
 - single operators on fixed inputs: DynamicQuantizeLinear; MatMulInteger u8 x s8 with 7-bit and 8-bit weights;
   MatMulNBits (8-bit weights) at accuracy level 1 (fp32 compute) and 4 (int8 activations), for 1 and 16 rows;
 - the demo model's ``flow_estimator.onnx`` with every node's output made a graph output (graph optimizations
-  off), on graph_probe's inputs: the first nodes whose output differs while their inputs agree, and the share of
-  elements each DynamicQuantizeLinear rounds to another step.
+  off), on the graph probe's inputs (cosyvoice_cpu.probes.graphs): the first nodes whose output differs while
+  their inputs agree, and the share of elements each DynamicQuantizeLinear rounds to another step.
 
 The graphs are written here (with onnx) and only run in the child (onnxruntime alone), so the arm64 root of
 ``qemu_platforms.py arm-root`` needs no onnx wheel.
@@ -70,7 +70,7 @@ def write_graphs(d: Path) -> None:
     for node in est.graph.node:
         est.graph.output.extend(onnx.ValueInfoProto(name=o) for o in node.output if o and o not in declared)
     onnx.save(est, str(d / "estimator_nodes.onnx"))
-    from cosyvoice_cpu.hardware.graph_probe import probe_model
+    from cosyvoice_cpu.probes.graphs import probe_model
 
     probe = probe_model(DEMO)
     feeds.update({f"estimator_nodes:{k.split('/')[-1]}": v for k, v in probe.items() if "flow_estimator/in/" in k})
@@ -126,7 +126,7 @@ def report(ref: dict[str, np.ndarray], other: dict[str, np.ndarray]) -> None:
 
 
 def probe_inputs() -> dict[str, np.ndarray]:
-    from cosyvoice_cpu.hardware.graph_probe import probe_model
+    from cosyvoice_cpu.probes.graphs import probe_model
 
     return {k: v for k, v in probe_model(DEMO).items() if "flow_estimator/in/" in k}
 

@@ -3,7 +3,7 @@
 Three commands, each comparing this machine (native) with qemu's user-mode emulation of other CPUs
 (cosyvoice_cpu.hardware.emulation):
 
-- ``probe``: every graph of a model directory on fixed inputs (cosyvoice_cpu.hardware.graph_probe), natively and
+- ``probe``: every graph of a model directory on fixed inputs (cosyvoice_cpu.probes.graphs), natively and
   under each CPU, compared with the probe's tolerances;
 - ``trace``: the packaged demo sentence (seed 0) natively and under one CPU, with every sampled token, its logp
   and its uniform draw recorded; says at which token the two part and why (how far the draw was from the edge
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from cosyvoice_cpu.hardware import emulation
-from cosyvoice_cpu.hardware.graph_probe import compare
+from cosyvoice_cpu.probes.graphs import compare
 
 DEMO = Path(__import__("cosyvoice_cpu").__file__).parent / "demo_model"
 SRC = Path(__import__("cosyvoice_cpu").__file__).parents[1]
@@ -68,7 +68,7 @@ def cmd_probe(a: argparse.Namespace) -> None:
         outs = {}
         for target in ["native", *a.cpu, *a.arm_cpu]:
             out = Path(tmp) / f"{target}.npz"
-            seconds = run(target, ["-m", "cosyvoice_cpu.hardware.graph_probe", str(a.model), str(out)], a.arm_root)
+            seconds = run(target, ["-m", "cosyvoice_cpu.probes.graphs", str(a.model), str(out)], a.arm_root)
             outs[target] = dict(np.load(out))
             print(f"{target}: probe ran in {seconds:.1f} s")
         for target in [*a.cpu, *a.arm_cpu]:

@@ -10,8 +10,8 @@ import pytest
 
 from cosyvoice_cpu.cli.speech import DEMO_MODEL
 from cosyvoice_cpu.hardware import emulation
-from cosyvoice_cpu.hardware.graph_probe import FP32_TOLERANCE, TOLERANCE, compare, main, probe_model
 from cosyvoice_cpu.manifest import Manifest
+from cosyvoice_cpu.probes.graphs import FP32_TOLERANCE, TOLERANCE, compare, main, probe_model
 
 
 @pytest.fixture(scope="module")

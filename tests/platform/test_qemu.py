@@ -1,7 +1,7 @@
 """The torch-free runtime on CPUs this machine is not: x86 without AVX2 (and AVX2 without VNNI) under
 ``qemu-x86_64 -cpu MODEL``, arm64 cores under ``qemu-aarch64`` with Debian's arm64 Python and aarch64 wheels.
 
-Each emulated CPU runs every graph of the packaged demo model on fixed inputs (hardware/graph_probe.py), held to
+Each emulated CPU runs every graph of the packaged demo model on fixed inputs (probes/graphs.py), held to
 the probe's tolerances against the same graphs run natively, and speaks a short sentence with torch blocked.
 Emulation proves the kernels chosen from the emulated ``cpuid``/hwcaps and their numerics, not speed, and not
 that no newer instruction ran (qemu's TCG translates AVX2 under ``-cpu Denverton`` too; hardware/emulation.py).
@@ -23,7 +23,7 @@ import soundfile as sf
 
 from cosyvoice_cpu.cli.speech import DEMO_MODEL
 from cosyvoice_cpu.hardware import emulation
-from cosyvoice_cpu.hardware.graph_probe import TOLERANCE, compare, probe_model
+from cosyvoice_cpu.probes.graphs import TOLERANCE, compare, probe_model
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 DEMO_RUN = (
@@ -36,7 +36,7 @@ SENTENCE = ["--text", "Line three.", "--flow-steps", "2", "--threads", "1"]  # 8
 X86_EXPECT = {"Denverton": ("SSE42", "AVX"), "IvyBridge": ("AVX", "AVX2"), "Haswell-v4": ("FMA3", "AVX512F")}
 ARM_EXPECT = {"cortex-a76": ("ASIMDDP", None), "cortex-a72": ("ASIMD", "ASIMDDP")}
 # the LM's int8 kernel (MatMulNBits, accuracy level 4) exists only with AVX2 or the arm64 dot product: without it
-# ONNX Runtime computes in fp32 and the logp move by ~1e-3 (see graph_probe.TOLERANCE)
+# ONNX Runtime computes in fp32 and the logp move by ~1e-3 (see probes.graphs.TOLERANCE)
 NO_INT8_LM_KERNEL = {"Denverton", "IvyBridge", "cortex-a72"}
 
 needs_qemu_x86 = pytest.mark.skipif(
@@ -91,7 +91,7 @@ def _check_wave(out: Path, stdout: str) -> None:
 @pytest.mark.parametrize("cpu", list(emulation.X86_MODELS))
 def test_x86_graphs_within_tolerance_and_speech(cpu: str, native_probe: dict[str, np.ndarray], tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(SRC)}
-    probe = ["-m", "cosyvoice_cpu.hardware.graph_probe", str(DEMO_MODEL), str(tmp_path / "probe.npz")]
+    probe = ["-m", "cosyvoice_cpu.probes.graphs", str(DEMO_MODEL), str(tmp_path / "probe.npz")]
     _run(emulation.x86_argv(cpu, sys.executable, probe), env)
     _check_probe(cpu, native_probe, tmp_path / "probe.npz", X86_EXPECT[cpu])
     if cpu in NO_INT8_LM_KERNEL:  # the non-AVX2 paths speak (Haswell's kernels are the host's numerics already)
@@ -108,7 +108,7 @@ def test_arm64_graphs_within_tolerance_and_speech(
     root, site, python = arm_root
     emulation.write_arm_cpuinfo(root, cpu)
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": f"{site}:{SRC}"}
-    probe = ["-m", "cosyvoice_cpu.hardware.graph_probe", str(DEMO_MODEL), str(tmp_path / "probe.npz")]
+    probe = ["-m", "cosyvoice_cpu.probes.graphs", str(DEMO_MODEL), str(tmp_path / "probe.npz")]
     r = _run(emulation.arm_argv(cpu, root, ["-c", "import platform; print(platform.machine())"], python), env)
     assert r.stdout.strip() == "aarch64"
     _run(emulation.arm_argv(cpu, root, probe, python), env)

@@ -57,7 +57,7 @@ def test_bench_command_writes_the_report(tiny_export_dir: Path, tmp_path: Path, 
     assert f"the first {ours['lm_prefix_positions']} (sos and the voice's transcript) copied from the LM" in md
     calibration = result["machine"]["calibration"]  # the machine's kernel speeds travel with the result
     assert calibration["threads"] >= 1 and calibration["sgemm_gflops"] > 0 and calibration["attention_ms"] > 0
-    assert "Calibration (cosyvoice_cpu.hardware.calibrate): copy " in md
+    assert "Calibration (cosyvoice_cpu.probes.calibrate): copy " in md
     from cosyvoice_cpu.benchmark.report import markdown
 
     del result["machine"]["calibration"]  # a result written before the calibration existed still renders

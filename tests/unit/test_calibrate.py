@@ -9,7 +9,7 @@ import pytest
 
 from cosyvoice_cpu.cli.main import main
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.hardware.calibrate import GRAPHS, REFERENCE_MACHINES, Calibration, _session, best_seconds, calibrate
+from cosyvoice_cpu.probes.calibrate import GRAPHS, REFERENCE_MACHINES, Calibration, _session, best_seconds, calibrate
 
 TINY = {"budget_s": 0.005, "scale": 0.02}
 
@@ -56,7 +56,7 @@ def test_calibrate_returns_finite_positive_speeds() -> None:
 
 
 def test_best_seconds_takes_the_fastest_run_after_warmup(monkeypatch: pytest.MonkeyPatch) -> None:
-    import cosyvoice_cpu.hardware.calibrate as cal
+    import cosyvoice_cpu.probes.calibrate as cal
 
     clock = [0.0]  # a fake perf_counter that each call of fn advances by its duration: no sleeping, no load
     monkeypatch.setattr(cal.time, "perf_counter", lambda: clock[0])
@@ -72,7 +72,7 @@ def test_best_seconds_takes_the_fastest_run_after_warmup(monkeypatch: pytest.Mon
 
 
 def test_doctor_speed_prints_this_machine_and_the_reference_machines(capsys, monkeypatch) -> None:
-    import cosyvoice_cpu.hardware.calibrate as cal
+    import cosyvoice_cpu.probes.calibrate as cal
 
     fixed = Calibration(threads=2, copy_gb_s=15.3, sgemm_gflops=134.0, qgemm_gops=760.0, attention_ms=16.3)
     monkeypatch.setattr(cal, "calibrate", lambda threads, **kw: fixed)

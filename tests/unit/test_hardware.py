@@ -17,8 +17,9 @@ from cosyvoice_cpu.hardware.cpu import (
     detect,
     read_cpuinfo,
 )
-from cosyvoice_cpu.hardware.features import floor_problem, kernel_level, probe_kernels, speed_expectation
+from cosyvoice_cpu.hardware.features import floor_problem, kernel_level, speed_expectation
 from cosyvoice_cpu.hardware.malloc import fix_mmap_threshold, malloc_free_bytes
+from cosyvoice_cpu.probes.calibrate import probe_kernels
 
 
 def _cpuinfo(flags: str, sockets: int = 1, cores: int = 2, threads: int = 2, model: str = "Test CPU") -> str:

@@ -59,7 +59,7 @@ rng = np.random.default_rng(0)
 mel = flow.inference(tokens, [], np.zeros((0, 80), np.float32), rng.standard_normal(192).astype(np.float32))
 voc = Vocoder.from_dir(d, m.graphs["hift_decode"].attrs)
 wave, _ = voc(mel, rng=rng)
-from cosyvoice_cpu.hardware.calibrate import calibrate
+from cosyvoice_cpu.probes.calibrate import calibrate
 calibrate(1, budget_s=0.005, scale=0.02)  # doctor --speed and bench's machine facts
 print(json.dumps({"modules": sorted(runtime), "samples": int(wave.shape[-1]),
                   "finite": bool(np.isfinite(wave).all())}))

@@ -12,8 +12,8 @@ import logging
 from pathlib import Path
 
 from cosyvoice_cpu.benchmark.tasks import TOKEN_RATE
-from cosyvoice_cpu.hardware.calibrate import Calibration
 from cosyvoice_cpu.jsontypes import JsonObject
+from cosyvoice_cpu.probes.calibrate import Calibration
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ def markdown(result: JsonObject, plots: list[str]) -> str:
         f"Machine: {m['cpu']} ({m['isa']}), {m['usable_cores']} usable cores, {m['memory_gb']} GB; {m['threads']} "
         f"threads; onnxruntime {m['onnxruntime']}; load average before the run {m['load_avg_before'][0]:.2f}.",
         *(
-            [f"Calibration (cosyvoice_cpu.hardware.calibrate): {Calibration.from_dict(m['calibration']).summary()}."]
+            [f"Calibration (cosyvoice_cpu.probes.calibrate): {Calibration.from_dict(m['calibration']).summary()}."]
             if "calibration" in m
             else []
         ),  # results from before the calibration have none

@@ -28,11 +28,11 @@ from cosyvoice_cpu.benchmark.tasks import energy_counters
 from cosyvoice_cpu.cli.common import need_export_extra
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.facts import FAMILIES, facts
-from cosyvoice_cpu.hardware.calibrate import calibrate
 from cosyvoice_cpu.hardware.cpu import detect
 from cosyvoice_cpu.jsontypes import JsonObject, JsonValue
 from cosyvoice_cpu.manifest import Manifest
 from cosyvoice_cpu.paths import cache_dir
+from cosyvoice_cpu.probes.calibrate import calibrate
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def run_peers(official_dir: Path | None, names: list[str], threads: int, tokens:
 
 def machine_facts(threads: int) -> JsonObject:
     """CPU, cores, memory, versions, the load average and the kernel calibration
-    (:mod:`cosyvoice_cpu.hardware.calibrate`) of this machine: what a result must carry to be compared with one
+    (:mod:`cosyvoice_cpu.probes.calibrate`) of this machine: what a result must carry to be compared with one
     from another day or machine."""
     from cosyvoice_cpu.backends.registry import backend_for
 

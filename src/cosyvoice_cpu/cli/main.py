@@ -147,7 +147,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def _print_speed(threads: int) -> None:
     """``doctor --speed``: this machine's kernel calibration next to the machines the docs were measured on."""
-    from cosyvoice_cpu.hardware.calibrate import REFERENCE_MACHINES, calibrate, speed_notes
+    from cosyvoice_cpu.probes.calibrate import REFERENCE_MACHINES, calibrate, speed_notes
 
     cal = calibrate(threads)
     print(f"speed        {cal.summary()}")
@@ -160,7 +160,8 @@ def _print_speed(threads: int) -> None:
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Report what this machine can run; exit 1 when something needs attention."""
     from cosyvoice_cpu.hardware.cpu import detect
-    from cosyvoice_cpu.hardware.features import kernel_level, numpy_cpu_features, probe_kernels, speed_expectation
+    from cosyvoice_cpu.hardware.features import kernel_level, numpy_cpu_features, speed_expectation
+    from cosyvoice_cpu.probes.calibrate import probe_kernels
 
     hw = detect()
     problems: list[str] = []

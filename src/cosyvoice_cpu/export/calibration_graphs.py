@@ -1,4 +1,4 @@
-"""The one-node ONNX graphs :mod:`cosyvoice_cpu.hardware.calibrate` times, written into the package.
+"""The one-node ONNX graphs :mod:`cosyvoice_cpu.probes.calibrate` times, written into the package.
 
 The runtime cannot import ``onnx`` (the runtime wall), so the graphs ship as files in
 ``cosyvoice_cpu/calibration/``; this module is how they were made, and a test checks the packaged files equal

@@ -4,7 +4,7 @@ ONNX Runtime (MLAS) and NumPy pick their kernels from the CPU they run on: SSE, 
 NEON with or without dot product on arm64. The same graph on the same inputs therefore gives slightly different
 numbers on different CPUs. :func:`probe_model` runs each graph of a model directory on inputs drawn from a fixed
 seed (the same on every machine) and returns its outputs; :func:`compare` holds two such results to the tolerances
-of :data:`TOLERANCE`. Run as ``python -m cosyvoice_cpu.hardware.graph_probe MODEL_DIR OUT.npz`` (on another machine,
+of :data:`TOLERANCE`. Run as ``python -m cosyvoice_cpu.probes.graphs MODEL_DIR OUT.npz`` (on another machine,
 or under ``qemu-x86_64 -cpu Denverton``) and compare the files with :func:`compare`; ``tests/platform`` does this
 under qemu, and ``bench/qemu_platforms.py`` also traces the sampled tokens.
 
@@ -31,6 +31,7 @@ from cosyvoice_cpu.backends.base import NodeInfo, SessionConfig
 from cosyvoice_cpu.backends.registry import open_graph
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.hardware.features import numpy_cpu_features
+from cosyvoice_cpu.lm.session import LMSession
 from cosyvoice_cpu.manifest import Manifest
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ def _dtype(onnx_type: str) -> type:
     types = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}
     types["tensor(int32)"] = np.int32
     if onnx_type not in types:
-        raise ConfigError(f"graph_probe cannot make an input of type {onnx_type}")
+        raise ConfigError(f"the graph probe cannot make an input of type {onnx_type}")
     return types[onnx_type]
 
 
@@ -133,14 +134,12 @@ def graph_feeds(
             x = rng.standard_normal(shape)
             feeds[n] = (x - 4.0 if n in ("mel", "feats") else x).astype(dtype)
         else:
-            raise ConfigError(f"graph_probe does not know what to feed {name}'s integer input {n!r}")
+            raise ConfigError(f"the graph probe does not know what to feed {name}'s integer input {n!r}")
     return feeds
 
 
 def probe_lm(model_dir: Path, manifest: Manifest, threads: int) -> dict[str, np.ndarray]:
     """LM logp (V,) after a prefill of text rows, then (LM_DECODE, V) over one-token decode steps."""
-    from cosyvoice_cpu.lm.session import LMSession
-
     entry = manifest.graphs["lm"]
     config = SessionConfig(threads=threads)
     session = LMSession.from_dir(
@@ -201,8 +200,8 @@ def compare(ref: dict[str, np.ndarray], other: dict[str, np.ndarray]) -> list[Di
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m cosyvoice_cpu.hardware.graph_probe MODEL_DIR OUT.npz [--against REF.npz]``."""
-    p = argparse.ArgumentParser(prog="python -m cosyvoice_cpu.hardware.graph_probe", description=__doc__.split("\n")[0])
+    """``python -m cosyvoice_cpu.probes.graphs MODEL_DIR OUT.npz [--against REF.npz]``."""
+    p = argparse.ArgumentParser(prog="python -m cosyvoice_cpu.probes.graphs", description=__doc__.split("\n")[0])
     p.add_argument("model_dir", type=Path)
     p.add_argument("out", type=Path, help="where to write the outputs (.npz)")
     p.add_argument("--against", type=Path, help="a probe of the same model on another CPU to compare with")

@@ -17,14 +17,18 @@ What is timed (best of several runs after a warm-up; ORT sessions as the engine 
   batch 2 (CFG) x 650 frames x 8 heads x 64; a whole-sentence Euler step runs 56 of them.
 
 Only NumPy and onnxruntime are used; the graphs are packaged files (``cosyvoice_cpu/calibration``, made by
-:mod:`cosyvoice_cpu.export.calibration_graphs`).
+:mod:`cosyvoice_cpu.export.calibration_graphs`). :func:`probe_kernels` runs the same kernels once in a child process
+(``cosyvoice-cpu doctor``), so a wheel built for a newer CPU (``SIGILL``) becomes an explanation, not a crash.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -170,3 +174,61 @@ def calibrate(threads: int, budget_s: float = 0.5, scale: float = 1.0) -> Calibr
     )
     logger.info("calibration: %s", result.summary())
     return result
+
+
+# the probe's child runs the calibration kernels at a tiny size, then prints the CPU features its NumPy saw
+PROBE = (
+    "from cosyvoice_cpu.probes.calibrate import calibrate; calibrate(1, budget_s=0.01, scale=0.05)\n"
+    "from cosyvoice_cpu.hardware.features import numpy_cpu_features\n"
+    "print(' '.join(sorted(k for k, on in (numpy_cpu_features()[0] or {}).items() if on)))"
+)
+
+
+def probe_kernels(
+    timeout: float = 120.0, code: str = PROBE, cpuid: Mapping[str, bool] | None = None, python: str | None = None
+) -> tuple[str | None, str | None]:
+    """Run NumPy and onnxruntime's GEMM and attention kernels once in a child process: (problem, note), None
+    where there is nothing to say.
+
+    A wheel built for a newer CPU stops the process with ``SIGILL`` (Illegal instruction), which no ``except``
+    catches: in a child it becomes the problem's explanation. With ``cpuid`` (this process's NumPy view) the note
+    says when the child saw another CPU: under qemu's user mode a child process runs natively unless binfmt_misc
+    sends it to qemu, and then the probe vouches for the host, not the emulated CPU. ``code`` is what the child
+    runs (tests replace it); its last line of output is the features it saw. A child that cannot start at all
+    (``Exec format error``: an arm64 Python under ``qemu-aarch64`` without binfmt_misc) gives a note, not a problem.
+    """
+    try:
+        p = subprocess.run([python or sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"the kernel probe (NumPy and onnxruntime in a child process) did not finish in {timeout:g} s", None
+    except OSError as e:
+        return None, (
+            f"the kernel probe could not start its child process ({e}), so it did not run; under qemu's user mode "
+            "without binfmt_misc an emulated Python cannot start another"
+        )
+    if p.returncode == -signal.SIGILL:
+        return (
+            "a child process running NumPy's and onnxruntime's kernels (calibration GEMMs) died of SIGILL "
+            "(Illegal instruction): a wheel here was built for a newer CPU than this one. Find which with "
+            "`python -c 'import numpy'` and `python -c 'import onnxruntime'`, build that one from source for this "
+            "CPU, and please report it with `cosyvoice-cpu doctor` output (README, 'Platforms')"
+        ), None
+    if p.returncode != 0:
+        tail = (p.stderr.strip().splitlines() or ["no output"])[-1]
+        return (
+            f"the kernel probe (NumPy and onnxruntime in a child process) failed with exit {p.returncode}: {tail}",
+            None,
+        )
+    logger.debug("kernel probe ran")
+    if cpuid is None:
+        return None, None
+    seen = set((p.stdout.strip().splitlines() or [""])[-1].split())
+    mine = {k for k, on in cpuid.items() if on}
+    if seen == mine:
+        return None, None
+    more, less = " ".join(sorted(seen - mine)) or "none more", " ".join(sorted(mine - seen)) or "none"
+    return None, (
+        f"the kernel probe's child process saw other CPU features than this one (it has {more}; lacks {less}): "
+        "under qemu's user mode a child runs natively unless binfmt_misc sends it to qemu, so the probe ran the "
+        "host's kernels, not this CPU's"
+    )
