@@ -1,4 +1,5 @@
-"""The package's import graph: no cycles, and the runtime imports none of the ``[export]`` side.
+"""The package's import graph: no cycles, no import from a lower floor to a higher one, and the runtime imports
+none of the ``[export]`` side.
 
 Every import counts, function-level ones too (a cycle held apart by an import inside a function is still a
 cycle), and so do imports under ``if TYPE_CHECKING:``: they do not run, but a reader follows them all the same.
@@ -19,6 +20,7 @@ EXPORT_SIDE = (
     "cosyvoice_cpu.fixtures",
     "cosyvoice_cpu.family_parts",
 )
+PUBLIC: dict[str, str] = cosyvoice_cpu._PUBLIC  # name -> its module: `from cosyvoice_cpu import Engine` imports engine
 
 
 def _module_name(path: Path) -> str:
@@ -39,6 +41,8 @@ def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
                 targets = [a.name for a in node.names]
             else:
                 continue
+            if isinstance(node, ast.ImportFrom) and node.module == "cosyvoice_cpu":  # the lazy public names
+                targets += [PUBLIC[a.name] for a in node.names if a.name in PUBLIC]
             graph[name].update(t for t in targets if t in files and t != name)
     return graph
 
@@ -153,6 +157,53 @@ def test_the_facts_table_is_on_the_ground_floor() -> None:
     filter, voices and the PyTorch side read it: nothing they import may sit above them)."""
     assert import_graph()["cosyvoice_cpu.facts"] <= {"cosyvoice_cpu.errors"}
     assert import_graph()["cosyvoice_cpu.errors"] == set()
+
+
+# The runtime's floors, ground first: a module imports only modules of its own floor or lower ones. A name is a
+# top-level module or package of cosyvoice_cpu (a package's modules share its floor); the package's own
+# ``__init__`` (``__version__``, the lazy public names) is the ground. A new runtime module needs a place here.
+FLOORS = (
+    ("errors", "jsontypes", "facts", "lm_files", "paths"),
+    ("text", "audio", "manifest"),
+    ("hardware",),
+    ("backends",),
+    ("lm", "flow", "vocoder", "voices", "config"),
+    ("sentence",),
+    ("families",),
+    ("engine", "text_stream"),
+    ("server", "benchmark", "probes"),
+    ("cli", "__main__"),
+)
+
+
+def upward_imports(graph: dict[str, set[str]], floors: tuple[tuple[str, ...], ...]) -> list[str]:
+    """``"a -> b"`` for every import from a module to one on a higher floor (modules on no floor are skipped)."""
+    level = {name: i for i, names in enumerate(floors) for name in names}
+
+    def floor(module: str) -> int | None:
+        parts = module.split(".")
+        return 0 if len(parts) == 1 else level.get(parts[1])
+
+    placed = {m: f for m in graph if (f := floor(m)) is not None}
+    return sorted(
+        f"{m} (floor {placed[m]}) -> {t} (floor {placed[t]})"
+        for m, ts in graph.items()
+        if m in placed
+        for t in ts
+        if placed.get(t, 0) > placed[m]
+    )
+
+
+def test_no_runtime_module_imports_a_higher_floor() -> None:
+    """Function-level and ``TYPE_CHECKING`` imports included: a reader follows them all the same."""
+    graph = import_graph()
+    runtime = {m.split(".")[1] for m in graph if m != "cosyvoice_cpu" and not m.startswith(EXPORT_SIDE)}
+    placed = {name for names in FLOORS for name in names}
+    assert runtime <= placed, f"runtime modules on no floor (give them one in FLOORS): {sorted(runtime - placed)}"
+    bad = upward_imports(graph, FLOORS)
+    assert not bad, "imports that run back up from a lower floor:\n" + "\n".join(bad)
+    fake = {"p.a": {"p.b", "p"}, "p.b": {"p.c.x"}, "p.c.x": {"p.a"}, "p": set()}
+    assert upward_imports(fake, (("a",), ("b", "c"))) == ["p.a (floor 0) -> p.b (floor 1)"]  # the check sees one
 
 
 def test_only_the_backends_import_the_inference_libraries() -> None:
