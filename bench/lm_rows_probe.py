@@ -63,7 +63,7 @@ def _stream(args: argparse.Namespace) -> None:
 
     engines = {"int4, min_rows 1": load(args.int4_dir, args.threads), "int4, min_rows 2": load(args.int4_dir,
                args.threads), "int8w": load(args.int8w_dir, args.threads)}  # fmt: skip
-    engines["int4, min_rows 1"][0].lm.session.min_rows = 1  # the scheduler's cache has rows to spare
+    engines["int4, min_rows 1"][0].lm.session.runner.min_rows = 1  # the scheduler's cache has rows to spare
     results = alternate(engines, args.runs, lambda engine, voice: first_audio(engine, voice, TEXT, 250, 1))
     print(f"{args.threads} threads, {args.runs} runs alternated, streamed 10 s sentence (250 tokens), medians")
     print("| LM | first audio, s | whole streamed RTF | runs (RTF) |")

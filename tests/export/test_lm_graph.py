@@ -204,8 +204,8 @@ def test_int4_lone_rows_run_beside_an_idle_row(exported, monkeypatch: pytest.Mon
     s4 = LMSession.from_dir(out, artifact.attrs, graph_file="lm.q4.onnx", threads=2)
     assert s4.min_rows == 2 and LMSession.from_dir(out, artifact.attrs, threads=1).min_rows == 1
     calls: list[tuple[int, int]] = []
-    real = s4._run
-    monkeypatch.setattr(s4, "_run", lambda cache, r0, embeds, *a, **k: calls.append(embeds.shape[:2])
+    real = s4.runner._run
+    monkeypatch.setattr(s4.runner, "_run", lambda cache, r0, embeds, *a, **k: calls.append(embeds.shape[:2])
                         or real(cache, r0, embeds, *a, **k))  # fmt: skip
     rng = np.random.default_rng(5)
     prompts = [rng.standard_normal((n, 64)).astype(np.float32) for n in (7, 12, 4)]

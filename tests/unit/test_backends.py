@@ -167,7 +167,7 @@ def test_the_lm_cache_runs_in_place_through_the_session() -> None:
     assert all(np.array_equal(a, b) for a, b in zip(want, got)) and len(want) == 7
     assert all(np.array_equal(a, b) for a, b in zip(want_kv, got_kv)) and np.abs(want_kv[0]).max() > 0
     cache = bound.new_cache(2)
-    assert isinstance(bound._binding(cache, 0, 2), OrtBoundRun)
+    assert isinstance(bound.runner._binding(cache, 0, 2), OrtBoundRun)
 
     class Cut(_Session, GraphSession):  # a graph whose cache output is not the buffer's shape
         def run(self, names, feeds, release_memory=False):  # type: ignore[no-untyped-def]

@@ -10,7 +10,8 @@ import pytest
 
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.hardware.pages import mappings, span_resident_bytes
-from cosyvoice_cpu.lm.kv_cache import KVCache, LMSpec, zero_pages
+from cosyvoice_cpu.lm.kv_cache import KVCache, zero_pages
+from cosyvoice_cpu.lm.kv_spec import LMSpec
 
 # the full-size CosyVoice2 LM's cache geometry: 4 rows x 24 layers x 2 KV heads x 2048 positions x 64 = 192 MB
 SPEC = LMSpec(max_len=2048, num_layers=24, kv_heads=2, head_dim=64, hidden=896, speech_vocab=6564, text_vocab=151936)

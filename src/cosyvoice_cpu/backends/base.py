@@ -56,7 +56,7 @@ class GraphSession(ABC):
     backend with nothing to do (no metadata, no memory to give back, nothing to compile ahead, in-place binding by
     copying).
 
-    **A decoder's KV cache.** The LM graph (:mod:`cosyvoice_cpu.lm.session`) takes each layer's cache as an input
+    **A decoder's KV cache.** The LM graph (:mod:`cosyvoice_cpu.lm.bound_graph`) takes each layer's cache as an input
     ``past_*`` and returns it as ``present_*`` of the same shape (B rows, Hkv, M positions, Dh). The LM keeps the
     cache in buffers of its own (:class:`~cosyvoice_cpu.lm.kv_cache.KVCache`: rows that come and go with the
     scheduler's requests, prefix-cache entries copied in and out with ``read`` / ``write``, pages given back with
@@ -66,15 +66,10 @@ class GraphSession(ABC):
     moving the whole cache through every call). OpenVINO does not keep it (its GroupQueryAttention returns the
     cache cut to the positions in use) and says so (``OpenVinoSession.bind_in_place``).
 
-    A *stateful* backend (OpenVINO's LLM form: the KV cache as the compiled model's state, the form Intel tunes)
-    has no ``past_*`` inputs to bind. Such a session plugs in one level up, as the LM's cache and its run: the LM,
-    the scheduler and the prefix cache touch a cache only through ``rows``, ``lengths``, ``reset``, ``release``,
-    ``read`` (a row's first n positions as an array) and ``write`` (make an array a row's content), and run it only
-    through ``LMSession._run`` (rows r0..r0+B, new positions (B, S, D), each row's length after the call ->
-    log-probabilities (B, V)). A stateful session would provide a cache object with those members, its state
-    holding one batch row per scheduler row (``read`` / ``write`` through the state's get/set, so prefix-cache hits
-    keep working; ``release`` trims the row), and a run that feeds the scheduler's rows as one batch with per-row
-    positions and an attention mask for idle rows (the same padding the bound form gives them).
+    A *stateful* graph (OpenVINO's LLM form: the KV cache as the compiled model's state, the form Intel tunes) has
+    no ``past_*`` inputs to bind: its session says :attr:`stateful` and hands out :class:`ModelState` s
+    (:meth:`open_state`), each an inference request with a state of its own, which the LM drives as its cache
+    (:mod:`cosyvoice_cpu.lm.state_graph`).
     """
 
     @abstractmethod
@@ -113,6 +108,39 @@ class GraphSession(ABC):
         an output (ONNX Runtime) overrides it to copy nothing.
         """
         return CopyingRun(self, pairs)
+
+    @property
+    def stateful(self) -> bool:
+        """Whether the graph keeps state between calls (read and written through :meth:`open_state`)."""
+        return False
+
+    def open_state(self) -> ModelState:
+        """A new inference request of this stateful graph, with an empty state of its own."""
+        raise ConfigError("this graph keeps no state between calls; it has no ModelState to open")
+
+
+class ModelState(ABC):
+    """One inference request of a stateful graph and the state it carries from call to call.
+
+    The state is a set of named tensors (for the LM: each layer's keys and values, (B, Hkv, P, Dh)) that every
+    :meth:`run` reads and extends. A request is used by one thread at a time.
+    """
+
+    @abstractmethod
+    def run(self, feeds: Mapping[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
+        """Outputs ``output_names`` for ``feeds`` (every input by name); the state advances."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Empty the state (the next call starts from the graph's initial state)."""
+
+    @abstractmethod
+    def read(self) -> dict[str, np.ndarray]:
+        """A copy of every state tensor, by name."""
+
+    @abstractmethod
+    def write(self, tensors: Mapping[str, np.ndarray]) -> None:
+        """Make ``tensors`` (every state name -> an array of the state's type) the state."""
 
 
 class CopyingRun:

@@ -42,7 +42,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cosyvoice_cpu.backends.base import OPENVINO, Backend, BoundRun, GraphSession, NodeInfo, SessionConfig
+from cosyvoice_cpu.backends.base import (
+    OPENVINO,
+    Backend,
+    BoundRun,
+    GraphSession,
+    ModelState,
+    NodeInfo,
+    SessionConfig,
+)
 from cosyvoice_cpu.backends.buckets import BucketedSession
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.hardware.pages import release_file_pages
@@ -175,6 +183,23 @@ class OpenVinoSession(GraphSession):
         )
 
     @property
+    def stateful(self) -> bool:
+        """Whether the model keeps state (``Assign`` sinks: the stateful LM's KV cache)."""
+        return bool(self._model.get_sinks())
+
+    def open_state(self) -> ModelState:
+        """An inference request with a state of its own, on the model compiled once with its dynamic axes (the
+        compile is shared by every request of this session)."""
+        if not self.stateful:
+            return super().open_state()
+        with self._compile_lock:
+            with self._lock:
+                compiled = self._compiled.get(())
+            if compiled is None:
+                compiled = self._compile((), True)
+        return OpenVinoState(compiled.create_infer_request(), self.name)
+
+    @property
     def shapes(self) -> list[tuple]:
         """The input shapes compiled and in memory, least recently used first."""
         with self._lock:
@@ -251,6 +276,33 @@ class OpenVinoSession(GraphSession):
         return [np.array(request.get_tensor(name).data, copy=True) for name in names]
 
 
+class OpenVinoState(ModelState):
+    """:class:`~cosyvoice_cpu.backends.base.ModelState` on one OpenVINO infer request (its variables are the state;
+    a state tensor is read and written as float32 whatever precision the plugin keeps it in)."""
+
+    def __init__(self, request: ov.InferRequest, name: str) -> None:
+        self._request, self.name = request, name
+
+    def run(self, feeds: Mapping[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
+        self._request.infer({k: np.asarray(v, order="C") for k, v in feeds.items()})
+        return [np.array(self._request.get_tensor(name).data, copy=True) for name in output_names]
+
+    def reset(self) -> None:
+        self._request.reset_state()
+
+    def read(self) -> dict[str, np.ndarray]:
+        return {s.name: np.array(s.state.data, copy=True) for s in self._request.query_state()}
+
+    def write(self, tensors: Mapping[str, np.ndarray]) -> None:
+        states = self._request.query_state()
+        missing = sorted({s.name for s in states} - set(tensors))
+        if missing or len(tensors) != len(states):
+            raise ConfigError(f"{self.name}: a state write needs exactly its {len(states)} tensors, missing {missing}")
+        tensor = import_openvino().Tensor
+        for s in states:
+            s.state = tensor(np.ascontiguousarray(tensors[s.name]))
+
+
 def precision_for_cpu() -> str:
     """``bf16`` where the CPU computes it natively (AVX-512 BF16 or AMX), else ``f32``."""
     from cosyvoice_cpu.hardware.cpu import read_cpuinfo
@@ -322,6 +374,8 @@ class OpenVino(Backend):
         }
         if config.threads:
             properties["INFERENCE_NUM_THREADS"] = int(config.threads)
+        if properties["INFERENCE_PRECISION_HINT"] == "f32" and model.get_sinks():
+            properties["KV_CACHE_PRECISION"] = "f32"  # a stateful LM's cache too (u8 by default where bf16 runs)
         weights = path.with_suffix(".bin") if config.release_weight_pages and path.suffix == ".xml" else None
         max_shapes = config.max_shapes if self.max_shapes is None else self.max_shapes
         session = OpenVinoSession(core, model, properties, max_shapes, path.name, weights)

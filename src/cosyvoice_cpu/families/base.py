@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import ClassVar, NamedTuple
 
@@ -114,9 +114,14 @@ class Family:
     def load(self, model_dir: Path, config: EngineConfig, sessions: SessionConfig) -> Stages:
         """Every stage of ``model_dir``, in the order that keeps the load's peak memory low (the LM first)."""
         m = self.manifest
-        lm_entry = m.graphs["lm"]  # an int4 LM exported before its graph said min_rows=2 still needs it
+        lm_entry, plan = m.graphs["lm"], self.backend_plan(config.backend)["lm"]
         session = LMSession.from_dir(
-            model_dir, lm_entry.attrs, threads=sessions, min_rows=2 if lm_entry.precision == "int4" else None
+            model_dir,
+            lm_entry.attrs,
+            graph_file=m.graphs[plan.key].file.file,
+            threads=replace(sessions, backend=plan.backend),
+            # an int4 ONNX LM exported before its graph said min_rows=2 still needs it
+            min_rows=2 if lm_entry.precision == "int4" and not plan.other_model else None,
         )
         lm = self.load_lm(model_dir, session, sessions)
         flow = self.load_flow(model_dir, config, sessions)

@@ -36,8 +36,8 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.lm.cache import LMCache
 from cosyvoice_cpu.lm.generate import SpeechTokenGenerator, token_ids
-from cosyvoice_cpu.lm.kv_cache import KVCache
 from cosyvoice_cpu.lm.sampling import Draw, RngDraw, SamplingConfig, ras_sample
 
 logger = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class BistreamRequest:
         self._events: deque[list[int] | None] = deque()
         self._lock = threading.Condition()
         self.wake: Callable[[], None] | None = None  # set by a scheduler: called when text arrives
-        self.cache: KVCache | None = None
+        self.cache: LMCache | None = None
         self.row = 0
         self._started = False
 
@@ -155,9 +155,9 @@ class BistreamRequest:
     def finished(self) -> bool:
         return self.stop_reason is not None
 
-    def attach(self, cache: KVCache, row: int) -> None:
+    def attach(self, cache: LMCache, row: int) -> None:
         """Decode into ``cache`` row ``row`` (reset now)."""
-        cache._check_row(row)
+        cache.check_row(row)
         self.cache, self.row = cache, row
         cache.reset(row)
 

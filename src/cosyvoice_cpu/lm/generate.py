@@ -30,7 +30,7 @@ import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.jsontypes import JsonValue
-from cosyvoice_cpu.lm.kv_cache import KVCache
+from cosyvoice_cpu.lm.cache import LMCache
 from cosyvoice_cpu.lm.prefix import PrefixCache, prefix_key
 from cosyvoice_cpu.lm.prompt import TextEncoder, assemble
 from cosyvoice_cpu.lm.sampling import Draw, RngDraw, SamplingConfig, sample_next
@@ -177,7 +177,7 @@ class SpeechTokenGenerator:
         seed: int | None = None,
         draw: Draw | None = None,
         sampling: SamplingConfig | None = None,
-        cache: KVCache | None = None,
+        cache: LMCache | None = None,
         row: int = 0,
         budget: tuple[int | None, int | None] = (None, None),
         speaker: np.ndarray | None = None,
@@ -218,7 +218,7 @@ class SpeechTokenGenerator:
                 "text (split it into sentences), use a shorter voice prompt, or re-export with a larger --max-len"
             )
         if cache is not None:
-            cache._check_row(row)
+            cache.check_row(row)
         request = TokenRequest(self, embeds, min_len, max_len, sampling, draw or RngDraw(seed), cache, row)
         request.mask_stops = budget[0] is not None
         if prompt_text.size:  # [sos, (v1: speaker,) prompt_text] is a prefix of its own
@@ -247,7 +247,7 @@ class TokenRequest:
         max_len: int,
         sampling: SamplingConfig,
         draw: Draw,
-        cache: KVCache | None,
+        cache: LMCache | None,
         row: int,
     ) -> None:
         self.gen, self.embeds, self.sampling, self.draw = gen, embeds, sampling, draw
@@ -264,9 +264,9 @@ class TokenRequest:
     def finished(self) -> bool:
         return self.stop_reason is not None
 
-    def attach(self, cache: KVCache, row: int) -> None:
+    def attach(self, cache: LMCache, row: int) -> None:
         """Decode into ``cache`` row ``row`` (a scheduler's shared cache); before :meth:`prefill`."""
-        cache._check_row(row)
+        cache.check_row(row)
         self.cache, self.row = cache, row
 
     def prefill(self) -> np.ndarray:

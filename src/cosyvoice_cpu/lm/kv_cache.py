@@ -3,63 +3,23 @@ written, given back when a row leaves (the tricks that keep a long-running serve
 
 Shapes (L layers, R rows, Hkv KV heads, M = ``max_len`` positions, Dh head dim): each layer's keys and values are
 float32 (R, Hkv, M, Dh); :meth:`KVCache.read` / :meth:`KVCache.write` move one row's first n positions as
-(L, 2, Hkv, n, Dh). The graph's names for them are :func:`past_names` / :func:`present_names`.
+(2, L, Hkv, n, Dh). The graph's names for them: :mod:`cosyvoice_cpu.lm.kv_spec`.
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable
 
 import numpy as np
 
 from cosyvoice_cpu.backends.base import BoundRun
-from cosyvoice_cpu.errors import ConfigError, ModelDirError
-from cosyvoice_cpu.jsontypes import JsonValue
-from cosyvoice_cpu.lm_files import EXPORT_HINT
+from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.lm.cache import LMCache
+from cosyvoice_cpu.lm.kv_spec import LMSpec
 
 logger = logging.getLogger(__name__)
-
-
-def past_names(i: int) -> tuple[str, str]:
-    """Graph input names of layer i's cache: (past_key_i, past_value_i)."""
-    return f"past_key_{i}", f"past_value_{i}"
-
-
-def present_names(i: int) -> tuple[str, str]:
-    """Graph output names of layer i's cache: (present_key_i, present_value_i)."""
-    return f"present_key_{i}", f"present_value_{i}"
-
-
-@dataclass(frozen=True)
-class LMSpec:
-    """The facts of an exported LM the runtime needs (the ``lm`` GraphArtifact's ``attrs``).
-
-    ``speech_rows`` (rows of the speech table; default ``speech_vocab``, the head size) and ``text_dim`` (width of
-    the text table; default ``hidden``) differ for CosyVoice-300M, whose text table feeds a text encoder and whose
-    speech table has no EOS row.
-    """
-
-    max_len: int
-    num_layers: int
-    kv_heads: int
-    head_dim: int
-    hidden: int
-    speech_vocab: int
-    text_vocab: int
-    speech_rows: int = 0
-    text_dim: int = 0
-
-    @classmethod
-    def from_attrs(cls, attrs: Mapping[str, JsonValue]) -> LMSpec:
-        optional = ("speech_rows", "text_dim")
-        missing = [k for k in cls.__dataclass_fields__ if k not in attrs and k not in optional]
-        if missing:
-            raise ModelDirError(f"LM attributes lack {', '.join(missing)}; {EXPORT_HINT}")
-        spec = cls(**{k: int(attrs[k]) for k in cls.__dataclass_fields__ if k in attrs})
-        return replace(spec, speech_rows=spec.speech_rows or spec.speech_vocab, text_dim=spec.text_dim or spec.hidden)
 
 
 def zero_pages(shape: tuple[int, ...]) -> np.ndarray:
@@ -87,7 +47,7 @@ def _mapping_of(array: np.ndarray) -> mmap.mmap | None:
 KEEP_POSITIONS = 512
 
 
-class KVCache:
+class KVCache(LMCache):
     """Per-request decoding state: a preallocated cache for ``rows`` sequences and their lengths.
 
     ``keys[i]`` / ``values[i]``: float32 (rows + spare, Hkv, max_len, Dh) for layer i; ``lengths``: (rows + spare,)
@@ -130,7 +90,7 @@ class KVCache:
 
     def reset(self, row: int) -> None:
         """Forget row ``row`` (its buffer is overwritten by the next prefill)."""
-        self._check_row(row)
+        self.check_row(row)
         self.lengths[row] = 0
 
     def release(self, row: int, keep: int = KEEP_POSITIONS) -> int:
@@ -144,7 +104,7 @@ class KVCache:
         read as zeros again and cost memory only when written. A no-op (0) for a row no longer than ``keep``, for
         a cache not in a :func:`zero_pages` mapping, and where ``madvise`` is missing.
         """
-        self._check_row(row)
+        self.check_row(row)
         if keep < 0:
             raise ConfigError(f"keep must be >= 0 positions, got {keep}")
         length = int(self.lengths[row])
@@ -168,20 +128,15 @@ class KVCache:
 
     def read(self, row: int, n: int) -> np.ndarray:
         """A copy of row ``row``'s first ``n`` positions: float32 (2, layers, Hkv, n, Dh), keys then values."""
-        self._check_row(row)
+        self.check_row(row)
         return np.stack([np.stack([layer[row, :, :n] for layer in part]) for part in (self.keys, self.values)])
 
     def write(self, row: int, kv: np.ndarray) -> None:
         """Make ``kv`` (as :meth:`read` returns it) the whole content of row ``row``."""
-        s, n = self.spec, kv.shape[3]
-        if kv.shape != (2, s.num_layers, s.kv_heads, n, s.head_dim) or n > s.max_len:
-            raise ConfigError(f"KV entries of shape {kv.shape} do not fit this LM's cache")
-        self._check_row(row)
+        self.check_kv(kv)
+        self.check_row(row)
+        n = kv.shape[3]
         for part, layers in zip((self.keys, self.values), kv):
             for buf, entries in zip(part, layers):
                 buf[row, :, :n] = entries
         self.lengths[row] = n
-
-    def _check_row(self, row: int) -> None:
-        if not 0 <= row < self.rows:
-            raise ConfigError(f"row {row} is out of range for a KV cache of {self.rows} rows")

@@ -30,7 +30,7 @@ from collections import OrderedDict
 import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.lm.kv_cache import KVCache
+from cosyvoice_cpu.lm.cache import LMCache
 from cosyvoice_cpu.lm.session import LMSession
 
 logger = logging.getLogger(__name__)
@@ -72,9 +72,9 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def load(self, cache: KVCache, row: int, key: bytes, embeds: np.ndarray) -> None:
+    def load(self, cache: LMCache, row: int, key: bytes, embeds: np.ndarray) -> None:
         """Make row ``row`` of ``cache`` hold the prefix ``embeds`` (n, D), from the cache or by a prefill of its
-        own (:meth:`KVCache.read` / :meth:`KVCache.write` copy the entries); ``key`` identifies the prefix (the
+        own (:meth:`LMCache.read` / :meth:`LMCache.write` copy the entries); ``key`` identifies the prefix (the
         transcript's token ids)."""
         with self._lock:
             kv = self._entries.get(key)

@@ -1,4 +1,4 @@
-"""Torch-free driver of the exported LM graph (``lm.onnx``): embeddings, a shared KV cache, prefill and decode.
+"""Torch-free driver of the exported LM graph (``lm.onnx`` or ``lm.ov.xml``): embeddings, caches, prefill, decode.
 
 The graph (written by :mod:`cosyvoice_cpu.export.lm.cosyvoice2`) is the Qwen2 backbone plus the speech head; it takes
 ``inputs_embeds`` (B, S, D), a KV cache per layer and the per-row cache lengths, and returns the speech-token
@@ -7,21 +7,10 @@ or float16; gathered rows are widened to float32). The text and speech tables ar
 (:mod:`cosyvoice_cpu.lm.row_table`): a memory map would keep the pages around every row ever looked up resident, up
 to the whole 545 MB text table in a long-running server. The two special rows are loaded.
 
-Graph contract (B rows, S new positions, L layers, Hkv KV heads, M = ``max_len`` cache capacity, Dh head dim):
-
-- ``inputs_embeds`` float32 (B, S, D); ``past_key_<i>`` / ``past_value_<i>`` float32 (B, Hkv, M, Dh);
-  ``seqlens_k`` int32 (B,) = number of valid cache positions of the row *after* this call, minus one;
-  ``total_sequence_length`` int32 scalar = max over rows of ``seqlens_k + 1``.
-- ``logp`` float32 (B, V) log-softmax of the speech head at position S-1 of each row;
-  ``present_key_<i>`` / ``present_value_<i>`` float32 (B, Hkv, M, Dh).
-
-Row b's S new positions are written to cache positions ``seqlens_k[b] + 1 - S ... seqlens_k[b]`` and are also their
-RoPE positions; attention is causal over positions ``0 ... seqlens_k[b]``. ``past_*`` and ``present_*`` share one
-buffer (:meth:`~cosyvoice_cpu.backends.base.GraphSession.bind_in_place`: on ONNX Runtime an IO binding to raw
-pointers, which GroupQueryAttention updates in place, so nothing is copied per step). A call over rows r0..r0+B binds
-a view of those rows of a cache of more rows. S > 1 is run for one row at
-a time (``LMSession.prefill``); a decode (S = 1) may mix rows of any lengths. The graph uses only the GQA inputs
-that onnxruntime 1.24 already has (no ``query_seqlens``); it loads and gives the same logp on 1.24.1 and 1.32.0.
+The graph runs in one of two forms (:mod:`cosyvoice_cpu.lm.cache`), by what the backend opened: the ONNX graph with
+the cache bound in place (:mod:`~cosyvoice_cpu.lm.bound_graph`, ONNX Runtime) or a stateful graph that keeps it as
+its state (:mod:`~cosyvoice_cpu.lm.state_graph`, OpenVINO's LLM form). Both take new positions (B, S, D) and give
+the speech head's log-probabilities at each row's last one.
 
 Nothing here samples: :meth:`LMSession.decode` returns log-probabilities for a sampler to use.
 """
@@ -34,12 +23,15 @@ from pathlib import Path
 
 import numpy as np
 
-from cosyvoice_cpu.backends.base import BoundRun, SessionConfig, as_config, check_io
+from cosyvoice_cpu.backends.base import SessionConfig, as_config
 from cosyvoice_cpu.backends.registry import open_graph
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.jsontypes import JsonValue
-from cosyvoice_cpu.lm.kv_cache import KVCache, LMSpec, past_names, present_names
+from cosyvoice_cpu.lm.bound_graph import BoundGraph
+from cosyvoice_cpu.lm.cache import LMCache, LMGraph
+from cosyvoice_cpu.lm.kv_spec import LMSpec
 from cosyvoice_cpu.lm.row_table import open_table
+from cosyvoice_cpu.lm.state_graph import StateGraph
 from cosyvoice_cpu.lm_files import EMBEDDING_FILES, EXPORT_HINT, GRAPH_FILE, MIN_ROWS_KEY, SPECIALS
 
 logger = logging.getLogger(__name__)
@@ -49,17 +41,17 @@ class LMSession:
     """The LM graph, opened through the backend seam, with its embedding tables read from their files on demand.
 
     Args:
-        graph: path of ``lm.onnx`` (or a quantized variant with the same inputs/outputs).
+        graph: path of ``lm.onnx`` (or a quantized variant with the same inputs/outputs), or of a stateful graph
+            (``lm.ov.xml``) for a backend that opens one.
         embeddings: paths of the ``text``, ``speech`` and ``special`` tables (see :data:`EMBEDDING_FILES`).
         attrs: the LM facts (:class:`LMSpec` fields); checked against the graph and the tables.
         threads: intra-op threads, or the whole :class:`~cosyvoice_cpu.backends.base.SessionConfig` (its
-            ``backend`` opens the graph: ONNX Runtime binds the cache in place; another backend copies it through
-            each call).
+            ``backend`` opens the graph).
         min_rows: the fewest rows a one-position call runs on; ``None`` reads the graph's ``min_rows`` metadata
             (default 1). An ``int4`` graph has 2: ORT's AVX2 4-bit ``MatMulNBits`` kernel for one row rounds
             differently from the one for several (which give every row the same bits however many there are),
             so a row decoded alone would differ from the same row in the scheduler's batch. With 2 a lone row is
-            run beside an idle one (a spare cache row if need be), on the many-row kernel.
+            run beside an idle one (a spare cache row if need be), on the many-row kernel. A stateful graph has 1.
     """
 
     def __init__(
@@ -77,18 +69,11 @@ class LMSession:
             raise ModelDirError(f"{self.graph} is missing; {EXPORT_HINT}")
         self.tables = {k: self._load_table(k, embeddings) for k in EMBEDDING_FILES}
         self.session = open_graph(self.graph, config)
-        self._check_graph()
-        if min_rows is None:
-            meta = self.session.metadata()
-            try:
-                min_rows = int(meta.get(MIN_ROWS_KEY, 1))
-            except ValueError as e:
-                raise ModelDirError(
-                    f"{self.graph} has metadata {MIN_ROWS_KEY}={meta[MIN_ROWS_KEY]!r}, not an integer; {EXPORT_HINT}"
-                ) from e
-        if not 1 <= min_rows <= 2:
-            raise ConfigError(f"min_rows must be 1 or 2, got {min_rows}")
-        self.min_rows = min_rows
+        self.runner: LMGraph
+        if self.session.stateful:
+            self.runner = StateGraph(self.session, spec, self.graph)
+        else:
+            self.runner = BoundGraph(self.session, spec, self.graph, self._min_rows(min_rows))
         logger.info(
             "LM graph %s loaded (%d layers, max_len %d, %d threads)",
             self.graph,
@@ -131,20 +116,22 @@ class LMSession:
             )
         return table
 
-    def _check_graph(self) -> None:
-        """Raise ModelDirError unless the graph's inputs/outputs are exactly the contract for ``self.spec``."""
-        s = self.spec
-        kv = ["batch", s.kv_heads, s.max_len, s.head_dim]
-        want_in = {
-            "inputs_embeds": ("tensor(float)", ["batch", "seq", s.hidden]),
-            "seqlens_k": ("tensor(int32)", ["batch"]),
-            "total_sequence_length": ("tensor(int32)", []),
-        }
-        want_out = {"logp": ("tensor(float)", ["batch", s.speech_vocab])}
-        for i in range(s.num_layers):
-            want_in.update({n: ("tensor(float)", kv) for n in past_names(i)})
-            want_out.update({n: ("tensor(float)", kv) for n in present_names(i)})
-        check_io(self.session, self.graph, want_in, want_out)
+    def _min_rows(self, given: int | None) -> int:
+        """``given``, else the graph's ``min_rows`` metadata (default 1)."""
+        if given is not None:
+            return given
+        meta = self.session.metadata()
+        try:
+            return int(meta.get(MIN_ROWS_KEY, 1))
+        except ValueError as e:
+            raise ModelDirError(
+                f"{self.graph} has metadata {MIN_ROWS_KEY}={meta[MIN_ROWS_KEY]!r}, not an integer; {EXPORT_HINT}"
+            ) from e
+
+    @property
+    def min_rows(self) -> int:
+        """The fewest rows a one-position call runs on (1 on a stateful graph)."""
+        return self.runner.min_rows
 
     # ---- embeddings -------------------------------------------------------------------------------------------
 
@@ -171,92 +158,23 @@ class LMSession:
 
     # ---- running ----------------------------------------------------------------------------------------------
 
-    def new_cache(self, rows: int = 1) -> KVCache:
-        """A KV cache for ``rows`` sequences of up to ``max_len`` positions each (and the spare row
-        ``min_rows`` may need)."""
-        return KVCache(self.spec, rows, spare=max(0, self.min_rows - rows))
+    def new_cache(self, rows: int = 1) -> LMCache:
+        """A KV cache for ``rows`` sequences of up to ``max_len`` positions each, of the graph's form."""
+        return self.runner.new_cache(rows)
 
-    def prefill(self, cache: KVCache, row: int, embeds: np.ndarray) -> np.ndarray:
+    def prefill(self, cache: LMCache, row: int, embeds: np.ndarray) -> np.ndarray:
         """Append embeds (T, D) to row ``row`` (empty or not) and return logp (V,) after its last position."""
-        cache._check_row(row)
+        cache.check_row(row)
         embeds = np.asarray(embeds, dtype=np.float32)
         if embeds.ndim != 2 or embeds.shape[0] == 0 or embeds.shape[1] != self.spec.hidden:
             raise ConfigError(f"prefill embeds must have shape (T>0, {self.spec.hidden}), got {embeds.shape}")
-        if len(embeds) < self.min_rows:  # one position: a step, padded like a decode
-            return self._step(cache, [row], embeds)[0]
-        return self._run(cache, row, embeds[None], np.array([cache.lengths[row] + len(embeds)]))[0]
+        return self.runner.prefill(cache, row, embeds)
 
-    def decode(self, cache: KVCache, rows: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+    def decode(self, cache: LMCache, rows: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         """Feed one speech token to each of ``rows``; return logp (len(rows), V) in the order of ``rows``."""
         rows = [int(r) for r in rows]
         if not rows or len(rows) != len(tokens) or len(set(rows)) != len(rows):
             raise ConfigError(f"decode needs distinct rows and one token per row, got rows {rows}, tokens {tokens}")
         for r in rows:
-            cache._check_row(r)
-        return self._step(cache, rows, self.embed_speech(tokens))
-
-    def _step(self, cache: KVCache, rows: list[int], embeds: np.ndarray) -> np.ndarray:
-        """Append one position, embeds (len(rows), D), to each of ``rows``; return logp (len(rows), V).
-
-        The graph runs on the contiguous row range min(rows)..max(rows), widened to ``min_rows`` rows by a
-        neighbour (after the range if the cache has one, spare rows included, else before it); rows in the range
-        that are not stepped get a zero embedding written one past their end (their length does not change, and
-        the next position written to them overwrites it), so they cost compute but not correctness.
-        """
-        if len(cache.lengths) < self.min_rows:
-            raise ConfigError(f"this LM runs at least {self.min_rows} rows per call; make its cache with new_cache()")
-        r0, r1 = min(rows), max(rows) + 1
-        while r1 - r0 < self.min_rows:
-            r1, r0 = (r1 + 1, r0) if r1 < len(cache.lengths) else (r1, r0 - 1)
-        active = np.array(rows) - r0
-        padded = np.zeros((r1 - r0, 1, self.spec.hidden), np.float32)
-        padded[active, 0] = embeds
-        embeds = padded
-        ends = cache.lengths[r0:r1] + 1  # idle rows: a scratch position just past their end
-        idle = np.ones(r1 - r0, bool)
-        idle[active] = False
-        # a full idle row gets its last position overwritten: harmless, as any further use of it raises
-        ends[idle] = np.minimum(ends[idle], self.spec.max_len)
-        return self._run(cache, r0, embeds, ends, active=active)[active]
-
-    def _binding(self, cache: KVCache, r0: int, b: int) -> BoundRun:
-        """Runs with rows r0..r0+b of every layer's cache bound as both past and present (in place).
-
-        Kept on the cache (which owns the buffers bound) and reused by later steps over the same rows, so a step
-        only feeds the small inputs and ``logp``.
-        """
-        return cache.binding(self, r0, b, lambda: self.session.bind_in_place(self._pairs(cache, r0, b)))
-
-    def _pairs(self, cache: KVCache, r0: int, b: int) -> dict[str, tuple[str, np.ndarray]]:
-        """``past_*`` input -> (its ``present_*`` output, rows r0..r0+b of that layer's keys or values)."""
-        pairs = {}
-        for i in range(self.spec.num_layers):
-            for bufs, pn, qn in zip((cache.keys, cache.values), past_names(i), present_names(i)):
-                pairs[pn] = (qn, bufs[i][r0 : r0 + b])
-        return pairs
-
-    def _run(
-        self, cache: KVCache, r0: int, embeds: np.ndarray, ends: np.ndarray, active: np.ndarray | None = None
-    ) -> np.ndarray:
-        """Run rows r0..r0+B with embeds (B, S, D) so that row b holds ``ends[b]`` positions afterwards.
-
-        ``active`` (indices into the B rows) are the rows whose lengths advance; default all. Returns logp (B, V).
-        """
-        b, s, _ = embeds.shape
-        if s > 1 and b > 1:
-            raise ConfigError("multi-position steps run one row at a time")
-        act = np.arange(b) if active is None else active
-        if np.any(ends[act] > self.spec.max_len):
-            raise ConfigError(
-                f"rows {sorted(int(r0 + i) for i in act if ends[i] > self.spec.max_len)} would exceed the "
-                f"KV cache capacity max_len={self.spec.max_len}; end the request or export with a larger max_len"
-            )
-        feeds = {
-            "inputs_embeds": np.ascontiguousarray(embeds),
-            "seqlens_k": (ends - 1).astype(np.int32),
-            "total_sequence_length": np.array(int(ends.max()), np.int32),
-        }
-        logp = np.empty((b, self.spec.speech_vocab), np.float32)
-        self._binding(cache, r0, b).run(feeds, {"logp": logp})
-        cache.lengths[r0 + act] = ends[act]
-        return logp
+            cache.check_row(r)
+        return self.runner.step(cache, rows, self.embed_speech(tokens))

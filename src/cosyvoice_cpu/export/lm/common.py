@@ -17,7 +17,7 @@ import numpy as np
 
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import GateResult, LMGate, io_specs, rel_err
-from cosyvoice_cpu.lm.kv_cache import past_names
+from cosyvoice_cpu.lm.kv_spec import past_names
 from cosyvoice_cpu.lm_files import GRAPH_FILE, TEXT_ENCODER_FILE
 
 logger = logging.getLogger(__name__)

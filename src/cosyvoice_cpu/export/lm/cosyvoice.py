@@ -5,7 +5,7 @@
     embedding (1, 192) float32: raw x-vector (L2-normalised in the graph)
     -> text (1, T, D): causal Conformer, ``after_norm``, ``text_encoder_affine_layer``;
        speaker (1, D): ``spk_embed_affine_layer(normalize(embedding))``
-``lm.onnx`` (written node by node, the contract of :mod:`cosyvoice_cpu.lm.session`: ``inputs_embeds``, per-layer
+``lm.onnx`` (written node by node, the contract of :mod:`cosyvoice_cpu.lm.bound_graph`: ``inputs_embeds``, per-layer
 ``past_/present_key|value_<i>`` of the full capacity bound to one buffer, ``seqlens_k``,
 ``total_sequence_length`` -> ``logp`` (B, 4097))
     ``embed`` (Linear, LayerNorm, ReLU, x sqrt(D)), then per layer: LayerNorm, one fused q|k|v ``MatMul``,
@@ -37,7 +37,7 @@ from cosyvoice_cpu.export.common import OPSET, GraphArtifact, LMGate, save_onnx,
 from cosyvoice_cpu.export.lm import common
 from cosyvoice_cpu.export.lm.common import IO_DOCS, IR_VERSION
 from cosyvoice_cpu.facts import facts
-from cosyvoice_cpu.lm.kv_cache import past_names, present_names
+from cosyvoice_cpu.lm.kv_spec import past_names, present_names
 from cosyvoice_cpu.lm_files import EMBEDDING_FILES, GRAPH_FILE, SPECIALS, TEXT_ENCODER_FILE
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def decoder_weights(lm: Any) -> dict[str, np.ndarray]:
 
 
 def build_decoder_model(weights: dict[str, np.ndarray], pos: list[np.ndarray], heads: int) -> Any:
-    """The ``onnx.ModelProto`` of ``lm.onnx`` for v1 (contract in :mod:`cosyvoice_cpu.lm.session`)."""
+    """The ``onnx.ModelProto`` of ``lm.onnx`` for v1 (contract in :mod:`cosyvoice_cpu.lm.bound_graph`)."""
     from onnx import TensorProto, helper, numpy_helper
 
     n_layers, (d, vocab) = len(pos), weights["head.weight"].shape

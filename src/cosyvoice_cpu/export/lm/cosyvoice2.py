@@ -14,7 +14,7 @@ Every projection is a ``MatMul`` against an initializer of shape (K, N), so ``on
 (``quantize_dynamic`` on MatMul, ``MatMulNBitsQuantizer``) quantizes it without changes; node names are
 ``layers.<i>.{qkv,o,gate_up,down}`` and ``head`` so recipes can pick or exclude them.
 The embedding tables are *not* in the graph: they are written as ``.npy`` files that the runtime memory-maps
-(see :mod:`cosyvoice_cpu.lm.session` for the full input/output contract).
+(see :mod:`cosyvoice_cpu.lm.bound_graph` for the full input/output contract).
 
 The graph itself is :mod:`.qwen2`'s (Fun-CosyVoice3 shares it); :func:`verify_lm` and :func:`compare_lm` are
 :mod:`.common`'s, given this family's :data:`GATE`.

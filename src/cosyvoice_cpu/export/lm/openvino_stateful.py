@@ -30,7 +30,7 @@ import numpy as np
 
 from cosyvoice_cpu.backends.openvino import import_openvino
 from cosyvoice_cpu.errors import ConfigError, MissingExtraError
-from cosyvoice_cpu.lm.kv_cache import past_names, present_names
+from cosyvoice_cpu.lm.kv_spec import past_names, present_names
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from cosyvoice_cpu.export.common import OPSET
 from cosyvoice_cpu.export.lm.common import IO_DOCS, IR_VERSION
-from cosyvoice_cpu.lm.kv_cache import past_names, present_names
+from cosyvoice_cpu.lm.kv_spec import past_names, present_names
 from cosyvoice_cpu.lm_files import EMBEDDING_FILES, SPECIALS
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def rope_tables(lm: Any, max_len: int) -> tuple[np.ndarray, np.ndarray]:
 
 def build_lm_model(weights: dict[str, np.ndarray], cos: np.ndarray, sin: np.ndarray, cfg: Any) -> Any:
     """The ``onnx.ModelProto`` of the LM graph for a ``Qwen2Config`` ``cfg``
-    (contract: :mod:`cosyvoice_cpu.lm.session`)."""
+    (contract: :mod:`cosyvoice_cpu.lm.bound_graph`)."""
     from onnx import TensorProto, helper, numpy_helper
 
     n_layers, d, eps = cfg.num_hidden_layers, cfg.hidden_size, float(cfg.rms_norm_eps)

@@ -1,0 +1,175 @@
+"""The LM on a stateful graph (``cosyvoice_cpu.lm.state_graph``, OpenVINO's LLM form) behind ``LMSession``: the same
+log-probabilities as the bound ONNX graph for every way the scheduler, the prefix cache and the text streams use a
+cache (rows of different lengths, idle rows, rows leaving and joining, long prefills beside other rows, entries read
+and written), on the tiny fixture with fp32 weights and f32 inference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cosyvoice_cpu.backends.base import OPENVINO, SessionConfig
+from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.export.common import rel_err
+
+pytest.importorskip("openvino")
+
+MAX_LEN = 96
+RTOL = 1e-4  # f32 inference and an f32 state against ONNX Runtime's fp32 graph
+
+
+@pytest.fixture(scope="module")
+def lm_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """(model directory with lm.onnx and lm.ov.xml of the same fp32 weights, the LM attrs)."""
+    from cosyvoice_cpu.export.lm.cosyvoice2 import export_lm
+    from cosyvoice_cpu.export.lm.openvino_stateful import export_stateful_lm
+    from cosyvoice_cpu.family_parts import load_reference
+
+    lm = load_reference(tiny_model_dir, stages=("lm",)).lm.eval()
+    out = tmp_path_factory.mktemp("lm_state")
+    (artifact,) = export_lm(lm, out, max_len=MAX_LEN)
+    export_stateful_lm(lm, out, weights="none")
+    return out, artifact.attrs
+
+
+@pytest.fixture()
+def sessions(lm_dir, monkeypatch: pytest.MonkeyPatch):
+    """(bound ONNX Runtime session, stateful OpenVINO session) of the same weights."""
+    from cosyvoice_cpu.backends import registry
+    from cosyvoice_cpu.backends.openvino import OpenVino
+    from cosyvoice_cpu.lm.session import LMSession
+
+    monkeypatch.setitem(registry.BACKENDS, OPENVINO, OpenVino(cache_dir="", precision="f32"))
+    out, attrs = lm_dir
+    bound = LMSession.from_dir(out, attrs, threads=1)
+    state = LMSession.from_dir(out, attrs, graph_file="lm.ov.xml", threads=SessionConfig(threads=1, backend=OPENVINO))
+    return bound, state
+
+
+def _prompt(n: int, seed: int, hidden: int) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((n, hidden)) * 0.5).astype(np.float32)
+
+
+def _script(session, plan: list[tuple], rows: int) -> dict[int, list[np.ndarray]]:
+    """Run ``plan`` (("prefill", row, embeds) | ("step", rows, tokens) | ("release", row)) on one cache of
+    ``rows`` rows; every row's logp in order."""
+    cache = session.new_cache(rows)
+    out: dict[int, list[np.ndarray]] = {}
+    for op, *args in plan:
+        if op == "prefill":
+            out.setdefault(args[0], []).append(session.prefill(cache, args[0], args[1]))
+        elif op == "step":
+            for r, logp in zip(args[0], session.decode(cache, args[0], args[1])):
+                out.setdefault(r, []).append(logp)
+        else:
+            cache.release(args[0], 0)
+    return out
+
+
+def _same(a: dict[int, list[np.ndarray]], b: dict[int, list[np.ndarray]]) -> None:
+    assert a.keys() == b.keys()
+    for r in a:
+        assert len(a[r]) == len(b[r])
+        for x, y in zip(a[r], b[r]):
+            assert rel_err(x, y) < RTOL, (r, [float(rel_err(p, q)) for p, q in zip(a[r], b[r])])
+
+
+def test_the_stateful_graph_is_opened_as_one(sessions) -> None:
+    from cosyvoice_cpu.lm.state_graph import StateCache, StateGraph
+
+    bound, state = sessions
+    assert state.session.stateful and not bound.session.stateful
+    assert isinstance(state.runner, StateGraph) and isinstance(state.new_cache(2), StateCache)
+    assert state.min_rows == 1
+
+
+def test_scheduler_traffic_gives_the_bound_graphs_logp(sessions) -> None:
+    """Rows join (short and long prefills beside live rows: the side request), sit steps out, leave and come back;
+    every row's log-probabilities equal the bound graph's for the same script."""
+    bound, state = sessions
+    d, rng = bound.spec.hidden, np.random.default_rng(0)
+    tok = lambda n: rng.integers(0, bound.spec.speech_vocab - 3, n).tolist()  # noqa: E731
+    plan: list[tuple] = [("prefill", 0, _prompt(20, 1, d))]
+    plan += [("step", [0], tok(1)) for _ in range(3)]
+    plan += [("prefill", 2, _prompt(40, 2, d))]  # long, beside row 0: aside
+    plan += [("step", [0, 2], tok(2)) for _ in range(4)]
+    plan += [("prefill", 1, _prompt(5, 3, d))]  # short, beside two rows: in the batch
+    plan += [("step", [2, 1], tok(2)) for _ in range(3)]  # row 0 idle
+    plan += [("release", 0), ("step", [1, 2], tok(2)), ("prefill", 0, _prompt(9, 4, d))]
+    plan += [("prefill", 2, _prompt(3, 5, d))]  # more text into a live row (a text stream)
+    plan += [("step", [0, 1, 2], tok(3)) for _ in range(3)]
+    _same(_script(bound, plan, 3), _script(state, plan, 3))
+
+
+def test_idle_rows_are_compacted(sessions) -> None:
+    """A row that sits out many steps gets a masked position at each; once the long row leaves, the state is
+    compacted to the short row's real positions and goes on as the bound graph does."""
+    from cosyvoice_cpu.lm.state_graph import SLACK
+
+    bound, state = sessions
+    d = bound.spec.hidden
+    plan: list[tuple] = [("prefill", 0, _prompt(6, 1, d)), ("prefill", 1, _prompt(4, 2, d))]
+    plan += [("step", [0], [7 + k]) for k in range(SLACK + 16)]
+    plan += [("release", 0), ("step", [1], [5]), ("step", [1], [6])]
+    cache = state.new_cache(2)
+    widths = []
+    for op, *args in plan:
+        if op == "prefill":
+            state.prefill(cache, *args)
+        elif op == "step":
+            state.decode(cache, *args)
+        else:
+            cache.release(args[0], 0)
+        widths.append(cache.mask.shape[1])
+    assert max(widths) == 10 + SLACK + 16 and widths[-1] == 6  # the short row alone, compacted
+    _same(_script(bound, plan, 2), _script(state, plan, 2))
+
+
+def test_entries_read_and_written_go_on_like_the_original(sessions) -> None:
+    """read/write (the prefix cache's copy out and in) between caches and rows, with other rows live."""
+    _, state = sessions
+    d = state.spec.hidden
+    a, b = state.new_cache(1), state.new_cache(3)
+    state.prefill(a, 0, _prompt(12, 1, d))
+    kv = a.read(0, 12)
+    assert kv.shape == (2, state.spec.num_layers, state.spec.kv_heads, 12, state.spec.head_dim)
+    state.prefill(b, 0, _prompt(7, 2, d))
+    b.write(2, kv)
+    assert list(b.lengths) == [7, 0, 12]
+    np.testing.assert_allclose(b.read(2, 12), kv, rtol=0, atol=1e-6)
+    rest = _prompt(4, 3, d)
+    assert rel_err(state.prefill(b, 2, rest), state.prefill(a, 0, rest)) < RTOL
+    assert rel_err(state.decode(b, [2], [11])[0], state.decode(a, [0], [11])[0]) < RTOL
+
+
+def test_prefix_cache_split_prefill_matches_one_call(sessions) -> None:
+    from cosyvoice_cpu.lm.prefix import PrefixCache
+
+    _, state = sessions
+    embeds = _prompt(30, 9, state.spec.hidden)
+    prefixes = PrefixCache(state)
+    whole = state.prefill(state.new_cache(1), 0, embeds)
+    for _ in range(2):  # a miss, then a hit
+        cache = state.new_cache(2)
+        state.prefill(cache, 1, _prompt(8, 3, state.spec.hidden))  # another row live
+        prefixes.load(cache, 0, b"voice", embeds[:11])
+        assert rel_err(state.prefill(cache, 0, embeds[11:]), whole) < RTOL
+    assert (prefixes.hits, prefixes.misses) == (1, 1)
+
+
+def test_misuse_is_refused(sessions) -> None:
+    bound, state = sessions
+    d = state.spec.hidden
+    with pytest.raises(ConfigError, match="keeps its cache as its state"):
+        state.prefill(bound.new_cache(1), 0, _prompt(3, 1, d))
+    with pytest.raises(ConfigError, match="binds its own KV buffers"):
+        bound.prefill(state.new_cache(1), 0, _prompt(3, 1, d))
+    cache = state.new_cache(1)
+    with pytest.raises(ConfigError, match="capacity max_len"):
+        state.prefill(cache, 0, _prompt(MAX_LEN + 1, 1, d))
+    with pytest.raises(ConfigError, match="out of range"):
+        state.decode(cache, [1], [0])
+    with pytest.raises(ConfigError, match="cannot read"):
+        cache.read(0, 1)
