@@ -11,6 +11,9 @@ WORK: ``fp32/`` (the project's LM graph, ``export_lm``), ``int8w/`` and ``int4/`
 ``MatMulNBits`` 8 or 4 bits, block 32, ``accuracy_level`` 4), and ``ov/lm_int8.ov.xml`` / ``ov/lm_int4.ov.xml``
 (:mod:`cosyvoice_cpu.export.lm.openvino_stateful`), all from the same weights. Takes minutes.
 
+Forms ``rt-ov-int8`` / ``rt-ov-int4`` run the same OpenVINO models through the runtime's ``LMSession`` (what an
+engine with the LM planned on OpenVINO runs).
+
 ``speed``: each form prefills a 166-position random prompt (the bench's prompt length) on every row, then decodes
 ``--steps`` greedy steps; with several forms they are alternated step by step in one process (the load hits all of
 them alike), then each form runs alone (``--alone``, the default: alternating 0.3-0.4 GB graphs evicts each
@@ -47,6 +50,7 @@ import numpy as np
 PROMPT = 166
 TABLES = ("lm_text_embedding.npy", "lm_speech_embedding.npy", "lm_special_embedding.npy")
 ORT_FORMS = {"ort-fp32": "fp32", "ort-int8w": "int8w", "ort-int4": "int4"}
+RT_FORMS = {"rt-ov-int8": "int8", "rt-ov-int4": "int4"}
 OV_FORMS = {
     "ov-int8": "int8",
     "ov-int4": "int4",
@@ -113,10 +117,19 @@ class Prompts:
 
 
 class OrtForm:
+    """A form run through the runtime's ``LMSession``: the ONNX graphs (``ort-*``) or, on OpenVINO, the stateful
+    graphs (``rt-ov-*``: the runtime's :mod:`cosyvoice_cpu.lm.state_graph`, with its masks and row bookkeeping)."""
+
     def __init__(self, work: Path, name: str, attrs: dict, threads: int) -> None:
+        from cosyvoice_cpu.backends.base import SessionConfig
         from cosyvoice_cpu.lm.session import LMSession
 
-        self.sess = LMSession.from_dir(work / ORT_FORMS[name], attrs, threads=threads)
+        if name in RT_FORMS:
+            tables = dict(zip(("text", "speech", "special"), [work / "fp32" / t for t in TABLES]))
+            graph = work / "ov" / f"lm_{RT_FORMS[name]}.ov.xml"
+            self.sess = LMSession(graph, tables, attrs, SessionConfig(threads=threads, backend="openvino"))
+        else:
+            self.sess = LMSession.from_dir(work / ORT_FORMS[name], attrs, threads=threads)
 
     def start(self, prompts: list[np.ndarray]) -> np.ndarray:
         self.cache = self.sess.new_cache(len(prompts))
@@ -169,13 +182,13 @@ def open_forms(args: argparse.Namespace, names: list[str], prompts: Prompts) -> 
     extra = dict(kv.split("=", 1) for kv in args.ov_config.split(",") if kv)
     forms = {}
     for name in names:
-        if name in ORT_FORMS:
+        if name in ORT_FORMS or name in RT_FORMS:
             forms[name] = OrtForm(args.work, name, attrs, args.threads)
         elif name in OV_FORMS:
             forms[name] = OvForm(args.work, name, args.threads, extra, prompts.embed)
             print(f"{name}: compiled in {forms[name].compile_s:.1f} s, {forms[name].props}", flush=True)
         else:
-            raise SystemExit(f"unknown form {name}; choose from {', '.join([*ORT_FORMS, *OV_FORMS])}")
+            raise SystemExit(f"unknown form {name}; choose from {', '.join([*ORT_FORMS, *RT_FORMS, *OV_FORMS])}")
     return forms
 
 

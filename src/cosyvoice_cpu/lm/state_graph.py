@@ -62,6 +62,15 @@ class StateGraph(LMGraph):
         }
         check_io(session, path, want_in, {"logp": ("tensor(float)", ["batch", spec.speech_vocab])})
         self.session, self.spec, self.path = session, spec, path
+        self._warm()
+
+    def _warm(self) -> None:
+        """Compile the model and run a prefill and a step of zeros on a throwaway request, at load: the first call
+        of each kind makes its kernels (about half a second for the full-size LM), which the first request would
+        otherwise wait for."""
+        cache = self.new_cache(1)
+        cache.prefill(0, np.zeros((2, self.spec.hidden), np.float32))
+        cache.step([0], np.zeros((1, self.spec.hidden), np.float32))
 
     def new_cache(self, rows: int) -> StateCache:
         return StateCache(self.spec, rows, self.session)
