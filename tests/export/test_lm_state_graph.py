@@ -173,3 +173,22 @@ def test_misuse_is_refused(sessions) -> None:
         state.decode(cache, [1], [0])
     with pytest.raises(ConfigError, match="cannot read"):
         cache.read(0, 1)
+
+
+def test_weight_pages_are_given_back_after_the_first_call(lm_dir, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """The first call of a compile repacks the weights; the IR's and the cache blob's pages are released then
+    (once per compile), not only after the compile."""
+    from cosyvoice_cpu.backends import openvino, registry
+    from cosyvoice_cpu.lm.session import LMSession
+
+    calls: list[str] = []
+    monkeypatch.setattr(openvino, "release_file_pages", lambda p: calls.append(Path(p).name) or 0)
+    monkeypatch.setattr(openvino, "release_dir_pages", lambda d: calls.append(f"dir {Path(d).name}") or 0)
+    monkeypatch.setitem(registry.BACKENDS, OPENVINO, openvino.OpenVino(cache_dir=tmp_path / "ovc", precision="f32"))
+    out, attrs = lm_dir
+    session = LMSession.from_dir(out, attrs, graph_file="lm.ov.xml", threads=SessionConfig(threads=1, backend=OPENVINO))
+    assert calls == ["lm.ov.bin", "lm.ov.bin", "dir ovc"]  # after the compile; after the warm-up's first call
+    cache = session.new_cache(1)
+    session.prefill(cache, 0, _prompt(5, 1, session.spec.hidden))
+    session.decode(cache, [0], [3])
+    assert len(calls) == 3

@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -53,7 +53,7 @@ from cosyvoice_cpu.backends.base import (
 )
 from cosyvoice_cpu.backends.buckets import BucketedSession
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
-from cosyvoice_cpu.hardware.pages import release_file_pages
+from cosyvoice_cpu.hardware.pages import release_dir_pages, release_file_pages
 from cosyvoice_cpu.paths import cache_dir
 
 if TYPE_CHECKING:
@@ -134,7 +134,8 @@ class OpenVinoSession(GraphSession):
         properties: compile properties (threads, precision hint, latency hint).
         max_shapes: compiled shapes kept in memory; 0 compiles the dynamic model once instead.
         name: for logs and errors.
-        weights: the IR's ``.bin``, whose pages are given back after each compile (None: not).
+        weights: the IR's ``.bin``, whose pages are given back after each compile and its first call (None: not).
+        cache: OpenVINO's model cache directory, whose mapped blobs are given back with them (None: none).
         dynamic_shapes: with ``max_shapes`` 0, the distinct input shapes one compile serves before the next new
             shape recompiles it (:data:`DYNAMIC_SHAPES`).
     """
@@ -148,17 +149,20 @@ class OpenVinoSession(GraphSession):
         name: str,
         weights: Path | None = None,
         dynamic_shapes: int = DYNAMIC_SHAPES,
+        cache: Path | None = None,
     ) -> None:
         if dynamic_shapes < 1:
             raise ConfigError(f"dynamic_shapes must be >= 1, got {dynamic_shapes}")
         self._core, self._model, self._properties, self.name = core, model, properties, name
         self.max_shapes, self._weights, self.dynamic_shapes = max_shapes, weights, dynamic_shapes
+        self._cache = cache
         self._inputs, self._outputs = _nodes(model.inputs), _nodes(model.outputs)
         self._compiled: OrderedDict[tuple, ov.CompiledModel] = OrderedDict()
         self._met: set[tuple] = set()  # input shapes run on the current dynamic compile
         self._lock = threading.Lock()
         self._compile_lock = threading.Lock()  # one compile at a time: concurrent misses of a shape compile it once
         self.compiles = 0
+        self._fresh = False  # a compile has not run yet: its first call repacks the weights
 
     def get_inputs(self) -> list[NodeInfo]:
         return list(self._inputs)
@@ -197,7 +201,7 @@ class OpenVinoSession(GraphSession):
                 compiled = self._compiled.get(())
             if compiled is None:
                 compiled = self._compile((), True)
-        return OpenVinoState(compiled.create_infer_request(), self.name)
+        return OpenVinoState(compiled.create_infer_request(), self.name, self.ran)
 
     @property
     def shapes(self) -> list[tuple]:
@@ -249,10 +253,21 @@ class OpenVinoSession(GraphSession):
             release_file_pages(self._weights)
         with self._lock:
             self.compiles += 1
+            self._fresh = True
             self._compiled[key] = compiled
             while len(self._compiled) > max(self.max_shapes, 1):
                 self._compiled.popitem(last=False)
         return compiled
+
+    def ran(self) -> None:
+        """After a call: the first call of a compile repacks the weights it reads from the IR's ``.bin`` into the
+        compiled model (for bf16 or int8 kernels) and never reads those pages again, so they are given back then
+        too, with those of a blob the compile loaded from the model cache (``release_weight_pages``; the full-size
+        int8 LM: 346 MB)."""
+        if self._fresh and self._weights is not None:
+            self._fresh = False
+            released = release_file_pages(self._weights) + (release_dir_pages(self._cache) if self._cache else 0)
+            logger.debug("%s: %.0f MB of weight pages given back after its first call", self.name, released / 2**20)
 
     def prepare(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
         """Compile these input shapes now (or load them from OpenVINO's cache), so a later call of that shape does
@@ -272,6 +287,7 @@ class OpenVinoSession(GraphSession):
         compiled = self.compiled({k: a.shape for k, a in arrays.items()})
         request = compiled.create_infer_request()  # one per call: concurrent callers never share one
         request.infer(arrays)
+        self.ran()
         names = output_names or [n.name for n in self._outputs]
         return [np.array(request.get_tensor(name).data, copy=True) for name in names]
 
@@ -280,11 +296,12 @@ class OpenVinoState(ModelState):
     """:class:`~cosyvoice_cpu.backends.base.ModelState` on one OpenVINO infer request (its variables are the state;
     a state tensor is read and written as float32 whatever precision the plugin keeps it in)."""
 
-    def __init__(self, request: ov.InferRequest, name: str) -> None:
-        self._request, self.name = request, name
+    def __init__(self, request: ov.InferRequest, name: str, ran: Callable[[], None]) -> None:
+        self._request, self.name, self._ran = request, name, ran
 
     def run(self, feeds: Mapping[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
         self._request.infer({k: np.asarray(v, order="C") for k, v in feeds.items()})
+        self._ran()
         return [np.array(self._request.get_tensor(name).data, copy=True) for name in output_names]
 
     def reset(self) -> None:
@@ -378,5 +395,6 @@ class OpenVino(Backend):
             properties["KV_CACHE_PRECISION"] = "f32"  # a stateful LM's cache too (u8 by default where bf16 runs)
         weights = path.with_suffix(".bin") if config.release_weight_pages and path.suffix == ".xml" else None
         max_shapes = config.max_shapes if self.max_shapes is None else self.max_shapes
-        session = OpenVinoSession(core, model, properties, max_shapes, path.name, weights)
+        cache = Path(self._cache_dir()) if self._cache_dir() else None
+        session = OpenVinoSession(core, model, properties, max_shapes, path.name, weights, cache=cache)
         return session if config.padding is None else BucketedSession(session, config.padding)

@@ -113,6 +113,14 @@ def release_file_pages(path: str | Path) -> int:
     return released
 
 
+def release_dir_pages(directory: str | Path) -> int:
+    """:func:`release_file_pages` for every file under ``directory`` this process has mapped (OpenVINO's compiled-
+    model cache: a model loaded from it maps its blob); bytes that were resident."""
+    root = os.path.join(os.path.realpath(directory), "")
+    paths = {p for _, _, p, r, _ in mappings() if r and p.startswith(root)}
+    return sum(release_file_pages(p) for p in sorted(paths))
+
+
 def status_mb(field: str) -> float | None:
     """A memory field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ...) in MB; None where it cannot be read."""
     try:
