@@ -116,65 +116,36 @@ class Prompts:
         return out
 
 
-class OrtForm:
+def ort_form(work: Path, name: str, attrs: dict, threads: int):
     """A form run through the runtime's ``LMSession``: the ONNX graphs (``ort-*``) or, on OpenVINO, the stateful
     graphs (``rt-ov-*``: the runtime's :mod:`cosyvoice_cpu.lm.state_graph`, with its masks and row bookkeeping)."""
+    from cosyvoice_cpu.backends.base import SessionConfig
+    from cosyvoice_cpu.export.lm.agreement import OrtForm
+    from cosyvoice_cpu.lm.session import LMSession
 
-    def __init__(self, work: Path, name: str, attrs: dict, threads: int) -> None:
-        from cosyvoice_cpu.backends.base import SessionConfig
-        from cosyvoice_cpu.lm.session import LMSession
-
-        if name in RT_FORMS:
-            tables = dict(zip(("text", "speech", "special"), [work / "fp32" / t for t in TABLES]))
-            graph = work / "ov" / f"lm_{RT_FORMS[name]}.ov.xml"
-            self.sess = LMSession(graph, tables, attrs, SessionConfig(threads=threads, backend="openvino"))
-        else:
-            self.sess = LMSession.from_dir(work / ORT_FORMS[name], attrs, threads=threads)
-
-    def start(self, prompts: list[np.ndarray]) -> np.ndarray:
-        self.cache = self.sess.new_cache(len(prompts))
-        return np.stack([self.sess.prefill(self.cache, i, p) for i, p in enumerate(prompts)])
-
-    def step(self, tokens: list[int]) -> np.ndarray:
-        return self.sess.decode(self.cache, list(range(len(tokens))), tokens)
+    if name in RT_FORMS:
+        tables = dict(zip(("text", "speech", "special"), [work / "fp32" / t for t in TABLES]))
+        graph = work / "ov" / f"lm_{RT_FORMS[name]}.ov.xml"
+        return OrtForm(LMSession(graph, tables, attrs, SessionConfig(threads=threads, backend="openvino")))
+    return OrtForm(LMSession.from_dir(work / ORT_FORMS[name], attrs, threads=threads))
 
 
-class OvForm:
-    def __init__(self, work: Path, name: str, threads: int, extra: dict, embed) -> None:
-        from cosyvoice_cpu.backends.openvino import import_openvino
+def ov_form(work: Path, name: str, threads: int, extra: dict, embed):
+    """The package's :class:`OvStatefulForm` with its compile time and precision properties (``compile_s``,
+    ``props``)."""
+    from cosyvoice_cpu.export.lm.agreement import OvStatefulForm
 
-        ov = import_openvino()
-        config = {"INFERENCE_NUM_THREADS": threads, "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY", **extra}
-        if name.endswith("-f32"):
-            config.update(INFERENCE_PRECISION_HINT="f32", KV_CACHE_PRECISION="f32")
-        t0 = time.perf_counter()
-        self.compiled = ov.Core().compile_model(work / "ov" / f"lm_{OV_FORMS[name]}.ov.xml", "CPU", config)
-        self.compile_s = time.perf_counter() - t0
-        self.req = self.compiled.create_infer_request()
-        self.embed = embed
-        self.props = {
-            k: str(self.compiled.get_property(k))
-            for k in ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "DYNAMIC_QUANTIZATION_GROUP_SIZE")
-        }
-
-    def _run(self, embeds: np.ndarray) -> np.ndarray:
-        b, s, _ = embeds.shape
-        self.n += s
-        feeds = {
-            "inputs_embeds": embeds,
-            "attention_mask": np.ones((b, self.n), np.int64),
-            "position_ids": np.broadcast_to(np.arange(self.n - s, self.n, dtype=np.int64), (b, s)),
-            "beam_idx": np.arange(b, dtype=np.int32),
-        }
-        return self.req.infer(feeds)["logp"].copy()
-
-    def start(self, prompts: list[np.ndarray]) -> np.ndarray:
-        self.req.reset_state()
-        self.n = 0
-        return self._run(np.stack(prompts))
-
-    def step(self, tokens: list[int]) -> np.ndarray:
-        return self._run(self.embed(tokens)[:, None])
+    config = dict(extra)
+    if name.endswith("-f32"):
+        config.update(INFERENCE_PRECISION_HINT="f32", KV_CACHE_PRECISION="f32")
+    t0 = time.perf_counter()
+    form = OvStatefulForm(work / "ov" / f"lm_{OV_FORMS[name]}.ov.xml", embed, threads, config)
+    form.compile_s = time.perf_counter() - t0
+    form.props = {
+        k: str(form.compiled.get_property(k))
+        for k in ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "DYNAMIC_QUANTIZATION_GROUP_SIZE")
+    }
+    return form
 
 
 def open_forms(args: argparse.Namespace, names: list[str], prompts: Prompts) -> dict:
@@ -183,9 +154,9 @@ def open_forms(args: argparse.Namespace, names: list[str], prompts: Prompts) -> 
     forms = {}
     for name in names:
         if name in ORT_FORMS or name in RT_FORMS:
-            forms[name] = OrtForm(args.work, name, attrs, args.threads)
+            forms[name] = ort_form(args.work, name, attrs, args.threads)
         elif name in OV_FORMS:
-            forms[name] = OvForm(args.work, name, args.threads, extra, prompts.embed)
+            forms[name] = ov_form(args.work, name, args.threads, extra, prompts.embed)
             print(f"{name}: compiled in {forms[name].compile_s:.1f} s, {forms[name].props}", flush=True)
         else:
             raise SystemExit(f"unknown form {name}; choose from {', '.join([*ORT_FORMS, *RT_FORMS, *OV_FORMS])}")
@@ -222,6 +193,8 @@ def speed(args: argparse.Namespace, names: list[str], prompts: Prompts, label: s
 
 
 def agree(args: argparse.Namespace, names: list[str], prompts: Prompts) -> None:
+    from cosyvoice_cpu.export.lm.agreement import forced as forced_logp
+    from cosyvoice_cpu.export.lm.agreement import greedy
     from cosyvoice_cpu.export.lm.common import kl_rows
 
     names = ["ort-fp32", "ort-int8w", *[n for n in names if n not in ("ort-fp32", "ort-int8w")]]
@@ -233,14 +206,9 @@ def agree(args: argparse.Namespace, names: list[str], prompts: Prompts) -> None:
         p = [prompts.make(seed)]
         free: dict[str, list[int]] = {}
         for n, f in forms.items():  # free run
-            toks = [int(f.start(p)[0].argmax())]
-            for _ in range(args.steps - 1):
-                toks.append(int(f.step(toks[-1:])[0].argmax()))
-            free[n] = toks
-        forced: dict[str, np.ndarray] = {}
-        for n, f in forms.items():  # teacher-forced on fp32's greedy tokens
-            out = [f.start(p)[0]] + [f.step([t])[0] for t in free["ort-fp32"][:-1]]
-            forced[n] = np.stack(out)
+            free[n] = greedy(f, p[0], args.steps)
+        # teacher-forced on fp32's greedy tokens
+        forced = {n: forced_logp(f, p[0], free["ort-fp32"]) for n, f in forms.items()}
         for n in forms:
             same = np.array(free[n]) == np.array(free["ort-int8w"])
             s = stats[n]
@@ -278,7 +246,7 @@ def profile(args: argparse.Namespace, names: list[str], prompts: Prompts) -> Non
                 toks = form.step(toks).argmax(-1).tolist()
                 steps.append(time.perf_counter() - t0)
                 if k >= 3:
-                    for node in form.req.profiling_info:
+                    for node in form.request.profiling_info:
                         spent[(node.node_type, node.exec_type)] += node.real_time.total_seconds()
             n = args.steps - 3
             top = {f"{t} {e}": round(v / n * 1e3, 2) for (t, e), v in spent.most_common(6)}

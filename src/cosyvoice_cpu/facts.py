@@ -44,6 +44,9 @@ class FamilyFacts:
             group (2 for CosyVoice2, 3 for Fun-CosyVoice3), or None.
         languages: the languages its released models speak, as ISO 639 codes (``yue``: Cantonese), from the
             official model cards; what the Wyoming server advertises and checks a request's language against.
+        openvino_lm: the LM is the Qwen2 LM, which ``export --openvino`` also writes as a stateful OpenVINO model
+            (manifest key ``lm_ov``; :mod:`cosyvoice_cpu.export.lm.openvino_stateful`); CosyVoice-300M's LM is
+            another network and has none.
     """
 
     name: str
@@ -66,6 +69,7 @@ class FamilyFacts:
     mix_ratio: tuple[int, int] | None = None
     fill_offset: int | None = None
     languages: tuple[str, ...] = ()
+    openvino_lm: bool = False
 
     @property
     def mel_rate(self) -> float:
@@ -100,6 +104,7 @@ FACTS: tuple[FamilyFacts, ...] = (
         mix_ratio=(5, 15),
         fill_offset=2,
         languages=("zh", "en", "ja", "ko", "yue"),
+        openvino_lm=True,
     ),
     FamilyFacts(
         name="cosyvoice",
@@ -142,6 +147,7 @@ FACTS: tuple[FamilyFacts, ...] = (
         mix_ratio=(5, 15),
         fill_offset=3,
         languages=("zh", "en", "ja", "ko", "de", "es", "fr", "it", "ru", "yue"),
+        openvino_lm=True,
     ),
 )
 

@@ -1,18 +1,19 @@
 """Which backend runs which graph: the per-graph plan behind ``--backend auto|onnxruntime|openvino``.
 
 A model directory lists its ONNX graphs and, where the export wrote them (``export --openvino``), OpenVINO
-models of some of those graphs under the key ``<graph>_ov`` (today the whole-sentence flow estimator). The plan
-gives every graph one backend and the reason, which ``cosyvoice-cpu doctor`` prints:
+models of some of those graphs under the key ``<graph>_ov``: the whole-sentence flow estimator (every family) and,
+where the LM is the Qwen2 LM (CosyVoice2, Fun-CosyVoice3), the LM as a stateful model (``lm_ov``, attrs
+``stateful``). The plan gives every graph one backend and the reason, which ``cosyvoice-cpu doctor`` prints:
 
 - ``onnxruntime``: every graph on ONNX Runtime (what every machine ran before OpenVINO).
 - ``openvino``: every graph that has an OpenVINO model runs on it; a ConfigError when ``openvino`` is missing or
   the directory has no OpenVINO model.
 - ``auto``: OpenVINO for a graph where it was measured to win: the directory has its OpenVINO model, ``openvino``
   is installed, the CPU computes bf16 natively (AVX-512 BF16 or AMX; OpenVINO's gain is bf16 and VNNI, its f32
-  is no faster than ONNX Runtime's), the graph can be padded to shared shapes (measured: the CosyVoice2 and
-  Fun-CosyVoice3 estimators), and the machine has memory to spare: OpenVINO's estimator holds more than ONNX
-  Runtime's (:data:`OV_MIN_MEMORY`; measured: docs/backends.md, "Shapes, compiles and memory").
-  Anything else runs as it always did, on ONNX Runtime.
+  is no faster than ONNX Runtime's), the graph can be padded to shared shapes where it is padded at all (the
+  estimators' ``pad_exact``; a stateful LM is never padded, its rows carry their own mask), and the machine has
+  memory to spare: OpenVINO's estimator holds more than ONNX Runtime's (:data:`OV_MIN_MEMORY`; measured:
+  docs/backends.md, "Shapes, compiles and memory"). Anything else runs as it always did, on ONNX Runtime.
 
 Only one backend ever holds a graph's weights: the graph with an OpenVINO plan is not opened in ONNX Runtime.
 """
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from cosyvoice_cpu.backends.base import BACKEND_NAMES, ONNXRUNTIME, OPENVINO
 from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.facts import facts
 
 if TYPE_CHECKING:
     from cosyvoice_cpu.hardware.cpu import CpuInfo
@@ -36,10 +38,17 @@ logger = logging.getLogger(__name__)
 AUTO = "auto"
 CHOICES = (AUTO, *BACKEND_NAMES)  # --backend: auto, or one backend for every graph
 OV_SUFFIX = "_ov"  # manifest key of a graph's OpenVINO model: "<graph>_ov"
-# The graphs ``export --openvino`` writes an OpenVINO model of (``export/openvino_graphs.py``): where one is missing
-# on a CPU that would run it faster, the plan's reason says how to get it.
-OPENVINO_EXPORTABLE = frozenset({"flow_estimator"})
+# The graphs ``export --openvino`` writes an OpenVINO model of (``export/openvino_graphs.py``,
+# ``export/openvino_lm.py``): where one is missing on a CPU that would run it faster, the plan's reason says how to
+# get it. The LM only for the families whose facts say ``openvino_lm`` (:func:`openvino_exportable`).
+OPENVINO_EXPORTABLE = frozenset({"flow_estimator", "lm"})
 EXPORT_OPENVINO = "cosyvoice-cpu export --from OFFICIAL_DIR --to MODEL_DIR --openvino int8"
+# What OpenVINO was measured to gain per graph, for the reason of a missing model (docs/backends.md)
+OV_GAIN = {
+    "flow_estimator": "OpenVINO ran the whole-sentence flow 1.3-1.85x faster",
+    "lm": "OpenVINO's stateful int8 LM ran a decode step 1.05x (1 row) to 1.22x (4 rows) faster than ONNX "
+    "Runtime's int8w on an AVX-512 BF16 Zen 4",
+}
 # Memory (available, capped by the cgroup limit) below which ``auto`` keeps ONNX Runtime: the OpenVINO estimator
 # raises the engine's peak (docs/backends.md, "Shapes, compiles and memory"), so a 2 GB edge box keeps the lean
 # engine and a server gets the fast one.
@@ -79,12 +88,21 @@ def check_choice(choice: str) -> str:
     return choice
 
 
+def openvino_exportable(family: str | None) -> frozenset[str]:
+    """The graphs of ``family`` that ``export --openvino`` writes an OpenVINO model of (None: an unknown family,
+    only the flow estimator, which every family has)."""
+    if family is None or not facts(family).openvino_lm:
+        return OPENVINO_EXPORTABLE - {"lm"}
+    return OPENVINO_EXPORTABLE
+
+
 def plan_backends(
     graphs: dict[str, GraphEntry],
     choice: str,
     cpu: CpuInfo | None = None,
     installed: bool | None = None,
     memory: int | None = -1,
+    family: str | None = None,
 ) -> dict[str, GraphPlan]:
     """The plan for a manifest's ``graphs`` (key -> :class:`~cosyvoice_cpu.manifest.GraphEntry`).
 
@@ -95,6 +113,8 @@ def plan_backends(
         installed: whether ``openvino`` is importable (None: look).
         memory: bytes this process may use (-1: read it, :attr:`~cosyvoice_cpu.hardware.cpu.Hardware.memory_for_us`;
             None: unknown, no limit assumed).
+        family: the manifest's family, which says which missing OpenVINO models ``export --openvino`` would
+            write (:func:`openvino_exportable`; None: the flow estimator's only).
     Returns:
         ONNX graph key -> :class:`GraphPlan`, for every graph of the directory except the OpenVINO models.
     """
@@ -122,10 +142,11 @@ def plan_backends(
                 "(or use --backend auto or onnxruntime)"
             )
     plan = {}
+    exportable = openvino_exportable(family)
     for key in onnx:
         backend, reason = ONNXRUNTIME, "no OpenVINO model of this graph in the directory"
-        if choice == AUTO and key in OPENVINO_EXPORTABLE and key not in with_ov:
-            reason = _missing(cpu, installed, memory)
+        if choice == AUTO and key in exportable and key not in with_ov:
+            reason = _missing(key, cpu, installed, memory)
         if choice == ONNXRUNTIME:
             reason = "--backend onnxruntime"
         elif key in with_ov and choice == OPENVINO:
@@ -136,9 +157,9 @@ def plan_backends(
     return plan
 
 
-def _missing(cpu: CpuInfo | None, installed: bool, memory: int | None) -> str:
-    """The reason under ``auto`` for a graph ``export --openvino`` could have written an OpenVINO model of, but did
-    not: on a CPU where that model would run faster, with the command that writes it."""
+def _missing(key: str, cpu: CpuInfo | None, installed: bool, memory: int | None) -> str:
+    """The reason under ``auto`` for graph ``key``, of which ``export --openvino`` could have written an OpenVINO
+    model but did not: on a CPU where that model would run faster, with the command that writes it."""
     reason = "no OpenVINO model of this graph in the directory"
     if cpu is None or not (cpu.bf16 or cpu.amx):
         return reason + " (none needed: this CPU has neither AVX-512 BF16 nor AMX, ONNX Runtime is as fast here)"
@@ -146,10 +167,7 @@ def _missing(cpu: CpuInfo | None, installed: bool, memory: int | None) -> str:
         return reason + f" (none needed: {memory / 2**30:.1f} GiB of memory is too little for it)"
     isa = "AMX" if cpu.amx else "AVX-512 BF16"
     install = "" if installed else "pip install 'cosyvoice-cpu[openvino,openvino-export]', then "
-    return (
-        f"{reason}; this CPU has {isa}, on which OpenVINO ran the whole-sentence flow 1.3-1.85x faster "
-        f"(docs/backends.md): {install}{EXPORT_OPENVINO}"
-    )
+    return f"{reason}; this CPU has {isa}; {OV_GAIN[key]} (docs/backends.md): {install}{EXPORT_OPENVINO}"
 
 
 def _auto(entry: GraphEntry, cpu: CpuInfo | None, installed: bool, memory: int | None) -> tuple[str, str]:
@@ -162,7 +180,7 @@ def _auto(entry: GraphEntry, cpu: CpuInfo | None, installed: bool, memory: int |
             f"{what} present, but this CPU has neither AVX-512 BF16 nor AMX: OpenVINO's gain is "
             "bf16/VNNI, its f32 is no faster than ONNX Runtime"
         )
-    if not entry.attrs.get("pad_exact", False):
+    if not entry.attrs.get("stateful", False) and not entry.attrs.get("pad_exact", False):  # padded graphs only
         return ONNXRUNTIME, (
             f"{what} present, but padding changes this graph's output (pad_exact false: it "
             "would run unpadded, each sentence length compiled anew; a CosyVoice-300M export "
@@ -170,12 +188,20 @@ def _auto(entry: GraphEntry, cpu: CpuInfo | None, installed: bool, memory: int |
             "(--backend openvino to use it anyway)"
         )
     if memory is not None and memory < OV_MIN_MEMORY:
+        held = (
+            "auto runs OpenVINO models only with"  # the stateful LM's memory against ONNX Runtime's is not measured yet
+            if entry.attrs.get("stateful", False)
+            else "it holds more than ONNX Runtime's (docs/backends.md); auto wants"
+        )
         return ONNXRUNTIME, (
-            f"{what} present, but only {memory / 2**30:.1f} GiB of memory is available and it "
-            "holds more than ONNX Runtime's (docs/backends.md); auto wants "
+            f"{what} present, but only {memory / 2**30:.1f} GiB of memory is available and {held} "
             f"{OV_MIN_MEMORY >> 30} GiB (--backend openvino to use it anyway)"
         )
     isa = "AMX" if cpu.amx else "AVX-512 BF16"
+    if entry.attrs.get("stateful", False):
+        agreement = entry.attrs.get("agreement")
+        agreed = "" if agreement is None else f", greedy agreement with the ONNX LM {agreement:.3f} at export"
+        return OPENVINO, f"{what}, stateful{agreed}; the CPU has {isa}"
     return OPENVINO, f"{what}; the CPU has {isa}"
 
 

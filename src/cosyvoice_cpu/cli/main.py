@@ -135,7 +135,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     need_export_extra()
     from cosyvoice_cpu.export.exporter import ExportOptions, export_model
 
+    if args.openvino_lm is not None and args.openvino == "none":
+        raise CosyVoiceCpuError("--openvino-lm goes with --openvino int8|bf16 (the weights of the LM it also writes)")
     options = ExportOptions(force=args.force, verify=not args.no_verify, max_len=args.max_len, openvino=args.openvino)
+    if args.openvino_lm is not None:
+        options.openvino_lm = args.openvino_lm
     if args.quant:
         options.recipe = args.quant
     manifest = export_model(args.src, args.dst, options, progress=print)
@@ -233,7 +237,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             problems += hw.model_warnings(m)
             from cosyvoice_cpu.backends.plan import describe, plan_backends
 
-            for line in describe(plan_backends(m.graphs, args.backend)):
+            for line in describe(plan_backends(m.graphs, args.backend, family=m.family)):
                 print(f"backend      {line}")
         except CosyVoiceCpuError as e:
             problems.append(str(e))
@@ -284,8 +288,16 @@ def build_parser() -> argparse.ArgumentParser:
         default="none",
         choices=["none", "bf16", "int8"],
         help="also write an OpenVINO model of the whole-sentence flow estimator: int8 (NNCF, calibrated "
-        "on the flow's own inputs) or bf16 weights-as-float16; run by --backend auto on CPUs with "
-        "bf16 (needs the [openvino-export] extra)",
+        "on the flow's own inputs) or bf16 weights-as-float16, and (CosyVoice2, Fun-CosyVoice3) the LM as a "
+        "stateful OpenVINO model (--openvino-lm); run by --backend auto on CPUs with bf16 (needs the "
+        "[openvino-export] extra)",
+    )
+    e.add_argument(
+        "--openvino-lm",
+        default=None,
+        choices=["int8", "int4", "none"],
+        help="with --openvino: the weights of the stateful OpenVINO LM (lm.ov.xml): int8 (the default), int4 "
+        "(faster, lower token agreement: docs/quantization.md), or none to write no OpenVINO LM",
     )
     e.set_defaults(func=cmd_export)
 

@@ -25,7 +25,7 @@ from cosyvoice_cpu.errors import ConfigError, CosyVoiceCpuError, ExportError, Mi
 from cosyvoice_cpu.export.common import GateResult, GraphArtifact, replace_dir
 from cosyvoice_cpu.export.families import ExportFamily
 from cosyvoice_cpu.export.quantize import DEFAULT_RECIPE, Recipe, parse_recipe
-from cosyvoice_cpu.export.stages import export_stage_files
+from cosyvoice_cpu.export.stages import export_stage_files, wants_openvino_lm
 from cosyvoice_cpu.facts import FAMILIES
 from cosyvoice_cpu.family_parts import detect_family, export_family, read_model_config
 from cosyvoice_cpu.lm_files import SPECIALS
@@ -71,6 +71,9 @@ class ExportOptions:
         seed: seed of the gate's random inputs.
         openvino: ``none``, ``bf16`` or ``int8``: also write an OpenVINO model of the whole-sentence flow
             estimator of that kind (:mod:`cosyvoice_cpu.export.openvino_graphs`; ``[openvino-export]`` extra).
+        openvino_lm: with ``openvino``, the weights of the stateful OpenVINO LM also written where the family's LM
+            is the Qwen2 LM (CosyVoice2, Fun-CosyVoice3; :mod:`cosyvoice_cpu.export.openvino_lm`): ``int8`` (the
+            default), ``int4``, or ``none`` (not written).
     """
 
     recipe: str = DEFAULT_RECIPE
@@ -79,14 +82,18 @@ class ExportOptions:
     max_len: int = 2048
     seed: int = 0
     openvino: str = "none"
+    openvino_lm: str = "int8"
 
     def validate(self) -> Recipe:
         from cosyvoice_cpu.export.openvino_graphs import VARIANTS, check_extra
+        from cosyvoice_cpu.export.openvino_lm import CHOICES
 
         if not 64 <= self.max_len <= 32768:
             raise ConfigError(f"max_len must be in [64, 32768] positions, got {self.max_len}")
         if self.openvino not in VARIANTS:
             raise ConfigError(f"openvino must be one of {', '.join(VARIANTS)}, got {self.openvino!r}")
+        if self.openvino_lm not in CHOICES:
+            raise ConfigError(f"openvino_lm must be one of {', '.join(CHOICES)}, got {self.openvino_lm!r}")
         if self.openvino != "none":
             check_extra(self.openvino)
         return parse_recipe(self.recipe)
@@ -253,6 +260,10 @@ def export_model(
     _check_target(src, dst, options.force)
     cfg = check_source(src)
     fam = export_family(cfg.family)
+    if wants_openvino_lm(cfg.family, options):  # nncf for its weights: said now, not after the LM's export
+        from cosyvoice_cpu.export.lm.openvino_stateful import check_extra as check_lm_extra
+
+        check_lm_extra(options.openvino_lm)
     need, free = needed_bytes(src, cfg.family), free_bytes(dst.parent if not dst.exists() else dst)
     if free < need:
         raise ExportError(
@@ -296,6 +307,10 @@ def export_model(
         gc.collect()
     size = sum(p.stat().st_size for p in dst.iterdir() if p.is_file())
     step(f"done: {dst} ({size / 1e9:.2f} GB, {len(gates)} checks passed)")
+    if "lm_ov" in manifest.graphs:  # recorded, not gated: printed in the summary
+        from cosyvoice_cpu.export.openvino_lm import agreement_line
+
+        step(agreement_line(manifest.graphs["lm_ov"].attrs))
     return manifest
 
 

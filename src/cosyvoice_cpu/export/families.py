@@ -10,7 +10,8 @@ test a family's name:
 - :attr:`ExportFamily.plans`: per stage (LM, flow, HiFT) the graph module whose ``export_<stage>`` /
   ``verify_<stage>`` write and gate it, and which graphs take which recipe precision;
 - :meth:`ExportFamily.export_tokenizer`, :meth:`ExportFamily.flow_facts`, :meth:`ExportFamily.lm_facts`,
-  :meth:`ExportFamily.export_speakers`: the tokenizer file and the manifest sections that differ.
+  :meth:`ExportFamily.export_speakers`: the tokenizer file and the manifest sections that differ;
+- :attr:`ExportFamily.stateful_lm`: whether ``export --openvino`` also writes the LM as a stateful OpenVINO model.
 
 What the LM numerics gate needs of a family's graph (its attrs, the prompt's text table and x-vector row) is given by
 each LM graph module (its ``GATE``, a :class:`cosyvoice_cpu.export.common.LMGate` holding the family's facts):
@@ -159,6 +160,12 @@ class ExportFamily:
     def lm_facts(self, lm_cfg: Any) -> dict[str, Any]:
         """Entries of the manifest's ``lm`` section beyond the ones every family has (none by default)."""
         return {}
+
+    @property
+    def stateful_lm(self) -> bool:
+        """Whether ``export --openvino`` also writes this family's LM as a stateful OpenVINO model (manifest key
+        ``lm_ov``, :mod:`cosyvoice_cpu.export.openvino_lm`): the Qwen2 LM's families (the facts' ``openvino_lm``)."""
+        return self.facts.openvino_lm
 
     def export_speakers(self, cfg: Any, out: Path) -> list[Path]:
         """Built-in speakers written as ``voices/<name>.npz``; families without them return []."""

@@ -153,6 +153,13 @@ def _openvino(
     )
 
 
+def wants_openvino_lm(family: str, options: Any) -> bool:
+    """Whether this export writes the stateful OpenVINO LM (``lm_ov``): ``--openvino`` given, ``--openvino-lm``
+    not ``none``, and the family's LM is the Qwen2 LM
+    (:attr:`~cosyvoice_cpu.export.families.ExportFamily.stateful_lm`)."""
+    return options.openvino != "none" and options.openvino_lm != "none" and export_family(family).stateful_lm
+
+
 def export_stage_files(
     src: Path, out: Path, cfg: Any, recipe: Recipe, options: Any, step: Step
 ) -> tuple[list[GraphArtifact], list[GateResult], dict[str, dict[str, Any]]]:
@@ -201,6 +208,13 @@ def export_stage_files(
                 for g in checked:
                     g.phase = what
                 gates = _passed(gates, checked)
+            if plan.ref == "lm" and wants_openvino_lm(cfg.family, options):  # after quantizing: agrees with lm.onnx
+                from cosyvoice_cpu.export.openvino_lm import export_openvino_lm
+
+                onnx_lm = next(a for a in arts if a.key == "lm")
+                arts.append(
+                    export_openvino_lm(model, out, onnx_lm, options.openvino_lm, options.seed, step, options.verify)
+                )
             graphs += arts + ([ov_art] if plan.ref == "flow" and options.openvino != "none" else [])
             del model
             gc.collect()

@@ -36,7 +36,10 @@ logger = logging.getLogger(__name__)
 
 OV_LM_FILE = "lm.ov.xml"  # + lm.ov.bin
 WEIGHTS = ("none", "int8", "int4")  # none: fp32 weights (the parity form); int8: INT8_ASYM per channel; int4 below
-INT4_GROUP = 128  # NNCF INT4_SYM group size (its default); NNCF keeps the speech head in int8 (all_layers False)
+# NNCF INT4_SYM group size (its default; every input width of the full-size LM is a multiple); NNCF keeps the
+# speech head in int8 (all_layers False). A smaller LM (the tiny fixture: width 64) gets the largest power of two
+# that divides its widths (:func:`int4_group`).
+INT4_GROUP = 128
 INPUTS = ("inputs_embeds", "attention_mask", "position_ids")
 
 
@@ -104,7 +107,7 @@ def stateful_graph(lm: Any) -> Any:
     return _module_class()(lm).eval()
 
 
-def _check_extra(weights: str) -> None:
+def check_extra(weights: str) -> None:
     import importlib.util
 
     if weights not in WEIGHTS:
@@ -173,17 +176,29 @@ def convert_stateful(lm: Any) -> Any:
     return model
 
 
-def compress(model: Any, weights: str) -> Any:
+def int4_group(lm: Any) -> int:
+    """The int4 group size for ``lm``: :data:`INT4_GROUP`, or the largest power of two below it that divides every
+    matrix's input width (hidden, heads x head_dim, intermediate)."""
+    q = lm.cfg.qwen
+    widths = (q.hidden_size, q.num_attention_heads * q.head_dim, q.intermediate_size)
+    group = INT4_GROUP
+    while group > 8 and any(w % group for w in widths):
+        group //= 2
+    return group
+
+
+def compress(model: Any, weights: str, group: int = INT4_GROUP) -> Any:
     """``model`` with NNCF weight compression ``weights`` (``int8``: INT8_ASYM per output channel; ``int4``:
-    INT4_SYM in groups of :data:`INT4_GROUP`, the head kept int8 by NNCF); ``none`` returns it as it is."""
-    _check_extra(weights)
+    INT4_SYM in groups of ``group`` (:func:`int4_group`), the head kept int8 by NNCF); ``none`` returns it as it
+    is."""
+    check_extra(weights)
     if weights == "none":
         return model
     import nncf
 
     if weights == "int8":
         return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
-    return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT4_SYM, group_size=INT4_GROUP, ratio=1.0)
+    return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT4_SYM, group_size=group, ratio=1.0)
 
 
 def export_stateful_lm(lm: Any, out_dir: str | Path, weights: str = "int8", file: str = OV_LM_FILE) -> Path:
@@ -194,11 +209,11 @@ def export_stateful_lm(lm: Any, out_dir: str | Path, weights: str = "int8", file
         out_dir: the model directory (the embedding tables of the ONNX export are shared, not written again).
         weights: ``none`` (fp32), ``int8`` or ``int4`` (:func:`compress`).
     """
-    _check_extra(weights)
+    check_extra(weights)
     ov = import_openvino()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model = compress(convert_stateful(lm), weights)
+    model = compress(convert_stateful(lm), weights, int4_group(lm))
     model.set_rt_info(weights, ["cosyvoice_cpu", "weights"])
     path = out / file
     ov.save_model(model, path, compress_to_fp16=False)

@@ -1,0 +1,81 @@
+"""``export --openvino`` also writes the CosyVoice2 / Fun-CosyVoice3 LM as a stateful OpenVINO model (``lm_ov``,
+``cosyvoice_cpu.export.openvino_lm``) with its greedy agreement with ``lm.onnx`` recorded; ``--openvino-lm none``
+and CosyVoice-300M write none (``test_openvino_export.py``, the other families' test). Needs torch, openvino and
+nncf. Which backend runs it is the plan's (``tests/unit/test_backend_plan.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("openvino")
+pytest.importorskip("nncf")
+
+from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.export.exporter import ExportOptions
+from cosyvoice_cpu.export.openvino_lm import agreement_line
+from cosyvoice_cpu.export.stages import wants_openvino_lm
+from cosyvoice_cpu.manifest import Manifest
+
+
+def test_the_openvino_export_lists_the_stateful_lm_with_its_agreement(tiny_ov_export_dir: Path) -> None:
+    m = Manifest.load(tiny_ov_export_dir, check_hashes=True)  # sha256 of lm.ov.xml and lm.ov.bin checked
+    entry, onnx = m.graphs["lm_ov"], m.graphs["lm"]
+    assert entry.file.file == "lm.ov.xml" and [d.file for d in entry.data] == ["lm.ov.bin"]
+    assert entry.precision == "int8"
+    attrs = dict(entry.attrs)
+    assert attrs.pop("backend") == "openvino" and attrs.pop("stateful") is True and attrs.pop("weights") == "int8"
+    assert attrs.pop("form_of") == "lm"
+    agreement, of = attrs.pop("agreement"), attrs.pop("agreement_of")
+    assert 0.0 <= agreement <= 1.0 and of["reference"] == f"lm.onnx ({onnx.precision})"
+    assert of["prompts"] * of["steps"] >= 64 and of["mean_kl"] >= 0.0
+    assert attrs == {k: v for k, v in onnx.attrs.items() if k != "int8_weight_bits"}  # the LM's facts, shared
+    assert [i["name"] for i in entry.inputs] == ["inputs_embeds", "attention_mask", "position_ids", "beam_idx"]
+    assert [o["name"] for o in entry.outputs] == ["logp"]
+    assert f"{agreement:.3f}" in agreement_line(entry.attrs)  # what the export prints in its summary
+
+
+def test_openvino_reads_the_written_lm(tiny_ov_export_dir: Path) -> None:
+    from cosyvoice_cpu.backends.openvino import import_openvino
+
+    model = import_openvino().Core().read_model(str(tiny_ov_export_dir / "lm.ov.xml"))
+    m = Manifest.load(tiny_ov_export_dir)
+    assert len(model.get_sinks()) == 2 * int(m.graphs["lm"].attrs["num_layers"])  # the KV cache is model state
+    assert model.get_rt_info(["cosyvoice_cpu", "weights"]).astype(str) == "int8"
+
+
+def test_which_exports_write_the_openvino_lm() -> None:
+    def opts(openvino: str, lm: str = "int8") -> ExportOptions:
+        return ExportOptions(openvino=openvino, openvino_lm=lm)
+
+    assert wants_openvino_lm("cosyvoice2", opts("int8")) and wants_openvino_lm("cosyvoice3", opts("bf16", "int4"))
+    assert not wants_openvino_lm("cosyvoice2", opts("int8", "none"))
+    assert not wants_openvino_lm("cosyvoice2", opts("none"))  # only with --openvino
+    assert not wants_openvino_lm("cosyvoice", opts("int8"))  # CosyVoice-300M: its LM is another network
+    with pytest.raises(ConfigError, match="openvino_lm must be one of none, int8, int4"):
+        opts("int8", "int3").validate()
+
+
+def test_the_cli_takes_openvino_lm_only_with_openvino(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from cosyvoice_cpu.cli.main import main
+
+    assert main(["export", "--from", str(tmp_path), "--to", str(tmp_path / "out"), "--openvino-lm", "int4"]) == 2
+    assert "--openvino-lm goes with --openvino" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_bench_says_the_lm_ran_on_openvino(tiny_ov_export_dir: Path) -> None:
+    from cosyvoice_cpu.benchmark.report import ran_on
+    from cosyvoice_cpu.benchmark.tasks import graph_backends
+    from cosyvoice_cpu.config import EngineConfig
+    from cosyvoice_cpu.engine import Engine
+
+    engine = Engine.load(tiny_ov_export_dir, EngineConfig(threads=1, backend="openvino", lm_batch_rows=0))
+    try:
+        on = ran_on({"graph_backends": graph_backends(engine.plan)})  # what bench's single task records
+    finally:
+        engine.family.warming.join()
+        engine.close()
+    assert on == {"LM": "openvino", "flow estimator": "openvino", "the rest": "onnxruntime"}
