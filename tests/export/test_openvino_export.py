@@ -130,8 +130,12 @@ def test_the_other_families_export_a_gated_bf16_model(family: str, request: pyte
                                                       tmp_path: Path) -> None:  # fmt: skip
     src = request.getfixturevalue("tiny_v3_model_dir" if family == "cosyvoice3" else "tiny_v1_model_dir")
     out = tmp_path / "ov"
-    export_model(src, out, ExportOptions(max_len=1024, openvino="bf16"))
+    # Fun-CosyVoice3's Qwen2 LM would be written too (int8 by default): --openvino-lm none writes none;
+    # CosyVoice-300M's LM is another network, of which --openvino writes none
+    lm = "none" if family == "cosyvoice3" else "int8"
+    export_model(src, out, ExportOptions(max_len=1024, openvino="bf16", openvino_lm=lm))
     m = Manifest.load(out, check_hashes=True)
+    assert "lm_ov" not in m.graphs and not (out / "lm.ov.xml").exists()
     entry = m.graphs["flow_estimator_ov"]
     assert entry.precision == "bf16"
     # the DiT masks padded frames out; the CosyVoice-300M UNet's OpenVINO form takes its GroupNorm statistics
@@ -242,8 +246,12 @@ def test_bench_measures_each_backend_in_one_report(ov_int8_dir: Path, tmp_path: 
     assert rc == 0
     result = json.loads((out / "bench.json").read_text())
     assert list(result["backends"]) == ["onnxruntime", "openvino"] and result["ours"]["backend"] == "onnxruntime"
-    assert any(line.startswith("flow_estimator: openvino") for line in result["backends"]["openvino"]["plan"])
+    assert any(line.startswith("lm, flow_estimator: openvino") for line in result["backends"]["openvino"]["plan"])
+    ran = result["backends"]["openvino"]["graph_backends"]  # from the engine's plan: the LM too (lm_ov)
+    assert ran["lm"] == ran["flow_estimator"] == "openvino" and ran["hift_decode"] == "onnxruntime"
+    assert set(result["backends"]["onnxruntime"]["graph_backends"].values()) == {"onnxruntime"}
     assert result["backends"]["openvino"]["default"]["flow_rtf"] > 0
     md = (out / "bench.md").read_text()
-    assert "### Backends" in md and "| openvino |" in md and "| onnxruntime |" in md
+    assert "### Backends" in md and "| openvino | openvino | openvino | onnxruntime |" in md
+    assert "| onnxruntime | onnxruntime | onnxruntime | onnxruntime |" in md
     assert main(["bench", "-m", str(ov_int8_dir), "--backend", "onnxruntime,tensorrt", "--out", str(out)]) == 2

@@ -60,10 +60,24 @@ def test_bench_command_writes_the_report(tiny_export_dir: Path, tmp_path: Path, 
     assert "Calibration (cosyvoice_cpu.probes.calibrate): copy " in md
     from cosyvoice_cpu.benchmark.report import markdown
 
+    assert "lm" in ours["graph_backends"] and set(ours["graph_backends"].values()) == {"onnxruntime"}  # no OV here
+    assert "| ours (every graph on onnxruntime) | ours vs official |" in md
+    # the backend axis: which backend ran each graph, from each run's plan (an OpenVINO run's plan put in by hand)
+    ov = {**ours, "plan": ["lm, flow_estimator: openvino (--backend openvino)"]}
+    ov["graph_backends"] = {**ours["graph_backends"], "lm": "openvino", "flow_estimator": "openvino"}
+    two = markdown({**result, "backends": {"onnxruntime": ours, "openvino": ov}}, [])
+    assert "| onnxruntime | onnxruntime | onnxruntime | onnxruntime |" in two
+    assert "| openvino | openvino | openvino | onnxruntime |" in two
+    assert "- openvino: lm, flow_estimator: openvino (--backend openvino)" in two
+    assert "| ours (LM on openvino, flow estimator on openvino, the rest on onnxruntime) |" in markdown(
+        {**result, "ours": ov}, []
+    )
     del result["machine"]["calibration"]  # a result written before the calibration existed still renders
     del result["ours"]["lm_prefix_positions"]  # ... or before the LM prefix cache
+    del result["ours"]["graph_backends"]  # ... or before the plan was recorded
     old = markdown(result, [])
     assert "Calibration (" not in old and "LM prefill:" not in old and "### Targets (issue 5)" in old
+    assert "| ours (--backend auto) |" in old
     for png in ("stage_split.png", "memory_vs_streams.png", "rtf_vs_threads.png"):
         assert (out / png).stat().st_size > 1000
     assert "### Official PyTorch vs ours" in capsys.readouterr().out

@@ -28,6 +28,32 @@ def _f(value: object, fmt: str = ".2f") -> str:
     return "–" if value is None else format(value, fmt)
 
 
+# the graphs the report names on their own (manifest keys); every other graph is "the rest"
+NAMED_GRAPHS = {"lm": "LM", "flow_estimator": "flow estimator"}
+
+
+def ran_on(run: JsonObject) -> dict[str, str]:
+    """Which backend ran each part of a run (the ``graph_backends`` its engine's plan gave): ``LM``, ``flow
+    estimator`` and ``the rest`` (backends joined with "/" where the other graphs ran on several); "–" for a result
+    from before the plan was recorded."""
+    graphs: dict[str, str] = run.get("graph_backends") or {}
+    out = {label: graphs.get(key, "–") for key, label in NAMED_GRAPHS.items()}
+    rest = sorted({b for g, b in graphs.items() if g not in NAMED_GRAPHS})
+    out["the rest"] = "/".join(rest) or "–"
+    return out
+
+
+def ran_on_line(run: JsonObject) -> str:
+    """:func:`ran_on` in words: ``every graph on onnxruntime``, or ``LM on openvino, flow estimator on ..., the
+    rest on onnxruntime``."""
+    parts = ran_on(run)
+    if "graph_backends" not in run:  # results from before the plan was recorded; before --backend, all on ORT
+        return f"--backend {run['backend']}" if "backend" in run else "ONNX Runtime"
+    if len(set(parts.values())) == 1:
+        return f"every graph on {next(iter(parts.values()))}"
+    return ", ".join(f"{label} on {backend}" for label, backend in parts.items())
+
+
 def peer_rows(result: JsonObject) -> list[tuple[str, str, dict[str, float | None]]]:
     """(label, format, {official, reference, ours}) per stage metric; lower is better unless marked."""
     ours, audio = result["ours"], _audio_s(result)
@@ -175,7 +201,8 @@ def markdown(result: JsonObject, plots: list[str]) -> str:
         "",
         "### Official PyTorch vs ours, stage by stage (same tokens, frames and threads)",
         "",
-        "| stage | official (PyTorch) | our PyTorch reference | ours (ONNX Runtime) | ours vs official |",
+        f"| stage | official (PyTorch) | our PyTorch reference | ours ({ran_on_line(result['ours'])}) | "
+        "ours vs official |",
         "|---|---|---|---|---|",
     ]
     for label, fmt, v in peer_rows(result):
@@ -204,17 +231,21 @@ def markdown(result: JsonObject, plots: list[str]) -> str:
             "",
             "### Backends (the single task per backend, one after the other)",
             "",
-            "| backend | flow RTF | end-to-end RTF | vocoder RTF | streamed RTF | first audio (short) | "
-            "peak RSS MB | plan |",
-            "|---|---|---|---|---|---|---|---|",
+            "| backend | LM ran on | flow estimator ran on | the rest ran on | LM decode, tokens/s | flow RTF | "
+            "end-to-end RTF | vocoder RTF | streamed RTF | first audio (short) | peak RSS MB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, r in result["backends"].items():
-            d = r["default"]
+            d, on = r["default"], ran_on(r)
             stream, first = r["first_audio_long"]["stream_rtf"], r["first_audio_short"]["first_audio_s"]
             lines.append(
-                f"| {name} | {d['flow_rtf']:.3f} | {d['rtf']:.3f} | {d['vocoder_rtf']:.3f} | {stream:.3f} | "
-                f"{first:.2f} s | {r['peak_rss_mb']:.0f} | {'; '.join(r.get('plan', []))} |"
+                f"| {name} | {on['LM']} | {on['flow estimator']} | {on['the rest']} | {r['lm_decode_tok_s']:.1f} | "
+                f"{d['flow_rtf']:.3f} | {d['rtf']:.3f} | {d['vocoder_rtf']:.3f} | {stream:.3f} | {first:.2f} s | "
+                f"{r['peak_rss_mb']:.0f} |"
             )
+        lines += ["", "Each backend's plan (`cosyvoice-cpu doctor -m MODEL_DIR --backend B` prints the same):", ""]
+        for name, r in result["backends"].items():
+            lines += [f"- {name}: {line}" for line in r.get("plan", [])]
     if result.get("concurrency"):
         lines += [
             "",

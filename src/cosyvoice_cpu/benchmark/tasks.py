@@ -22,12 +22,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
 
-from cosyvoice_cpu.backends.plan import CHOICES, describe
+from cosyvoice_cpu.backends.plan import CHOICES, GraphPlan, describe
 from cosyvoice_cpu.benchmark import text_stream
 from cosyvoice_cpu.config import DEFAULT_LM_BATCH_ROWS, EngineConfig, SynthesisConfig
 from cosyvoice_cpu.engine import Engine, Timings
@@ -231,6 +231,12 @@ def fast_preset_quality(engine: Engine, voice: Voice, tokens: int, steps: int) -
     return {"fast_mel_l1": float(np.abs(fast - ref).mean()), "mel_abs_mean": float(np.abs(ref).mean())}
 
 
+def graph_backends(plan: Mapping[str, GraphPlan]) -> dict[str, str]:
+    """Graph -> the backend that runs it, from an engine's plan (:attr:`Engine.plan`): what the report says ran
+    each graph."""
+    return {graph: p.backend for graph, p in plan.items()}
+
+
 def task_single(
     model_dir: Path, threads: int, tokens: int, short_tokens: int, runs: int, fast_steps: int, backend: str = "auto"
 ) -> dict:
@@ -241,6 +247,7 @@ def task_single(
         "rss_after_load_mb": peak_rss_mb(),
         "backend": backend,
         "plan": describe(engine.plan),
+        "graph_backends": graph_backends(engine.plan),
     }
     out.update(measure_lm(engine, voice, tokens, runs))
     out["lm_batched"] = [measure_lm_batched(engine, voice, n) for n in (1, 4)]
