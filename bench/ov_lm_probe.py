@@ -120,14 +120,14 @@ def ort_form(work: Path, name: str, attrs: dict, threads: int):
     """A form run through the runtime's ``LMSession``: the ONNX graphs (``ort-*``) or, on OpenVINO, the stateful
     graphs (``rt-ov-*``: the runtime's :mod:`cosyvoice_cpu.lm.state_graph`, with its masks and row bookkeeping)."""
     from cosyvoice_cpu.backends.base import SessionConfig
-    from cosyvoice_cpu.export.lm.agreement import OrtForm
+    from cosyvoice_cpu.export.lm.agreement import SessionForm
     from cosyvoice_cpu.lm.session import LMSession
 
     if name in RT_FORMS:
         tables = dict(zip(("text", "speech", "special"), [work / "fp32" / t for t in TABLES]))
         graph = work / "ov" / f"lm_{RT_FORMS[name]}.ov.xml"
-        return OrtForm(LMSession(graph, tables, attrs, SessionConfig(threads=threads, backend="openvino")))
-    return OrtForm(LMSession.from_dir(work / ORT_FORMS[name], attrs, threads=threads))
+        return SessionForm(LMSession(graph, tables, attrs, SessionConfig(threads=threads, backend="openvino")))
+    return SessionForm(LMSession.from_dir(work / ORT_FORMS[name], attrs, threads=threads))
 
 
 def ov_form(work: Path, name: str, threads: int, extra: dict, embed):

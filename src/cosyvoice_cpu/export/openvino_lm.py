@@ -9,7 +9,8 @@ the OpenVINO backend, chosen for the ``lm`` graph by :mod:`cosyvoice_cpu.backend
 The entry's attrs are the ``lm`` entry's (the LM's facts and its embedding tables, which both forms share) plus
 ``backend: openvino``, ``stateful: true``, ``weights`` and ``agreement``: the teacher-forced greedy-argmax
 agreement of this model with the directory's own ``lm.onnx`` (at the recipe's precision, on ONNX Runtime) on
-held-out random prompts, OpenVINO at its default precision for this CPU (:mod:`cosyvoice_cpu.export.lm.agreement`).
+held-out random prompts, both run through the runtime's ``LMSession`` as the engine runs them
+(:mod:`cosyvoice_cpu.export.lm.agreement`).
 It is recorded and printed, never a refusal: random-weight fixtures have near-flat distributions whose argmax
 flips easily (measured on the full-size fixture: docs/quantization.md, "The LM on OpenVINO").
 """
@@ -22,14 +23,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cosyvoice_cpu.backends.base import OPENVINO, SessionConfig
 from cosyvoice_cpu.export.common import GraphArtifact
-from cosyvoice_cpu.export.lm.agreement import (
-    Agreement,
-    OrtForm,
-    OvStatefulForm,
-    random_prompts,
-    teacher_forced_agreement,
-)
+from cosyvoice_cpu.export.lm.agreement import Agreement, SessionForm, random_prompts, teacher_forced_agreement
 from cosyvoice_cpu.export.lm.openvino_stateful import OV_LM_FILE, check_extra, export_stateful_lm
 from cosyvoice_cpu.export.openvino_graphs import io_specs_ov
 from cosyvoice_cpu.lm.session import LMSession
@@ -49,14 +45,16 @@ Step = Callable[[str], None]
 
 
 def measure_agreement(out: Path, attrs: dict[str, Any], seed: int, threads: int = 2) -> tuple[Agreement, str]:
-    """The agreement of ``out/lm.ov.xml`` with ``out/lm.onnx`` (its reference) on held-out random prompts."""
-    session = LMSession.from_dir(out, attrs, threads=threads)
+    """The agreement of ``out/lm.ov.xml`` with ``out/lm.onnx`` (its reference) on held-out random prompts, both
+    run as the engine runs them (:class:`~cosyvoice_cpu.lm.session.LMSession`, the OpenVINO model opened through
+    the backend seam)."""
+    onnx = LMSession.from_dir(out, attrs, threads=threads)
+    ov = LMSession.from_dir(out, attrs, OV_LM_FILE, SessionConfig(threads=threads, backend=OPENVINO))
     steps = AGREEMENT_STEPS
-    length = min(AGREEMENT_LENGTH, session.spec.max_len - steps - 1)
-    prompts = random_prompts(session, AGREEMENT_PROMPTS, length, seed + AGREEMENT_SEED)
-    ov = OvStatefulForm(out / OV_LM_FILE, session.embed_speech, threads)
-    result = teacher_forced_agreement(ov, OrtForm(session), prompts, steps, rows=session.spec.speech_rows)
-    return result, session.graph.name
+    length = min(AGREEMENT_LENGTH, onnx.spec.max_len - steps - 1)
+    prompts = random_prompts(onnx, AGREEMENT_PROMPTS, length, seed + AGREEMENT_SEED)
+    result = teacher_forced_agreement(SessionForm(ov), SessionForm(onnx), prompts, steps, rows=onnx.spec.speech_rows)
+    return result, onnx.graph.name
 
 
 def agreement_line(attrs: dict[str, Any]) -> str:

@@ -34,8 +34,9 @@ class DecodeForm(Protocol):
     def step(self, tokens: Sequence[int]) -> np.ndarray: ...
 
 
-class OrtForm:
-    """:class:`~cosyvoice_cpu.lm.session.LMSession` (the runtime's ONNX LM) as a :class:`DecodeForm`."""
+class SessionForm:
+    """:class:`~cosyvoice_cpu.lm.session.LMSession` (the runtime's LM: the ONNX graph, or a stateful OpenVINO
+    model opened through the backend seam) as a :class:`DecodeForm`."""
 
     def __init__(self, session: LMSession) -> None:
         self.session = session
@@ -50,8 +51,9 @@ class OrtForm:
 
 
 class OvStatefulForm:
-    """A stateful OpenVINO LM (contract: :mod:`cosyvoice_cpu.export.lm.openvino_stateful`) as a
-    :class:`DecodeForm`: every row prefilled together (prompts of one length), the KV cache in the request's state.
+    """A stateful OpenVINO LM (contract: :mod:`cosyvoice_cpu.export.lm.openvino_stateful`) called directly, not
+    through the runtime, as a :class:`DecodeForm`: every row prefilled together (prompts of one length), the KV
+    cache in the request's state (``bench/ov_lm_probe.py``'s ``ov-*`` forms, whose compile properties it varies).
 
     Args:
         path: the ``.ov.xml``.
