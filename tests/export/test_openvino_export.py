@@ -228,7 +228,7 @@ def test_doctor_prints_the_plan_with_its_reasons(ov_int8_dir: Path) -> None:
         assert p.returncode == 0, p.stdout + p.stderr
         return p.stdout
 
-    assert "flow_estimator: openvino (--backend openvino)" in doctor("openvino")
+    assert "backend      lm, flow_estimator: openvino (--backend openvino)" in doctor("openvino")  # lm: lm_ov
     out = doctor("onnxruntime")
     plan = [line for line in out.splitlines() if line.startswith("backend")]
     assert len(plan) == 1 and "flow_estimator" in plan[0] and plan[0].endswith("onnxruntime (--backend onnxruntime)")

@@ -299,8 +299,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="auto",
         help="inference backends to measure, comma-separated (auto, onnxruntime, openvino): the single "
         "task runs once per backend and the report compares them; the first also runs the "
-        "concurrency and thread tasks. Without -m, a backend other than onnxruntime exports the "
-        "fixture with --openvino int8",
+        "concurrency and thread tasks; the report says which backend ran each graph (the LM, the flow "
+        "estimator, the rest). Without -m, a backend other than onnxruntime exports the fixture with "
+        "--openvino int8 (the OpenVINO flow estimator and, CosyVoice2/3, the stateful LM)",
     )
     b.add_argument("--tokens", type=int, default=0, help="speech tokens per sentence (default 10 s: 250 at 25 Hz)")
     b.add_argument("--short-tokens", type=int, default=0, help="tokens for the 8-character sentence (default 2 s)")
