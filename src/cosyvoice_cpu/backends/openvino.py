@@ -23,7 +23,9 @@ mapped pages are not read again until the next compile. With ``SessionConfig.rel
 asked to reclaim them after each compile (as ONNX Runtime's ``.data`` pages after a session is built).
 
 The inference precision follows the CPU: bf16 where it has AVX-512 BF16 or AMX, f32 elsewhere (where OpenVINO
-gains nothing over ONNX Runtime and the plan does not choose it). ``openvino`` is imported when a graph is
+gains nothing over ONNX Runtime and the plan does not choose it). A stateful model (the LM) computes in f32 with an
+f32 KV cache everywhere: its decode is bound by reading the int8 weights, so bf16 and a u8 cache were no faster and
+cost token agreement (docs/backends.md, "The LM on OpenVINO"). ``openvino`` is imported when a graph is
 opened, never at import time.
 """
 
@@ -178,9 +180,8 @@ class OpenVinoSession(GraphSession):
         return {str(k): v.astype(str) for k, v in dict(framework).items()}
 
     def bind_in_place(self, pairs: Mapping[str, tuple[str, np.ndarray]]) -> BoundRun:
-        """Not supported: OpenVINO's GroupQueryAttention returns the KV cache cut to the positions in use, not the
-        whole buffer fed as ``past_*``, so the LM graph's cache cannot be bound (nor copied) in place. The LM runs
-        on OpenVINO in a stateful form (the cache as the compiled model's state; ``GraphSession``'s docstring)."""
+        """Not supported: OpenVINO's GroupQueryAttention returns the KV cache cut to the positions in use. The LM
+        runs on OpenVINO as a stateful graph instead (:mod:`cosyvoice_cpu.lm.state_graph`)."""
         raise ConfigError(
             f"{self.name}: OpenVINO does not run a graph with its KV cache bound in place (its GroupQueryAttention "
             "returns the cache cut to the positions in use); open the LM graph with the onnxruntime backend"
@@ -312,12 +313,10 @@ class OpenVinoState(ModelState):
 
     def write(self, tensors: Mapping[str, np.ndarray]) -> None:
         states = self._request.query_state()
-        missing = sorted({s.name for s in states} - set(tensors))
-        if missing or len(tensors) != len(states):
-            raise ConfigError(f"{self.name}: a state write needs exactly its {len(states)} tensors, missing {missing}")
-        tensor = import_openvino().Tensor
+        if {s.name for s in states} != set(tensors):
+            raise ConfigError(f"{self.name}: a state write needs exactly its {len(states)} tensors by name")
         for s in states:
-            s.state = tensor(np.ascontiguousarray(tensors[s.name]))
+            s.state = import_openvino().Tensor(np.ascontiguousarray(tensors[s.name]))
 
 
 def precision_for_cpu() -> str:
@@ -391,8 +390,8 @@ class OpenVino(Backend):
         }
         if config.threads:
             properties["INFERENCE_NUM_THREADS"] = int(config.threads)
-        if properties["INFERENCE_PRECISION_HINT"] == "f32" and model.get_sinks():
-            properties["KV_CACHE_PRECISION"] = "f32"  # a stateful LM's cache too (u8 by default where bf16 runs)
+        if model.get_sinks():  # a stateful LM: f32 compute and KV cache (module docstring)
+            properties.update(INFERENCE_PRECISION_HINT="f32", KV_CACHE_PRECISION="f32")
         weights = path.with_suffix(".bin") if config.release_weight_pages and path.suffix == ".xml" else None
         max_shapes = config.max_shapes if self.max_shapes is None else self.max_shapes
         cache = Path(self._cache_dir()) if self._cache_dir() else None

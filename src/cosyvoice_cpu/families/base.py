@@ -97,7 +97,7 @@ class Family:
         """The directory's per-graph backend plan for ``choice`` (made once: the stages and the engine's
         report see the same plan; :func:`~cosyvoice_cpu.backends.plan.plan_backends`)."""
         if choice not in self._plans:
-            self._plans[choice] = plan_backends(self.manifest.graphs, choice)
+            self._plans[choice] = plan_backends(self.manifest.graphs, choice, family=self.manifest.family)
         return self._plans[choice]
 
     def wait_warm(self) -> None:
