@@ -38,7 +38,7 @@ _OURS = (
     + """
 import sys, time
 t0 = time.perf_counter()
-from cosyvoice_cpu.family_parts import load_reference
+from cosyvoice_cpu.workshop.parts import load_reference
 m = load_reference(sys.argv[1])
 report(m.lm, m.flow, m.hift, time.perf_counter() - t0)
 """
@@ -63,8 +63,8 @@ def _run(code: str, *args: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
     from cosyvoice_cpu.paths import cache_dir
+    from cosyvoice_cpu.workshop.fixture_writer import FixtureSpec, write_fixture
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", type=Path, default=cache_dir() / "fixtures" / "cosyvoice2-full-seed0")

@@ -29,9 +29,9 @@ def main() -> None:
     from cosyvoice_cpu.export.lm.common import runtime_session
     from cosyvoice_cpu.export.lm.cosyvoice2 import GATE, compare_lm, export_lm
     from cosyvoice_cpu.export.quantize import quantize_nbits
-    from cosyvoice_cpu.family_parts import load_reference
-    from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
     from cosyvoice_cpu.paths import cache_dir
+    from cosyvoice_cpu.workshop.fixture_writer import FixtureSpec, write_fixture
+    from cosyvoice_cpu.workshop.parts import load_reference
 
     src = cache_dir() / "fixtures" / f"cosyvoice2-{args.size}-seed0"
     if not (src / "cosyvoice2.yaml").is_file():

@@ -64,8 +64,8 @@ def prepare(fixture: Path, work: Path) -> None:
     from cosyvoice_cpu.export.lm.openvino_stateful import export_stateful_lm
     from cosyvoice_cpu.export.lm.qwen2 import lm_attrs
     from cosyvoice_cpu.export.quantize import quantize_nbits
-    from cosyvoice_cpu.family_parts import load_reference
     from cosyvoice_cpu.lm_files import MIN_ROWS_KEY
+    from cosyvoice_cpu.workshop.parts import load_reference
 
     lm = load_reference(fixture, stages=("lm",)).lm.eval()
     (work / "attrs.json").parent.mkdir(parents=True, exist_ok=True)

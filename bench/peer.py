@@ -8,7 +8,7 @@ Implementations (one per process, so ``ru_maxrss`` is the implementation's own):
 * ``official``: the official CosyVoice2 code (package ``cosyvoice`` from ``token2wav-cosyvoice``), built from the
   model directory's yaml with HyperPyYAML and loaded strictly, exactly as the parity tests do
   (``cosyvoice_cpu.reference.official.load_official_model_dir``, which also installs the torchaudio stub).
-* ``reference``: our PyTorch reference, ``cosyvoice_cpu.family_parts.load_reference``.
+* ``reference``: our PyTorch reference, ``cosyvoice_cpu.workshop.parts.load_reference``.
 
 Workload (``/work/shared/reference/baseline.md``): ``torch.set_num_threads(--threads)``, fp32, eval,
 ``torch.inference_mode()``; all inputs are random from ``--seed``.
@@ -165,7 +165,7 @@ def build_official(model_dir: Path) -> Peer:
 
 def build_reference(model_dir: Path) -> Peer:
     """Our reference modules, loaded with ``load_reference``."""
-    from cosyvoice_cpu.family_parts import load_reference
+    from cosyvoice_cpu.workshop.parts import load_reference
 
     m = load_reference(model_dir)
     lm_mod, stop, head = m.lm, m.lm.cfg.speech_token_size, m.lm.head
@@ -188,7 +188,7 @@ def build_reference(model_dir: Path) -> Peer:
 
 
 def _is_v1(model_dir: Path) -> bool:
-    from cosyvoice_cpu.family_parts import detect_family
+    from cosyvoice_cpu.workshop.parts import detect_family
 
     return detect_family(model_dir) == "cosyvoice"
 

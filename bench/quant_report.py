@@ -157,7 +157,7 @@ def flow_and_vocoder_quality(dirs: dict[str, Path], size: str, threads: int) -> 
 
 def lm_quality(src: Path, dirs: dict[str, Path]) -> dict[str, dict]:
     from cosyvoice_cpu.export.lm.cosyvoice2 import compare_lm
-    from cosyvoice_cpu.family_parts import load_reference
+    from cosyvoice_cpu.workshop.parts import load_reference
 
     lm = load_reference(src, ("lm",)).lm
     return {r: compare_lm(lm, d, steps=LM_STEPS, seed=0) for r, d in dirs.items()}
@@ -248,7 +248,7 @@ def main() -> None:
         plot(saved["results"], args.size, ROOT / "docs" / "img" / f"quant_mel_error_{args.size}.png")
         return
     recipes = ["fp32"] + [r for r in args.recipes.split(",") if r != "fp32"]
-    from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
+    from cosyvoice_cpu.workshop.fixture_writer import FixtureSpec, write_fixture
 
     src = cache_dir() / "fixtures" / f"cosyvoice2-{args.size}-seed0"
     if not (src / "cosyvoice2.yaml").is_file():

@@ -107,7 +107,7 @@ def main() -> None:
 
     if not Path(cosyvoice.__file__).resolve().is_relative_to(args.official.resolve()):
         raise SystemExit(f"imported cosyvoice from {cosyvoice.__file__}, not from {args.official}")
-    from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
+    from cosyvoice_cpu.workshop.fixture_writer import FixtureSpec, write_fixture
 
     torch.set_num_threads(1)
     arrays: dict[str, np.ndarray] = {}
@@ -147,7 +147,7 @@ def main() -> None:
     ).stdout.strip()
     header = {
         "produced_by": "scripts/make_bistream_golden.py: official Qwen2LM / CosyVoice3LM.inference_bistream on the "
-        "tiny fixtures (cosyvoice_cpu.fixtures.writer.write_fixture(FixtureSpec(family, 'tiny', 0)))",
+        "tiny fixtures (cosyvoice_cpu.workshop.fixture_writer.write_fixture(FixtureSpec(family, 'tiny', 0)))",
         "official_commit": commit,
         "torch": torch.__version__,
         "transformers": transformers.__version__,

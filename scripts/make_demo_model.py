@@ -22,9 +22,9 @@ SOURCE = "cosyvoice-cpu fixture --family cosyvoice2 --size demo --seed 0 (random
 
 def build(out: Path) -> Path:
     """Write the demo fixture and export it to ``out`` (replaced)."""
-    from cosyvoice_cpu.export.exporter import ExportOptions, export_model
-    from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
     from cosyvoice_cpu.manifest import MANIFEST_NAME
+    from cosyvoice_cpu.workshop.exporter import ExportOptions, export_model
+    from cosyvoice_cpu.workshop.fixture_writer import FixtureSpec, write_fixture
 
     with tempfile.TemporaryDirectory() as tmp:
         src = write_fixture(FixtureSpec("cosyvoice2", "demo", 0), Path(tmp) / "demo-fixture")

@@ -10,7 +10,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny CosyVoice2 fixture (seed 0), written once per test session."""
-    from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
+    from cosyvoice_cpu.workshop.fixture_writer import FixtureSpec, write_fixture
 
     return write_fixture(FixtureSpec("cosyvoice2", "tiny", 0), tmp_path_factory.mktemp("fixtures") / "tiny")
 
@@ -18,7 +18,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_v1_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny CosyVoice-300M (v1) fixture (seed 0), written once per test session."""
-    from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
+    from cosyvoice_cpu.workshop.fixture_writer import FixtureSpec, write_fixture
 
     return write_fixture(FixtureSpec("cosyvoice", "tiny", 0), tmp_path_factory.mktemp("fixtures") / "tiny-v1")
 
@@ -26,7 +26,7 @@ def tiny_v1_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def full_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The full-size CosyVoice2 fixture (random weights, real shapes; ~2.5 GB, about a minute to write)."""
-    from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
+    from cosyvoice_cpu.workshop.fixture_writer import FixtureSpec, write_fixture
 
     return write_fixture(FixtureSpec("cosyvoice2", "full", 0), tmp_path_factory.mktemp("fixtures") / "full")
 
@@ -34,7 +34,7 @@ def full_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_export_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny fixture exported with the default recipe (a deployable model directory)."""
-    from cosyvoice_cpu.export.exporter import ExportOptions, export_model
+    from cosyvoice_cpu.workshop.exporter import ExportOptions, export_model
 
     out = tmp_path_factory.mktemp("export") / "tiny-default"
     export_model(tiny_model_dir, out, ExportOptions(max_len=256))
@@ -44,7 +44,7 @@ def tiny_export_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
 @pytest.fixture(scope="session")
 def tiny_v1_export_dir(tiny_v1_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny CosyVoice-300M fixture exported with the default recipe (int8w)."""
-    from cosyvoice_cpu.export.exporter import ExportOptions, export_model
+    from cosyvoice_cpu.workshop.exporter import ExportOptions, export_model
 
     out = tmp_path_factory.mktemp("export") / "tiny-v1-default"
     export_model(tiny_v1_model_dir, out, ExportOptions(max_len=1024))
@@ -54,7 +54,7 @@ def tiny_v1_export_dir(tiny_v1_model_dir: Path, tmp_path_factory: pytest.TempPat
 @pytest.fixture(scope="session")
 def tiny_v3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Fun-CosyVoice3 fixture (seed 0), written once per test session."""
-    from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
+    from cosyvoice_cpu.workshop.fixture_writer import FixtureSpec, write_fixture
 
     return write_fixture(FixtureSpec("cosyvoice3", "tiny", 0), tmp_path_factory.mktemp("fixtures") / "tiny-v3")
 
@@ -62,7 +62,7 @@ def tiny_v3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_v3_export_dir(tiny_v3_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Fun-CosyVoice3 fixture exported with the default recipe (int8w)."""
-    from cosyvoice_cpu.export.exporter import ExportOptions, export_model
+    from cosyvoice_cpu.workshop.exporter import ExportOptions, export_model
 
     out = tmp_path_factory.mktemp("export") / "tiny-v3-default"
     export_model(tiny_v3_model_dir, out, ExportOptions(max_len=1024))
@@ -74,7 +74,7 @@ def tiny_ov_export_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFa
     """The tiny CosyVoice2 fixture exported with ``--openvino int8`` (needs torch, openvino and nncf)."""
     for extra in ("torch", "openvino", "nncf"):
         pytest.importorskip(extra)
-    from cosyvoice_cpu.export.exporter import ExportOptions, export_model
+    from cosyvoice_cpu.workshop.exporter import ExportOptions, export_model
 
     out = tmp_path_factory.mktemp("export") / "tiny-ov-int8"
     export_model(tiny_model_dir, out, ExportOptions(max_len=256, openvino="int8"))

@@ -17,12 +17,12 @@ import torch
 from cosyvoice_cpu.config import SynthesisConfig
 from cosyvoice_cpu.engine import Engine
 from cosyvoice_cpu.export.common import rel_err
-from cosyvoice_cpu.export.exporter import ExportOptions, export_model
-from cosyvoice_cpu.family_parts import load_reference
 from cosyvoice_cpu.lm.sampling import RngDraw
 from cosyvoice_cpu.reference.hift.source import SourceNoise as TorchNoise
 from cosyvoice_cpu.reference.tokenizer import CosyVoice2Tokenizer
 from cosyvoice_cpu.vocoder.source import SourceNoise
+from cosyvoice_cpu.workshop.exporter import ExportOptions, export_model
+from cosyvoice_cpu.workshop.parts import load_reference
 
 WAVE_RTOL = 1e-3
 

@@ -9,8 +9,8 @@ import pytest
 
 from cosyvoice_cpu.cli.main import main
 from cosyvoice_cpu.errors import ConfigError, MissingExtraError, ModelDirError
-from cosyvoice_cpu.export import exporter
-from cosyvoice_cpu.export.exporter import ExportError, ExportOptions, export_model
+from cosyvoice_cpu.workshop import exporter
+from cosyvoice_cpu.workshop.exporter import ExportError, ExportOptions, export_model
 
 
 def _linked_copy(src: Path, dst: Path) -> Path:

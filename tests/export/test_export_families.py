@@ -1,4 +1,4 @@
-"""The export's family seam (cosyvoice_cpu.export.families, read through cosyvoice_cpu.family_parts): one object per
+"""The export's family seam (cosyvoice_cpu.export.families, read through cosyvoice_cpu.workshop.parts): one object per
 family of the facts table, owning what the export does differently, so the exporter, the stage runner and the LM gate
 never test a family's name."""
 
@@ -12,9 +12,9 @@ import pytest
 from cosyvoice_cpu.errors import ExportError
 from cosyvoice_cpu.export.families import ExportCosyVoice, ExportCosyVoice3
 from cosyvoice_cpu.facts import FAMILIES, facts
-from cosyvoice_cpu.family_parts import PARTS, export_family
+from cosyvoice_cpu.workshop.parts import PARTS, export_family
 
-EXPORT = Path(__file__).parents[2] / "src" / "cosyvoice_cpu" / "export"
+PACKAGE = Path(__file__).parents[2] / "src" / "cosyvoice_cpu"
 BLANK_EN = ("CosyVoice-BlankEN/config.json", "CosyVoice-BlankEN/vocab.json", "CosyVoice-BlankEN/merges.txt",
             "CosyVoice-BlankEN/tokenizer_config.json")  # fmt: skip
 
@@ -86,8 +86,16 @@ def test_v3_manifest_lm_facts() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["exporter.py", "stages.py", "lm/common.py", "lm/cosyvoice.py", "lm/cosyvoice2.py", "lm/cosyvoice3.py"]
+    "name",
+    [
+        "workshop/exporter.py",
+        "workshop/export_stages.py",
+        "export/lm/common.py",
+        "export/lm/cosyvoice.py",
+        "export/lm/cosyvoice2.py",
+        "export/lm/cosyvoice3.py",
+    ],
 )
 def test_the_export_never_tests_a_family_name(name: str) -> None:
-    source = (EXPORT / name).read_text(encoding="utf-8")
+    source = (PACKAGE / name).read_text(encoding="utf-8")
     assert not re.findall(r"family *(==|!=|in |not in)|\.family *(==|!=)|hasattr\(", source)

@@ -11,11 +11,11 @@ import pytest
 
 from cosyvoice_cpu.cli.main import main
 from cosyvoice_cpu.errors import ModelDirError
-from cosyvoice_cpu.export import stages
 from cosyvoice_cpu.export.common import GateResult
-from cosyvoice_cpu.export.exporter import ExportError, ExportOptions, export_model
 from cosyvoice_cpu.export.quantize import DEFAULT_RECIPE, RECIPES
 from cosyvoice_cpu.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
+from cosyvoice_cpu.workshop import export_stages as stages
+from cosyvoice_cpu.workshop.exporter import ExportError, ExportOptions, export_model
 
 
 def _ops(path: Path) -> set[str]:

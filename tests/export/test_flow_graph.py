@@ -17,9 +17,9 @@ from cosyvoice_cpu.backends.onnxruntime import make_session
 from cosyvoice_cpu.errors import ModelDirError
 from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.flow.cosyvoice2 import FILES, export_flow, verify_flow
-from cosyvoice_cpu.family_parts import load_reference
 from cosyvoice_cpu.flow.cosyvoice2 import CosyVoice2Flow
 from cosyvoice_cpu.hardware.cpu import read_cpuinfo
+from cosyvoice_cpu.workshop.parts import load_reference
 
 RTOL = 1e-5  # measured 2e-7 .. 1e-6 (fp32 ORT vs torch)
 

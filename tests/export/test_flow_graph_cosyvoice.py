@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.flow.cosyvoice import export_flow, settings_of, verify_flow
-from cosyvoice_cpu.family_parts import load_reference
 from cosyvoice_cpu.flow.cosyvoice import FILES, CosyVoiceFlow, frames_for_tokens, interpolation_matrix, stretch_matrix
 from cosyvoice_cpu.flow.cosyvoice_stream import CosyVoiceFlowStream
 from cosyvoice_cpu.reference.flow import length_regulator
+from cosyvoice_cpu.workshop.parts import load_reference
 
 # Measured (fp32 ORT vs torch, 1 thread, tiny fixture): encoder mu 5.6e-7 .. 6.4e-7, estimator 8.7e-7 .. 1.1e-6,
 # whole flow (10 steps, CFG 0.7) 2.6e-7 .. 4.3e-7, streamed 3 windows ~4e-7. int8 estimator (reduce_range):
@@ -226,7 +226,7 @@ def test_int8_estimator_passes_its_gate(flow, flow_dir: Path) -> None:
     import onnx
 
     from cosyvoice_cpu.export.quantize import quantize_int8_dynamic
-    from cosyvoice_cpu.export.stages import QUANT_TOLERANCE
+    from cosyvoice_cpu.workshop.export_stages import QUANT_TOLERANCE
 
     quantize_int8_dynamic(flow_dir / FILES["flow_estimator"], flow_dir / "est_int8.onnx", reduce_range=True)
     ops = {n.op_type for n in onnx.load(str(flow_dir / "est_int8.onnx"), load_external_data=False).graph.node}

@@ -17,17 +17,17 @@ import torch
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.flow.cosyvoice3 import FILES, export_flow, settings_of, verify_flow
-from cosyvoice_cpu.family_parts import load_reference
 from cosyvoice_cpu.flow.cosyvoice2 import CosyVoice2Flow
 from cosyvoice_cpu.flow.cosyvoice3 import CosyVoice3Flow
 from cosyvoice_cpu.flow.cosyvoice3_stream import CosyVoice3FlowStream, CosyVoice3PromptCache
+from cosyvoice_cpu.workshop.parts import load_reference
 
 RTOL = 1e-5  # measured 2.8e-7 .. 5e-7 (fp32 ORT vs torch, whole and streamed flow)
 
 
 @pytest.fixture(scope="module")
 def flow(tmp_path_factory: pytest.TempPathFactory):
-    from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
+    from cosyvoice_cpu.workshop.fixture_writer import FixtureSpec, write_fixture
 
     src = write_fixture(FixtureSpec("cosyvoice3", "tiny", 0), tmp_path_factory.mktemp("fixtures") / "tiny-v3")
     return load_reference(src, stages=("flow",)).flow
@@ -66,7 +66,7 @@ def test_all_verification_gates_pass(flow, flow_dir: Path) -> None:
 def test_int8_estimators_pass_the_recipe_gate(flow, flow_dir: Path, tmp_path: Path) -> None:
     """The recipe's int8 (dynamic, reduce_range) on both estimator graphs, gated with QUANT_TOLERANCE."""
     from cosyvoice_cpu.export.quantize import quantize_int8_dynamic
-    from cosyvoice_cpu.export.stages import QUANT_TOLERANCE
+    from cosyvoice_cpu.workshop.export_stages import QUANT_TOLERANCE
 
     for name in ("flow_encoder.onnx", "flow_encoder.onnx.data", "flow_noise.npy", "flow_time.onnx",
                  "flow_time.onnx.data"):  # fmt: skip

@@ -28,8 +28,8 @@ print(json.dumps({"shape": list(b.shape), "finite": bool(np.isfinite(b).all())})
 
 
 def test_full_size_default_export(full_model_dir: Path, tmp_path: Path) -> None:
-    from cosyvoice_cpu.export.exporter import ExportOptions, export_model
     from cosyvoice_cpu.export.quantize import DEFAULT_RECIPE
+    from cosyvoice_cpu.workshop.exporter import ExportOptions, export_model
 
     lines: list[str] = []
     m = export_model(full_model_dir, tmp_path / "model", ExportOptions(), progress=lines.append)

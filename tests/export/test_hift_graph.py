@@ -20,12 +20,12 @@ from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.hift.common import decode_context, hift_attrs, quantize_hift_weights_int8
 from cosyvoice_cpu.export.hift.cosyvoice import export_hift, verify_hift
-from cosyvoice_cpu.family_parts import load_reference
 from cosyvoice_cpu.reference.hift.cosyvoice import HiFT, HiFTConfig
 from cosyvoice_cpu.reference.hift.source import SourceNoise
 from cosyvoice_cpu.vocoder import hift as V
 from cosyvoice_cpu.vocoder import source as S
 from cosyvoice_cpu.vocoder.hift import DECODE_FILE, F0_FILE
+from cosyvoice_cpu.workshop.parts import load_reference
 
 SOURCE_ATOL = 1e-6  # measured 1.2e-7 (v2, v1; sin and the H -> 1 merge round differently, the phase is bitwise)
 WAVE_RTOL = 3e-4  # measured 3e-5 (voiced; graph F0 ulps integrated into the phase)

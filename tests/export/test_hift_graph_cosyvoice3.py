@@ -19,12 +19,12 @@ from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.hift.common import quantize_hift_weights_int8
 from cosyvoice_cpu.export.hift.cosyvoice3 import export_hift, receptive_field_frames, verify_hift
-from cosyvoice_cpu.export.stages import QUANT_TOLERANCE
 from cosyvoice_cpu.reference.hift.cosyvoice3 import CausalHiFT
 from cosyvoice_cpu.reference.hift.source import SourceNoise
 from cosyvoice_cpu.vocoder import hift as V
 from cosyvoice_cpu.vocoder import source as S
 from cosyvoice_cpu.vocoder.causal_stream import CausalVocoderStream
+from cosyvoice_cpu.workshop.export_stages import QUANT_TOLERANCE
 
 WAVE_RTOL = 3e-5  # measured 1.3e-6 (graph conv rounding; F0 is bitwise thanks to the float64 graph)
 CHUNKINGS = ([1, 2, 3, 5, 8, 13, 20], [9], [10, 10, 10], [25, 0, 40], [70])  # mel frames per push (+ final rest)
@@ -42,8 +42,8 @@ def _voiced(hift: CausalHiFT) -> CausalHiFT:
 
 @pytest.fixture(scope="module")
 def hift(tmp_path_factory: pytest.TempPathFactory) -> CausalHiFT:
-    from cosyvoice_cpu.family_parts import load_reference
-    from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
+    from cosyvoice_cpu.workshop.fixture_writer import FixtureSpec, write_fixture
+    from cosyvoice_cpu.workshop.parts import load_reference
 
     src = write_fixture(FixtureSpec("cosyvoice3", "tiny", 0), tmp_path_factory.mktemp("fixtures") / "tiny-v3")
     return load_reference(src, stages=("hift",)).hift

@@ -21,7 +21,7 @@ RTOL = 1e-5  # fp32 graph vs reference measured ~2e-7
 def exported(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """(reference Qwen2LM, model directory with lm.onnx, GraphArtifact)."""
     from cosyvoice_cpu.export.lm.cosyvoice2 import export_lm
-    from cosyvoice_cpu.family_parts import load_reference
+    from cosyvoice_cpu.workshop.parts import load_reference
 
     lm = load_reference(tiny_model_dir, stages=("lm",)).lm.eval()
     out = tmp_path_factory.mktemp("lm")

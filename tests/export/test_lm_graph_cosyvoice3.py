@@ -30,7 +30,7 @@ def v3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def exported(v3_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """(reference CosyVoice3LM, directory with lm.onnx and the tables, GraphArtifact)."""
     from cosyvoice_cpu.export.lm.cosyvoice3 import export_lm
-    from cosyvoice_cpu.family_parts import load_reference
+    from cosyvoice_cpu.workshop.parts import load_reference
 
     lm = load_reference(v3_dir, ("lm",)).lm.eval()
     out = tmp_path_factory.mktemp("v3-lm")
@@ -90,7 +90,7 @@ def test_fp32_gates_pass(exported) -> None:
 
 @pytest.mark.parametrize("precision", ["int8w", "int4", "int8"])
 def test_quantized_gates_pass(exported, precision: str) -> None:
-    """The recipe's quantizers (as export/stages.py calls them) on the v3 graph, gated by v3's tolerances."""
+    """The recipe's quantizers (as workshop/export_stages.py calls them) on the v3 graph, gated by v3's tolerances."""
     import onnx
 
     from cosyvoice_cpu.export.lm.cosyvoice3 import QUANT_TOLERANCE, verify_lm
@@ -99,7 +99,7 @@ def test_quantized_gates_pass(exported, precision: str) -> None:
     lm, out, a = exported
     name = f"lm_{precision}.onnx"
     if precision == "int8":
-        quantize_int8_dynamic(out / a.file, out / name, reduce_range=True)  # as stages.py
+        quantize_int8_dynamic(out / a.file, out / name, reduce_range=True)  # as export_stages.py
     else:
         quantize_nbits(out / a.file, out / name, bits=8 if precision == "int8w" else 4, block_size=32,
                        accuracy_level=4)  # fmt: skip

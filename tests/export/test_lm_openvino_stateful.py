@@ -23,7 +23,7 @@ INT4_RTOL = 0.05  # NNCF INT4_SYM, groups of 64 (int4_group), f32 inference, tin
 
 @pytest.fixture(scope="module")
 def lm(tiny_model_dir: Path):
-    from cosyvoice_cpu.family_parts import load_reference
+    from cosyvoice_cpu.workshop.parts import load_reference
 
     return load_reference(tiny_model_dir, stages=("lm",)).lm.eval()
 

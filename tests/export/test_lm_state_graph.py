@@ -25,7 +25,7 @@ def lm_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """(model directory with lm.onnx and lm.ov.xml of the same fp32 weights, the LM attrs)."""
     from cosyvoice_cpu.export.lm.cosyvoice2 import export_lm
     from cosyvoice_cpu.export.lm.openvino_stateful import export_stateful_lm
-    from cosyvoice_cpu.family_parts import load_reference
+    from cosyvoice_cpu.workshop.parts import load_reference
 
     lm = load_reference(tiny_model_dir, stages=("lm",)).lm.eval()
     out = tmp_path_factory.mktemp("lm_state")

@@ -19,13 +19,13 @@ from cosyvoice_cpu.config import SynthesisConfig
 from cosyvoice_cpu.engine import Engine
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import rel_err
-from cosyvoice_cpu.export.exporter import ExportOptions, export_model
-from cosyvoice_cpu.family_parts import load_reference
 from cosyvoice_cpu.lm.sampling import RngDraw
 from cosyvoice_cpu.manifest import Manifest
 from cosyvoice_cpu.reference.checkpoint import load_speakers
 from cosyvoice_cpu.reference.hift.source import SourceNoise as TorchNoise
 from cosyvoice_cpu.vocoder.source import SourceNoise
+from cosyvoice_cpu.workshop.exporter import ExportOptions, export_model
+from cosyvoice_cpu.workshop.parts import load_reference
 
 WAVE_RTOL = 1e-3  # the v2 engine parity bound; measured here: see the printed values
 TEXT = "你好，今天天气很好。Hello there, how are you today?"
@@ -175,7 +175,7 @@ def test_say_with_a_builtin_speaker_and_serve_it(v1_int8w: Path, tmp_path: Path)
 
 def test_base_variant_has_no_builtin_speakers(tmp_path: Path) -> None:
     """`fixture --variant base` mimics the base CosyVoice-300M download: no spk2info.pt, so no built-in voices."""
-    from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
+    from cosyvoice_cpu.workshop.fixture_writer import FixtureSpec, write_fixture
 
     src = write_fixture(FixtureSpec("cosyvoice", "tiny", 0, "base"), tmp_path / "base")
     assert not (src / "spk2info.pt").exists()

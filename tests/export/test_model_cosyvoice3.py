@@ -16,14 +16,14 @@ from cosyvoice_cpu.config import SynthesisConfig
 from cosyvoice_cpu.engine import Engine
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import rel_err
-from cosyvoice_cpu.export.exporter import ExportOptions, export_model
 from cosyvoice_cpu.facts import facts
-from cosyvoice_cpu.family_parts import load_reference
 from cosyvoice_cpu.lm.sampling import RngDraw
 from cosyvoice_cpu.lm.silence import drop_long_silences
 from cosyvoice_cpu.manifest import Manifest
 from cosyvoice_cpu.reference.hift.source import SourceNoise as TorchNoise
 from cosyvoice_cpu.vocoder.source import SourceNoise
+from cosyvoice_cpu.workshop.exporter import ExportOptions, export_model
+from cosyvoice_cpu.workshop.parts import load_reference
 
 SYSTEM_PROMPT_V3 = facts("cosyvoice3").system_prompt
 WAVE_RTOL = 1e-3  # as the v1/v2 engine parity; measured here: see the printed values

@@ -22,9 +22,9 @@ from cosyvoice_cpu.backends.buckets import BucketedSession, bucket
 from cosyvoice_cpu.backends.plan import OV_MIN_MEMORY
 from cosyvoice_cpu.config import EngineConfig, SynthesisConfig
 from cosyvoice_cpu.engine import Engine
-from cosyvoice_cpu.export.exporter import ExportOptions, export_model
 from cosyvoice_cpu.hardware.cpu import detect
 from cosyvoice_cpu.manifest import Manifest
+from cosyvoice_cpu.workshop.exporter import ExportOptions, export_model
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +155,7 @@ def test_the_v1_openvino_graph_pads_exactly_where_the_official_one_does_not(tiny
 
     from cosyvoice_cpu.export.flow.common import estimator_inputs
     from cosyvoice_cpu.export.flow.cosyvoice import EstimatorGraphV1, padded_estimator_graph
-    from cosyvoice_cpu.family_parts import load_reference
+    from cosyvoice_cpu.workshop.parts import load_reference
 
     est = load_reference(tiny_v1_model_dir, ("flow",)).flow.decoder.estimator.eval()
     official, masked = EstimatorGraphV1(est), padded_estimator_graph(est)

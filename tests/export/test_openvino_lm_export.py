@@ -14,10 +14,10 @@ pytest.importorskip("openvino")
 pytest.importorskip("nncf")
 
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.export.exporter import ExportOptions
 from cosyvoice_cpu.export.openvino_lm import agreement_line
-from cosyvoice_cpu.export.stages import wants_openvino_lm
 from cosyvoice_cpu.manifest import Manifest
+from cosyvoice_cpu.workshop.export_stages import wants_openvino_lm
+from cosyvoice_cpu.workshop.exporter import ExportOptions
 
 
 def test_the_openvino_export_lists_the_stateful_lm_with_its_agreement(tiny_ov_export_dir: Path) -> None:

@@ -22,11 +22,11 @@ import soundfile as sf
 from cosyvoice_cpu.config import EngineConfig, SynthesisConfig
 from cosyvoice_cpu.engine import Engine
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.export.exporter import ExportOptions, export_model
 from cosyvoice_cpu.flow.common import ChunkPlan
 from cosyvoice_cpu.flow.cosyvoice2 import CosyVoice2Flow
 from cosyvoice_cpu.flow.cosyvoice2_stream import CosyVoice2FlowStream
 from cosyvoice_cpu.vocoder.overlap_stream import VocoderStream, crossfade_weights
+from cosyvoice_cpu.workshop.exporter import ExportOptions, export_model
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_chunk_plan_grows_and_waits_for_the_lookahead() -> None:
 def test_incremental_flow_equals_the_one_shot_chunk_causal_solve(engine: Engine, tiny_model_dir: Path) -> None:
     import torch
 
-    from cosyvoice_cpu.family_parts import load_reference
+    from cosyvoice_cpu.workshop.parts import load_reference
 
     mel, fs = _stream(engine.flow, None)
     n_prompt = fs.n_prompt

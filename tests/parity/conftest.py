@@ -19,7 +19,7 @@ def official_v1(tiny_v1_model_dir: Path) -> dict:
 @pytest.fixture(scope="session")
 def ours_v1(tiny_v1_model_dir: Path):
     """Our reference modules for the same directory (:func:`load_reference`, strict)."""
-    from cosyvoice_cpu.family_parts import load_reference
+    from cosyvoice_cpu.workshop.parts import load_reference
 
     return load_reference(tiny_v1_model_dir)
 

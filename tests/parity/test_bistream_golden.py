@@ -32,8 +32,8 @@ def golden() -> dict:
 def generator(request, tmp_path_factory):
     """(family, the runtime's SpeechTokenGenerator on an fp32 export of the tiny fixture)."""
     from cosyvoice_cpu.engine import Engine
-    from cosyvoice_cpu.export.exporter import ExportOptions, export_model
-    from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
+    from cosyvoice_cpu.workshop.exporter import ExportOptions, export_model
+    from cosyvoice_cpu.workshop.fixture_writer import FixtureSpec, write_fixture
 
     family = request.param
     root = tmp_path_factory.mktemp(f"bistream-{family}")

@@ -25,7 +25,7 @@ def official_models(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def ours(tiny_model_dir):
-    from cosyvoice_cpu.reference.pipeline import ReferencePipeline
+    from cosyvoice_cpu.workshop.reference_pipeline import ReferencePipeline
 
     return ReferencePipeline.load(tiny_model_dir)
 
@@ -58,8 +58,8 @@ def test_standin_onnx_contracts(tiny_model_dir):
 
 def test_whole_pipeline_matches_official(official_models, ours):
     """Same text, prompt and draws -> identical speech tokens, then mel and wave within tolerance."""
-    from cosyvoice_cpu.reference.pipeline import Prompt
     from cosyvoice_cpu.reference.sampling import SamplingConfig
+    from cosyvoice_cpu.workshop.reference_pipeline import Prompt
 
     rng = np.random.default_rng(0)
     prompt = Prompt(

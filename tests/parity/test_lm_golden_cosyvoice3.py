@@ -33,9 +33,9 @@ def golden() -> dict:
 @pytest.fixture(scope="module")
 def ours(golden, tmp_path_factory):
     """(our CosyVoice3LM, our CosyVoice3Tokenizer) on the fixture the golden arrays were made on."""
-    from cosyvoice_cpu.family_parts import load_reference
     from cosyvoice_cpu.fixtures.weights.cosyvoice3 import write_cosyvoice3_lm_files
     from cosyvoice_cpu.reference.tokenizer import CosyVoice3Tokenizer
+    from cosyvoice_cpu.workshop.parts import load_reference
 
     fx = golden["header"]["fixture"]
     d = tmp_path_factory.mktemp("v3golden") / "tiny-v3"

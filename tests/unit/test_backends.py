@@ -64,7 +64,7 @@ def test_the_contract_check_holds_any_backend_session() -> None:
 def fp32_estimator(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny CosyVoice2 exported with the fp32 recipe: its flow estimator (what OpenVINO gains on)."""
     pytest.importorskip("torch")
-    from cosyvoice_cpu.export.exporter import ExportOptions, export_model
+    from cosyvoice_cpu.workshop.exporter import ExportOptions, export_model
 
     out = tmp_path_factory.mktemp("export") / "tiny-fp32"
     export_model(tiny_model_dir, out, ExportOptions(recipe="fp32", max_len=256, verify=False))

@@ -9,7 +9,7 @@ import torch
 
 from cosyvoice_cpu.cli.main import main
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.fixtures import writer as fx
+from cosyvoice_cpu.workshop import fixture_writer as fx
 
 
 def test_same_seed_same_weights_other_seed_other_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -48,7 +48,7 @@ def test_refuses_to_overwrite_and_bad_specs(tiny_model_dir: Path) -> None:
 
 def test_one_fixture_writer_per_family_of_the_facts_table() -> None:
     from cosyvoice_cpu.facts import FAMILIES
-    from cosyvoice_cpu.family_parts import PARTS
+    from cosyvoice_cpu.workshop.parts import PARTS
 
     assert fx.FAMILIES == FAMILIES and all(PARTS[name].fixture.sizes for name in FAMILIES)
 

@@ -149,7 +149,7 @@ def test_sampler_matches_the_reference_on_random_scores() -> None:
 
 @pytest.fixture(scope="module")
 def fp32_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from cosyvoice_cpu.export.exporter import ExportOptions, export_model
+    from cosyvoice_cpu.workshop.exporter import ExportOptions, export_model
 
     out = tmp_path_factory.mktemp("lm_loop") / "tiny-fp32"
     export_model(tiny_model_dir, out, ExportOptions(recipe="fp32", max_len=512, verify=False))  # parity is the gate
@@ -164,7 +164,7 @@ def gen(fp32_dir: Path) -> SpeechTokenGenerator:
 
 @pytest.fixture(scope="module")
 def ref_lm(tiny_model_dir: Path):
-    from cosyvoice_cpu.family_parts import load_reference
+    from cosyvoice_cpu.workshop.parts import load_reference
 
     return load_reference(tiny_model_dir, ("lm",)).lm
 

@@ -67,11 +67,11 @@ def gen_int8(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     """The tiny LM with the dynamic-int8 recipe: activations quantized per call, so a split call differs."""
     from cosyvoice_cpu.export.lm.cosyvoice2 import export_lm
     from cosyvoice_cpu.export.quantize import quantize_int8_dynamic
-    from cosyvoice_cpu.family_parts import load_reference
+    from cosyvoice_cpu.workshop.parts import load_reference
 
     out = tmp_path_factory.mktemp("lm_prefix")
     (artifact,) = export_lm(load_reference(tiny_model_dir, stages=("lm",)).lm.eval(), out, max_len=128)
-    quantize_int8_dynamic(out / artifact.file, out / "lm_int8.onnx", reduce_range=True)  # as export/stages.py
+    quantize_int8_dynamic(out / artifact.file, out / "lm_int8.onnx", reduce_range=True)  # as workshop/export_stages.py
     session = LMSession.from_dir(out, artifact.attrs, graph_file="lm_int8.onnx", threads=2)
     return SpeechTokenGenerator(session, LMFacts.from_manifest(Manifest.load(DEMO_MODEL).lm))
 

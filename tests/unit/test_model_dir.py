@@ -16,7 +16,7 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 def test_reads_config_and_loads_strictly(tiny_model_dir: Path) -> None:
-    from cosyvoice_cpu.family_parts import load_reference
+    from cosyvoice_cpu.workshop.parts import load_reference
 
     m = load_reference(tiny_model_dir)
     cfg = m.config
@@ -30,7 +30,7 @@ def test_reads_config_and_loads_strictly(tiny_model_dir: Path) -> None:
 
 def test_family_is_told_by_content_not_file_name(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Older CosyVoice2 downloads ship their yaml as cosyvoice.yaml."""
-    from cosyvoice_cpu.family_parts import read_model_config
+    from cosyvoice_cpu.workshop.parts import read_model_config
 
     d = _copy(tiny_model_dir, tmp_path / "old")
     (d / "cosyvoice2.yaml").rename(d / "cosyvoice.yaml")
@@ -38,7 +38,7 @@ def test_family_is_told_by_content_not_file_name(tiny_model_dir: Path, tmp_path:
 
 
 def test_v3_is_recognised_and_refused_clearly(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from cosyvoice_cpu.family_parts import detect_family, read_model_config
+    from cosyvoice_cpu.workshop.parts import detect_family, read_model_config
 
     d = _copy(tiny_model_dir, tmp_path / "cosyvoice3")
     text = (d / "cosyvoice2.yaml").read_text().replace("cosyvoice.llm.llm.Qwen2LM", "cosyvoice.llm.llm.CosyVoice3LM")
@@ -50,7 +50,7 @@ def test_v3_is_recognised_and_refused_clearly(tiny_model_dir: Path, tmp_path: Pa
 
 def test_a_v1_lm_entry_in_a_v2_yaml_is_a_precise_error(tiny_model_dir: Path, tmp_path: Path) -> None:
     """v1 is supported now: a TransformerLM tag over Qwen2LM arguments fails on the missing v1 fields."""
-    from cosyvoice_cpu.family_parts import detect_family, read_model_config
+    from cosyvoice_cpu.workshop.parts import detect_family, read_model_config
 
     d = _copy(tiny_model_dir, tmp_path / "mixed")
     text = (d / "cosyvoice2.yaml").read_text().replace("cosyvoice.llm.llm.Qwen2LM", "cosyvoice.llm.llm.TransformerLM")
@@ -74,7 +74,7 @@ def test_a_v1_lm_entry_in_a_v2_yaml_is_a_precise_error(tiny_model_dir: Path, tmp
     ],
 )
 def test_broken_directories_get_precise_errors(tiny_model_dir: Path, tmp_path: Path, breakage, message) -> None:
-    from cosyvoice_cpu.family_parts import load_reference
+    from cosyvoice_cpu.workshop.parts import load_reference
 
     d = _copy(tiny_model_dir, tmp_path / "broken")
     breakage(d)
@@ -85,7 +85,7 @@ def test_broken_directories_get_precise_errors(tiny_model_dir: Path, tmp_path: P
 def test_hift_checkpoint_mismatch_is_a_model_dir_error(tiny_model_dir: Path, tmp_path: Path) -> None:
     import torch
 
-    from cosyvoice_cpu.family_parts import load_reference
+    from cosyvoice_cpu.workshop.parts import load_reference
 
     d = _copy(tiny_model_dir, tmp_path / "hift")
     state = torch.load(d / "hift.pt", weights_only=True)
@@ -99,8 +99,8 @@ def test_one_loader_per_family_with_the_released_mel_defaults() -> None:
     """Every family of the facts table has parts; a yaml without ``feat_extractor`` gets the family's released
     values."""
     from cosyvoice_cpu.facts import FAMILIES, facts
-    from cosyvoice_cpu.family_parts import PARTS
     from cosyvoice_cpu.reference.model_dir import MelConfig
+    from cosyvoice_cpu.workshop.parts import PARTS
 
     assert tuple(PARTS) == FAMILIES and all(PARTS[name].facts.name == name for name in FAMILIES)
     released = {"cosyvoice": (1024, 22050, 256, 1024, 8000.0), "cosyvoice2": (1920, 24000, 480, 1920, 8000.0),

@@ -58,7 +58,7 @@ def _blank(d: Path) -> Path:
 def test_mismatch_names_keys_shapes_and_files(
     tiny_model_dir: Path, tmp_path: Path, breakage: Callable[[Path], None], expected: list[str]
 ) -> None:
-    from cosyvoice_cpu.family_parts import load_reference
+    from cosyvoice_cpu.workshop.parts import load_reference
 
     d = Path(shutil.copytree(tiny_model_dir, tmp_path / "mismatch"))
     breakage(d)

@@ -87,7 +87,7 @@ def test_refused_with_file_and_field(tmp_path: Path, config: dict[str, Any], mes
 
 def test_model_dir_reads_transformers5_config(tiny_model_dir: Path, tmp_path: Path) -> None:
     """End to end: read_model_config on a directory whose config.json was re-saved by transformers 5."""
-    from cosyvoice_cpu.family_parts import read_model_config
+    from cosyvoice_cpu.workshop.parts import read_model_config
 
     d = Path(shutil.copytree(tiny_model_dir, tmp_path / "t5"))
     path = d / "CosyVoice-BlankEN" / "config.json"

@@ -15,7 +15,7 @@ from cosyvoice_cpu.errors import ConfigError, ModelDirError
 
 
 def test_fixture_loads_strictly_with_v1_config(tiny_v1_model_dir: Path) -> None:
-    from cosyvoice_cpu.family_parts import load_reference
+    from cosyvoice_cpu.workshop.parts import load_reference
 
     names = sorted(p.name for p in tiny_v1_model_dir.iterdir())
     assert names == ["campplus.onnx", "cosyvoice.yaml", "flow.pt", "hift.pt", "llm.pt", "multilingual.tiktoken",
@@ -34,10 +34,10 @@ def test_fixture_loads_strictly_with_v1_config(tiny_v1_model_dir: Path) -> None:
 def test_full_size_yaml_gives_the_released_shapes(tmp_path: Path) -> None:
     """The full-size fixture yaml reads back as the released configuration; parameter counts as documented
     (310.7 M LM, 104.9 M flow of which 81.9 M estimator), built on the meta device (no memory)."""
-    from cosyvoice_cpu.family_parts import read_model_config
     from cosyvoice_cpu.fixtures.yaml.cosyvoice import V1Sizes, render_cosyvoice_yaml
     from cosyvoice_cpu.reference.flow.cosyvoice import FlowV1, FlowV1Config
     from cosyvoice_cpu.reference.lm.cosyvoice import TransformerLM, TransformerLMConfig
+    from cosyvoice_cpu.workshop.parts import read_model_config
 
     (tmp_path / "cosyvoice.yaml").write_text(render_cosyvoice_yaml(V1Sizes()))
     cfg = read_model_config(tmp_path)
@@ -69,8 +69,8 @@ def test_speakers(tiny_v1_model_dir: Path, tmp_path: Path) -> None:
 
 
 def test_lm_decodes_within_length_bounds_deterministically(tiny_v1_model_dir: Path) -> None:
-    from cosyvoice_cpu.family_parts import load_reference
     from cosyvoice_cpu.reference.sampling import torch_draw
+    from cosyvoice_cpu.workshop.parts import load_reference
 
     lm = load_reference(tiny_v1_model_dir, ("lm",)).lm
     text = torch.tensor([[50258, 400, 1000, 12]])
@@ -85,7 +85,7 @@ def test_lm_decodes_within_length_bounds_deterministically(tiny_v1_model_dir: Pa
 
 
 def test_flow_noise_and_cache_contract(tiny_v1_model_dir: Path) -> None:
-    from cosyvoice_cpu.family_parts import load_reference
+    from cosyvoice_cpu.workshop.parts import load_reference
 
     flow = load_reference(tiny_v1_model_dir, ("flow",)).flow
     g = torch.Generator().manual_seed(1)
@@ -104,7 +104,7 @@ def test_flow_noise_and_cache_contract(tiny_v1_model_dir: Path) -> None:
 
 
 def test_yaml_choices_we_do_not_implement_are_refused(tiny_v1_model_dir: Path, tmp_path: Path) -> None:
-    from cosyvoice_cpu.family_parts import read_model_config
+    from cosyvoice_cpu.workshop.parts import read_model_config
 
     original = (tiny_v1_model_dir / "cosyvoice.yaml").read_text()
     for old, new, message in [
@@ -127,7 +127,7 @@ def test_yaml_choices_we_do_not_implement_are_refused(tiny_v1_model_dir: Path, t
 
 def test_fixture_cli_determinism_and_family_sizes(tiny_v1_model_dir: Path, tmp_path: Path) -> None:
     from cosyvoice_cpu.cli.main import main
-    from cosyvoice_cpu.fixtures import writer as fx
+    from cosyvoice_cpu.workshop import fixture_writer as fx
 
     assert main(["fixture", "--family", "cosyvoice", "--out", str(tmp_path / "again")]) == 0
     for name in ("llm.pt", "flow.pt", "hift.pt", "spk2info.pt"):
@@ -140,9 +140,9 @@ def test_fixture_cli_determinism_and_family_sizes(tiny_v1_model_dir: Path, tmp_p
 
 
 def test_export_source_checks_and_text_pipeline_refusal(tiny_v1_model_dir: Path, tmp_path: Path) -> None:
-    from cosyvoice_cpu.export.exporter import ExportError, _export_tokenizer, check_source
-    from cosyvoice_cpu.family_parts import read_model_config
-    from cosyvoice_cpu.reference.pipeline import ReferencePipeline
+    from cosyvoice_cpu.workshop.exporter import ExportError, _export_tokenizer, check_source
+    from cosyvoice_cpu.workshop.parts import read_model_config
+    from cosyvoice_cpu.workshop.reference_pipeline import ReferencePipeline
 
     assert check_source(tiny_v1_model_dir).family == "cosyvoice"
     with pytest.raises(ModelDirError, match="pipeline supports cosyvoice2 only"):
@@ -153,7 +153,7 @@ def test_export_source_checks_and_text_pipeline_refusal(tiny_v1_model_dir: Path,
         check_source(d)
     (d / "flow.pt").unlink()
     with pytest.raises(ModelDirError, match=r"flow\.pt is missing"):
-        from cosyvoice_cpu.family_parts import load_reference
+        from cosyvoice_cpu.workshop.parts import load_reference
 
         load_reference(d)
     # a vocabulary larger than the LM's text table (e.g. the 25 Hz asset for a 300M model) is refused

@@ -24,13 +24,13 @@ def v3_lm_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def lm(v3_lm_dir):
-    from cosyvoice_cpu.family_parts import load_reference
+    from cosyvoice_cpu.workshop.parts import load_reference
 
     return load_reference(v3_lm_dir, stages=("lm",)).lm
 
 
 def test_config_of_a_v3_directory(v3_lm_dir: Path) -> None:
-    from cosyvoice_cpu.family_parts import read_model_config
+    from cosyvoice_cpu.workshop.parts import read_model_config
 
     cfg = read_model_config(v3_lm_dir)
     assert (cfg.family, cfg.sample_rate, cfg.token_frame_rate, cfg.token_mel_ratio) == ("cosyvoice3", 24000, 25, 2)
@@ -112,7 +112,7 @@ def test_tokenizer_specials_sit_at_the_real_ids(v3_lm_dir: Path) -> None:
 
 
 def test_a_yaml_mixing_families_is_a_precise_error(v3_lm_dir: Path, tmp_path: Path) -> None:
-    from cosyvoice_cpu.family_parts import read_model_config
+    from cosyvoice_cpu.workshop.parts import read_model_config
 
     d = tmp_path / "mixed"
     shutil.copytree(v3_lm_dir, d)
@@ -123,8 +123,8 @@ def test_a_yaml_mixing_families_is_a_precise_error(v3_lm_dir: Path, tmp_path: Pa
 
 
 def test_whole_tiny_fixture_writes_and_loads(tmp_path: Path) -> None:
-    from cosyvoice_cpu.family_parts import load_reference
-    from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
+    from cosyvoice_cpu.workshop.fixture_writer import FixtureSpec, write_fixture
+    from cosyvoice_cpu.workshop.parts import load_reference
 
     d = write_fixture(FixtureSpec("cosyvoice3", "tiny", 0), tmp_path / "v3")
     names = {p.name for p in d.iterdir()}

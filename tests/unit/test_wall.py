@@ -36,7 +36,7 @@ import numpy as np
 import cosyvoice_cpu
 runtime = [m.name for m in pkgutil.walk_packages(cosyvoice_cpu.__path__, "cosyvoice_cpu.")
            if not m.name.startswith(("cosyvoice_cpu.reference", "cosyvoice_cpu.export", "cosyvoice_cpu.fixtures",
-                                      "cosyvoice_cpu.family_parts"))
+                                      "cosyvoice_cpu.workshop"))
            and not m.name.endswith(".__main__")]
 for name in runtime:
     importlib.import_module(name)

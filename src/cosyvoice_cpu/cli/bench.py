@@ -92,8 +92,8 @@ def _task(model_dir: Path, task: str, threads: int, args: argparse.Namespace, **
 def cached_export_is_fresh(dst: Path, recipe: str) -> bool:
     """Whether ``dst`` is a loadable export with ``recipe``'s stages, written by the current graph-building code
     (a cache from before a recipe or exporter change must be exported again, not benchmarked as current)."""
-    from cosyvoice_cpu.export.exporter import export_code_digest
     from cosyvoice_cpu.export.quantize import parse_recipe
+    from cosyvoice_cpu.workshop.exporter import export_code_digest
 
     try:
         cached = Manifest.load(dst)
@@ -109,8 +109,8 @@ def resolve_model(args: argparse.Namespace) -> tuple[Path, Path | None, str]:
     if args.model is not None:
         return args.model, args.peer_from, str(args.model)
     need_export_extra()
-    from cosyvoice_cpu.export.exporter import ExportOptions, export_model
-    from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
+    from cosyvoice_cpu.workshop.exporter import ExportOptions, export_model
+    from cosyvoice_cpu.workshop.fixture_writer import FixtureSpec, write_fixture
 
     family = args.family
     src = cache_dir() / "fixtures" / f"{family}-full-seed0"

@@ -65,7 +65,7 @@ class IntermixedParser(argparse.ArgumentParser):
 
 def cmd_fixture(args: argparse.Namespace) -> int:
     need_export_extra()
-    from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
+    from cosyvoice_cpu.workshop.fixture_writer import FixtureSpec, write_fixture
 
     t0 = time.perf_counter()
     out = write_fixture(FixtureSpec(args.family, args.size, args.seed, args.variant), args.out, force=args.force)
@@ -87,8 +87,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from cosyvoice_cpu.fixtures.writer import FixtureSpec, write_fixture
-    from cosyvoice_cpu.reference.pipeline import Prompt, ReferencePipeline, write_wav
+    from cosyvoice_cpu.workshop.fixture_writer import FixtureSpec, write_fixture
+    from cosyvoice_cpu.workshop.reference_pipeline import Prompt, ReferencePipeline, write_wav
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -133,7 +133,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.src is None or args.dst is None:
         raise CosyVoiceCpuError("export needs --from OFFICIAL_DIR and --to MODEL_DIR")
     need_export_extra()
-    from cosyvoice_cpu.export.exporter import ExportOptions, export_model
+    from cosyvoice_cpu.workshop.exporter import ExportOptions, export_model
 
     if args.openvino_lm is not None and args.openvino == "none":
         raise CosyVoiceCpuError("--openvino-lm goes with --openvino int8|bf16 (the weights of the LM it also writes)")

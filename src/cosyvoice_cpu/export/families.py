@@ -2,7 +2,7 @@
 siblings of one base (:class:`ExportFamily`, whose defaults hold for every family).
 
 :mod:`.exporter` and :mod:`.stages` ask the family object of a source directory
-(:func:`cosyvoice_cpu.family_parts.export_family`, the family's row of the torch side's one table) and never
+(:func:`cosyvoice_cpu.workshop.parts.export_family`, the family's row of the torch side's one table) and never
 test a family's name:
 
 - :meth:`ExportFamily.required_files` / :meth:`ExportFamily.copied_onnx` / :meth:`ExportFamily.check_source`: what

@@ -263,7 +263,7 @@ class Hardware:
 
         ``graphs`` is the manifest's (key -> entry with ``precision`` and ``attrs``). Exports since the 7-bit
         change record ``attrs["int8_weight_bits"]``; older ones quantized the flow estimator with 7 bits and the
-        LM with 8 (export/stages.INT8_WEIGHT_BITS tells what saturation costs).
+        LM with 8 (workshop/export_stages.INT8_WEIGHT_BITS tells what saturation costs).
         """
         if self.cpu is None or self.cpu.vnni or not self.cpu.avx2:
             return None

@@ -1,6 +1,6 @@
 """How the reference reads each family's directory: one :class:`~cosyvoice_cpu.reference.model_dir.FamilyLoader`
 per family (its yaml's LM class, its released ``feat_extractor`` values, its stage-config reader and its module
-classes). :mod:`cosyvoice_cpu.family_parts` puts each in its family's row; a fixture writer uses its own family's
+classes). :mod:`cosyvoice_cpu.workshop.parts` puts each in its family's row; a fixture writer uses its own family's
 directly.
 """
 

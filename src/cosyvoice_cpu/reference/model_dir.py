@@ -4,8 +4,8 @@ The yaml is read as data (see :mod:`cosyvoice_cpu.reference.yamlconf`); nothing 
 loaded with ``weights_only=True`` and every module with ``strict=True`` (:mod:`.checkpoint`). Each family's loader
 (:mod:`.loaders`) says which LM class its yaml names, its released ``feat_extractor`` values, how its stage
 configs are read and which module classes it builds. Which family a directory holds is told by
-:func:`cosyvoice_cpu.family_parts.detect_family` from the yaml's *content* (older CosyVoice2-0.5B downloads ship
-``cosyvoice.yaml``); :func:`cosyvoice_cpu.family_parts.load_reference` detects and loads in one call.
+:func:`cosyvoice_cpu.workshop.parts.detect_family` from the yaml's *content* (older CosyVoice2-0.5B downloads ship
+``cosyvoice.yaml``); :func:`cosyvoice_cpu.workshop.parts.load_reference` detects and loads in one call.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ from cosyvoice_cpu.reference.flow.unet import Block1D, UNetEstimator
 logger = logging.getLogger(__name__)
 
 # fp32 gates (max |ort - torch| / max |torch|), measured with 1 thread on the tiny fixture: see the test module.
-# Dynamic int8 MatMul estimators need looser bounds: pass ``tolerance`` (export/stages.QUANT_TOLERANCE).
+# Dynamic int8 MatMul estimators need looser bounds: pass ``tolerance`` (workshop/export_stages.QUANT_TOLERANCE).
 TOLERANCE = {"encoder": 2e-5, "estimator": 5e-5, "mel": 1e-4}  # by check kind
 # (new tokens, prompt tokens) of the encoder gates: one stretch, head/mid/tail, 41 (2-frame middle), SFT
 ENCODER_CASES = ((30, 15), (57, 15), (41, 15), (45, 0))

@@ -52,7 +52,8 @@ from cosyvoice_cpu.reference.flow.dit import DiT, apply_rope
 logger = logging.getLogger(__name__)
 
 # fp32 gates (max |ort - torch| / max |torch|): see tests/export/test_flow_graph_cosyvoice3.py for the measured values.
-# Dynamic int8 (reduce_range) estimators need looser bounds: pass ``tolerance`` (export/stages.QUANT_TOLERANCE).
+# Dynamic int8 (reduce_range) estimators need looser bounds: pass ``tolerance``
+# (workshop/export_stages.QUANT_TOLERANCE).
 TOLERANCE = {"encoder": 1e-5, "estimator": 2e-5, "mel": 3e-5}  # by check kind (both estimators share one)
 
 

@@ -16,10 +16,10 @@ import numpy as np
 import torch
 
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
-from cosyvoice_cpu.family_parts import PARTS, detect_family, family_parts, load_reference
 from cosyvoice_cpu.reference.model_dir import ReferenceModel
 from cosyvoice_cpu.reference.sampling import SamplingConfig, torch_draw
 from cosyvoice_cpu.reference.tokenizer import QwenTextTokenizer
+from cosyvoice_cpu.workshop.parts import PARTS, detect_family, family_parts, load_reference
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class ReferencePipeline:
             raise ModelDirError(
                 f"{model_dir} is a {family} model; the reference text-to-speech pipeline supports "
                 f"{', '.join(runs)} only (its LM, flow and HiFT load with "
-                "cosyvoice_cpu.family_parts.load_reference)"
+                "cosyvoice_cpu.workshop.parts.load_reference)"
             )
         model = load_reference(model_dir)
         return cls(model, tokenizer(model.config.blank_en_dir))

@@ -25,9 +25,7 @@ from cosyvoice_cpu.errors import ConfigError, CosyVoiceCpuError, ExportError, Mi
 from cosyvoice_cpu.export.common import GateResult, GraphArtifact, replace_dir
 from cosyvoice_cpu.export.families import ExportFamily
 from cosyvoice_cpu.export.quantize import DEFAULT_RECIPE, Recipe, parse_recipe
-from cosyvoice_cpu.export.stages import export_stage_files, wants_openvino_lm
 from cosyvoice_cpu.facts import FAMILIES
-from cosyvoice_cpu.family_parts import detect_family, export_family, read_model_config
 from cosyvoice_cpu.lm_files import SPECIALS
 from cosyvoice_cpu.manifest import (
     FORMAT_VERSION,
@@ -39,6 +37,8 @@ from cosyvoice_cpu.manifest import (
     sha256_file,
 )
 from cosyvoice_cpu.reference.checkpoint import load_checkpoint
+from cosyvoice_cpu.workshop.export_stages import export_stage_files, wants_openvino_lm
+from cosyvoice_cpu.workshop.parts import detect_family, export_family, read_model_config
 
 logger = logging.getLogger(__name__)
 

@@ -2,12 +2,11 @@
 tokenizer of the reference pipeline, its export plan and its fixture writer.
 
 This module sits on a floor above the three: the per-family modules (``reference/{lm,flow,hift}/<family>.py``,
-:mod:`cosyvoice_cpu.reference.loaders`, :mod:`cosyvoice_cpu.export.families`,
-``fixtures/weights/<family>.py``) never import it; what reads it is what works on a directory of any family:
-:func:`load_reference` and :func:`detect_family` here, the exporter (:mod:`cosyvoice_cpu.export.exporter`,
-:mod:`cosyvoice_cpu.export.stages`), the fixture writer (:mod:`cosyvoice_cpu.fixtures.writer`) and the reference
-pipeline. Adding a family: a row of :mod:`cosyvoice_cpu.facts`, a module per stage that differs, and one line in
-:data:`PARTS`.
+:mod:`cosyvoice_cpu.reference.loaders`, :mod:`cosyvoice_cpu.export.families`, ``fixtures/weights/<family>.py``)
+never import it; what reads it is what works on a directory of any family, beside it in ``workshop/``:
+:func:`load_reference` and :func:`detect_family` here, the exporter (:mod:`.exporter`, :mod:`.export_stages`),
+the fixture writer (:mod:`.fixture_writer`) and the reference pipeline (:mod:`.reference_pipeline`). Adding a
+family: a row of :mod:`cosyvoice_cpu.facts`, a module per stage that differs, and one line in :data:`PARTS`.
 """
 
 from __future__ import annotations
@@ -37,8 +36,8 @@ class FamilyParts:
         loader: how the reference reads and builds its directories.
         export: what ``cosyvoice-cpu export`` does for it (files, graph modules per stage, manifest sections).
         fixture: how its random-weight fixtures are written.
-        tokenizer: the text tokenizer :class:`~cosyvoice_cpu.reference.pipeline.ReferencePipeline` runs it with,
-            or None where that pipeline does not run the family (its prompt rules are the runtime's alone).
+        tokenizer: the text tokenizer :class:`~cosyvoice_cpu.workshop.reference_pipeline.ReferencePipeline` runs it
+            with, or None where that pipeline does not run the family (its prompt rules are the runtime's alone).
     """
 
     loader: FamilyLoader

@@ -22,8 +22,8 @@ from cosyvoice_cpu.export.quantize import (
     quantize_int8_dynamic,
     quantize_nbits,
 )
-from cosyvoice_cpu.family_parts import export_family, load_reference
 from cosyvoice_cpu.lm_files import MIN_ROWS_KEY
+from cosyvoice_cpu.workshop.parts import export_family, load_reference
 
 logger = logging.getLogger(__name__)
 
