@@ -156,19 +156,20 @@ def test_a_bucketed_session_pads_with_masked_zeros_and_cuts_the_output() -> None
     assert inner.prepared == [estimator_shapes(bucket(650))]
 
 
-def _with_lm_ov(**attrs: object) -> dict[str, SimpleNamespace]:
+def _with_lm_ov(weights: str = "int4", **attrs: object) -> dict[str, SimpleNamespace]:
     graphs = _graphs()
-    graphs["lm_ov"] = _entry("lm.ov.xml", "int8", stateful=True, weights="int8", agreement=0.958, **attrs)
+    graphs["lm_ov"] = _entry("lm.ov.xml", weights, stateful=True, weights=weights, agreement=0.958, **attrs)
     return graphs
 
 
-def test_auto_puts_the_stateful_lm_on_openvino_on_a_bf16_cpu_without_the_padding_rule() -> None:
-    # no pad_exact in a stateful LM's attrs: the estimator's padding rule does not apply to it
-    plan = plan_backends(_with_lm_ov(), "auto", BF16, installed=True, memory=None, family="cosyvoice2")
+def test_auto_puts_the_int4_stateful_lm_on_openvino_on_a_bf16_cpu_without_the_padding_rule() -> None:
+    # no pad_exact in a stateful LM's attrs: the estimator's padding rule does not apply to it; nor the memory floor
+    plan = plan_backends(_with_lm_ov(), "auto", BF16, installed=True, memory=2 << 30, family="cosyvoice2")
     lm = plan["lm"]
     assert lm.backend == "openvino" and lm.key == "lm_ov" and lm.other_model
-    assert "lm.ov.xml (int8), stateful" in lm.reason and "0.958" in lm.reason and "AVX-512 BF16" in lm.reason
-    assert plan["flow_estimator"].backend == "openvino" and plan["flow_encoder"].backend == "onnxruntime"
+    assert "lm.ov.xml (int4), stateful" in lm.reason and "0.958" in lm.reason and "AVX-512 BF16" in lm.reason
+    assert "1.35x" in lm.reason
+    assert plan["flow_estimator"].backend == "onnxruntime" and plan["flow_encoder"].backend == "onnxruntime"
     assert "lm_ov" not in plan  # the OpenVINO models are no graphs of their own
     amx = plan_backends(_with_lm_ov(), "auto", AMX, installed=True, memory=None)["lm"]
     assert amx.backend == "openvino" and "AMX" in amx.reason
@@ -176,13 +177,19 @@ def test_auto_puts_the_stateful_lm_on_openvino_on_a_bf16_cpu_without_the_padding
     assert any(line.startswith("lm: openvino (OpenVINO model lm.ov.xml") for line in lines)
 
 
+def test_auto_keeps_the_int8_stateful_lm_on_onnxruntime_where_it_measured_no_faster() -> None:
+    for cpu in (BF16, AMX):
+        lm = plan_backends(_with_lm_ov("int8"), "auto", cpu, installed=True, memory=None)["lm"]
+        assert lm.backend == "onnxruntime" and lm.key == "lm" and "no faster" in lm.reason and "int4" in lm.reason
+    forced = plan_backends(_with_lm_ov("int8"), "openvino", BF16, installed=True)["lm"]
+    assert forced.backend == "openvino" and forced.key == "lm_ov"
+
+
 def test_the_stateful_lm_stays_on_onnxruntime_where_auto_says_why() -> None:
     avx2 = plan_backends(_with_lm_ov(), "auto", AVX2, installed=True, memory=None)["lm"]
     assert avx2.backend == "onnxruntime" and "neither AVX-512 BF16 nor AMX" in avx2.reason
     missing = plan_backends(_with_lm_ov(), "auto", BF16, installed=False, memory=None)["lm"]
     assert missing.backend == "onnxruntime" and "openvino is not installed" in missing.reason
-    small = plan_backends(_with_lm_ov(), "auto", BF16, installed=True, memory=2 << 30)["lm"]
-    assert small.backend == "onnxruntime" and "2.0 GiB" in small.reason and small.key == "lm"
     explicit = plan_backends(_with_lm_ov(), "onnxruntime", BF16, installed=True)["lm"]
     assert explicit.backend == "onnxruntime" and explicit.reason == "--backend onnxruntime"
     forced = plan_backends(_with_lm_ov(), "openvino", AVX2, installed=True)["lm"]  # --backend openvino: everywhere
@@ -193,7 +200,7 @@ def test_a_missing_openvino_lm_is_advised_only_for_the_families_that_can_have_on
     for family in ("cosyvoice2", "cosyvoice3"):
         lm = plan_backends(_graphs(), "auto", BF16, installed=True, memory=None, family=family)["lm"]
         assert lm.backend == "onnxruntime"
-        assert "--openvino int8" in lm.reason and "1.2x faster for four" in lm.reason and "int4" in lm.reason, lm.reason
+        assert "--openvino int8 --openvino-lm int4" in lm.reason and "1.35x" in lm.reason, lm.reason
     v1 = plan_backends(_graphs(), "auto", BF16, installed=True, memory=None, family="cosyvoice")["lm"]
     assert v1.reason == "no OpenVINO model of this graph in the directory"  # CosyVoice-300M's LM has none
     avx2 = plan_backends(_graphs(), "auto", AVX2, installed=True, memory=None, family="cosyvoice2")["lm"]
