@@ -79,3 +79,52 @@ def test_the_bench_says_the_lm_ran_on_openvino(tiny_ov_export_dir: Path) -> None
         engine.family.warming.join()
         engine.close()
     assert on == {"LM": "openvino", "flow estimator": "openvino", "the rest": "onnxruntime"}
+
+
+def test_the_engine_speaks_with_the_lm_on_openvino_through_the_scheduler(tiny_ov_export_dir: Path) -> None:
+    """A user's paths with the stateful LM: two streamed sentences at once through the LM scheduler (rows joining
+    and leaving one state, the voice's prefix cached), then a text stream fed piece by piece (text appended to a
+    live row). Same seeds, so the concurrent sentences are the ones spoken alone."""
+    import io
+    import threading
+
+    import numpy as np
+    import soundfile as sf
+
+    from cosyvoice_cpu.config import EngineConfig, SynthesisConfig
+    from cosyvoice_cpu.engine import Engine
+    from cosyvoice_cpu.lm.state_graph import StateCache
+
+    t = np.arange(2 * 16000) / 16000
+    buf = io.BytesIO()
+    sf.write(buf, (0.3 * np.sin(2 * np.pi * 150 * t)).astype(np.float32), 16000, format="WAV")
+    engine = Engine.load(tiny_ov_export_dir, EngineConfig(threads=1, backend="openvino", lm_batch_rows=2))
+    try:
+        assert engine.plan["lm"].backend == "openvino"
+        voice = engine.make_voice(buf.getvalue(), "Good morning everyone.")
+        config = SynthesisConfig(stream=True, seed=5, min_tokens=20, max_tokens=20)
+        texts = ["The valve on line three is open.", "Call the supervisor now."]
+
+        def speak(text: str) -> np.ndarray:
+            return np.concatenate([c.samples for c in engine.synthesize(text, voice, config)])
+
+        alone = [speak(x) for x in texts]
+        together: dict[int, np.ndarray] = {}
+        threads = [threading.Thread(target=lambda i=i: together.update({i: speak(texts[i])})) for i in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=300)
+        assert sorted(together) == [0, 1]
+        for a, b in zip(alone, [together[0], together[1]]):
+            assert len(a) == len(b) > 0 and np.isfinite(b).all()  # 20 tokens each, the same frames
+        stream = engine.open_text_stream(voice, SynthesisConfig(stream=True, seed=3))
+        for piece in ["The ala", "rm is ac", "tive. Ple", "ase check it."]:
+            stream.feed(piece)
+        stream.close()
+        wave = np.concatenate([c.samples for c in stream])
+        assert len(wave) > 0 and np.isfinite(wave).all()
+        assert isinstance(engine.lm.session.new_cache(1), StateCache)
+    finally:
+        engine.family.wait_warm()
+        engine.close()
