@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cosyvoice_cpu.audio.io import AudioSource
 from cosyvoice_cpu.backends.base import SessionConfig
 from cosyvoice_cpu.backends.plan import describe
 from cosyvoice_cpu.config import AudioChunk, EngineConfig, SynthesisConfig
@@ -152,9 +153,7 @@ class Engine:
 
     # ------------------------------------------------------------------ voices
 
-    def make_voice(
-        self, prompt: str | Path | np.ndarray | tuple[np.ndarray, int], prompt_text: str = "", name: str = "voice"
-    ) -> Voice:
+    def make_voice(self, prompt: AudioSource, prompt_text: str = "", name: str = "voice") -> Voice:
         """A :class:`~cosyvoice_cpu.voices.voice.Voice` from prompt audio and its transcript (see ``Frontend``).
 
         Raises ConfigError (besides the frontend's) when the prompt is too long to leave the LM's KV cache room

@@ -233,3 +233,29 @@ def test_audio_package_imports_without_torch(tmp_path: Path) -> None:
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_decoded_samples_with_their_rate_load_like_the_file_they_came_from(tmp_path) -> None:
+    """``(samples, sample_rate)``: float or integer PCM, mono or channels, as a numpy user holds audio; the same
+    samples written as a float wav load to the same array."""
+    from cosyvoice_cpu.audio.io import load_audio
+
+    rng = np.random.default_rng(0)
+    stereo = (0.3 * rng.standard_normal((22050, 2))).astype(np.float32)
+    sf.write(tmp_path / "a.wav", stereo, 22050, subtype="FLOAT")
+    want = load_audio(tmp_path / "a.wav", 16000)
+    np.testing.assert_allclose(load_audio((stereo, 22050), 16000), want, atol=1e-6)
+    pcm = (stereo[:, 0] * 32767).astype(np.int16)
+    np.testing.assert_allclose(load_audio((pcm, np.int64(16000)), 16000), pcm / 32768, atol=1e-6)
+    bad = [
+        ((stereo,), "integer rate"),
+        ((stereo, 0), "positive sample rate"),
+        ((stereo, 16000.0), "integer rate"),
+        ((np.zeros((0,), np.float32), 16000), "positive sample rate"),
+        ((np.array(["a"]), 16000), "numeric samples"),
+        ((np.full(100, np.nan, np.float32), 16000), "NaN"),
+        ((np.zeros(16000 * 40, np.float32), 16000), "at most 30 s"),
+    ]
+    for source, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            load_audio(source, 16000, max_seconds=30)

@@ -14,7 +14,8 @@ from cosyvoice_cpu.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-AudioSource = str | os.PathLike | bytes | bytearray | memoryview | BinaryIO
+# a path, a file's bytes, a binary file object, or decoded samples with their rate: ((N,) or (N, C), Hz)
+AudioSource = str | os.PathLike | bytes | bytearray | memoryview | BinaryIO | tuple[np.ndarray, int]
 
 PROMPT_MIN_SECONDS = 1.0
 PROMPT_MAX_SECONDS = 30.0  # the speech tokenizer's limit (the official frontend asserts it)
@@ -28,6 +29,8 @@ def _describe(source: AudioSource) -> str:
         return f"'{os.fspath(source)}'"
     if isinstance(source, (bytes, bytearray, memoryview)):
         return f"<{len(source)} bytes>"
+    if isinstance(source, tuple):
+        return f"<samples of shape {np.shape(source[0])} at {source[1]} Hz>" if len(source) == 2 else "<tuple>"
     return "<stream>"
 
 
@@ -92,6 +95,8 @@ def load_audio(source: AudioSource, target_sr: int, max_seconds: float | None = 
     if target_sr <= 0:
         raise ConfigError(f"target_sr must be a positive sample rate, got {target_sr}")
     name = _describe(source)
+    if isinstance(source, tuple):
+        return _samples(source, name, target_sr, max_seconds)
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if not path.is_file():
@@ -106,7 +111,10 @@ def load_audio(source: AudioSource, target_sr: int, max_seconds: float | None = 
     elif hasattr(source, "read"):
         handle = source
     else:
-        raise ConfigError(f"load_audio takes a path, bytes or a binary file object, not {type(source).__name__}")
+        raise ConfigError(
+            "load_audio takes a path, bytes, a binary file object or (samples, sample_rate), not "
+            f"{type(source).__name__}"
+        )
     if max_seconds is not None:
         try:
             info = sf.info(handle)
@@ -133,6 +141,29 @@ def load_audio(source: AudioSource, target_sr: int, max_seconds: float | None = 
         "loaded %s: %d ch, %d Hz, %d samples -> %d at %d Hz", name, data.shape[1], sr, len(mono), len(out), target_sr
     )
     return np.ascontiguousarray(out, dtype=np.float32)
+
+
+def _samples(source: tuple[np.ndarray, int], name: str, target_sr: int, max_seconds: float | None) -> np.ndarray:
+    """Decoded audio ``(samples, sample_rate)``: float in [-1, 1] or integer PCM (scaled by its type's range),
+    (N,) or (N, C) -> mono float32 at ``target_sr``."""
+    if len(source) != 2 or isinstance(source[1], bool) or not isinstance(source[1], (int, np.integer)):
+        raise ConfigError(f"decoded audio is (samples, sample_rate) with an integer rate, got {name}")
+    data, sr = np.asarray(source[0]), int(source[1])
+    if sr <= 0 or data.ndim not in (1, 2) or data.shape[0] == 0 or data.dtype.kind not in "fiu":
+        raise ConfigError(f"audio {name}: give (N,) or (N, channels) numeric samples and a positive sample rate")
+    if max_seconds is not None and data.shape[0] / sr > max_seconds + 0.05:
+        raise ConfigError(
+            f"audio {name} is {data.shape[0] / sr:.1f} s long; at most {max_seconds:.0f} s are accepted here: "
+            "cut a shorter clip"
+        )
+    if data.dtype.kind in "iu":
+        info = np.iinfo(data.dtype)
+        data = (data.astype(np.float64) - (info.max + info.min + 1) / 2) / ((info.max - info.min + 1) / 2)
+    data = data.astype(np.float32).reshape(data.shape[0], -1)
+    if not np.all(np.isfinite(data)):
+        raise ConfigError(f"audio {name} contains NaN or infinite samples")
+    mono = data.mean(axis=1, dtype=np.float32) if data.shape[1] > 1 else data[:, 0]
+    return np.ascontiguousarray(resample(mono, sr, int(target_sr)), dtype=np.float32)
 
 
 def write_wav(path: str | os.PathLike, samples: np.ndarray, sr: int, subtype: str = "PCM_16") -> Path:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
+from cosyvoice_cpu.audio.io import AudioSource
 
 if TYPE_CHECKING:
     from cosyvoice_cpu.config import AudioChunk, SynthesisConfig
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from cosyvoice_cpu.manifest import Manifest
     from cosyvoice_cpu.voices.voice import Voice
 
-PromptAudio = str | Path | np.ndarray | tuple[np.ndarray, int]
+PromptAudio = AudioSource  # a path, bytes, a binary file object, or (samples, sample_rate)
 
 
 class SpokenTextStream(Protocol):
