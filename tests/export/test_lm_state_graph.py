@@ -20,18 +20,22 @@ MAX_LEN = 96
 RTOL = 1e-4  # f32 inference and an f32 state against ONNX Runtime's fp32 graph
 
 
-@pytest.fixture(scope="module")
-def lm_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """(model directory with lm.onnx and lm.ov.xml of the same fp32 weights, the LM attrs)."""
-    from cosyvoice_cpu.export.lm.cosyvoice2 import export_lm
+@pytest.fixture(scope="module", params=["cosyvoice2", "cosyvoice3"])
+def lm_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """(model directory with lm.onnx and lm.ov.xml of the same fp32 weights, the LM attrs), per Qwen2-LM family."""
+    from cosyvoice_cpu.export.lm import cosyvoice2, cosyvoice3
     from cosyvoice_cpu.export.lm.openvino_stateful import export_stateful_lm
     from cosyvoice_cpu.workshop.parts import load_reference
 
-    lm = load_reference(tiny_model_dir, stages=("lm",)).lm.eval()
+    fixture, export_lm = {
+        "cosyvoice2": ("tiny_model_dir", cosyvoice2.export_lm),
+        "cosyvoice3": ("tiny_v3_model_dir", cosyvoice3.export_lm),
+    }[request.param]
+    lm = load_reference(request.getfixturevalue(fixture), stages=("lm",)).lm.eval()
     out = tmp_path_factory.mktemp("lm_state")
-    (artifact,) = export_lm(lm, out, max_len=MAX_LEN)
+    artifacts = export_lm(lm, out, max_len=MAX_LEN)
     export_stateful_lm(lm, out, weights="none")
-    return out, artifact.attrs
+    return out, next(a for a in artifacts if a.key == "lm").attrs
 
 
 @pytest.fixture()
