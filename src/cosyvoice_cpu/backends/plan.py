@@ -47,7 +47,8 @@ EXPORT_OPENVINO = "cosyvoice-cpu export --from OFFICIAL_DIR --to MODEL_DIR --ope
 OV_GAIN = {
     "flow_estimator": "OpenVINO ran the whole-sentence flow 1.3-1.85x faster",
     "lm": "OpenVINO's int4 LM decoded 1.35x faster than ONNX Runtime's int8w in the engine (end to end 1.17x, "
-    "less memory; argmax agreement as ORT int4's, docs/quantization.md) on an AVX-512 BF16 Zen 4",
+    "less memory) on an AVX-512 BF16 Zen 4, at int4's cost in argmax agreement, which the export prints: check it "
+    "(on random weights Fun-CosyVoice3's LM lost far more than CosyVoice2's, docs/quantization.md)",
 }
 # The export command that writes each graph's OpenVINO model in the form ``auto`` runs
 OV_EXPORT = {"flow_estimator": EXPORT_OPENVINO, "lm": EXPORT_OPENVINO + " --openvino-lm int4"}
