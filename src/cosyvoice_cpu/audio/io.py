@@ -122,21 +122,32 @@ def load_audio(source: AudioSource, target_sr: int, max_seconds: float | None = 
                 handle.seek(0)
         except (sf.LibsndfileError, RuntimeError, TypeError) as e:
             raise undecodable(name, e) from e
-        if info.samplerate > 0 and info.frames / info.samplerate > max_seconds + 0.05:
-            raise ConfigError(
-                f"audio {name} is {info.frames / info.samplerate:.1f} s long; at most {max_seconds:.0f} s are "
-                "accepted here: cut a shorter clip"
-            )
+        if info.samplerate > 0:
+            _check_length(name, info.frames / info.samplerate, max_seconds)
     try:
         data, sr = sf.read(handle, dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, TypeError) as e:
         raise undecodable(name, e) from e
     if data.shape[0] == 0:
         raise ConfigError(f"audio {name} holds no samples; record or export the prompt again")
+    return _mono(data, int(sr), name, target_sr, "; re-export it as 16-bit PCM")
+
+
+def _check_length(name: str, seconds: float, max_seconds: float | None) -> None:
+    """ConfigError when audio of ``seconds`` is longer than ``max_seconds`` (None: no bound)."""
+    if max_seconds is not None and seconds > max_seconds + 0.05:
+        raise ConfigError(
+            f"audio {name} is {seconds:.1f} s long; at most {max_seconds:.0f} s are accepted here: cut a shorter clip"
+        )
+
+
+def _mono(data: np.ndarray, sr: int, name: str, target_sr: int, fix: str = "") -> np.ndarray:
+    """float32 samples (N, C) at ``sr`` -> mono float32 (M,) at ``target_sr``; ConfigError (ending in ``fix``) for
+    NaN or infinite samples."""
     if not np.all(np.isfinite(data)):
-        raise ConfigError(f"audio {name} contains NaN or infinite samples; re-export it as 16-bit PCM")
+        raise ConfigError(f"audio {name} contains NaN or infinite samples{fix}")
     mono = data.mean(axis=1, dtype=np.float32) if data.shape[1] > 1 else data[:, 0]
-    out = resample(mono, int(sr), int(target_sr))
+    out = resample(mono, sr, int(target_sr))
     logger.debug(
         "loaded %s: %d ch, %d Hz, %d samples -> %d at %d Hz", name, data.shape[1], sr, len(mono), len(out), target_sr
     )
@@ -151,19 +162,11 @@ def _samples(source: tuple[np.ndarray, int], name: str, target_sr: int, max_seco
     data, sr = np.asarray(source[0]), int(source[1])
     if sr <= 0 or data.ndim not in (1, 2) or data.shape[0] == 0 or data.dtype.kind not in "fiu":
         raise ConfigError(f"audio {name}: give (N,) or (N, channels) numeric samples and a positive sample rate")
-    if max_seconds is not None and data.shape[0] / sr > max_seconds + 0.05:
-        raise ConfigError(
-            f"audio {name} is {data.shape[0] / sr:.1f} s long; at most {max_seconds:.0f} s are accepted here: "
-            "cut a shorter clip"
-        )
+    _check_length(name, data.shape[0] / sr, max_seconds)
     if data.dtype.kind in "iu":
         info = np.iinfo(data.dtype)
         data = (data.astype(np.float64) - (info.max + info.min + 1) / 2) / ((info.max - info.min + 1) / 2)
-    data = data.astype(np.float32).reshape(data.shape[0], -1)
-    if not np.all(np.isfinite(data)):
-        raise ConfigError(f"audio {name} contains NaN or infinite samples")
-    mono = data.mean(axis=1, dtype=np.float32) if data.shape[1] > 1 else data[:, 0]
-    return np.ascontiguousarray(resample(mono, sr, int(target_sr)), dtype=np.float32)
+    return _mono(data.astype(np.float32).reshape(data.shape[0], -1), sr, name, target_sr)
 
 
 def write_wav(path: str | os.PathLike, samples: np.ndarray, sr: int, subtype: str = "PCM_16") -> Path:

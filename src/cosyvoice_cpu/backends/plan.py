@@ -182,15 +182,15 @@ def _auto(entry: GraphEntry, cpu: CpuInfo | None, installed: bool, memory: int |
             f"{what} present, but this CPU has neither AVX-512 BF16 nor AMX: OpenVINO's gain is "
             "bf16/VNNI, its f32 is no faster than ONNX Runtime"
         )
-    if not entry.attrs.get("stateful", False) and not entry.attrs.get("pad_exact", False):  # padded graphs only
+    if entry.attrs.get("stateful", False):  # the LM: never padded, its own rule
+        return _auto_lm(entry, what, _isa(cpu))
+    if not entry.attrs.get("pad_exact", False):
         return ONNXRUNTIME, (
             f"{what} present, but padding changes this graph's output (pad_exact false: it "
             "would run unpadded, each sentence length compiled anew; a CosyVoice-300M export "
             "from before its masked GroupNorm, or one without the gate: re-export) "
             "(--backend openvino to use it anyway)"
         )
-    if entry.attrs.get("stateful", False):
-        return _auto_lm(entry, what, "AMX" if cpu.amx else "AVX-512 BF16")
     if memory is not None and memory < OV_MIN_MEMORY:
         return ONNXRUNTIME, (
             f"{what} present, but only {memory / 2**30:.1f} GiB of memory is available and it holds more than ONNX "
@@ -212,7 +212,7 @@ def _auto_lm(entry: GraphEntry, what: str, isa: str) -> tuple[str, str]:
     if entry.attrs.get("weights", entry.precision) != "int4":
         return ONNXRUNTIME, (
             f"{what} present, but OpenVINO's int8 LM was no faster than ONNX Runtime's int8w in the engine (one "
-            "stream, AVX-512 BF16 Zen 4: 46 against 56 tokens/s, streamed RTF 1.93 against 1.68; not measured on "
+            "stream, AVX-512 BF16 Zen 4: equal decode steps, streamed RTF 1.93 against 1.68; not measured on "
             "AMX yet) (--backend openvino to use it anyway; export --openvino-lm int4 for the fast one)"
         )
     return OPENVINO, (

@@ -127,8 +127,7 @@ class StateCache(LMCache):
         if row in self.slots:
             self.gone.add(row)
         if not self.live:  # nothing left: an empty state costs no call
-            self.state.reset()
-            self.slots, self.mask, self.gone = [], np.zeros((0, 0), np.int64), set()
+            self._empty()
 
     def read(self, row: int, n: int) -> np.ndarray:
         self.check_row(row)
@@ -200,7 +199,7 @@ class StateCache(LMCache):
         side, n, s = self._side, int(self.lengths[row]), len(embeds)
         side.reset()
         if n:
-            side.write({name: contents[row][i % 2, i // 2][None] for i, name in enumerate(self.names)})
+            side.write(self._tensors([contents[row]])[0])
         feeds = {
             "inputs_embeds": np.asarray(embeds, np.float32)[None],
             "attention_mask": np.ones((1, n + s), np.int64),
@@ -233,20 +232,30 @@ class StateCache(LMCache):
         rows = [r for r in sorted(contents) if contents[r].shape[3]]
         self.lengths[:] = 0
         if not rows:
-            self.state.reset()
-            self.slots, self.mask, self.gone = [], np.zeros((0, 0), np.int64), set()
+            self._empty()
             return
-        s, p = self.spec, max(contents[r].shape[3] for r in rows)
-        tensors = {name: np.zeros((len(rows), s.kv_heads, p, s.head_dim), np.float32) for name in self.names}
-        mask = np.zeros((len(rows), p), np.int64)
-        for b, r in enumerate(rows):
-            n = contents[r].shape[3]
-            for i, name in enumerate(self.names):
-                tensors[name][b, :, :n] = contents[r][i % 2, i // 2]
-            mask[b, :n] = 1
-            self.lengths[r] = n
+        tensors, mask = self._tensors([contents[r] for r in rows])
+        self.lengths[rows] = mask.sum(axis=1)
         self.state.write(tensors)
         self.slots, self.mask, self.gone = rows, mask, set()
+
+    def _tensors(self, entries: list[np.ndarray]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """State tensors holding ``entries`` (each (2, L, Hkv, n, Dh)) as batch rows, each row's positions first
+        and zeros after (the inverse of :meth:`_entries`); and their mask (rows, P)."""
+        s, p = self.spec, max(kv.shape[3] for kv in entries)
+        tensors = {name: np.zeros((len(entries), s.kv_heads, p, s.head_dim), np.float32) for name in self.names}
+        mask = np.zeros((len(entries), p), np.int64)
+        for b, kv in enumerate(entries):
+            n = kv.shape[3]
+            for i, name in enumerate(self.names):  # names: layer 0 keys, layer 0 values, layer 1 keys, ...
+                tensors[name][b, :, :n] = kv[i % 2, i // 2]
+            mask[b, :n] = 1
+        return tensors, mask
+
+    def _empty(self) -> None:
+        """No row in the state: the next call starts from the graph's empty state."""
+        self.state.reset()
+        self.slots, self.mask, self.gone = [], np.zeros((0, 0), np.int64), set()
 
 
 def _stateful(cache: LMCache) -> StateCache:
