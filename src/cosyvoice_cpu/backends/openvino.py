@@ -263,8 +263,8 @@ class OpenVinoSession(GraphSession):
     def ran(self) -> None:
         """After a call: the first call of a compile repacks the weights it reads from the IR's ``.bin`` into the
         compiled model (for bf16 or int8 kernels) and never reads those pages again, so they are given back then
-        too, with those of a blob the compile loaded from the model cache (``release_weight_pages``; the full-size
-        int8 LM: 346 MB)."""
+        too, with those of a blob the compile loaded from the model cache (``release_weight_pages``; measured:
+        docs/backends.md, "The LM on OpenVINO")."""
         if self._fresh and self._weights is not None:
             self._fresh = False
             released = release_file_pages(self._weights) + (release_dir_pages(self._cache) if self._cache else 0)

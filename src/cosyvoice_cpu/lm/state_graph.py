@@ -66,8 +66,8 @@ class StateGraph(LMGraph):
 
     def _warm(self) -> None:
         """Compile the model and run a prefill and a step of zeros on a throwaway request, at load: the first call
-        of each kind makes its kernels (about half a second for the full-size LM), which the first request would
-        otherwise wait for."""
+        of each kind makes its kernels, which the first request would otherwise wait for (measured: docs/backends.md,
+        "The LM on OpenVINO")."""
         cache = self.new_cache(1)
         cache.prefill(0, np.zeros((2, self.spec.hidden), np.float32))
         cache.step([0], np.zeros((1, self.spec.hidden), np.float32))
