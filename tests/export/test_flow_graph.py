@@ -242,6 +242,41 @@ def test_whole_sentences_run_on_the_stream_graph(flow_dir: Path) -> None:
     assert rel_err(padded[:1], mel[:1]) < 1e-5 and rel_err(padded[1:, :, :40], mel[1:, :, :40]) > 1e-4
 
 
+class _Keeping:
+    """An estimator session of a backend that keeps (or not) its largest call's working memory; records each
+    call's ``release_memory``."""
+
+    def __init__(self, session, keeps: bool) -> None:
+        self.session, self.keeps_working_memory, self.released = session, keeps, []
+
+    def get_inputs(self):
+        return self.session.get_inputs()
+
+    def get_outputs(self):
+        return self.session.get_outputs()
+
+    def run(self, names, feeds, release_memory: bool = False):
+        self.released.append(release_memory)
+        return self.session.run(names, feeds)
+
+
+@pytest.mark.parametrize("keeps", [True, False])
+def test_a_sentence_gives_the_estimator_s_working_memory_back_where_the_backend_keeps_it(
+    flow_dir: Path, keeps: bool
+) -> None:
+    """On a backend that keeps each graph's largest working memory (OpenVINO), the last Euler step of a sentence
+    gives it back, so the longest sentence met does not set the process's size; ONNX Runtime's pooled arena is
+    left as it was (no call releases)."""
+    rng = np.random.default_rng(2)
+    mu, cond = rng.standard_normal((1, 80, 33)).astype(np.float32), np.zeros((1, 80, 33), np.float32)
+    spks = rng.standard_normal((1, 80)).astype(np.float32)
+    stage = CosyVoice2Flow.from_dir(flow_dir, threads=1, streaming=False)
+    want = stage.solve(mu, spks, cond, n_timesteps=4)
+    session = stage._sessions["whole"] = _Keeping(stage.estimator, keeps)
+    np.testing.assert_array_equal(stage.solve(mu, spks, cond, n_timesteps=4), want)
+    assert session.released == [False, False, False, keeps]
+
+
 def test_stage_rejects_bad_inputs_and_graphs(stage: CosyVoice2Flow, flow_dir: Path) -> None:
     with pytest.raises(ValueError, match="at most pre_lookahead_len"):
         stage.encode([1, 2, 3], [], np.zeros(192, np.float32), context=[1, 2, 3, 4])

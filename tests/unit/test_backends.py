@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,6 +139,68 @@ def test_one_dynamic_compile_is_renewed_after_too_many_shapes(tmp_path: Path, fp
     assert ov_sess.compiles == 2  # 56 and 40 on the new compile: under the bound
     with pytest.raises(ConfigError, match="dynamic_shapes must be >= 1"):
         OpenVinoSession(opened._core, opened._model, opened._properties, 0, "estimator", dynamic_shapes=0)
+
+
+class _Compiled:
+    """A compiled model that counts ``release_memory`` calls; with ``hold``, the next request made stays inside
+    its call (``entered`` set) until ``go`` is set."""
+
+    def __init__(self, compiled: object) -> None:
+        self.compiled, self.releases, self.hold = compiled, 0, False
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def create_infer_request(self) -> object:
+        request, held, owner = self.compiled.create_infer_request(), self.hold, self
+        self.hold = False
+
+        class Request:
+            def infer(self, feeds: dict) -> None:
+                request.infer(feeds)
+                if held:
+                    owner.entered.set()
+                    owner.go.wait(10)
+
+            def get_tensor(self, name: str) -> object:
+                return request.get_tensor(name)
+
+        return Request()
+
+    def release_memory(self) -> None:
+        self.releases += 1
+
+
+def test_openvino_gives_a_call_s_working_memory_back_once_no_call_runs(tmp_path: Path, fp32_estimator: Path) -> None:
+    """A compiled model keeps the intermediate buffers of its largest call: ``release_memory`` gives them back
+    (``CompiledModel.release_memory``), never while another call of the session is running, and the outputs are
+    those of a plain call. The seam says which backends keep that memory (the flow asks it)."""
+    pytest.importorskip("openvino")
+    from cosyvoice_cpu.backends.openvino import OpenVino
+
+    sess = OpenVino(cache_dir=tmp_path / "ov-cache", precision="f32").open(fp32_estimator, SessionConfig(threads=1))
+    assert sess.keeps_working_memory and not open_graph(fp32_estimator, SessionConfig(threads=1)).keeps_working_memory
+    rng = np.random.default_rng(0)
+    f = {k: rng.standard_normal((2, 80, 40)).astype(np.float32) for k in ("x", "mu", "cond")}
+    f.update(mask=np.ones((2, 1, 40), np.float32), t=np.full(2, 0.4, np.float32), spks=np.ones((2, 80), np.float32))
+    sess.run(None, f)  # (the first call of a dynamic compile of this fused-op graph is not compared: above)
+    want = sess.run(None, f)[0]
+    fake = sess._compiled[()] = _Compiled(sess._compiled[()])
+    fake.hold = True
+    slow = threading.Thread(target=sess.run, args=(None, f))
+    slow.start()
+    assert fake.entered.wait(10)  # a call in flight
+    got = sess.run(None, f, release_memory=True)[0]
+    assert fake.releases == 0  # not while the other call runs
+    fake.go.set()
+    slow.join(10)
+    assert np.array_equal(got, want)
+    np.testing.assert_array_equal(sess.run(None, f, release_memory=True)[0], want)
+    assert fake.releases == 1
+    sess.run(None, f)
+    assert fake.releases == 1
+    bucketed = OpenVino(cache_dir=tmp_path / "ov-cache", precision="f32").open(
+        fp32_estimator, SessionConfig(threads=1, padding=ESTIMATOR_PADDING)
+    )
+    assert bucketed.keeps_working_memory
 
 
 def test_the_lm_cache_runs_in_place_through_the_session() -> None:

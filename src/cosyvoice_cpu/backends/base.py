@@ -114,6 +114,14 @@ class GraphSession(ABC):
         """Whether the graph keeps state between calls (read and written through :meth:`open_state`)."""
         return False
 
+    @property
+    def keeps_working_memory(self) -> bool:
+        """Whether the working memory of this graph's largest call stays with the graph until a call with
+        ``release_memory`` gives it back (OpenVINO: each compiled model's intermediate buffers, which no other graph
+        reuses). False where the backend pools that memory across graphs (ONNX Runtime's one arena, which the next
+        graph's call reuses)."""
+        return False
+
     def open_state(self) -> ModelState:
         """A new inference request of this stateful graph, with an empty state of its own."""
         raise ConfigError("this graph keeps no state between calls; it has no ModelState to open")

@@ -76,6 +76,10 @@ class BucketedSession(GraphSession):
     def metadata(self) -> dict[str, str]:
         return self.session.metadata()
 
+    @property
+    def keeps_working_memory(self) -> bool:
+        return self.session.keeps_working_memory
+
     def run(
         self, output_names: list[str] | None, feeds: Mapping[str, np.ndarray], release_memory: bool = False
     ) -> list[np.ndarray]:

@@ -9,18 +9,15 @@ A :class:`OpenVinoSession` compiles its model in one of two ways (``max_shapes``
   :data:`DYNAMIC_SHAPES` different shapes have run on one compile, which gives their kernels back. The padded
   estimator's buckets stay under that bound and never recompile.
 - ``N > 0``: per input shape, on first use, at most N compiled shapes kept in memory (least recently used first
-  out). A static shape runs somewhat faster, but every compiled shape holds its own copy of everything, about
-  as much as the one dynamic model whatever the frame count (measured: docs/backends.md, "Shapes, compiles and
-  memory").
+  out): faster per call, but each holds its own copy of everything (docs/backends.md, "Shapes, compiles and memory").
 
-With ``cache_dir`` set, OpenVINO's model cache keeps each compiled model on disk, so it compiles once per machine
-and loads faster afterwards. The number of shapes stays bounded where a graph may be padded: opened with
-``SessionConfig.padding``, the session pads every call to a shape bucket (:mod:`cosyvoice_cpu.backends.buckets`);
-``prepare`` compiles the likely shapes ahead of use.
+With ``cache_dir`` set, OpenVINO's model cache keeps each compiled model on disk (one compile per machine).
+Opened with ``SessionConfig.padding``, the session pads every call to a shape bucket
+(:mod:`cosyvoice_cpu.backends.buckets`); ``prepare`` compiles the likely shapes ahead of use.
 
-OpenVINO memory-maps an IR's ``.bin``; compiling repacks the weights into the compiled model, after which the
-mapped pages are not read again until the next compile. With ``SessionConfig.release_weight_pages`` the kernel is
-asked to reclaim them after each compile (as ONNX Runtime's ``.data`` pages after a session is built).
+Memory: the mapped ``.bin`` pages are given back after a compile and its first call
+(``SessionConfig.release_weight_pages``), and a compiled model's intermediate buffers, which stay at the size of
+its largest call, after a call with ``release_memory``.
 
 The inference precision follows the CPU: bf16 where it has AVX-512 BF16 or AMX, f32 elsewhere (where OpenVINO
 gains nothing over ONNX Runtime and the plan does not choose it). A stateful model (the LM) computes in f32 with an
@@ -69,15 +66,9 @@ DYNAMIC_SHAPES = 24
 # OpenVINO's usage-telemetry package, hidden while ``openvino`` is imported (import_openvino)
 TELEMETRY_MODULE = "openvino_telemetry"
 _IMPORT_LOCK = threading.Lock()
+ONNX_TYPES = ("float", "float16", "int64", "int32", "bfloat16", "bool")
 # OpenVINO element type names -> the ONNX type strings the graph contracts are written in
-_TYPES = {
-    "f32": "tensor(float)",
-    "f16": "tensor(float16)",
-    "i64": "tensor(int64)",
-    "i32": "tensor(int32)",
-    "bf16": "tensor(bfloat16)",
-    "boolean": "tensor(bool)",
-}
+_TYPES = {k: f"tensor({v})" for k, v in zip(("f32", "f16", "i64", "i32", "bf16", "boolean"), ONNX_TYPES, strict=True)}
 
 
 @dataclass(frozen=True)
@@ -100,18 +91,12 @@ def _nodes(ports: Iterable[ov.Output]) -> list[Node]:
 def import_openvino() -> ModuleType:
     """``openvino``, imported without the usage telemetry its import sends.
 
-    ``import openvino`` imports ``openvino.tools.ovc``, whose ``__init__`` sends a usage event through the
-    ``openvino_telemetry`` package (unless ``CI=true`` or the user declined in ``~/intel/openvino_telemetry``). The
-    event is posted from a thread pool, and on Linux from a ``multiprocessing`` child made with ``fork()`` in that
-    thread. A fork runs every ``pthread_atfork`` handler of the process, and OpenBLAS's (NumPy's BLAS) shuts its
-    worker threads down, even while another thread is inside a threaded matrix product: that thread then waits
-    for the workers forever (docs/backends.md, "Threads, forks and the compile at load"). The forked
-    child is also a copy of a process running ONNX Runtime's and TBB's threads, and the event phones home from a
-    gateway whose user never asked for it.
-
-    While ``openvino`` imports, ``openvino_telemetry`` is hidden (``sys.modules`` entry None), so ``ovc`` takes the
-    stub it ships for installs without the package; afterwards the package is importable again (NNCF uses it at
-    export time). Nothing is hidden when the process imported either package before: that choice was its own.
+    ``import openvino`` imports ``openvino.tools.ovc``, which posts a usage event through ``openvino_telemetry`` from a
+    ``fork()``-ed child; a fork runs OpenBLAS's ``pthread_atfork`` handler, which can leave another thread's matrix
+    product waiting forever (docs/backends.md, "Threads, forks and the compile at load"), and the event phones home
+    from a gateway whose user never asked. While ``openvino`` imports, ``openvino_telemetry`` is hidden
+    (``sys.modules`` entry None), so ``ovc`` takes its stub; afterwards the package is importable again (NNCF uses
+    it at export time). Nothing is hidden when the process imported either package before: its own choice.
     """
     with _IMPORT_LOCK:
         loaded = sys.modules.get("openvino")
@@ -164,6 +149,7 @@ class OpenVinoSession(GraphSession):
         self._lock = threading.Lock()
         self._compile_lock = threading.Lock()  # one compile at a time: concurrent misses of a shape compile it once
         self.compiles = 0
+        self._running = 0  # calls in flight (release_memory waits for none)
         self._fresh = False  # a compile has not run yet: its first call repacks the weights
 
     def get_inputs(self) -> list[NodeInfo]:
@@ -261,10 +247,8 @@ class OpenVinoSession(GraphSession):
         return compiled
 
     def ran(self) -> None:
-        """After a call: the first call of a compile repacks the weights it reads from the IR's ``.bin`` into the
-        compiled model (for bf16 or int8 kernels) and never reads those pages again, so they are given back then
-        too, with those of a blob the compile loaded from the model cache (``release_weight_pages``; measured:
-        docs/backends.md, "The LM on OpenVINO")."""
+        """After a call: a compile's first call repacks the weights, so the pages of the IR's ``.bin`` and of a
+        cached blob are given back then too (``release_weight_pages``; docs/backends.md, "The LM on OpenVINO")."""
         if self._fresh and self._weights is not None:
             self._fresh = False
             released = release_file_pages(self._weights) + (release_dir_pages(self._cache) if self._cache else 0)
@@ -275,22 +259,36 @@ class OpenVinoSession(GraphSession):
         not pay the compile; the compiled model joins the in-memory LRU like one made by :meth:`run`."""
         self.compiled(shapes)
 
+    @property
+    def keeps_working_memory(self) -> bool:
+        return True
+
     def run(
         self, output_names: list[str] | None, feeds: Mapping[str, np.ndarray], release_memory: bool = False
     ) -> list[np.ndarray]:
-        """Outputs (all, or ``output_names``) as NumPy arrays, like ONNX Runtime's ``run``. ``release_memory`` is a
-        no-op: the CPU plugin keeps no arena that grows with a call (what it keeps per input shape is bounded by
-        the recompiles of the module docstring)."""
+        """Outputs (all, or ``output_names``) as NumPy arrays, like ONNX Runtime's ``run``. The compiled model keeps
+        the intermediate buffers of its largest call (across calls and requests); ``release_memory`` gives them
+        back once no other call of this session is running (``CompiledModel.release_memory``)."""
         missing = [n.name for n in self._inputs if n.name not in feeds]
         if missing:
             raise ConfigError(f"{self.name}: inputs {missing} are not fed")
         arrays = {n.name: np.asarray(feeds[n.name], order="C") for n in self._inputs}  # 0-d stays 0-d
         compiled = self.compiled({k: a.shape for k, a in arrays.items()})
-        request = compiled.create_infer_request()  # one per call: concurrent callers never share one
-        request.infer(arrays)
-        self.ran()
-        names = output_names or [n.name for n in self._outputs]
-        return [np.array(request.get_tensor(name).data, copy=True) for name in names]
+        with self._lock:
+            self._running += 1
+        try:
+            request = compiled.create_infer_request()  # one per call: concurrent callers never share one
+            request.infer(arrays)
+            self.ran()
+            names = output_names or [n.name for n in self._outputs]
+            outs = [np.array(request.get_tensor(name).data, copy=True) for name in names]
+            del request
+        finally:
+            with self._lock:  # a call starting now waits here, so none runs while the buffers go
+                self._running -= 1
+                if release_memory and not self._running:
+                    compiled.release_memory()
+        return outs
 
 
 class OpenVinoState(ModelState):

@@ -101,6 +101,10 @@ class _Recorder:
     def get_outputs(self) -> list[Any]:
         return self.session.get_outputs()
 
+    @property
+    def keeps_working_memory(self) -> bool:
+        return self.session.keeps_working_memory
+
     def run(self, names: Any, feeds: dict[str, Any], options: Any = None) -> list[Any]:
         self.feeds.append({k: np.array(v, copy=True) for k, v in feeds.items()})
         return self.session.run(names, feeds, options)

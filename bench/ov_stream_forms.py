@@ -1,0 +1,162 @@
+"""The CosyVoice2 stream estimator at the chunk plan's shapes: ONNX Runtime's shipped graph against OpenVINO forms.
+
+    python bench/ov_stream_forms.py export --from OFFICIAL_DIR --work WORK
+    python bench/ov_stream_forms.py speed --ort MODEL_DIR --work WORK [--forms ort,ov-bf16,ov-int8] [--prompt 150]
+
+``export`` traces the stream estimator of a full-size official CosyVoice2 directory in its plain form (attention
+as MatMul/Softmax, as the whole-sentence OpenVINO model is) to ``WORK/stream_plain.onnx``, converts it to OpenVINO
+(``stream_bf16.ov.xml``: float16 weights, bf16 compute) and quantizes it with NNCF (``stream_int8.ov.xml``: the
+transformer preset, calibrated on chunk feeds of random normal values; a speed form, not a quality one).
+
+``speed`` runs each form in its own process over the shapes a streamed sentence meets with the default chunk plan
+(first chunk 10 tokens = 20 frames, doubling to 50 tokens = 100 frames, 25 tokens = 50 frames of context; CFG batch
+2): per shape the first call and the median of 6 more, then the process RSS. ``ort`` is ``MODEL_DIR``'s
+``flow_estimator_stream.onnx`` (the int8 recipes' graph, float16 caches); ``ov-*-static`` compiles one model per
+shape instead of one dynamic compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from cosyvoice_cpu.hardware.pages import status_mb
+
+# (new frames, context frames) of a 10 s sentence's chunks under the default plan (the last one shorter)
+SHAPES = ((20, 0), (40, 20), (80, 50), (100, 50), (60, 50))
+LAYERS, WIDTH, CONV = 56, 256, 8256
+
+
+def feeds_for(n: int, c: int, p: int, half: bool, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    cache = np.float16 if half else np.float32
+    f = {
+        "x": rng.standard_normal((2, 80, n)),
+        "mu": rng.standard_normal((2, 80, n)),
+        "cond": rng.standard_normal((2, 80, n)),
+        "spks": rng.standard_normal((2, 80)),
+        "t": rng.random(2),
+        "conv_state": rng.standard_normal((2, CONV, 2)),
+    }
+    f = {k: v.astype(np.float32) for k, v in f.items()}
+    f["prompt_h"] = rng.standard_normal((LAYERS, 2, p, WIDTH)).astype(cache)
+    f["context_h"] = rng.standard_normal((LAYERS, 2, c, WIDTH)).astype(cache)
+    f["keep_frames"] = np.array(min(n, 50), np.int64)
+    return f
+
+
+def export(args: argparse.Namespace) -> None:
+    import nncf
+
+    from cosyvoice_cpu.backends.openvino import import_openvino
+    from cosyvoice_cpu.export.flow.cosyvoice2_stream import export_stream_estimator
+    from cosyvoice_cpu.workshop.parts import load_reference
+
+    ov = import_openvino()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    plain = work / "stream_plain.onnx"
+    if not plain.exists():
+        flow = load_reference(args.src, ("flow",)).flow.eval()
+        export_stream_estimator(flow.decoder.estimator, plain)
+        del flow
+    model = ov.convert_model(str(plain))
+    ov.save_model(model, str(work / "stream_bf16.ov.xml"), compress_to_fp16=True)
+    rng = np.random.default_rng(0)
+    samples = [feeds_for(n, c, args.prompt, False, rng) for n, c in SHAPES for _ in range(2)]
+    q = nncf.quantize(model, nncf.Dataset(samples), subset_size=len(samples), model_type=nncf.ModelType.TRANSFORMER)
+    ov.save_model(q, str(work / "stream_int8.ov.xml"), compress_to_fp16=True)
+    print("written", sorted(p.name for p in work.glob("stream_*")))
+
+
+def child(args: argparse.Namespace) -> None:
+    form, threads = args.form, args.threads
+    rng = np.random.default_rng(0)
+    if form == "ort":
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        path = str(Path(args.ort) / "flow_estimator_stream.onnx")
+        sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+        half = next(i.type for i in sess.get_inputs() if i.name == "prompt_h") == "tensor(float16)"
+
+        def runner(n: int, c: int):
+            return lambda f: sess.run(None, f)
+    else:
+        from cosyvoice_cpu.backends.openvino import import_openvino
+
+        ov = import_openvino()
+        core = ov.Core()
+        half = False
+        kind = form.split("-")[1]
+        props = {"INFERENCE_PRECISION_HINT": "bf16", "INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY"}
+        model_path = str(Path(args.work) / f"stream_{kind}.ov.xml")
+        dynamic = None if form.endswith("-static") else core.compile_model(model_path, "CPU", props)
+
+        def runner(n: int, c: int):
+            if dynamic is not None:
+                req = dynamic.create_infer_request()
+            else:
+                m = core.read_model(model_path)
+                shapes = {k: v.shape for k, v in feeds_for(n, c, args.prompt, False, rng).items()}
+                m.reshape({m.input(k).get_any_name(): list(s) for k, s in shapes.items()})
+                req = core.compile_model(m, "CPU", props).create_infer_request()
+            return lambda f: req.infer(f)
+
+    out = {"form": form, "prompt": args.prompt, "shapes": []}
+    total = 0.0
+    for n, c in SHAPES:
+        f = feeds_for(n, c, args.prompt, half, rng)
+        run = runner(n, c)
+        t0 = time.perf_counter()
+        run(f)
+        first = time.perf_counter() - t0
+        times = []
+        for _ in range(6):
+            t0 = time.perf_counter()
+            run(f)
+            times.append(time.perf_counter() - t0)
+        med = statistics.median(times)
+        total += med
+        out["shapes"].append({"n": n, "c": c, "first_ms": round(first * 1000), "median_ms": round(med * 1000, 1)})
+    out["sum_median_ms"] = round(total * 1000, 1)
+    out["rss_mb"] = round(status_mb("VmRSS") or 0)
+    out["hwm_mb"] = round(status_mb("VmHWM") or 0)
+    print(json.dumps(out))
+
+
+def speed(args: argparse.Namespace) -> None:
+    for form in args.forms.split(","):
+        cmd = [sys.executable, __file__, "child", "--form", form, "--ort", args.ort, "--work", args.work,
+               "--prompt", str(args.prompt), "--threads", str(args.threads)]  # fmt: skip
+        print(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("export")
+    e.add_argument("--from", dest="src", required=True)
+    e.add_argument("--work", required=True)
+    e.add_argument("--prompt", type=int, default=150)
+    for name in ("speed", "child"):
+        s = sub.add_parser(name)
+        s.add_argument("--ort", required=True)
+        s.add_argument("--work", required=True)
+        s.add_argument("--forms", default="ort,ov-bf16,ov-int8")
+        s.add_argument("--form")
+        s.add_argument("--prompt", type=int, default=150)
+        s.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    {"export": export, "speed": speed, "child": child}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
