@@ -211,9 +211,10 @@ def _auto_lm(entry: GraphEntry, what: str, isa: str) -> tuple[str, str]:
     agreed = "" if agreement is None else f", greedy agreement with the ONNX LM {agreement:.3f} at export"
     if entry.attrs.get("weights", entry.precision) != "int4":
         return ONNXRUNTIME, (
-            f"{what} present, but OpenVINO's int8 LM was no faster than ONNX Runtime's int8w in the engine (one "
-            "stream, AVX-512 BF16 Zen 4: equal decode steps, streamed RTF 1.93 against 1.68; not measured on "
-            "AMX yet) (--backend openvino to use it anyway; export --openvino-lm int4 for the fast one)"
+            f"{what} present, but OpenVINO's int8 LM was no faster than ONNX Runtime's int8w in the engine "
+            "(AVX-512 BF16 Zen 4, alternated: a decode step 1.17x slower for one stream, streamed sentences "
+            "1.04-1.13x faster, 4 rows 1.14-1.21x faster; not measured on AMX yet) (--backend openvino to use it "
+            "anyway; export --openvino-lm int4 for the fast one)"
         )
     return OPENVINO, (
         f"{what}, stateful{agreed}; the CPU has {isa}: OpenVINO's int4 LM decoded 1.35x faster than ONNX Runtime's "
