@@ -66,9 +66,12 @@ DYNAMIC_SHAPES = 24
 # OpenVINO's usage-telemetry package, hidden while ``openvino`` is imported (import_openvino)
 TELEMETRY_MODULE = "openvino_telemetry"
 _IMPORT_LOCK = threading.Lock()
-ONNX_TYPES = ("float", "float16", "int64", "int32", "bfloat16", "bool")
 # OpenVINO element type names -> the ONNX type strings the graph contracts are written in
-_TYPES = {k: f"tensor({v})" for k, v in zip(("f32", "f16", "i64", "i32", "bf16", "boolean"), ONNX_TYPES, strict=True)}
+_OV_TYPES, _ONNX_TYPES = (
+    ("f32", "f16", "i64", "i32", "bf16", "boolean"),
+    ("float", "float16", "int64", "int32", "bfloat16", "bool"),
+)
+_TYPES = {k: f"tensor({v})" for k, v in zip(_OV_TYPES, _ONNX_TYPES, strict=True)}
 
 
 @dataclass(frozen=True)
