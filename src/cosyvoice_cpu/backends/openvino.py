@@ -285,7 +285,7 @@ class OpenVinoSession(GraphSession):
             self.ran()
             names = output_names or [n.name for n in self._outputs]
             outs = [np.array(request.get_tensor(name).data, copy=True) for name in names]
-            del request
+            del request  # before release_memory: a live request keeps its own buffers
         finally:
             with self._lock:  # a call starting now waits here, so none runs while the buffers go
                 self._running -= 1
