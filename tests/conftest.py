@@ -24,14 +24,6 @@ def tiny_v1_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def full_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The full-size CosyVoice2 fixture (random weights, real shapes; ~2.5 GB, about a minute to write)."""
-    from cosyvoice_cpu.workshop.fixture_writer import FixtureSpec, write_fixture
-
-    return write_fixture(FixtureSpec("cosyvoice2", "full", 0), tmp_path_factory.mktemp("fixtures") / "full")
-
-
-@pytest.fixture(scope="session")
 def tiny_export_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny fixture exported with the default recipe (a deployable model directory)."""
     from cosyvoice_cpu.workshop.exporter import ExportOptions, export_model
