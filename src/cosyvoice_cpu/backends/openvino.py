@@ -67,11 +67,8 @@ DYNAMIC_SHAPES = 24
 TELEMETRY_MODULE = "openvino_telemetry"
 _IMPORT_LOCK = threading.Lock()
 # OpenVINO element type names -> the ONNX type strings the graph contracts are written in
-_OV_TYPES, _ONNX_TYPES = (
-    ("f32", "f16", "i64", "i32", "bf16", "boolean"),
-    ("float", "float16", "int64", "int32", "bfloat16", "bool"),
-)
-_TYPES = {k: f"tensor({v})" for k, v in zip(_OV_TYPES, _ONNX_TYPES, strict=True)}
+_TYPES = {"f32": "tensor(float)", "f16": "tensor(float16)", "i64": "tensor(int64)", "i32": "tensor(int32)",
+          "bf16": "tensor(bfloat16)", "boolean": "tensor(bool)"}  # fmt: skip
 
 
 @dataclass(frozen=True)

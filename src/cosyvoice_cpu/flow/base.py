@@ -317,11 +317,11 @@ class FlowStage(ABC):
         # a backend that keeps each graph's largest working memory (OpenVINO) gives it back after the sentence's
         # last step: otherwise the longest sentence met sets the process's size for its life (docs/backends.md)
         release = estimator.keeps_working_memory
-        for k, time_feed in enumerate(self.time_feeds(estimator, schedule, rows * b)):
+        for k, ((_, dt), time_feed) in enumerate(zip(schedule, self.time_feeds(estimator, schedule, rows * b))):
             feeds["x"] = np.concatenate([x] * rows) if rows > 1 else x
             feeds.update(time_feed)
             v = estimator.run(None, feeds, release and k == len(schedule) - 1)[0]
-            x = x + schedule[k][1] * guide(v, cfg_rate, b)
+            x = x + dt * guide(v, cfg_rate, b)
         return x
 
     def solver_params(self, n_timesteps: int | None, cfg_rate: float | None) -> tuple[int, float]:
