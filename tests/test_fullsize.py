@@ -2,8 +2,9 @@
 released model's parameter counts (bench/fullsize_check.py), and it exports with the default recipe, every gate
 passing, and the runtime runs it.
 
-Both tests share one module-scoped fixture that is deleted when the module ends: it is 3.4 GB on disk, and a suite
-that kept it (and every passing test's ``tmp_path``) until the session ended once filled the CI machine's disk.
+Both tests share one module-scoped fixture that is deleted when the module ends: it is the suite's largest
+directory, and a suite that kept it (and every passing test's ``tmp_path``) until the session ended once filled the
+CI machine's disk (docs/benchmarks-log.md, "2026-12-04 (night)").
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ print(json.dumps({"shape": list(b.shape), "finite": bool(np.isfinite(b).all())})
 
 @pytest.fixture(scope="module")
 def full_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The full-size CosyVoice2 fixture (random weights, real shapes; 3.4 GB, about a minute to write)."""
+    """The full-size CosyVoice2 fixture (random weights, real shapes; gigabytes, about a minute to write)."""
     from cosyvoice_cpu.workshop.fixture_writer import FixtureSpec, write_fixture
 
     root = tmp_path_factory.mktemp("fixtures")

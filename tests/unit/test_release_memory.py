@@ -2,8 +2,8 @@
 its regions after every session closed, until a run with arena shrinkage (``registry.release_idle_memory``).
 
 Measured in a fresh interpreter: in the test process the arena's regions hold whatever earlier tests left in
-them (a CI run once freed nothing there, 1898 MB before and after, when the suite's order changed), so the RSS
-difference would say more about the order of the suite than about the release.
+them (a CI run once saw the release free nothing there after the suite's order changed; docs/benchmarks-log.md,
+"2026-12-04 (night)"), so the RSS difference would say more about the order of the suite than about the release.
 """
 
 from __future__ import annotations
