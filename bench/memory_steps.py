@@ -5,10 +5,12 @@
 
 Runs the steps of ``cosyvoice-cpu bench``'s single task in its order (load and register the voice, the LM alone,
 the 4-row LM batch, a whole sentence at default quality, one at the fast preset, the streamed 8-character
-sentence, the streamed 10 s sentence) and prints, after each, the current RSS, the peak so far (``VmHWM``),
-what the step added to the peak, and the memory glibc's malloc holds free in its heaps (``mallinfo2``: freed
-but not returned to the OS; "-" where glibc lacks it). Speed is not measured here; ``cosyvoice-cpu bench``
-measures the same task's peak in its own process (its "peak RSS of the whole engine" row).
+sentence, the streamed 10 s sentence), then a whole sentence again (a server serving both modes meets one after
+streams: with a second backend's estimator open by then, that can be where it peaks), and prints after each the
+current RSS, the peak so far (``VmHWM``), what the step added to the peak, and the memory glibc's malloc holds
+free in its heaps (``mallinfo2``: freed but not returned to the OS; "-" where glibc lacks it). Speed is not
+measured here; ``cosyvoice-cpu bench`` measures the task's peak in its own process (its "peak RSS of the whole
+engine" row), without the last step.
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ def main() -> None:
             lambda: first_audio(state["engine"], state["voice"], SHORT_TEXT, args.short_tokens, runs),
         ),
         ("streamed, 10 s", lambda: first_audio(state["engine"], state["voice"], TEXT, n, runs)),
+        # not in the bench's task: a server that serves both modes meets whole sentences after streams too
+        ("whole, after streams", lambda: measure_e2e(state["engine"], state["voice"], n, runs)),
     ]
     print(f"{'step':24s} {'RSS MB':>8s} {'peak MB':>8s} {'+peak':>6s} {'malloc free MB':>15s}")
     last = 0.0

@@ -292,6 +292,15 @@ def test_stage_rejects_bad_inputs_and_graphs(stage: CosyVoice2Flow, flow_dir: Pa
         CosyVoice2Flow(flow_dir / "nope.onnx", flow_dir / FILES["flow_estimator"])
 
 
+def test_a_graph_passes_the_check_by_any_of_its_roles_contracts(flow_dir: Path) -> None:
+    from cosyvoice_cpu.flow.graphs import ENCODER_IO, ESTIMATOR_IO, open_checked
+
+    encoder = flow_dir / FILES["flow_encoder"]
+    assert open_checked(encoder, 1, ESTIMATOR_IO, ENCODER_IO).get_inputs()  # the alternative fits
+    with pytest.raises(ModelDirError, match="missing input x"):  # none fits: the first contract's complaint
+        open_checked(encoder, 1, ESTIMATOR_IO, ESTIMATOR_IO)
+
+
 _CPU = read_cpuinfo()
 # Without VNNI (an AVX2-only CPU such as a Zen 3 EPYC) ORT's u8s8 GEMM sums pairs of u8 x s8 products in int16
 # (vpmaddubsw), which saturates with full 8-bit weights: velocity 8.7-12 % there (0.6-3.6 % with VNNI). That is

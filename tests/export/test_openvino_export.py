@@ -138,6 +138,9 @@ def test_the_other_families_export_a_gated_bf16_model(family: str, request: pyte
     assert "lm_ov" not in m.graphs and not (out / "lm.ov.xml").exists()
     entry = m.graphs["flow_estimator_ov"]
     assert entry.precision == "bf16"
+    # Fun-CosyVoice3's DiT takes its time table in t's place: the AdaLN weights stay out of the OpenVINO model
+    time_input = "modulation" if family == "cosyvoice3" else "t"
+    assert [i["name"] for i in entry.inputs] == ["x", "mask", "mu", time_input, "spks", "cond"]
     # the DiT masks padded frames out; the CosyVoice-300M UNet's OpenVINO form takes its GroupNorm statistics
     # over the real frames (the official graph pools over padded ones), so both pad to buckets
     assert entry.attrs["pad_exact"] is True
@@ -147,7 +150,39 @@ def test_the_other_families_export_a_gated_bf16_model(family: str, request: pyte
     assert engine.flow.whole is not None and engine.flow.whole.pad is True
     voice = next(iter(engine.builtin_voices().values()), None) or _voice(engine)
     assert len(engine.synthesize_wav("Hello there.", voice)) > 0
+    assert time_input in {i.name for i in engine.flow.estimator.get_inputs()}
     engine.close()
+
+
+def test_a_fun_cosyvoice3_openvino_dit_that_takes_t_still_runs(tiny_v3_model_dir: Path, tmp_path: Path) -> None:
+    # the OpenVINO DiT of an export before it took the time table has the official contract; the stage asks the
+    # graph which input it takes, so both forms give the same mel
+    import openvino as ov
+
+    from cosyvoice_cpu.export.flow.cosyvoice3 import EstimatorGraphV3
+    from cosyvoice_cpu.export.openvino_graphs import export_plain_estimator
+    from cosyvoice_cpu.flow.cosyvoice3 import CosyVoice3Flow
+    from cosyvoice_cpu.flow.graphs import ShapedGraph
+    from cosyvoice_cpu.workshop.parts import load_reference
+
+    out = tmp_path / "ov"
+    export_model(tiny_v3_model_dir, out, ExportOptions(max_len=1024, openvino="bf16", openvino_lm="none"))
+    est = load_reference(tiny_v3_model_dir, ("flow",)).flow.decoder.estimator.eval()
+    export_plain_estimator(EstimatorGraphV3(est), tmp_path / "t_form.onnx")
+    ov.save_model(ov.convert_model(str(tmp_path / "t_form.onnx")), str(out / "t_form.ov.xml"))
+    attrs = Manifest.load(out).graphs["flow_estimator_stream"].attrs
+    rng = np.random.default_rng(3)
+    args = dict(tokens=rng.integers(0, 6561, 40), prompt_tokens=rng.integers(0, 6561, 20),
+                prompt_feat=rng.standard_normal((40, 80)).astype(np.float32),
+                embedding=rng.standard_normal(192).astype(np.float32))  # fmt: skip
+    mels = {}
+    for name, time_input in (("flow_estimator.ov.xml", "modulation"), ("t_form.ov.xml", "t")):
+        stage = CosyVoice3Flow.from_dir(out, attrs, threads=2, streaming=False, whole=ShapedGraph(out / name))
+        assert time_input in {i.name for i in stage.estimator.get_inputs()}
+        mels[time_input] = stage.inference(**args)
+    ref = CosyVoice3Flow.from_dir(out, attrs, threads=2).inference(**args)  # ORT: the stream graph, fp32
+    for mel in mels.values():
+        assert mel.shape == ref.shape and float(np.abs(mel - ref).mean()) < 0.02  # bf16, the gate's bound
 
 
 def test_the_v1_openvino_graph_pads_exactly_where_the_official_one_does_not(tiny_v1_model_dir: Path) -> None:

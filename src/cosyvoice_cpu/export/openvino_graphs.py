@@ -7,19 +7,22 @@ for every family. What runs it is :mod:`cosyvoice_cpu.backends.openvino`, chosen
 
 - The graph is the estimator in its plain form (attention as MatMul/Softmax, not ONNX Runtime's fused
   ``com.microsoft`` ops, which OpenVINO expands into a graph that takes far more memory to compile: measured in
-  docs/benchmarks-log.md, "2026-12-03: the CosyVoice2 flow estimator on OpenVINO"), exported
-  with the official contract (x, mask, mu, t, spks, cond -> estimator_out) and converted by OpenVINO. Weights are
-  stored in float16 (half the file); the CPU plugin computes in bf16 where the CPU has it.
+  docs/benchmarks-log.md, "2026-12-03: the CosyVoice2 flow estimator on OpenVINO"), exported with the official
+  contract (x, mask, mu, t, spks, cond -> estimator_out) and converted by OpenVINO. Fun-CosyVoice3's DiT takes
+  the step's time table (``modulation``) in t's place, so its AdaLN weights (42 % of the DiT's) stay out of the
+  compiled model (``export.flow.cosyvoice3.TableEstimatorGraphV3``; the runtime computes the table once per
+  schedule). Weights are stored in float16 (half the file); the CPU plugin computes in bf16 where the CPU has it.
 - ``int8``: NNCF post-training quantization (int8 weights and activations, the bf16 rest), calibrated on the flow's
-  own inputs: the estimator feeds of whole flow runs of the fp32 ONNX graphs, x_t along the Euler path at every
-  step, real-length masks and a voice prompt whose mel is the flow's own output (:func:`flow_samples`).
-- The gate (:func:`gate_openvino`) runs on held-out sentences: the estimator output against the fp32 ONNX
-  graph, the whole flow's mel (mean absolute log-mel difference, the measure ``docs/quantization.md`` bounds by
-  0.02 for every shipped variant), and whether a call padded to its bucket equals the unpadded one (recorded as
-  the ``pad_exact`` attr, measured in fp32 on the plain graph; False makes the runtime never pad). The
-  CosyVoice-300M UNet's GroupNorm pools over padded frames in the official graph; its OpenVINO form takes the
-  statistics over the real frames only (``export.flow.cosyvoice.MaskedBlock1D``: the same function unpadded), so it pads
-  like the others.
+  own inputs: the estimator feeds of whole flow runs on the plain form in fp32 (:func:`plain_stage`), x_t along
+  the Euler path at every step, real-length masks and a voice prompt whose mel is the flow's own output
+  (:func:`flow_samples`).
+- The gate (:func:`gate_openvino`) runs on held-out sentences: the estimator output against the plain form in
+  fp32, the whole flow's mel against the fp32 ONNX flow (mean absolute log-mel difference, the measure
+  ``docs/quantization.md`` bounds by 0.02 for every shipped variant), and whether a call padded to its bucket
+  equals the unpadded one (recorded as the ``pad_exact`` attr, measured in fp32 on the plain graph; False makes
+  the runtime never pad). The CosyVoice-300M UNet's GroupNorm pools over padded frames in the official graph; its
+  OpenVINO form takes the statistics over the real frames only (``export.flow.cosyvoice.MaskedBlock1D``: the same
+  function unpadded), so it pads like the others.
 
 NNCF and OpenVINO are imported only here, at export time (``pip install 'cosyvoice-cpu[openvino-export]'``).
 """
@@ -34,10 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from cosyvoice_cpu.backends.base import SessionConfig
+from cosyvoice_cpu.backends.base import ONNXRUNTIME, SessionConfig
 from cosyvoice_cpu.backends.buckets import BucketedSession, bucket
 from cosyvoice_cpu.backends.openvino import OpenVino, import_openvino
-from cosyvoice_cpu.backends.registry import open_graph
 from cosyvoice_cpu.errors import ExportError, MissingExtraError
 from cosyvoice_cpu.export.common import GateResult, GraphArtifact, TensorSpec, gate, torch_export
 from cosyvoice_cpu.facts import facts
@@ -76,16 +78,24 @@ def check_extra(variant: str) -> None:
 
 def export_plain_estimator(estimator_graph: Any, path: Path) -> None:
     """Trace ``estimator_graph`` (a family's ``EstimatorGraph*`` around the reference estimator, outside
-    ``export_forms``: plain attention) to ONNX under the official contract, batch and time dynamic."""
+    ``export_forms``: plain attention) to ONNX under the official contract, batch and time dynamic. A graph whose
+    ``time_input`` is not ``t`` (Fun-CosyVoice3's DiT takes its time table, ``modulation``) takes that input in
+    t's place, as its ``time_feed(t)`` makes it, with no dynamic axis (the rows of a call share t)."""
     import torch
 
     from cosyvoice_cpu.export.flow.common import estimator_inputs
 
-    args = tuple(torch.from_numpy(v) for v in estimator_inputs(np.random.default_rng(0), [71, 60], 71).values())
-    names = ["x", "mask", "mu", "t", "spks", "cond"]
+    feeds = {k: torch.from_numpy(v) for k, v in estimator_inputs(np.random.default_rng(0), [71, 60], 71).items()}
+    time_input = getattr(estimator_graph, "time_input", "t")
     axes: dict[str, dict[int, str]] = {n: {0: "batch", 2: "time"} for n in ("x", "mask", "mu", "cond")}
-    axes.update(t={0: "batch"}, spks={0: "batch"}, estimator_out={0: "batch", 2: "time"})
+    axes.update(spks={0: "batch"}, estimator_out={0: "batch", 2: "time"})
+    names = [time_input if n == "t" else n for n in feeds]
     with torch.inference_mode():
+        if time_input == "t":
+            axes["t"] = {0: "batch"}
+        else:
+            feeds["t"] = estimator_graph.time_feed(feeds["t"])
+        args = tuple(feeds.values())
         torch_export(estimator_graph, args, path, input_names=names, output_names=["estimator_out"], dynamic_axes=axes)
 
 
@@ -119,6 +129,13 @@ def flow_stage(
 
     stage_cls = CLASSES[family].flow_stage
     return stage_cls.from_dir(out, attrs, threads=SessionConfig(threads=threads), streaming=False, whole=whole)
+
+
+def plain_stage(out: Path, family: str, attrs: dict[str, Any], plain: Path) -> Any:
+    """The family's runtime flow stage with whole sentences on ``plain`` (the fp32 ONNX form of the function the
+    OpenVINO model is converted from) on ONNX Runtime, unpadded: its estimator is fed exactly what the OpenVINO
+    model will be (Fun-CosyVoice3's takes the time table where the official graph takes t)."""
+    return flow_stage(out, family, attrs, whole=ShapedGraph(plain, ONNXRUNTIME, pad=False))
 
 
 def voiced_prompt(sample_rate: int, f0: float, seconds: float = PROMPT_SECONDS, seed: int = 0) -> np.ndarray:
@@ -256,19 +273,19 @@ def quantize_int8(model: Any, samples: list[dict[str, np.ndarray]]) -> Any:
 def gate_openvino(
     out: Path, family: str, attrs: dict[str, Any], variant: str, seed: int, plain: Path
 ) -> tuple[list[GateResult], bool]:
-    """Check the OpenVINO model in ``out`` against the fp32 ONNX estimator on held-out sentences; returns the
-    gate results and ``pad_exact``, measured on ``plain``: the fp32 ONNX form of the function the OpenVINO model
-    was converted from (for CosyVoice-300M not the official graph: its GroupNorm statistics are masked)."""
+    """Check the OpenVINO model in ``out`` on held-out sentences (the module docstring); returns the gate results
+    and ``pad_exact``. ``plain``: the fp32 ONNX form of the function the OpenVINO model was converted from."""
 
     tol = TOLERANCE[variant]
     ref = flow_stage(out, family, attrs)
     mel_cfg = attrs.get("mel")
     steps = len(ref.schedule(ref.settings.n_timesteps))
-    feeds = flow_samples(ref, family, mel_cfg, HELD_OUT_TOKENS[:1], HELD_OUT_F0[:1], seed + 200)[steps // 2]
+    on_plain = plain_stage(out, family, attrs, plain)
+    feeds = flow_samples(on_plain, family, mel_cfg, HELD_OUT_TOKENS[:1], HELD_OUT_F0[:1], seed + 200)[steps // 2]
     # pad_exact is the model's property (how it treats masked frames), so it is measured in fp32 (ONNX Runtime)
     # on the plain form, not in bf16, where a padded shape's other blocking alone moves the output by more than
     # PAD_EXACT
-    fp32 = open_graph(plain, SessionConfig(threads=1))
+    fp32 = on_plain.estimator
     short = feeds  # a length that pads (not a bucket's own size)
     if bucket(int(feeds["x"].shape[2])) == feeds["x"].shape[2]:
         short = {k: (v[:, :, :-8] if v.ndim == 3 else v) for k, v in feeds.items()}
@@ -291,7 +308,7 @@ def gate_openvino(
         l1 = float(np.abs(mel_ov - mel_ref).mean())
         voice = "the flow's own mel" if HELD_OUT_F0[i % len(HELD_OUT_F0)] is None else "a voiced prompt"
         results.append(GateResult(KEY, f"mel_l1 ({len(args['tokens'])} tokens after {voice})", l1, tol["mel_l1"]))
-    want = ref.estimator.run(None, feeds)[0]
+    want = fp32.run(None, feeds)[0]
     got = ov_stage.estimator.run(None, feeds)[0]
     results.append(gate(KEY, "estimator (one call, mid-path)", got, want, tol["estimator"]))
     for r in results:
@@ -325,7 +342,7 @@ def export_openvino(
     model = ov.convert_model(str(plain))
     if variant == "int8":
         step("flow: calibrating the OpenVINO int8 model on the flow's own inputs")
-        samples = flow_samples(flow_stage(out, family, settings), family, settings.get("mel"), seed=seed)
+        samples = flow_samples(plain_stage(out, family, settings, plain), family, settings.get("mel"), seed=seed)
         model = quantize_int8(model, samples)
     ov.save_model(model, str(out / FILES[KEY]), compress_to_fp16=True)
     del model

@@ -139,6 +139,9 @@ class FlowStage(ABC):
     # whether the stream graph also runs whole sentences (empty caches), so a process that does both modes holds
     # one copy of the estimator's weights
     stream_serves_whole: ClassVar[bool] = False
+    # contracts the whole-sentence graph may have besides the official one (Fun-CosyVoice3's OpenVINO DiT takes its
+    # time table in t's place); what it takes is asked of the graph (time_feeds)
+    whole_alternatives: ClassVar[tuple[IO, ...]] = ()
     settings: FlowSettings
 
     def __init__(
@@ -225,7 +228,7 @@ class FlowStage(ABC):
                 if kind == "whole" and self.whole is not None:  # padding: where its backend compiles per shape
                     padding = ESTIMATOR_PADDING if self.whole.pad else None
                     config = replace(config, backend=self.whole.backend, padding=padding)
-                session = open_checked(path, config, io)
+                session = open_checked(path, config, io, *(self.whole_alternatives if kind == "whole" else ()))
                 self._sessions[kind] = session
                 logger.info("opened %s (%s)", path.name, config.backend)
             return self._sessions[kind]
@@ -233,11 +236,14 @@ class FlowStage(ABC):
     def warm(self, frames: int = 650) -> None:
         """Open the whole-sentence estimator and compile it now (for a ``frames``-frame call with guidance), where
         its backend compiles (OpenVINO): the engine runs this in the background at load, so the first sentence
-        does not wait for the compile (docs/backends.md). A no-op on ONNX Runtime."""
+        does not wait for the compile (docs/backends.md). A graph that takes its time table gets the default
+        schedule's computed now too (:meth:`time_feeds`). A no-op on ONNX Runtime."""
         if self.whole is None:
             return
         t0 = time.perf_counter()
-        self._estimator("whole").prepare(estimator_shapes(frames))
+        session = self._estimator("whole")
+        time_feed = self.time_feeds(session, self.schedule(self.settings.n_timesteps), 2)[0]
+        session.prepare(estimator_shapes(frames, time={k: v.shape for k, v in time_feed.items()}))
         logger.info("whole-sentence estimator ready on %s in %.1f s", self.whole.backend, time.perf_counter() - t0)
 
     @property

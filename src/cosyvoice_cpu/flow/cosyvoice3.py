@@ -19,7 +19,9 @@ The stream graph takes the DiT's time table for the step's ``t`` (``modulation``
 weights that map the time embedding to every block's shift/scale/gate are 42 % of the DiT's (138 M of 327 M
 parameters at full size), but a schedule has a handful of ``t`` values. :meth:`CosyVoice3Flow.time_table` opens
 ``flow_time.onnx``, computes a schedule's table (0.55 MB per step at full size), keeps it and closes the graph,
-so a synthesizing process never holds those weights (format 5).
+so a synthesizing process never holds those weights (format 5). The OpenVINO whole-sentence DiT
+(``export --openvino``) takes the same table (:data:`TABLE_ESTIMATOR_IO`); one exported before it took ``t``, and
+still runs.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.flow.base import Attrs, Feeds, FlowSettings, Schedule
 from cosyvoice_cpu.flow.common import FILES as CHUNKED_FILES
 from cosyvoice_cpu.flow.common import ChunkedFlow
-from cosyvoice_cpu.flow.graphs import IO, ShapedGraph, cache_dtype, open_checked
+from cosyvoice_cpu.flow.graphs import ESTIMATOR_IO, IO, ShapedGraph, cache_dtype, open_checked
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,9 @@ logger = logging.getLogger(__name__)
 FILES = {**CHUNKED_FILES, "flow_time": "flow_time.onnx"}
 TIME_IO = ({"t": ("float", 1)}, ("modulation",))
 TIME_TABLES = 8  # schedules whose time table a stage keeps (10 steps: 5.5 MB at full size)
+# the whole-sentence DiT on its time table (the OpenVINO model: export.flow.cosyvoice3.TableEstimatorGraphV3)
+TABLE_ESTIMATOR_IO: IO = ({k: v for k, v in ESTIMATOR_IO[0].items() if k != "t"} | {"modulation": ("float", 2)},
+                          ESTIMATOR_IO[1])  # fmt: skip
 STREAM_IO: IO = (
     {
         "x": ("float", 3),
@@ -114,6 +119,7 @@ class CosyVoice3Flow(ChunkedFlow):
     """
 
     stream_io: ClassVar[IO | None] = STREAM_IO
+    whole_alternatives: ClassVar[tuple[IO, ...]] = (TABLE_ESTIMATOR_IO,)
     settings: CosyVoice3FlowSettings
 
     def __init__(
@@ -181,8 +187,9 @@ class CosyVoice3Flow(ChunkedFlow):
         self.encode(np.zeros(1, np.int64), [], np.zeros(self.emb_dim, np.float32), shrink=True)
 
     def time_feeds(self, sess: GraphSession, schedule: Schedule, rows: int) -> list[Feeds]:
-        """Per Euler step, the stream graph's ``modulation`` (1, L x 6D + 2D) (one row serves every row: they
-        share t); ``flow_estimator.onnx`` keeps the official ``t`` input."""
+        """Per Euler step, the time table row ``modulation`` (1, L x 6D + 2D) for a graph that takes it (the stream
+        graph, the OpenVINO DiT; one row serves every row: they share t); ``flow_estimator.onnx`` keeps the official
+        ``t`` input."""
         if "modulation" not in {i.name for i in sess.get_inputs()}:
             return super().time_feeds(sess, schedule, rows)
         table = self.time_table(schedule)

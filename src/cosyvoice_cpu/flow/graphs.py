@@ -9,6 +9,7 @@ family module holds its own (:data:`cosyvoice_cpu.flow.cosyvoice2.STREAM_IO`, ..
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import numpy as np
 
 from cosyvoice_cpu.backends.base import GraphSession, Padding, SessionConfig, as_config, check_io
 from cosyvoice_cpu.backends.registry import open_graph
+from cosyvoice_cpu.errors import ModelDirError
 
 # ({input: (dtypes, rank)}, (output | (output, dtypes))); dtypes like "float|float16"
 IO = tuple[dict[str, tuple[str, int]], tuple[str | tuple[str, str], ...]]
@@ -52,27 +54,42 @@ class ShapedGraph:
     pad: bool = True
 
 
-def estimator_shapes(frames: int, rows: int = 2) -> dict[str, tuple[int, ...]]:
-    """The input shapes of a ``rows``-row estimator call of ``frames`` frames (two rows: one guided call)."""
+def estimator_shapes(
+    frames: int, rows: int = 2, time: Mapping[str, tuple[int, ...]] | None = None
+) -> dict[str, tuple[int, ...]]:
+    """The input shapes of a ``rows``-row estimator call of ``frames`` frames (two rows: one guided call); ``time``:
+    the time input's name and shape where it is not ``t`` (rows,) (a graph taking its time table)."""
     return {
         "x": (rows, 80, frames),
         "mask": (rows, 1, frames),
         "mu": (rows, 80, frames),
-        "t": (rows,),
+        **(time or {"t": (rows,)}),
         "spks": (rows, 80),
         "cond": (rows, 80, frames),
     }
 
 
-def open_checked(path: Path, threads: int | SessionConfig, io: IO) -> GraphSession:
-    """A session on a flow graph whose inputs (dtype, rank) and output names are checked against ``io``."""
+def open_checked(path: Path, threads: int | SessionConfig, io: IO, *alternatives: IO) -> GraphSession:
+    """A session on a flow graph whose inputs (dtype, rank) and output names are checked against ``io``, or
+    against one of ``alternatives`` (the contracts a graph of this role may have); a graph that has none of them
+    gets the :class:`~cosyvoice_cpu.errors.ModelDirError` of ``io``."""
     sess = open_graph(path, as_config(threads))
+    errors = []
+    for contract in (io, *alternatives):
+        try:
+            _check(sess, path, contract)
+            return sess
+        except ModelDirError as e:
+            errors.append(e)
+    raise errors[0]
+
+
+def _check(sess: GraphSession, path: Path, io: IO) -> None:
     inputs, outputs = io
     want_in = {n: (_types(dt), rank) for n, (dt, rank) in inputs.items()}
     out_rank = {o.name: len(o.shape) for o in sess.get_outputs()}
     want_out = dict(o if isinstance(o, tuple) else (o, "float") for o in outputs)
     check_io(sess, path, want_in, {n: (_types(dt), out_rank.get(n, 0)) for n, dt in want_out.items()})
-    return sess
 
 
 def _types(dtypes: str) -> str:

@@ -102,8 +102,19 @@ class EstimatorGraphV3(nn.Module):
         cond: torch.Tensor,
     ) -> torch.Tensor:
         """The official ONNX estimator contract; shapes as :meth:`DiT.forward`."""
+        return self.on_table(x, mask, mu, self.run.time_table(t), spks, cond)
+
+    def on_table(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor,
+        mu: torch.Tensor,
+        table: torch.Tensor,
+        spks: torch.Tensor,
+        cond: torch.Tensor,
+    ) -> torch.Tensor:
+        """The DiT on its time table ``table`` (B or 1, L x 6D + 2D) (:meth:`DiTRun.time_table`) instead of t."""
         run = self.run
-        table = run.time_table(t)
         h, _ = run.embed(x, cond, mu, spks, None)
         residual = h
         freqs = run.freqs(torch.zeros((), dtype=torch.int64), x.size(2))
@@ -119,8 +130,34 @@ class EstimatorGraphV3(nn.Module):
         return run.head(h, residual, table) * mask
 
 
-# the family's estimator graph (export.openvino_graphs traces it outside export_forms: plain attention)
-ESTIMATOR_GRAPH = EstimatorGraphV3
+class TableEstimatorGraphV3(EstimatorGraphV3):
+    """The whole-sentence DiT taking the step's time table ``modulation`` (1, L x 6D + 2D) in place of ``t`` (the
+    OpenVINO form, ``flow_estimator.ov.xml``): the AdaLN weights that map t to every block's modulation, 42 % of
+    the DiT's, stay in ``flow_time.onnx``, which the runtime runs once per schedule, so the compiled model holds
+    only the rest (as the stream graph does: :mod:`cosyvoice_cpu.flow.cosyvoice3`)."""
+
+    time_input = "modulation"  # what export.openvino_graphs.export_plain_estimator names the time input
+
+    def time_feed(self, t: torch.Tensor) -> torch.Tensor:
+        """The ``modulation`` input for the rows' t (B,): row 0's table (1, L x 6D + 2D); the rows of one call
+        share t."""
+        return self.run.time_table(t[:1])
+
+    def forward(  # type: ignore[override]
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor,
+        mu: torch.Tensor,
+        modulation: torch.Tensor,
+        spks: torch.Tensor,
+        cond: torch.Tensor,
+    ) -> torch.Tensor:
+        """The official contract with ``modulation`` (1, L x 6D + 2D) in place of ``t``; -> (B, 80, T)."""
+        return self.on_table(x, mask, mu, modulation, spks, cond)
+
+
+# the family's estimator graph for OpenVINO (export.openvino_graphs traces it outside export_forms: plain attention)
+ESTIMATOR_GRAPH = TableEstimatorGraphV3
 
 
 def settings_of(flow: FlowV3) -> dict[str, Any]:
