@@ -51,8 +51,10 @@ FILES = {**CHUNKED_FILES, "flow_time": "flow_time.onnx"}
 TIME_IO = ({"t": ("float", 1)}, ("modulation",))
 TIME_TABLES = 8  # schedules whose time table a stage keeps (10 steps: 5.5 MB at full size)
 # the whole-sentence DiT on its time table (the OpenVINO model: export.flow.cosyvoice3.TableEstimatorGraphV3)
-TABLE_ESTIMATOR_IO: IO = ({k: v for k, v in ESTIMATOR_IO[0].items() if k != "t"} | {"modulation": ("float", 2)},
-                          ESTIMATOR_IO[1])  # fmt: skip
+TABLE_ESTIMATOR_IO: IO = (
+    {**{k: v for k, v in ESTIMATOR_IO[0].items() if k != "t"}, "modulation": ("float", 2)},
+    ESTIMATOR_IO[1],
+)
 STREAM_IO: IO = (
     {
         "x": ("float", 3),
