@@ -89,11 +89,11 @@ def export_plain_estimator(estimator_graph: Any, path: Path) -> None:
     time_input = getattr(estimator_graph, "time_input", "t")
     axes: dict[str, dict[int, str]] = {n: {0: "batch", 2: "time"} for n in ("x", "mask", "mu", "cond")}
     axes.update(spks={0: "batch"}, estimator_out={0: "batch", 2: "time"})
+    if time_input == "t":
+        axes["t"] = {0: "batch"}
     names = [time_input if n == "t" else n for n in feeds]
     with torch.inference_mode():
-        if time_input == "t":
-            axes["t"] = {0: "batch"}
-        else:
+        if time_input != "t":
             feeds["t"] = estimator_graph.time_feed(feeds["t"])
         args = tuple(feeds.values())
         torch_export(estimator_graph, args, path, input_names=names, output_names=["estimator_out"], dynamic_axes=axes)
