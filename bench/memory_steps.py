@@ -1,7 +1,7 @@
 """Where a process's peak RSS is reached: the bench's single-stream task, step by step, in one process.
 
     python bench/memory_steps.py MODEL_DIR [--threads 2] [--runs 1] [--tokens 250] [--mmap-threshold-kb N]
-                                           [--keep-weight-pages]
+                                           [--keep-weight-pages] [--backend auto]
 
 Runs the steps of ``cosyvoice-cpu bench``'s single task in its order (load and register the voice, the LM alone,
 the 4-row LM batch, a whole sentence at default quality, one at the fast preset, the streamed 8-character
@@ -52,12 +52,15 @@ def main() -> None:
         action="store_true",
         help="EngineConfig.release_weight_pages=False: keep the weight-file pages ORT touched at load",
     )
+    ap.add_argument("--backend", default=None, help="EngineConfig.backend (default: the engine's, auto)")
     args = ap.parse_args()
     n, runs = args.tokens, args.runs
     state: dict[str, Any] = {}
     extra: dict[str, Any] = {}
     if args.mmap_threshold_kb is not None:
         extra["malloc_mmap_threshold_kb"] = args.mmap_threshold_kb
+    if args.backend is not None:
+        extra["backend"] = args.backend
     if args.keep_weight_pages:
         extra["release_weight_pages"] = False
 

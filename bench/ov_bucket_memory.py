@@ -10,6 +10,11 @@ the largest bucket (long ones take seconds per call). Results go to ``--out`` as
 ``--unpadded N`` instead calls N distinct lengths (100, 105, 110, ... frames) once each, as an unpadded graph is
 fed, and records the session's compiles with the RSS: the session recompiles after
 ``backends.openvino.DYNAMIC_SHAPES`` shapes, which gives their kernels back.
+
+``--release`` makes every call give its working memory back (``release_memory``, as the flow's last Euler step of
+a sentence does), so the RSS is what a shape leaves behind; ``--property KEY=VALUE`` (repeatable) sets a CPU-plugin
+property before the compile (e.g. ``SNIPPETS_MODE=DISABLE``, ``CPU_RUNTIME_CACHE_CAPACITY=0``), to measure what a
+knob gives back against what it costs per call. Each row records the anonymous part of the RSS too.
 """
 
 from __future__ import annotations
@@ -35,12 +40,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-frames", type=int, default=2048)
     ap.add_argument("--unpadded", type=int, default=0, help="call this many distinct lengths instead of buckets")
+    ap.add_argument("--release", action="store_true", help="every call gives its working memory back")
+    ap.add_argument("--property", action="append", default=[], metavar="KEY=VALUE", help="a CPU-plugin property")
     ap.add_argument("--out", default=None, help="JSON report (default bench/results/ov-bucket-memory[-unpadded].json)")
     args = ap.parse_args()
     out = args.out or f"bench/results/ov-bucket-memory{'-unpadded' if args.unpadded else ''}.json"
     cache = "" if not args.unpadded else None  # recompiles load from OpenVINO's model cache, as the runtime's do
-    session = OpenVino(cache_dir=cache).open(Path(args.model_dir) / "flow_estimator.ov.xml",
-                                             SessionConfig(threads=args.threads))  # fmt: skip
+    backend = OpenVino(cache_dir=cache)
+    properties = dict(p.split("=", 1) for p in args.property)
+    if properties:
+        backend.core().set_property("CPU", properties)
+    session = backend.open(Path(args.model_dir) / "flow_estimator.ov.xml", SessionConfig(threads=args.threads))
     rng = np.random.default_rng(0)
     rows = []
     start = round(status_mb("VmRSS") or 0)
@@ -50,14 +60,15 @@ def main() -> None:
         for t in lengths:
             feeds = estimator_feeds(t, rng)
             t0 = time.perf_counter()
-            session.run(None, feeds)
+            session.run(None, feeds, release_memory=args.release)
             seconds = time.perf_counter() - t0
             ctypes.CDLL("libc.so.6").malloc_trim(0)
             rss = round(status_mb("VmRSS") or 0)
-            rows.append({"pass": rep + 1, "frames": t, "rss_mb": rss, "seconds": round(seconds, 3),
-                         "compiles": session.compiles})  # fmt: skip
+            rows.append({"pass": rep + 1, "frames": t, "rss_mb": rss, "anon_mb": round(status_mb("RssAnon") or 0),
+                         "seconds": round(seconds, 3), "compiles": session.compiles})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     report = {"model_dir": str(args.model_dir), "threads": args.threads, "rss_before_mb": start,
+              "release": args.release, "properties": properties,
               "date": time.strftime("%Y-%m-%d"), "calls": rows}  # fmt: skip
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(report, indent=1) + "\n")
