@@ -295,3 +295,25 @@ def test_bench_measures_each_backend_in_one_report(ov_int8_dir: Path, tmp_path: 
     assert "### Backends" in md and "| openvino | openvino | openvino | onnxruntime |" in md
     assert "| onnxruntime | onnxruntime | onnxruntime | onnxruntime |" in md
     assert main(["bench", "-m", str(ov_int8_dir), "--backend", "onnxruntime,tensorrt", "--out", str(out)]) == 2
+
+
+def test_the_memory_probes_run_on_the_backend_and_properties_asked_for(ov_int8_dir: Path, tmp_path: Path) -> None:
+    import json
+
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    out = tmp_path / "buckets.json"
+    probe = [sys.executable, str(bench / "ov_bucket_memory.py"), "-m", str(ov_int8_dir), "--max-frames", "80"]
+    subprocess.run([*probe, "--release", "--property", "SNIPPETS_MODE=DISABLE", "--out", str(out)],
+                   check=True, capture_output=True, timeout=600)  # fmt: skip
+    report = json.loads(out.read_text())
+    assert report["release"] and report["properties"] == {"SNIPPETS_MODE": "DISABLE"}
+    assert len(report["calls"]) == 2 * len({bucket(n) for n in range(50, 81)})
+    assert all(0 < row["anon_mb"] <= row["rss_mb"] for row in report["calls"])
+    # the property reaches the CPU plugin: one it does not know stops the probe, named
+    bad = subprocess.run([*probe, "--property", "NO_SUCH_PROPERTY=1", "--out", str(tmp_path / "bad.json")],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert bad.returncode != 0 and "NO_SUCH_PROPERTY" in bad.stderr
+    steps = [sys.executable, str(bench / "memory_steps.py"), str(ov_int8_dir), "--tokens", "20", "--short-tokens", "5"]
+    for backend in ("onnxruntime", "openvino"):
+        p = subprocess.run([*steps, "--backend", backend], check=True, capture_output=True, text=True, timeout=600)
+        assert f"flow_estimator on {backend}" in p.stdout and "whole, after streams" in p.stdout
