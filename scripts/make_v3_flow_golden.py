@@ -1,4 +1,5 @@
-"""Golden arrays of the official Fun-CosyVoice3 flow (DiT) and causal HiFT, for tests/parity/test_flow_golden_cosyvoice3.py.
+"""Golden arrays of the official Fun-CosyVoice3 flow (DiT) and causal HiFT, for
+tests/parity/test_flow_golden_cosyvoice3.py.
 
     python scripts/make_v3_flow_golden.py --official /tmp/official_flow --out tests/golden/v3_flow.npz
 
