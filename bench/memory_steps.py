@@ -92,7 +92,7 @@ def main() -> None:
         last = peak
         if label == "load + voice":  # which backend runs each graph (the --backend asked for, as the engine planned)
             backends = graph_backends(state["engine"].plan)
-            print("graphs: " + ", ".join(f"{g} on {b}" for g, b in backends.items()), flush=True)
+            print("the engine's plan: " + ", ".join(f"{g} on {b}" for g, b in backends.items()), flush=True)
     state["engine"].close()
 
 

@@ -14,7 +14,9 @@ fed, and records the session's compiles with the RSS: the session recompiles aft
 ``--release`` makes every call give its working memory back (``release_memory``, as the flow's last Euler step of
 a sentence does), so the RSS is what a shape leaves behind; ``--property KEY=VALUE`` (repeatable) sets a CPU-plugin
 property before the compile (e.g. ``SNIPPETS_MODE=DISABLE``, ``CPU_RUNTIME_CACHE_CAPACITY=0``), to measure what a
-knob gives back against what it costs per call. Each row records the anonymous part of the RSS too.
+knob gives back against what it costs per call (the properties the backend sets on every compile, threads,
+latency and precision hints, cannot be changed here). Each row records the anonymous part of the RSS too, and the
+report counts the fused subgraphs in the compiled model (``SNIPPETS_MODE=DISABLE`` leaves none).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +35,9 @@ from cosyvoice_cpu.backends.buckets import bucket
 from cosyvoice_cpu.backends.openvino import OpenVino
 from cosyvoice_cpu.benchmark.feeds import estimator_feeds
 from cosyvoice_cpu.hardware.pages import status_mb
+
+# compile properties OpenVino.open sets itself (they win over a property set on the plugin)
+BACKEND_SET = ("PERFORMANCE_HINT", "INFERENCE_PRECISION_HINT", "INFERENCE_NUM_THREADS")
 
 
 def main() -> None:
@@ -45,9 +51,11 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON report (default bench/results/ov-bucket-memory[-unpadded].json)")
     args = ap.parse_args()
     out = args.out or f"bench/results/ov-bucket-memory{'-unpadded' if args.unpadded else ''}.json"
-    cache = "" if not args.unpadded else None  # recompiles load from OpenVINO's model cache, as the runtime's do
+    properties = dict(_property(ap, p) for p in args.property)
+    # recompiles load from OpenVINO's model cache, as the runtime's do (a fresh one where properties are set, so no
+    # model compiled under other ones is loaded)
+    cache = "" if not args.unpadded else (tempfile.mkdtemp(prefix="ov-cache-") if properties else None)
     backend = OpenVino(cache_dir=cache)
-    properties = dict(p.split("=", 1) for p in args.property)
     if properties:
         backend.core().set_property("CPU", properties)
     session = backend.open(Path(args.model_dir) / "flow_estimator.ov.xml", SessionConfig(threads=args.threads))
@@ -67,11 +75,22 @@ def main() -> None:
             rows.append({"pass": rep + 1, "frames": t, "rss_mb": rss, "anon_mb": round(status_mb("RssAnon") or 0),
                          "seconds": round(seconds, 3), "compiles": session.compiles})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
+    runtime = session.compiled({k: v.shape for k, v in feeds.items()}).get_runtime_model()
+    subgraphs = sum(op.get_rt_info()["layerType"].astype(str) == "Subgraph" for op in runtime.get_ops())
     report = {"model_dir": str(args.model_dir), "threads": args.threads, "rss_before_mb": start,
-              "release": args.release, "properties": properties,
+              "release": args.release, "properties": properties, "fused_subgraphs": subgraphs,
               "date": time.strftime("%Y-%m-%d"), "calls": rows}  # fmt: skip
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(report, indent=1) + "\n")
+
+
+def _property(ap: argparse.ArgumentParser, text: str) -> tuple[str, str]:
+    key, sep, value = (part.strip() for part in text.partition("="))
+    if not sep or not key or not value:
+        ap.error(f"--property takes KEY=VALUE, got {text!r}")
+    if key in BACKEND_SET:
+        ap.error(f"--property {key}: the backend sets it on every compile (--threads for the threads)")
+    return key, value
 
 
 if __name__ == "__main__":
