@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -82,6 +83,8 @@ def main() -> None:
               "date": time.strftime("%Y-%m-%d"), "calls": rows}  # fmt: skip
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(report, indent=1) + "\n")
+    if cache and properties:
+        shutil.rmtree(cache, ignore_errors=True)  # the fresh cache made above
 
 
 def _property(ap: argparse.ArgumentParser, text: str) -> tuple[str, str]:
