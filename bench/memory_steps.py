@@ -90,9 +90,9 @@ def main() -> None:
         free_mb = "-" if free is None else f"{free / 2**20:.0f}"
         print(f"{label:24s} {status_mb('VmRSS') or 0:8.0f} {peak:8.0f} {peak - last:+6.0f} {free_mb:>15s}", flush=True)
         last = peak
-        if label == "load + voice":  # which backend runs each graph (the --backend asked for, as the engine planned)
-            backends = graph_backends(state["engine"].plan)
-            print("the engine's plan: " + ", ".join(f"{g} on {b}" for g, b in backends.items()), flush=True)
+    # which backend ran each graph (the --backend asked for, as the engine planned it)
+    backends = graph_backends(state["engine"].plan)
+    print("the engine's plan: " + ", ".join(f"{g} on {b}" for g, b in backends.items()), flush=True)
     state["engine"].close()
 
 
