@@ -107,8 +107,10 @@ def _quantize(art: GraphArtifact, precision: str, work: Path, out: Path) -> Grap
         # size, opened for ~0.3 s with ~+190 MB (fp32 compute, accuracy 1, dequantized every weight: +400 MB)
         quantize_nbits(src, dst, bits=8, block_size=32, accuracy_level=4)
     elif art.key == "flow_encoder" and precision == "int8w":
-        # fp32 compute (accuracy 1): full-size random weights, mu rel err 6.5e-3, +10 % per call (int8 compute: 1.1e-2)
-        quantize_nbits(src, dst, bits=8, block_size=32, accuracy_level=1)
+        # int8 compute (accuracy 4, activations quantized per row and block), as the LM's int8w: every streamed
+        # chunk re-encodes the prompt and its window, and fp32 compute (accuracy 1) widens every weight per call
+        # (docs/quantization.md, "Flow encoder int8w")
+        quantize_nbits(src, dst, bits=8, block_size=32, accuracy_level=4)
     elif hift and precision == "int8w":
         from cosyvoice_cpu.export.hift.common import quantize_hift_weights_int8
 
