@@ -1,6 +1,7 @@
 """One whole-sentence estimator call in every form the runtime can run it, alternated in one process.
 
-    python bench/ov_estimator_forms.py -m MODEL_DIR [--frames 650] [--runs 5] [--threads 2] [--profile] [--switch]
+    python bench/ov_estimator_forms.py -m MODEL_DIR [--frames 650] [--runs 5] [--threads 2] [--profile [--unfused]] \
+        [--switch]
 
 ``MODEL_DIR`` holds ``flow_estimator.onnx`` and an OpenVINO model (``export --openvino``). Forms, batch 2 (CFG),
 ``--frames`` frames (650: a 10 s sentence after a 3 s voice), medians of ``--runs`` alternated calls:
@@ -12,9 +13,13 @@
 
 Also printed, from the model's graph at the bucket's shape: the multiply-accumulates of one call in weight layers
 (MatMul/Convolution with constant weights) and in attention products (activation x activation). ``--profile``
-adds OpenVINO's per-node time by node and kernel type for both compiles, and the rate the weight layers ran at;
-``--switch`` the time to bring a static bucket from OpenVINO's model cache (what a bucket change costs the
-static form). Appends one JSON line to ``--out``. Nothing here is imported by the runtime.
+adds OpenVINO's per-node time by node and kernel type for both compiles, and the rate the weight layers ran at.
+``--unfused`` (with ``--profile``) also profiles the static compile with the CPU plugin's fused subgraphs off
+(``SNIPPETS_MODE=DISABLE``): fused, the attention's two products and its softmax hide in one ``Subgraph`` node;
+unfused, they run as ``MatMul`` and ``Softmax`` nodes, whose kernels say whether the products ran on AMX tiles
+(``brgemm_avx512_amx...``) and how much of the attention the softmax is. ``--switch`` adds the time to bring a
+static bucket from OpenVINO's model cache (what a bucket change costs the static form). Appends one JSON line to
+``--out``. Nothing here is imported by the runtime.
 """
 
 from __future__ import annotations
@@ -95,6 +100,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--unfused", action="store_true", help="with --profile: also the static compile, snippets off")
     ap.add_argument("--switch", action="store_true")
     ap.add_argument("--out", default="bench/results/ov-estimator-forms.jsonl")
     args = ap.parse_args()
@@ -123,6 +129,9 @@ def main() -> None:
              f"ov dynamic {args.frames}": lambda: dynamic.infer(plain),
              f"ov dynamic {size}": lambda: dynamic.infer(padded),
              f"ov static {size}": lambda: static.infer(padded)}  # fmt: skip
+    if args.profile and args.unfused:
+        unfused = core.compile_model(static_model, "CPU", {**props, "SNIPPETS_MODE": "DISABLE"}).create_infer_request()
+        forms[f"ov static {size} unfused"] = lambda: unfused.infer(padded)
     for run in forms.values():  # first calls (kernels for the shape, arenas) not timed
         run()
     times: dict[str, list[float]] = {k: [] for k in forms}
@@ -143,12 +152,19 @@ def main() -> None:
           f"{row['gmac']['attention']} GMAC in attention products")  # fmt: skip
     if args.profile:
         row["profile"] = {"dynamic": profile(dynamic), "static": profile(static)}
+        if args.unfused:
+            row["profile"]["static unfused"] = profile(unfused)
         for form, prof in row["profile"].items():
             gemm = sum(v for k, v in prof.items() if k.split("/")[0] in ("FullyConnected", "Convolution",
                        "GroupConvolution", "FullyConnectedQuantizedLegacy"))  # fmt: skip
             print(f"ov {form} at {size}: weight layers {gemm:.0f} ms "
                   f"({row['gmac']['weights'] / max(gemm, 1e-9) * 1000:.0f} GMAC/s); top: "
                   + ", ".join(f"{k} {v:.0f}" for k, v in list(prof.items())[:6]))  # fmt: skip
+        if args.unfused:
+            unf = row["profile"]["static unfused"]
+            parts = {k: v for k, v in unf.items() if k.split("/")[0] in ("MatMul", "Softmax")}
+            print(f"ov static unfused at {size}: the attention's products and softmax {sum(parts.values()):.0f} ms: "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in parts.items()))  # fmt: skip
     if args.switch:
         with tempfile.TemporaryDirectory() as cache:
             core.set_property({"CACHE_DIR": cache})
