@@ -104,6 +104,8 @@ def main() -> None:
     ap.add_argument("--switch", action="store_true")
     ap.add_argument("--out", default="bench/results/ov-estimator-forms.jsonl")
     args = ap.parse_args()
+    if args.unfused and not args.profile:
+        ap.error("--unfused profiles a compile: it needs --profile")
     import onnxruntime as ort
 
     from cosyvoice_cpu.backends.openvino import import_openvino
@@ -129,7 +131,7 @@ def main() -> None:
              f"ov dynamic {args.frames}": lambda: dynamic.infer(plain),
              f"ov dynamic {size}": lambda: dynamic.infer(padded),
              f"ov static {size}": lambda: static.infer(padded)}  # fmt: skip
-    if args.profile and args.unfused:
+    if args.unfused:
         unfused = core.compile_model(static_model, "CPU", {**props, "SNIPPETS_MODE": "DISABLE"}).create_infer_request()
         forms[f"ov static {size} unfused"] = lambda: unfused.infer(padded)
     for run in forms.values():  # first calls (kernels for the shape, arenas) not timed
