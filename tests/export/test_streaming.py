@@ -13,6 +13,8 @@ Tolerances (tiny fixture, fp32 export; measured values in brackets, see docs/str
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -254,3 +256,24 @@ def test_streaming_needs_the_chunk_estimator(fp32_dir: Path, tmp_path: Path) -> 
         CosyVoice2FlowStream(engine.flow, voice.speech_tokens, voice.mel, voice.embedding)
     with pytest.raises(ConfigError, match="chunk_tokens"):
         SynthesisConfig(first_chunk_tokens=30, chunk_tokens=20).validate()
+
+
+def test_the_encoder_forms_probe_times_every_weight_form(fp32_dir: Path, tmp_path: Path) -> None:
+    """``bench/encoder_forms.py`` (how the int8w encoder's compute was chosen) quantizes the fp32 encoder into every
+    form and times each at chunk and whole-sentence token counts; fp32 is its own reference."""
+    script = Path(__file__).resolve().parents[2] / "bench" / "encoder_forms.py"
+    out = subprocess.run([sys.executable, str(script), str(fp32_dir), "--tokens", "12", "--whole", "20", "--runs", "1",
+                          "--work", str(tmp_path)], check=True, capture_output=True, text=True).stdout  # fmt: skip
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 12 ") or line.startswith("| 20 ")]
+    assert [r[0] for r in rows] == ["| 12 (+ 3)", "| 20 (+ 0)"]
+    for row in rows:
+        errors = [float(cell.split("mu error ")[1].rstrip(") |")) for cell in row[1:]]
+        assert len(errors) == 4 and errors[0] == 0 and all(0 < e < 0.1 for e in errors[1:]), row
+    import onnx
+
+    for level in (1, 4):  # the forms are what their labels say
+        graph = onnx.load(str(tmp_path / f"int8w_acc{level}" / "flow_encoder.onnx"), load_external_data=False).graph
+        nodes = [n for n in graph.node if n.op_type == "MatMulNBits"]
+        assert nodes and {a.i for n in nodes for a in n.attribute if a.name == "accuracy_level"} == {level}
+    dynamic = onnx.load(str(tmp_path / "int8_dynamic" / "flow_encoder.onnx"), load_external_data=False).graph
+    assert any(n.op_type == "DynamicQuantizeLinear" for n in dynamic.node)
