@@ -35,8 +35,9 @@ SENTENCE = ["--text", "Line three.", "--flow-steps", "2", "--threads", "1"]  # 8
 # what NumPy must read from the emulated cpuid: proof that the child ran as that CPU, not as the host
 X86_EXPECT = {"Denverton": ("SSE42", "AVX"), "IvyBridge": ("AVX", "AVX2"), "Haswell-v4": ("FMA3", "AVX512F")}
 ARM_EXPECT = {"cortex-a76": ("ASIMDDP", None), "cortex-a72": ("ASIMD", "ASIMDDP")}
-# the LM's int8 kernel (MatMulNBits, accuracy level 4) exists only with AVX2 or the arm64 dot product: without it
-# ONNX Runtime computes in fp32 and the logp move by ~1e-3 (see probes.graphs.TOLERANCE)
+# the int8 kernel of MatMulNBits at accuracy level 4 (the LM, the flow encoder) exists only with AVX2 or the arm64
+# dot product: without it ONNX Runtime computes in fp32, the LM's logp move by ~1e-3 and the encoder's mu by ~1e-2
+# (see probes.graphs.TOLERANCE)
 NO_INT8_LM_KERNEL = {"Denverton", "IvyBridge", "cortex-a72"}
 
 needs_qemu_x86 = pytest.mark.skipif(
@@ -75,8 +76,12 @@ def _check_probe(cpu: str, native: dict[str, np.ndarray], out: Path, expect: tup
     diffs = compare(native, emulated)
     assert diffs and all(d.ok for d in diffs), "\n".join(str(d) for d in diffs if not d.ok)
     lm = next(d for d in diffs if d.key == "lm/decode_logp")
+    encoder = next(d for d in diffs if d.key == "flow_encoder/mu")  # MatMulNBits at accuracy level 4 too
     if cpu in NO_INT8_LM_KERNEL:  # the fp32 fallback was taken: the probe sees kernels, not the host's
         assert 1e-5 < lm.err <= TOLERANCE["lm/decode_logp"], lm
+        assert 1e-5 < encoder.err <= TOLERANCE["flow_encoder/mu"], encoder
+    else:  # the int8 kernel, as on the host
+        assert encoder.err < 1e-5, encoder
 
 
 def _check_wave(out: Path, stdout: str) -> None:

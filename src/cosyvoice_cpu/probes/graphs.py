@@ -46,22 +46,24 @@ DEFAULT_DIM = 16
 _ZEROS = ("conv_state",)
 _ONES = ("mask",)
 
-# Normalised max error max|a - b| / max|a| allowed per output against the same graph on another CPU, about 8x the
+# Normalised max error max|a - b| / max|a| allowed per output against the same graph on another CPU, 4-12x the
 # largest measured (docs/deploy.md, "Platforms: numerics across CPUs", has the table). Keys are "graph/output".
-# fp32 kernels (and weight-only int8 with fp32 compute: the packaged demo model's flow encoder) differ only in the
-# order of their sums and their exp/erf/sigmoid approximations: <= 8.2e-7 measured. Int8 graphs differ by design:
-# - MatMulNBits at accuracy level 4 (the LM, and the flow encoder of exports since the int8w encoder computes in
-#   int8) quantizes its activations to int8 only where ORT has an int8 kernel for it (AVX2, AVX-512, arm64 dot
-#   product); on SSE, AVX-only and NEON without dot product it computes in fp32: LM logp 1.2e-3 apart (0.014 nats);
+# fp32 kernels differ only in the order of their sums and their exp/erf/sigmoid approximations: <= 8.2e-7
+# measured. Int8 graphs differ by design:
+# - MatMulNBits at accuracy level 4 (the LM; the flow encoder of exports made after 2026-12-05) quantizes its
+#   activations to int8 only where ORT has an int8 kernel for it (AVX2, AVX-512, arm64 dot product); on SSE,
+#   AVX-only and NEON without dot product it computes in fp32: LM logp 1.2e-3 apart (0.014 nats), the flow
+#   encoder's mu 9.7e-3 (the int8 activations' own rounding; its tolerance is 5x that);
 # - the estimator's dynamic int8: the u8s8 GEMMs are bit-exact on every ISA (7-bit weights), but an fp32 difference
 #   of 1e-7 upstream moves a value across a rounding edge of DynamicQuantizeLinear, one quantization step that
 #   spreads through the later layers: 2.7e-3.
 INT8_TOLERANCE = 1e-2
+INT8_ACTIVATION_TOLERANCE = 5e-2  # an output whose int8-activation path may run in fp32 on another CPU
 FP32_TOLERANCE = 1e-5
 TOLERANCE: dict[str, float] = {
     "lm/prefill_logp": INT8_TOLERANCE,
     "lm/decode_logp": INT8_TOLERANCE,
-    "flow_encoder/mu": INT8_TOLERANCE,
+    "flow_encoder/mu": INT8_ACTIVATION_TOLERANCE,
     "flow_estimator/estimator_out": INT8_TOLERANCE,
     "flow_estimator_stream/velocity": INT8_TOLERANCE,
     "flow_estimator_stream/new_h": INT8_TOLERANCE,  # float16 (1 ulp = 1e-3 relative), after int8 layers

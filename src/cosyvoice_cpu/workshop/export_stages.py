@@ -34,7 +34,8 @@ Step = Callable[[str], None]
 # LM logp rel err int8 1.4e-3..4.7e-3, int8w 1.4e-3..2.3e-3, int4 1.3e-2..2.8e-2; mean KL over the 9 gate steps
 # int8 8e-6..5e-5, int8w 8e-6..2e-5, int4 8e-4..2.1e-3; greedy argmax mismatch 0..3 of 9 steps (random weights give
 # near-flat distributions, so it is loose and KL is the real gate). MatMulNBits rows are independent: a batched row
-# equals the row alone exactly. Estimator int8 (reduce_range): velocity 1.4-3.6 %, whole-flow mel 1 %.
+# equals the row alone exactly. Estimator int8 (reduce_range): velocity 1.4-3.6 %, whole-flow mel 1 %. Flow encoder
+# int8w (int8 compute): mu 9.6e-3..1.45e-2 (full-size and demo fixtures).
 # HiFT int8w: decode 6.9e-3, wave 1.2e-2.
 # Dynamic int8 (u8 activations x s8 weights) stores 7-bit weights (reduce_range) for every stage. Without VNNI (an
 # AVX2-only CPU: Zen 3 EPYC, Haswell..Comet Lake) ORT's u8s8 GEMM sums pairs of products in int16 (vpmaddubsw),
@@ -52,8 +53,8 @@ QUANT_TOLERANCE: dict[str, dict[str, Any]] = {
     "lm:int8w-b128": {**_LM_8BIT, "batch_vs_single": 1e-5},  # full size: logp 3.3e-3, 300-step KL 2.5e-5
     "lm:int4": {"logp": 0.1, "batch_vs_single": 1e-5, "greedy_mismatch": 0.56, "decode_kl": 0.02},
     "flow_estimator:int8": {"estimator": 0.08, "mel": 0.08},
-    "flow_encoder:int8w": {"encoder": 0.03, "mel": 0.03},
-    "flow_estimator:int8+flow_encoder:int8w": {"encoder": 0.03, "estimator": 0.08, "mel": 0.08},
+    "flow_encoder:int8w": {"encoder": 0.05, "mel": 0.03},
+    "flow_estimator:int8+flow_encoder:int8w": {"encoder": 0.05, "estimator": 0.08, "mel": 0.08},
     "hift:int8w": {"decode": 0.02, "wave": 0.05},
 }
 
