@@ -109,8 +109,8 @@ def _quantize(art: GraphArtifact, precision: str, work: Path, out: Path) -> Grap
         quantize_nbits(src, dst, bits=8, block_size=32, accuracy_level=4)
     elif art.key == "flow_encoder" and precision == "int8w":
         # int8 compute (accuracy 4, activations quantized per row and block), as the LM's int8w: every streamed
-        # chunk re-encodes the prompt and its window, and fp32 compute (accuracy 1) widens every weight per call
-        # (docs/quantization.md, "Flow encoder int8w")
+        # chunk re-encodes the prompt and its window, and at fp32 compute (accuracy 1) the weight-only layers were
+        # slower than fp32 weights (docs/quantization.md, "Flow encoder `int8w` in the default recipe")
         quantize_nbits(src, dst, bits=8, block_size=32, accuracy_level=4)
     elif hift and precision == "int8w":
         from cosyvoice_cpu.export.hift.common import quantize_hift_weights_int8
