@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -34,20 +35,23 @@ import onnxruntime as ort
 from cosyvoice_cpu.export.quantize import quantize_int8_dynamic, quantize_nbits
 from cosyvoice_cpu.manifest import Manifest
 
-FORMS = ("fp32", "int8w acc1", "int8w acc4", "int8 dynamic")
+# each quantized form: how the exporter's functions write it from the fp32 graph (src, dst)
+QUANTIZED: dict[str, Callable[[Path, Path], None]] = {
+    "int8w acc1": lambda src, dst: quantize_nbits(src, dst, bits=8, block_size=32, accuracy_level=1),
+    "int8w acc4": lambda src, dst: quantize_nbits(src, dst, bits=8, block_size=32, accuracy_level=4),
+    "int8 dynamic": lambda src, dst: quantize_int8_dynamic(src, dst, reduce_range=True),
+}
+FORMS = ("fp32", *QUANTIZED)
 
 
 def build(src: Path, work: Path) -> dict[str, Path]:
     """Each form's graph file (written into ``work`` unless it is there)."""
     paths = {"fp32": src}
-    for name in FORMS[1:]:
+    for name, quantize in QUANTIZED.items():
         dst = work / name.replace(" ", "_") / src.name
         if not dst.exists():
             dst.parent.mkdir(parents=True, exist_ok=True)
-            if name == "int8 dynamic":
-                quantize_int8_dynamic(src, dst, reduce_range=True)
-            else:
-                quantize_nbits(src, dst, bits=8, block_size=32, accuracy_level=int(name[-1]))
+            quantize(src, dst)
         paths[name] = dst
     return paths
 

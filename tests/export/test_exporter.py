@@ -16,21 +16,13 @@ from cosyvoice_cpu.export.quantize import DEFAULT_RECIPE, RECIPES
 from cosyvoice_cpu.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
 from cosyvoice_cpu.workshop import export_stages as stages
 from cosyvoice_cpu.workshop.exporter import ExportError, ExportOptions, export_model
+from tests.export.onnx_nodes import nbits_accuracy
 
 
 def _ops(path: Path) -> set[str]:
     import onnx
 
     return {n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node}
-
-
-def _nbits_accuracy(path: Path) -> set[int]:
-    """The ``accuracy_level`` of every ``MatMulNBits`` node of the graph at ``path``."""
-    import onnx
-
-    graph = onnx.load(str(path), load_external_data=False).graph
-    nodes = [n for n in graph.node if n.op_type == "MatMulNBits"]
-    return {a.i for n in nodes for a in n.attribute if a.name == "accuracy_level"}
 
 
 GRAPHS = {"lm", "flow_encoder", "flow_estimator", "flow_estimator_stream", "hift_f0", "hift_decode"}
@@ -62,7 +54,7 @@ def test_model_directory_is_complete_and_self_describing(exported: Path, tiny_mo
     assert "DynamicQuantizeLinear" in _ops(exported / "flow_estimator_stream.onnx")
     assert "MatMulNBits" in _ops(exported / "flow_encoder.onnx") and m.graphs["flow_encoder"].precision == "int8w"
     # int8 compute: accuracy level 1 (fp32) widens every weight on each streamed chunk's encoder call
-    assert _nbits_accuracy(exported / "flow_encoder.onnx") == {4}
+    assert nbits_accuracy(exported / "flow_encoder.onnx") == {4}
     assert {"lm_text_embedding", "lm_speech_embedding", "lm_special_embedding", "flow_noise"} <= set(m.arrays)
     assert (m.sample_rate, m.token_frame_rate, m.token_mel_ratio) == (24000, 25, 2)
     assert m.lm["stop_ids"] == [6561, 6562, 6563] and m.graphs["lm"].attrs["max_len"] == 256

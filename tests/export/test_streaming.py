@@ -29,6 +29,7 @@ from cosyvoice_cpu.flow.cosyvoice2 import CosyVoice2Flow
 from cosyvoice_cpu.flow.cosyvoice2_stream import CosyVoice2FlowStream
 from cosyvoice_cpu.vocoder.overlap_stream import VocoderStream, crossfade_weights
 from cosyvoice_cpu.workshop.exporter import ExportOptions, export_model
+from tests.export.onnx_nodes import nbits_accuracy
 
 
 @pytest.fixture(scope="module")
@@ -272,8 +273,6 @@ def test_the_encoder_forms_probe_times_every_weight_form(fp32_dir: Path, tmp_pat
     import onnx
 
     for level in (1, 4):  # the forms are what their labels say
-        graph = onnx.load(str(tmp_path / f"int8w_acc{level}" / "flow_encoder.onnx"), load_external_data=False).graph
-        nodes = [n for n in graph.node if n.op_type == "MatMulNBits"]
-        assert nodes and {a.i for n in nodes for a in n.attribute if a.name == "accuracy_level"} == {level}
+        assert nbits_accuracy(tmp_path / f"int8w_acc{level}" / "flow_encoder.onnx") == {level}
     dynamic = onnx.load(str(tmp_path / "int8_dynamic" / "flow_encoder.onnx"), load_external_data=False).graph
     assert any(n.op_type == "DynamicQuantizeLinear" for n in dynamic.node)

@@ -38,7 +38,7 @@ ARM_EXPECT = {"cortex-a76": ("ASIMDDP", None), "cortex-a72": ("ASIMD", "ASIMDDP"
 # the int8 kernel of MatMulNBits at accuracy level 4 (the LM, the flow encoder) exists only with AVX2 or the arm64
 # dot product: without it ONNX Runtime computes in fp32, the LM's logp move by ~1e-3 and the encoder's mu by ~1e-2
 # (see probes.graphs.TOLERANCE)
-NO_INT8_LM_KERNEL = {"Denverton", "IvyBridge", "cortex-a72"}
+NO_INT8_NBITS_KERNEL = {"Denverton", "IvyBridge", "cortex-a72"}
 
 needs_qemu_x86 = pytest.mark.skipif(
     emulation.qemu("x86_64") is None,
@@ -77,7 +77,7 @@ def _check_probe(cpu: str, native: dict[str, np.ndarray], out: Path, expect: tup
     assert diffs and all(d.ok for d in diffs), "\n".join(str(d) for d in diffs if not d.ok)
     lm = next(d for d in diffs if d.key == "lm/decode_logp")
     encoder = next(d for d in diffs if d.key == "flow_encoder/mu")  # MatMulNBits at accuracy level 4 too
-    if cpu in NO_INT8_LM_KERNEL:  # the fp32 fallback was taken: the probe sees kernels, not the host's
+    if cpu in NO_INT8_NBITS_KERNEL:  # the fp32 fallback was taken: the probe sees kernels, not the host's
         assert 1e-5 < lm.err <= TOLERANCE["lm/decode_logp"], lm
         assert 1e-5 < encoder.err <= TOLERANCE["flow_encoder/mu"], encoder
     else:  # the int8 kernel, as on the host
@@ -99,7 +99,7 @@ def test_x86_graphs_within_tolerance_and_speech(cpu: str, native_probe: dict[str
     probe = ["-m", "cosyvoice_cpu.probes.graphs", str(DEMO_MODEL), str(tmp_path / "probe.npz")]
     _run(emulation.x86_argv(cpu, sys.executable, probe), env)
     _check_probe(cpu, native_probe, tmp_path / "probe.npz", X86_EXPECT[cpu])
-    if cpu in NO_INT8_LM_KERNEL:  # the non-AVX2 paths speak (Haswell's kernels are the host's numerics already)
+    if cpu in NO_INT8_NBITS_KERNEL:  # the non-AVX2 paths speak (Haswell's kernels are the host's numerics already)
         demo = ["-c", DEMO_RUN, "demo", "-o", str(tmp_path / "out.wav"), *SENTENCE]
         r = _run(emulation.x86_argv(cpu, sys.executable, demo), env)
         _check_wave(tmp_path / "out.wav", r.stdout)
