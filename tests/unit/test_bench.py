@@ -72,10 +72,17 @@ def test_bench_command_writes_the_report(tiny_export_dir: Path, tmp_path: Path, 
     assert "| ours (LM on openvino, flow estimator on openvino, the rest on onnxruntime) |" in markdown(
         {**result, "ours": ov}, []
     )
+    streamed = ours["first_audio_long"]  # what a listener of the streamed sentence heard
+    assert streamed["stalls"] >= 0 and streamed["stall_s"] >= 0
+    assert (streamed["stall_s"] > 0) == (streamed["stalls"] > 0)
+    assert f"{streamed['stalls']:.0f} stalls, {streamed['stall_s']:.1f} s in all" in md
     del result["machine"]["calibration"]  # a result written before the calibration existed still renders
     del result["ours"]["lm_prefix_positions"]  # ... or before the LM prefix cache
     del result["ours"]["graph_backends"]  # ... or before the plan was recorded
+    for task in ("first_audio_long", "first_audio_short"):  # ... or before the stalls were counted
+        result["ours"][task] = {k: result["ours"][task][k] for k in ("first_audio_s", "stream_rtf")}
     old = markdown(result, [])
+    assert " stalls, " not in old and "whole streamed RTF" in old
     assert "Calibration (" not in old and "LM prefill:" not in old and "### Targets (issue 5)" in old
     assert "| ours (--backend auto) |" in old
     for png in ("stage_split.png", "memory_vs_streams.png", "rtf_vs_threads.png"):
@@ -192,3 +199,27 @@ def test_bench_text_stream_only_writes_its_section(tiny_export_dir: Path, tmp_pa
     assert len(run["passage_at_s"]) == 2 and len(run["boundary_gap_s"]) == 1  # one boundary between 2 sentences
     md = (out / "bench.md").read_text()
     assert "### Text that is still being written (CosyVoice2-0.5B)" in md and "| how it is spoken |" in md
+
+
+def test_first_audio_counts_what_a_listener_of_the_stream_waits_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks on a fake clock: 0.4 s of audio at 1.0 s, 0.8 s at 1.6 s (0.2 s late), 1.6 s at 2.3 s (in time)."""
+    from cosyvoice_cpu.benchmark import tasks
+
+    now = [0.0]
+
+    class Chunk:
+        def __init__(self, seconds: float) -> None:
+            self.duration, self.samples = seconds, np.zeros(int(seconds * 24000), np.float32)
+
+    class Engine:
+        def synthesize(self, text: str, voice: object, config: SynthesisConfig):
+            assert config.stream
+            start = now[0]  # the caller read the clock before the first chunk was asked for
+            for at, seconds in ((1.0, 0.4), (1.6, 0.8), (2.3, 1.6)):
+                now[0] = start + at
+                yield Chunk(seconds)
+
+    monkeypatch.setattr(tasks.time, "perf_counter", lambda: now[0])
+    out = tasks.first_audio(Engine(), object(), "text", 70, runs=2)
+    assert out["first_audio_s"] == pytest.approx(1.0) and out["stream_rtf"] == pytest.approx(2.3 / 2.8)
+    assert out["stalls"] == 1 and out["stall_s"] == pytest.approx(0.2)

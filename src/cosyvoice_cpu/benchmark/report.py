@@ -24,6 +24,14 @@ def _audio_s(result: JsonObject) -> float:
     return result["tokens"] / result.get("token_rate", TOKEN_RATE)
 
 
+def _stalls(streamed: JsonObject) -> str:
+    """' (N stalls, S s in all)': how often a listener who starts playing at a streamed sentence's first chunk
+    ran out of audio, and for how long (``first_audio``'s medians); '' for a report written before they were."""
+    if "stalls" not in streamed:
+        return ""
+    return f" ({streamed['stalls']:.0f} stalls, {streamed['stall_s']:.1f} s in all)"
+
+
 def _f(value: object, fmt: str = ".2f") -> str:
     return "–" if value is None else format(value, fmt)
 
@@ -219,7 +227,8 @@ def markdown(result: JsonObject, plots: list[str]) -> str:
         f"Streaming: first chunk after {o['first_audio_short']['first_audio_s']:.2f} s (8-character "
         f"sentence) / {o['first_audio_long']['first_audio_s']:.2f} s ({_audio_s(result):.0f} s "
         "utterance), whole streamed RTF "
-        f"{o['first_audio_long']['stream_rtf']:.3f}; prompt cache {o['prompt_cache_mb']:.0f} MB.",
+        f"{o['first_audio_long']['stream_rtf']:.3f}{_stalls(o['first_audio_long'])}; prompt cache "
+        f"{o['prompt_cache_mb']:.0f} MB.",
     ]
     if o.get("lm_prefix_positions"):  # results from before the LM prefix cache have none
         lines.append(
@@ -232,16 +241,17 @@ def markdown(result: JsonObject, plots: list[str]) -> str:
             "### Backends (the single task per backend, one after the other)",
             "",
             "| backend | LM ran on | flow estimator ran on | the rest ran on | LM decode, tokens/s | flow RTF | "
-            "end-to-end RTF | vocoder RTF | streamed RTF | first audio (short) | peak RSS MB |",
+            "end-to-end RTF | vocoder RTF | streamed RTF (stalls) | first audio (short) | peak RSS MB |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, r in result["backends"].items():
             d, on = r["default"], ran_on(r)
             stream, first = r["first_audio_long"]["stream_rtf"], r["first_audio_short"]["first_audio_s"]
+            stalls = _stalls(r["first_audio_long"])
             lines.append(
                 f"| {name} | {on['LM']} | {on['flow estimator']} | {on['the rest']} | {r['lm_decode_tok_s']:.1f} | "
-                f"{d['flow_rtf']:.3f} | {d['rtf']:.3f} | {d['vocoder_rtf']:.3f} | {stream:.3f} | {first:.2f} s | "
-                f"{r['peak_rss_mb']:.0f} |"
+                f"{d['flow_rtf']:.3f} | {d['rtf']:.3f} | {d['vocoder_rtf']:.3f} | {stream:.3f}{stalls} | "
+                f"{first:.2f} s | {r['peak_rss_mb']:.0f} |"
             )
         lines += ["", "Each backend's plan (`cosyvoice-cpu doctor -m MODEL_DIR --backend B` prints the same):", ""]
         for name, r in result["backends"].items():

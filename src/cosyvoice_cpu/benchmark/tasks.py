@@ -203,19 +203,20 @@ def measure_e2e(engine: Engine, voice: Voice, tokens: int, runs: int, **kw: obje
 
 
 def first_audio(engine: Engine, voice: Voice, text: str, tokens: int, runs: int) -> dict[str, float]:
-    """Seconds from the call to the first streamed chunk (prompt cache warm), and the whole streamed RTF."""
-    firsts, rtfs = [], []
+    """Seconds from the call to the first streamed chunk (prompt cache warm), the whole streamed RTF, and what a
+    listener who starts playing at the first chunk hears: ``stalls`` (times the audio ran dry before the next
+    chunk came) and ``stall_s`` (their total), as :class:`~cosyvoice_cpu.benchmark.text_stream.Playback` counts
+    them. Medians of ``runs`` after one warm-up."""
+    results = []
     for i in range(runs + 1):
+        play = text_stream.Playback()
         t0 = time.perf_counter()
-        first, audio = None, 0.0
         for chunk in engine.synthesize(text, voice, _config(tokens, stream=True)):
-            if first is None and len(chunk.samples):
-                first = time.perf_counter() - t0
-            audio += chunk.duration
+            play.add(time.perf_counter() - t0, chunk.duration)
         if i:
-            firsts.append(first)
-            rtfs.append((time.perf_counter() - t0) / audio)
-    return {"first_audio_s": statistics.median(firsts), "stream_rtf": statistics.median(rtfs)}
+            summary = play.summary(0.0, 0.0)
+            results.append({k: float(summary[k]) for k in ("first_audio_s", "stream_rtf", "stalls", "stall_s")})
+    return {k: statistics.median(r[k] for r in results) for k in results[0]}
 
 
 def fast_preset_quality(engine: Engine, voice: Voice, tokens: int, steps: int) -> dict[str, float]:
