@@ -223,3 +223,21 @@ def test_first_audio_counts_what_a_listener_of_the_stream_waits_for(monkeypatch:
     out = tasks.first_audio(Engine(), object(), "text", 70, runs=2)
     assert out["first_audio_s"] == pytest.approx(1.0) and out["stream_rtf"] == pytest.approx(2.3 / 2.8)
     assert out["stalls"] == 1 and out["stall_s"] == pytest.approx(0.2)
+
+
+def test_the_chunk_plan_probe_streams_each_plan_and_counts_its_chunks(tiny_export_dir: Path) -> None:
+    """``bench/chunk_plan_ab.py`` (how the default chunk plan was checked, docs/streaming.md): each plan streams
+    the forced sentence in as many chunks as its doubling gives, and the listener's columns are filled."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "chunk_plan_ab.py"
+    out = subprocess.run([sys.executable, str(script), str(tiny_export_dir), "--chunk-tokens", "10,20",
+                          "--first-chunk-tokens", "5", "--tokens", "40", "--steps", "2", "--runs", "1"],
+                         check=True, capture_output=True, text=True).stdout  # fmt: skip
+    cells = [line.split("|") for line in out.splitlines() if line.startswith("| ")]
+    rows = {r[1].strip(): r for r in cells if r[1].strip().isdigit()}
+    assert set(rows) == {"10", "20"}
+    assert rows["10"][2].strip() == "5" and rows["20"][2].strip() == "4"  # 5+10+10+10+5 and 5+10+20+5 tokens
+    for row in rows.values():
+        assert float(row[3]) > 0 and float(row[4].split()[0]) > 0 and float(row[6]) >= 0

@@ -202,21 +202,25 @@ def measure_e2e(engine: Engine, voice: Voice, tokens: int, runs: int, **kw: obje
     }
 
 
+def listen(engine: Engine, voice: Voice, text: str, config: SynthesisConfig) -> dict[str, float]:
+    """One streamed synthesis (``config.stream``) heard by a :class:`~cosyvoice_cpu.benchmark.text_stream.Playback`
+    listener who starts playing at the first chunk: seconds to the first chunk, the streamed RTF (call to the last
+    chunk, per second of audio), ``chunks`` with audio, ``stalls`` (times the audio ran dry before the next chunk
+    came) and ``stall_s`` (their total)."""
+    play, chunks = text_stream.Playback(), 0
+    t0 = time.perf_counter()
+    for chunk in engine.synthesize(text, voice, config):
+        play.add(time.perf_counter() - t0, chunk.duration)
+        chunks += chunk.duration > 0
+    s = play.summary(0.0, 0.0)
+    return {"chunks": chunks, **{k: float(s[k]) for k in ("first_audio_s", "stream_rtf", "stalls", "stall_s")}}
+
+
 def first_audio(engine: Engine, voice: Voice, text: str, tokens: int, runs: int) -> dict[str, float]:
-    """Seconds from the call to the first streamed chunk (prompt cache warm), the whole streamed RTF, and what a
-    listener who starts playing at the first chunk hears: ``stalls`` (times the audio ran dry before the next
-    chunk came) and ``stall_s`` (their total), as :class:`~cosyvoice_cpu.benchmark.text_stream.Playback` counts
-    them. Medians of ``runs`` after one warm-up."""
-    results = []
-    for i in range(runs + 1):
-        play = text_stream.Playback()
-        t0 = time.perf_counter()
-        for chunk in engine.synthesize(text, voice, _config(tokens, stream=True)):
-            play.add(time.perf_counter() - t0, chunk.duration)
-        if i:
-            summary = play.summary(0.0, 0.0)
-            results.append({k: float(summary[k]) for k in ("first_audio_s", "stream_rtf", "stalls", "stall_s")})
-    return {k: statistics.median(r[k] for r in results) for k in results[0]}
+    """:func:`listen` to ``text`` forced to ``tokens`` speech tokens: medians of ``runs`` after one warm-up (the
+    voice's prompt cache warm)."""
+    results = [listen(engine, voice, text, _config(tokens, stream=True)) for _ in range(runs + 1)][1:]
+    return {k: statistics.median(r[k] for r in results) for k in results[0] if k != "chunks"}
 
 
 def fast_preset_quality(engine: Engine, voice: Voice, tokens: int, steps: int) -> dict[str, float]:
