@@ -1,8 +1,8 @@
 """Streamed sentences under several chunk plans, alternated in one process: the streamed RTF and what a listener
 waits for.
 
-    python bench/chunk_plan_ab.py MODEL_DIR [--chunk-tokens 50,100,25] [--first-chunk-tokens 10] \
-        [--steps 10] [--tokens 250] [--runs 3] [--threads 2] [--backend onnxruntime]
+    python bench/chunk_plan_ab.py MODEL_DIR [--chunk-tokens 50,100,25] [--grid on|off|both] \
+        [--first-chunk-tokens 10] [--steps 10] [--tokens 250] [--runs 3] [--threads 2] [--backend onnxruntime]
 
 One engine, the bench's registered 3 s voice and 10 s sentence (``tokens`` speech tokens forced), one warm-up
 sentence, then ``runs`` rounds in which every plan streams the sentence once (plans alternated, so they share
@@ -13,15 +13,32 @@ plays without pause while it holds audio): how many times the audio ran dry and 
 A larger ``chunk_tokens`` re-runs the estimator's prompt and context and the encoder's window fewer times (less
 work, a lower streamed RTF) but the listener waits for each longer chunk whole: the stall column says which
 plan a listener is better served by. ``--steps`` below 10 stands in for a faster machine (less flow work).
+``--grid off`` cuts the plain doubling instead of ending chunks on the flow's grid (Fun-CosyVoice3's attention
+chunks, :class:`~cosyvoice_cpu.flow.common.ChunkPlan`), as the engine did before it had one.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
+from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 from cosyvoice_cpu.benchmark.tasks import TEXT, _config, listen, load
+from cosyvoice_cpu.flow.common import ChunkPlan
+
+
+@contextlib.contextmanager
+def grid(on: bool) -> Iterator[None]:
+    """The engine's chunk plans with the flow's grid (the default) or without it (plain doubling, as before
+    ``ChunkPlan`` took a grid: a Fun-CosyVoice3 push then recomputes the attention chunk it ends inside)."""
+    if on:
+        yield
+        return
+    with mock.patch.object(ChunkPlan, "_on_grid", lambda self, size: size):
+        yield
 
 
 def main() -> None:
@@ -29,34 +46,38 @@ def main() -> None:
     ap.add_argument("model_dir", type=Path)
     ap.add_argument("--chunk-tokens", default="50,100,25", help="the plans' largest chunks, comma-separated")
     ap.add_argument("--first-chunk-tokens", type=int, default=10)
+    ap.add_argument("--grid", choices=("on", "off", "both"), default="on",
+                    help="chunks moved to the flow's grid (Fun-CosyVoice3's attention chunks) or not")  # fmt: skip
     ap.add_argument("--steps", type=int, default=10, help="Euler steps of the flow")
     ap.add_argument("--tokens", type=int, default=250)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--backend", default="onnxruntime")
     args = ap.parse_args()
-    sizes = [int(s) for s in args.chunk_tokens.split(",")]
-    engine, voice = load(args.model_dir, args.threads, backend=args.backend)
+    grids = {"on": [True], "off": [False], "both": [True, False]}[args.grid]
     plans = {
-        n: _config(args.tokens, stream=True, first_chunk_tokens=args.first_chunk_tokens, chunk_tokens=n,
-                   flow_steps=args.steps)
-        for n in sizes
+        (n, on): _config(args.tokens, stream=True, first_chunk_tokens=args.first_chunk_tokens, chunk_tokens=n,
+                         flow_steps=args.steps)
+        for n in (int(s) for s in args.chunk_tokens.split(","))
+        for on in grids
     }  # fmt: skip
-    listen(engine, voice, TEXT, plans[sizes[0]])  # warm-up: the voice's prompt cache, the arenas
-    rows: dict[int, list[dict[str, float]]] = {n: [] for n in sizes}
+    engine, voice = load(args.model_dir, args.threads, backend=args.backend)
+    listen(engine, voice, TEXT, next(iter(plans.values())))  # warm-up: the voice's prompt cache, the arenas
+    rows: dict[tuple[int, bool], list[dict[str, float]]] = {key: [] for key in plans}
     for _ in range(args.runs):
-        for n in sizes:
-            rows[n].append(listen(engine, voice, TEXT, plans[n]))
+        for (n, on), config in plans.items():
+            with grid(on):
+                rows[n, on].append(listen(engine, voice, TEXT, config))
     engine.close()
     print(f"{args.model_dir.name}, {args.tokens} tokens, {args.steps} steps, first chunk {args.first_chunk_tokens} "
           f"tokens, {args.threads} threads, {args.backend}; medians of {args.runs}")  # fmt: skip
-    print("\n| chunk_tokens | chunks | first audio s | streamed RTF (runs) | stalls | stalled s |")
-    print("|---|---|---|---|---|---|")
-    for n, rs in rows.items():
+    print("\n| chunk_tokens | grid | chunks | first audio s | streamed RTF (runs) | stalls | stalled s |")
+    print("|---|---|---|---|---|---|---|")
+    for (n, on), rs in rows.items():
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
         runs = ", ".join(f"{r['stream_rtf']:.3f}" for r in rs)
-        print(f"| {n} | {med['chunks']:.0f} | {med['first_audio_s']:.2f} | {med['stream_rtf']:.3f} ({runs}) | "
-              f"{med['stalls']:.0f} | {med['stall_s']:.2f} |")  # fmt: skip
+        print(f"| {n} | {'on' if on else 'off'} | {med['chunks']:.0f} | {med['first_audio_s']:.2f} | "
+              f"{med['stream_rtf']:.3f} ({runs}) | {med['stalls']:.0f} | {med['stall_s']:.2f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import torch
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.export.common import rel_err
 from cosyvoice_cpu.export.flow.cosyvoice3 import FILES, export_flow, settings_of, verify_flow
+from cosyvoice_cpu.flow.common import ChunkedStream, ChunkPlan
 from cosyvoice_cpu.flow.cosyvoice2 import CosyVoice2Flow
 from cosyvoice_cpu.flow.cosyvoice3 import CosyVoice3Flow
 from cosyvoice_cpu.flow.cosyvoice3_stream import CosyVoice3FlowStream, CosyVoice3PromptCache
@@ -212,6 +213,35 @@ def test_stream_equals_official_prefix_recompute(flow, stage: CosyVoice3Flow, n_
         assert rel_err(o, r) < RTOL, (a, b)
     assert fs.finished and fs.frames_done == 2 * cuts[-1][1]
     assert fs.prompt.frames == max(0, n_prompt - 3) * 2 // 50 * 50
+
+
+def test_the_engines_chunks_end_on_attention_chunks(flow, stage: CosyVoice3Flow) -> None:
+    """The engine's chunk plan (``ChunkedStream``) asks the stream for its grid: after the first push, every push
+    ends on a 50-frame attention chunk, so no frame is left to compute again, and the chunks still equal the
+    official recompute at those cuts. The plain doubling (no grid) leaves frames to recompute in later pushes."""
+    prompt, tokens, emb, feat = _inputs(flow, 75, 200, seed=11)
+    args = (stage, prompt.numpy()[0], feat.numpy()[0], emb.numpy())
+
+    def pushes(plan: ChunkPlan) -> tuple[list[tuple[int, int]], list[int], np.ndarray]:
+        fs = CosyVoice3FlowStream(*args, context_tokens=None)
+        chunks = ChunkedStream(fs, plan.first, plan.largest)
+        chunks.plan = plan
+        cuts, left, mels, t = [], [], [], tokens[0].numpy()
+        while (window := chunks.next_window(len(t), False)) is not None:
+            mels.append(chunks.render(t, *window))
+            cuts.append(window[:2])
+            left.append(fs.n_prompt + fs.frames_done - fs.committed)  # returned frames not yet committed
+        return cuts, left, np.concatenate(mels, axis=2)
+
+    fs = CosyVoice3FlowStream(*args, context_tokens=None)
+    assert fs.grid == (75, 25) and ChunkedStream(fs, 10, 50).plan.grid == (75, 25)
+    cuts, left, mel = pushes(ChunkPlan(10, 50, 3, grid=fs.grid))
+    assert cuts == [(0, 10), (10, 25), (25, 50), (50, 100), (100, 150)]
+    assert left == [20, 0, 0, 0, 0]
+    ref = np.concatenate(_official_stream(flow, prompt, tokens[:, :153], emb, feat, cuts), axis=2)
+    assert rel_err(mel, ref) < RTOL
+    cuts, left, _ = pushes(ChunkPlan(10, 50, 3))
+    assert cuts[:4] == [(0, 10), (10, 30), (30, 70), (70, 120)] and left[1:4] == [10, 40, 40]
 
 
 def test_a_provisional_complete_chunk_is_not_committed(flow, stage: CosyVoice3Flow) -> None:

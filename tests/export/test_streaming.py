@@ -80,6 +80,27 @@ def test_chunk_plan_grows_and_waits_for_the_lookahead() -> None:
         ChunkPlan(20, 10, 3)
 
 
+def test_chunk_plan_moves_later_chunks_onto_the_flows_grid() -> None:
+    """Fun-CosyVoice3's attention chunks are 25 tokens from the prompt's start: chunks after the first end on
+    their boundaries (phase = the prompt's tokens), so no push leaves a chunk half done for the next one."""
+
+    def cuts(plan: ChunkPlan, available: int = 400) -> list[tuple[int, int]]:
+        out = []
+        while plan.ready(available):
+            out.append(plan.cut())
+        return out
+
+    assert cuts(ChunkPlan(10, 50, 3, grid=(75, 25)))[:5] == [(0, 10), (10, 25), (25, 50), (50, 100), (100, 150)]
+    assert cuts(ChunkPlan(10, 50, 3, grid=(80, 25)))[:4] == [(0, 10), (10, 20), (20, 45), (45, 95)]
+    # no grid line in the back half of a planned chunk: on to the next line, unless that passes the largest
+    assert cuts(ChunkPlan(5, 30, 3, grid=(0, 25)))[:3] == [(0, 5), (5, 25), (25, 50)]
+    assert cuts(ChunkPlan(5, 20, 3, grid=(0, 25)))[:3] == [(0, 5), (5, 25), (25, 45)]
+    assert cuts(ChunkPlan(10, 50, 3)) == cuts(ChunkPlan(10, 50, 3, grid=None))  # CosyVoice2: plain doubling
+    assert cuts(ChunkPlan(10, 50, 3))[:4] == [(0, 10), (10, 30), (30, 70), (70, 120)]
+    with pytest.raises(ConfigError, match="grid"):
+        ChunkPlan(10, 50, 3, grid=(0, 0))
+
+
 def test_incremental_flow_equals_the_one_shot_chunk_causal_solve(engine: Engine, tiny_model_dir: Path) -> None:
     import torch
 

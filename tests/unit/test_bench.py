@@ -226,18 +226,20 @@ def test_first_audio_counts_what_a_listener_of_the_stream_waits_for(monkeypatch:
 
 
 def test_the_chunk_plan_probe_streams_each_plan_and_counts_its_chunks(tiny_export_dir: Path) -> None:
-    """``bench/chunk_plan_ab.py`` (how the default chunk plan was checked, docs/streaming.md): each plan streams
-    the forced sentence in as many chunks as its doubling gives, and the listener's columns are filled."""
+    """``bench/chunk_plan_ab.py`` (how the default chunk plan and the chunk grid were checked, docs/streaming.md):
+    each plan streams the forced sentence in as many chunks as its doubling gives, with and without the flow's
+    grid (CosyVoice2 has none: the same chunks), and the listener's columns are filled."""
     import subprocess
     import sys
 
     script = Path(__file__).resolve().parents[2] / "bench" / "chunk_plan_ab.py"
-    out = subprocess.run([sys.executable, str(script), str(tiny_export_dir), "--chunk-tokens", "10,20",
-                          "--first-chunk-tokens", "5", "--tokens", "40", "--steps", "2", "--runs", "1"],
+    out = subprocess.run([sys.executable, str(script), str(tiny_export_dir), "--chunk-tokens", "10,20", "--grid",
+                          "both", "--first-chunk-tokens", "5", "--tokens", "40", "--steps", "2", "--runs", "1"],
                          check=True, capture_output=True, text=True).stdout  # fmt: skip
-    cells = [line.split("|") for line in out.splitlines() if line.startswith("| ")]
-    rows = {r[1].strip(): r for r in cells if r[1].strip().isdigit()}
-    assert set(rows) == {"10", "20"}
-    assert rows["10"][2].strip() == "5" and rows["20"][2].strip() == "4"  # 5+10+10+10+5 and 5+10+20+5 tokens
+    cells = [[c.strip() for c in line.split("|")] for line in out.splitlines() if line.startswith("| ")]
+    rows = {(r[1], r[2]): r for r in cells if r[1].isdigit()}
+    assert set(rows) == {("10", "on"), ("10", "off"), ("20", "on"), ("20", "off")}
+    for grid in ("on", "off"):  # 5+10+10+10+5 and 5+10+20+5 tokens
+        assert rows["10", grid][3] == "5" and rows["20", grid][3] == "4"
     for row in rows.values():
-        assert float(row[3]) > 0 and float(row[4].split()[0]) > 0 and float(row[6]) >= 0
+        assert float(row[4]) > 0 and float(row[5].split()[0]) > 0 and float(row[7]) >= 0

@@ -55,10 +55,13 @@ class ChunkFlowStream(Protocol):
 
     ``lookahead`` is the number of tokens after a chunk the encoder needs before the chunk can be rendered
     (``pre_lookahead_len``); ``push(tokens (C,), lookahead (1..lookahead,) or None for the last chunk)`` returns
-    the chunk's mel (1, 80, C * token_mel_ratio) float32.
+    the chunk's mel (1, 80, C * token_mel_ratio) float32. ``grid`` is None when a chunk may end anywhere at the
+    same cost, else ``(phase, period)`` in tokens: chunks that end where ``phase + end`` is a multiple of
+    ``period`` (a boundary of the estimator's own attention chunks) leave nothing to compute twice.
     """
 
     lookahead: int
+    grid: tuple[int, int] | None
 
     def push(self, tokens: ArrayLike, lookahead: ArrayLike | None = None) -> np.ndarray: ...
 
@@ -70,18 +73,25 @@ class ChunkPlan:
     Args:
         first: tokens in the first chunk; largest: the cap of later chunks (each doubles the previous one);
         lookahead: tokens the flow needs after a chunk's end before it can be cut (pre_lookahead_len).
+        grid: ``(phase, period)`` (:class:`ChunkFlowStream`): every chunk after the first is moved to end on it,
+            back to the last grid line inside the planned chunk when that keeps at least half of it, else on to
+            the next one unless that passes ``largest`` (then as planned). None: the plain doubling.
     """
 
     first: int
     largest: int
     lookahead: int
     offset: int = 0  # tokens already cut into chunks
-    size: int = field(init=False)
+    grid: tuple[int, int] | None = None
+    size: int = field(init=False)  # the next chunk's tokens
+    planned: int = field(init=False)  # ... before it was moved to the grid
 
     def __post_init__(self) -> None:
         if not 1 <= self.first <= self.largest or self.lookahead < 0:
             raise ConfigError(f"bad chunk plan: first {self.first}, largest {self.largest}, lookahead {self.lookahead}")
-        self.size = self.first
+        if self.grid is not None and (self.grid[0] < 0 or self.grid[1] < 1):
+            raise ConfigError(f"bad chunk grid {self.grid}: (phase >= 0, period >= 1) tokens")
+        self.size = self.planned = self.first
 
     def ready(self, available: int) -> bool:
         """Whether the next chunk can be cut when ``available`` tokens exist."""
@@ -91,18 +101,32 @@ class ChunkPlan:
         """The next chunk's (start, end) token indices; advances the plan."""
         start, end = self.offset, self.offset + self.size
         self.offset = end
-        self.size = min(2 * self.size, self.largest)
+        self.planned = min(2 * self.planned, self.largest)
+        self.size = self._on_grid(self.planned)
         return start, end
+
+    def _on_grid(self, size: int) -> int:
+        """``size`` tokens from ``offset``, moved to end on the grid (the rule in the class doc)."""
+        if self.grid is None:
+            return size
+        phase, period = self.grid
+        past = (phase + self.offset + size) % period  # tokens past the last grid line
+        if past == 0:
+            return size
+        back, on = size - past, size + period - past
+        if 2 * back >= size:
+            return back
+        return on if on <= self.largest else size
 
 
 class ChunkedStream:
-    """A :class:`~cosyvoice_cpu.flow.base.FlowStream` of chunks of ``first`` tokens doubling up to ``largest``, each
-    cut once the flow's look-ahead tokens exist and rendered by a :class:`ChunkFlowStream` (CosyVoice2,
-    Fun-CosyVoice3)."""
+    """A :class:`~cosyvoice_cpu.flow.base.FlowStream` of chunks of ``first`` tokens doubling up to ``largest``
+    (moved to the flow's :attr:`~ChunkFlowStream.grid`), each cut once the flow's look-ahead tokens exist and
+    rendered by a :class:`ChunkFlowStream` (CosyVoice2, Fun-CosyVoice3)."""
 
     def __init__(self, flow: ChunkFlowStream, first: int, largest: int) -> None:
         self.flow = flow
-        self.plan = ChunkPlan(first, largest, max(flow.lookahead, 1))
+        self.plan = ChunkPlan(first, largest, max(flow.lookahead, 1), grid=flow.grid)
         self.hold_at = self.plan.first + self.plan.lookahead
 
     def next_window(self, available: int, done: bool) -> tuple[int, int, bool] | None:

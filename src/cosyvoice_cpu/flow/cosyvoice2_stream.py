@@ -114,6 +114,8 @@ class CosyVoice2FlowStream:
         prompt_cache: a :class:`CosyVoice2PromptCache` built for the same voice and settings (built here if None).
     """
 
+    grid = None  # a chunk's attention is its own push's frames: any chunk end costs the same
+
     def __init__(
         self,
         stage: CosyVoice2Flow,

@@ -10,7 +10,10 @@ which a non-final call already has. So within each Euler step, a *complete* 50-f
   the conv position embedding's inputs on the 30 frames before the first open frame (``flow_estimator_stream.onnx``
   of v3, :mod:`cosyvoice_cpu.export.flow.cosyvoice3_stream`);
 * a push runs the estimator on the *window* = the open (incomplete) chunk's earlier frames + the new frames,
-  then commits the chunks that became complete. Extra work per push: at most 49 recomputed frames;
+  then commits the chunks that became complete. Extra work per push: at most 49 recomputed frames, none when
+  the push before ended on a chunk boundary: :attr:`grid` asks the engine's chunk plan for such ends
+  (:class:`~cosyvoice_cpu.flow.common.ChunkPlan`), as the official chunk hops (25 tokens, the first padded to
+  the prompt's boundary) are;
 * the prompt's complete chunks whose mu cannot depend on generated tokens (those ending at least
   ``pre_lookahead_len`` tokens before the prompt's end) are a :class:`CosyVoice3PromptCache`, one per voice and solver
   setting; the remaining prompt frames are recomputed with the first chunk, as the official code does;
@@ -188,6 +191,13 @@ class CosyVoice3FlowStream:
     def frames_done(self) -> int:
         """Mel frames produced so far."""
         return self.done
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """(prompt tokens, tokens per attention chunk): a push that ends on a chunk boundary commits all its
+        frames; one that ends inside a chunk leaves that chunk's frames to be computed again by the next push
+        (up to 49 of them per push, each Euler step)."""
+        return self.n_prompt // self.ratio, self.chunk // self.ratio
 
     def push(self, tokens: ArrayLike, lookahead: ArrayLike | None = None) -> np.ndarray:
         """Turn the next tokens into mel.
