@@ -163,7 +163,7 @@ class SynthesisConfig:
         speed: speaking-rate factor applied to the mel (1.0 = as generated; 0.5-2.0).
         stream: yield audio chunk by chunk as tokens are generated (needs ``EngineConfig.streaming_estimator``).
         first_chunk_tokens: speech tokens in the first streamed chunk (25 tokens = 1 s); later chunks double up
-            to ``chunk_tokens``.
+            to ``chunk_tokens`` (Fun-CosyVoice3 moves them to end on its 25-token attention chunks).
         chunk_tokens: the largest streamed chunk, in tokens (bigger chunks: less overhead, coarser latency).
         context_tokens: generated history each streamed chunk's flow attends to besides the prompt, in tokens
             (bounded memory and work per chunk; larger = closer to one-shot chunk-causal output;
