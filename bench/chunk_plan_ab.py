@@ -21,23 +21,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
-from cosyvoice_cpu.benchmark.tasks import TEXT, _config, listen, load
-from cosyvoice_cpu.flow.common import ChunkPlan
+from cosyvoice_cpu.benchmark.tasks import TEXT, _config, listen, load, medians
+from cosyvoice_cpu.flow.cosyvoice2_stream import CosyVoice2FlowStream
+from cosyvoice_cpu.flow.cosyvoice3_stream import CosyVoice3FlowStream
+
+FLOW_STREAMS = (CosyVoice2FlowStream, CosyVoice3FlowStream)  # the engine's ChunkFlowStream kinds
 
 
 @contextlib.contextmanager
 def grid(on: bool) -> Iterator[None]:
-    """The engine's chunk plans with the flow's grid (the default) or without it (plain doubling, as before
-    ``ChunkPlan`` took a grid: a Fun-CosyVoice3 push then recomputes the attention chunk it ends inside)."""
-    if on:
-        yield
-        return
-    with mock.patch.object(ChunkPlan, "_on_grid", lambda self, size: size):
+    """The flows offer their grid (the default) or none (the plain doubling, as before ``ChunkPlan`` took a grid:
+    a Fun-CosyVoice3 push then recomputes the attention chunk the push before ended inside)."""
+    with contextlib.ExitStack() as stack:
+        if not on:
+            for kind in FLOW_STREAMS:
+                stack.enter_context(mock.patch.object(kind, "grid", None))
         yield
 
 
@@ -50,6 +52,7 @@ def main() -> None:
                     help="chunks moved to the flow's grid (Fun-CosyVoice3's attention chunks) or not")  # fmt: skip
     ap.add_argument("--steps", type=int, default=10, help="Euler steps of the flow")
     ap.add_argument("--tokens", type=int, default=250)
+    ap.add_argument("--voice-seconds", type=float, default=3.0, help="the registered voice's length")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--backend", default="onnxruntime")
@@ -61,7 +64,7 @@ def main() -> None:
         for n in (int(s) for s in args.chunk_tokens.split(","))
         for on in grids
     }  # fmt: skip
-    engine, voice = load(args.model_dir, args.threads, backend=args.backend)
+    engine, voice = load(args.model_dir, args.threads, voice_seconds=args.voice_seconds, backend=args.backend)
     listen(engine, voice, TEXT, next(iter(plans.values())))  # warm-up: the voice's prompt cache, the arenas
     rows: dict[tuple[int, bool], list[dict[str, float]]] = {key: [] for key in plans}
     for _ in range(args.runs):
@@ -70,14 +73,15 @@ def main() -> None:
                 rows[n, on].append(listen(engine, voice, TEXT, config))
     engine.close()
     print(f"{args.model_dir.name}, {args.tokens} tokens, {args.steps} steps, first chunk {args.first_chunk_tokens} "
-          f"tokens, {args.threads} threads, {args.backend}; medians of {args.runs}")  # fmt: skip
+          f"tokens, a {args.voice_seconds:g} s voice ({voice.speech_tokens.size} tokens), {args.threads} threads, "
+          f"{args.backend}; medians of {args.runs}")  # fmt: skip
     print("\n| chunk_tokens | grid | chunks | first audio s | streamed RTF (runs) | stalls | stalled s |")
     print("|---|---|---|---|---|---|---|")
     for (n, on), rs in rows.items():
-        med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        med = medians(rs)
         runs = ", ".join(f"{r['stream_rtf']:.3f}" for r in rs)
         print(f"| {n} | {'on' if on else 'off'} | {med['chunks']:.0f} | {med['first_audio_s']:.2f} | "
-              f"{med['stream_rtf']:.3f} ({runs}) | {med['stalls']:.0f} | {med['stall_s']:.2f} |")  # fmt: skip
+              f"{med['stream_rtf']:.3f} ({runs}) | {med['stalls']:g} | {med['stall_s']:.2f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

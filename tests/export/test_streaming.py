@@ -92,9 +92,14 @@ def test_chunk_plan_moves_later_chunks_onto_the_flows_grid() -> None:
 
     assert cuts(ChunkPlan(10, 50, 3, grid=(75, 25)))[:5] == [(0, 10), (10, 25), (25, 50), (50, 100), (100, 150)]
     assert cuts(ChunkPlan(10, 50, 3, grid=(80, 25)))[:4] == [(0, 10), (10, 20), (20, 45), (45, 95)]
-    # no grid line in the back half of a planned chunk: on to the next line, unless that passes the largest
-    assert cuts(ChunkPlan(5, 30, 3, grid=(0, 25)))[:3] == [(0, 5), (5, 25), (25, 50)]
-    assert cuts(ChunkPlan(5, 20, 3, grid=(0, 25)))[:3] == [(0, 5), (5, 25), (25, 45)]
+    # no grid line in the back half of a planned chunk: as planned (a chunk never grows), the next one aligns
+    assert cuts(ChunkPlan(10, 50, 3, grid=(81, 25)))[:4] == [(0, 10), (10, 30), (30, 69), (69, 119)]
+    assert cuts(ChunkPlan(5, 20, 3, grid=(0, 25)))[:5] == [(0, 5), (5, 15), (15, 25), (25, 45), (45, 65)]
+    for phase in range(25):  # the default plan, any voice length: from the third chunk on, all on the grid
+        got = cuts(ChunkPlan(10, 50, 3, grid=(phase, 25)))
+        assert all((phase + end) % 25 == 0 for _, end in got[2:]), (phase, got)
+        planned = [10, 20, 40] + [50] * len(got)
+        assert all(end - start <= size for (start, end), size in zip(got, planned)), (phase, got)  # none grows
     assert cuts(ChunkPlan(10, 50, 3)) == cuts(ChunkPlan(10, 50, 3, grid=None))  # CosyVoice2: plain doubling
     assert cuts(ChunkPlan(10, 50, 3))[:4] == [(0, 10), (10, 30), (30, 70), (70, 120)]
     with pytest.raises(ConfigError, match="grid"):

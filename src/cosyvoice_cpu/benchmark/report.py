@@ -29,7 +29,7 @@ def _stalls(streamed: JsonObject) -> str:
     ran out of audio, and for how long (``first_audio``'s medians); '' for a report written before they were."""
     if "stalls" not in streamed:
         return ""
-    return f" ({streamed['stalls']:.0f} stalls, {streamed['stall_s']:.1f} s in all)"
+    return f" ({streamed['stalls']:g} stalls, {streamed['stall_s']:.1f} s in all)"
 
 
 def _f(value: object, fmt: str = ".2f") -> str:

@@ -89,17 +89,22 @@ def _prompt_wav(path: Path, seconds: float = 3.0, sr: int = 16000) -> Path:
 
 
 def load(
-    model_dir: Path, threads: int, spinning: bool = False, lm_batch_rows: int | None = None, **config: object
+    model_dir: Path,
+    threads: int,
+    spinning: bool = False,
+    lm_batch_rows: int | None = None,
+    voice_seconds: float = 3.0,
+    **config: object,
 ) -> tuple[Engine, Voice]:
     """The engine (``lm_batch_rows`` None: the engine's default, what users get; ``config``: other
-    :class:`~cosyvoice_cpu.config.EngineConfig` fields) and a registered voice (voice creation is setup, not
-    timed)."""
+    :class:`~cosyvoice_cpu.config.EngineConfig` fields) and a registered voice of ``voice_seconds`` (voice
+    creation is setup, not timed)."""
 
     rows = DEFAULT_LM_BATCH_ROWS if lm_batch_rows is None else lm_batch_rows
     engine = Engine.load(model_dir, EngineConfig(threads=threads, spinning=spinning, lm_batch_rows=rows, **config))
     engine.family.wait_warm()  # the OpenVINO estimator compiling in the background: not measured
     with tempfile.TemporaryDirectory() as tmp:
-        voice = engine.make_voice(_prompt_wav(Path(tmp) / "prompt.wav"), PROMPT_TEXT, name="bench")
+        voice = engine.make_voice(_prompt_wav(Path(tmp) / "prompt.wav", voice_seconds), PROMPT_TEXT, name="bench")
     return engine, voice
 
 
@@ -220,7 +225,12 @@ def first_audio(engine: Engine, voice: Voice, text: str, tokens: int, runs: int)
     """:func:`listen` to ``text`` forced to ``tokens`` speech tokens: medians of ``runs`` after one warm-up (the
     voice's prompt cache warm)."""
     results = [listen(engine, voice, text, _config(tokens, stream=True)) for _ in range(runs + 1)][1:]
-    return {k: statistics.median(r[k] for r in results) for k in results[0] if k != "chunks"}
+    return {k: v for k, v in medians(results).items() if k != "chunks"}
+
+
+def medians(results: list[dict[str, float]]) -> dict[str, float]:
+    """The median of each key over ``results`` (all with the keys of the first)."""
+    return {k: statistics.median(r[k] for r in results) for k in results[0]}
 
 
 def fast_preset_quality(engine: Engine, voice: Voice, tokens: int, steps: int) -> dict[str, float]:

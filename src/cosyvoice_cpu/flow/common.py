@@ -61,7 +61,9 @@ class ChunkFlowStream(Protocol):
     """
 
     lookahead: int
-    grid: tuple[int, int] | None
+
+    @property
+    def grid(self) -> tuple[int, int] | None: ...
 
     def push(self, tokens: ArrayLike, lookahead: ArrayLike | None = None) -> np.ndarray: ...
 
@@ -73,9 +75,9 @@ class ChunkPlan:
     Args:
         first: tokens in the first chunk; largest: the cap of later chunks (each doubles the previous one);
         lookahead: tokens the flow needs after a chunk's end before it can be cut (pre_lookahead_len).
-        grid: ``(phase, period)`` (:class:`ChunkFlowStream`): every chunk after the first is moved to end on it,
-            back to the last grid line inside the planned chunk when that keeps at least half of it, else on to
-            the next one unless that passes ``largest`` (then as planned). None: the plain doubling.
+        grid: ``(phase, period)`` (:class:`ChunkFlowStream`): every chunk after the first ends on it when it can,
+            cut back to the last grid line inside the planned chunk if that keeps at least half of it (a chunk
+            never grows: the next line would keep the listener waiting); else as planned. None: plain doubling.
     """
 
     first: int
@@ -113,10 +115,8 @@ class ChunkPlan:
         past = (phase + self.offset + size) % period  # tokens past the last grid line
         if past == 0:
             return size
-        back, on = size - past, size + period - past
-        if 2 * back >= size:
-            return back
-        return on if on <= self.largest else size
+        back = size - past  # the chunk up to the last grid line inside it (< 1: there is none)
+        return back if 2 * back >= size else size
 
 
 class ChunkedStream:
