@@ -2,11 +2,12 @@
 waits for.
 
     python bench/chunk_plan_ab.py MODEL_DIR [--chunk-tokens 50,100,25] [--grid on|off|both] \
-        [--first-chunk-tokens 10] [--steps 10] [--tokens 250] [--runs 3] [--threads 2] [--backend onnxruntime]
+        [--first-chunk-tokens 10] [--steps 10] [--tokens 250] [--voice-seconds 3] [--runs 3] [--threads 2] \
+        [--backend onnxruntime]
 
-One engine, the bench's registered 3 s voice and 10 s sentence (``tokens`` speech tokens forced), one warm-up
-sentence, then ``runs`` rounds in which every plan streams the sentence once (plans alternated, so they share
-the machine's load). Per plan, medians: first audio, streamed RTF (call to the last chunk, per second of audio),
+One engine, the bench's registered voice (3 s unless ``--voice-seconds``: Fun-CosyVoice3's chunk grid starts at
+the voice's length) and 10 s sentence (``tokens`` speech tokens forced), one warm-up sentence, then ``runs``
+rounds in which every plan streams the sentence once (plans alternated, so they share the machine's load). Per plan, medians: first audio, streamed RTF (call to the last chunk, per second of audio),
 chunks, and the listener of :class:`~cosyvoice_cpu.benchmark.text_stream.Playback` (starts at the first chunk,
 plays without pause while it holds audio): how many times the audio ran dry and for how long in all.
 
