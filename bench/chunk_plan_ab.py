@@ -7,9 +7,10 @@ waits for.
 
 One engine, the bench's registered voice (3 s unless ``--voice-seconds``: Fun-CosyVoice3's chunk grid starts at
 the voice's length) and 10 s sentence (``tokens`` speech tokens forced), one warm-up sentence, then ``runs``
-rounds in which every plan streams the sentence once (plans alternated, so they share the machine's load). Per plan, medians: first audio, streamed RTF (call to the last chunk, per second of audio),
-chunks, and the listener of :class:`~cosyvoice_cpu.benchmark.text_stream.Playback` (starts at the first chunk,
-plays without pause while it holds audio): how many times the audio ran dry and for how long in all.
+rounds in which every plan streams the sentence once (plans alternated, so they share the machine's load). Per
+plan, medians: first audio, streamed RTF (call to the last chunk, per second of audio), chunks, and the listener
+of :class:`~cosyvoice_cpu.benchmark.text_stream.Playback` (starts at the first chunk, plays without pause while it
+holds audio): how many times the audio ran dry and for how long in all.
 
 A larger ``chunk_tokens`` re-runs the estimator's prompt and context and the encoder's window fewer times (less
 work, a lower streamed RTF) but the listener waits for each longer chunk whole: the stall column says which
