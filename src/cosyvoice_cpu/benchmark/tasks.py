@@ -176,6 +176,11 @@ def measure_lm_batched(engine: Engine, voice: Voice, streams: int, steps: int = 
     return {"streams": streams, "step_ms": step * 1000, "aggregate_tok_s": streams / step}
 
 
+def medians(results: list[dict[str, float]]) -> dict[str, float]:
+    """The median of each key over ``results`` (all with the keys of the first)."""
+    return {k: statistics.median(r[k] for r in results) for k in results[0]}
+
+
 def measure_e2e(engine: Engine, voice: Voice, tokens: int, runs: int, **kw: object) -> dict[str, float]:
     """Whole-sentence synthesis: per-stage seconds and RTF (medians)."""
 
@@ -195,7 +200,7 @@ def measure_e2e(engine: Engine, voice: Voice, tokens: int, runs: int, **kw: obje
                     "audio_s": len(wave) / engine.sample_rate,
                 }
             )
-    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    med = medians(rows)
     audio = med["audio_s"]
     steps = kw.get("flow_steps", 10)
     return {
@@ -226,11 +231,6 @@ def first_audio(engine: Engine, voice: Voice, text: str, tokens: int, runs: int)
     voice's prompt cache warm)."""
     results = [listen(engine, voice, text, _config(tokens, stream=True)) for _ in range(runs + 1)][1:]
     return {k: v for k, v in medians(results).items() if k != "chunks"}
-
-
-def medians(results: list[dict[str, float]]) -> dict[str, float]:
-    """The median of each key over ``results`` (all with the keys of the first)."""
-    return {k: statistics.median(r[k] for r in results) for k in results[0]}
 
 
 def fast_preset_quality(engine: Engine, voice: Voice, tokens: int, steps: int) -> dict[str, float]:
