@@ -6,10 +6,11 @@ ONNX Runtime graphs: decode speed at 1 and 4 rows, and greedy-token agreement on
     python bench/ov_lm_probe.py agree --work WORK [--prompts 3] [--steps 100]
     python bench/ov_lm_probe.py profile --work WORK --forms ov-int8 [--steps 30]
 
-``prepare`` reads the reference LM of a fixture directory (``cosyvoice-cpu fixture --size full``) and writes into
-WORK: ``fp32/`` (the project's LM graph, ``export_lm``), ``int8w/`` and ``int4/`` (the ``export --quant`` recipes:
-``MatMulNBits`` 8 or 4 bits, block 32, ``accuracy_level`` 4), and ``ov/lm_int8.ov.xml`` / ``ov/lm_int4.ov.xml``
-(:mod:`cosyvoice_cpu.export.lm.openvino_stateful`), all from the same weights. Takes minutes.
+``prepare`` reads the reference LM of a CosyVoice2 or Fun-CosyVoice3 fixture directory (``cosyvoice-cpu fixture
+--size full``) and writes into WORK: ``fp32/`` (the family's LM graph, its ``export_lm``), ``int8w/`` and ``int4/``
+(the ``export --quant`` recipes: ``MatMulNBits`` 8 or 4 bits, block 32, ``accuracy_level`` 4), and
+``ov/lm_int8.ov.xml`` / ``ov/lm_int4.ov.xml`` (:mod:`cosyvoice_cpu.export.lm.openvino_stateful`), all from the same
+weights. Takes minutes.
 
 Forms ``rt-ov-int8`` / ``rt-ov-int4`` run the same OpenVINO models through the runtime's ``LMSession`` (what an
 engine with the LM planned on OpenVINO runs).
@@ -60,20 +61,19 @@ OV_FORMS = {
 
 
 def prepare(fixture: Path, work: Path) -> None:
-    from cosyvoice_cpu.export.lm.cosyvoice2 import export_lm
     from cosyvoice_cpu.export.lm.openvino_stateful import export_stateful_lm
-    from cosyvoice_cpu.export.lm.qwen2 import lm_attrs
     from cosyvoice_cpu.export.quantize import quantize_nbits
     from cosyvoice_cpu.lm_files import MIN_ROWS_KEY
-    from cosyvoice_cpu.workshop.parts import load_reference
+    from cosyvoice_cpu.workshop.parts import detect_family, export_family, load_reference
 
     lm = load_reference(fixture, stages=("lm",)).lm.eval()
-    (work / "attrs.json").parent.mkdir(parents=True, exist_ok=True)
-    (work / "attrs.json").write_text(json.dumps(lm_attrs(lm, 2048)))
+    graphs = next(p for p in export_family(detect_family(fixture)).plans if p.ref == "lm").graphs()
+    work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    if not (work / "fp32" / "lm.onnx").exists():
-        export_lm(lm, work / "fp32", max_len=2048)
-        print(f"fp32 graph {time.perf_counter() - t0:.0f} s", flush=True)
+    # the family's LM graph module (CosyVoice2 or Fun-CosyVoice3) writes the graph, its tables and its attrs
+    (lm_artifact,) = graphs.export_lm(lm, work / "fp32", max_len=2048)
+    (work / "attrs.json").write_text(json.dumps(lm_artifact.attrs))
+    print(f"fp32 graph {time.perf_counter() - t0:.0f} s", flush=True)
     for name, bits in (("int8w", 8), ("int4", 4)):
         if not (work / name / "lm.onnx").exists():
             (work / name).mkdir(exist_ok=True)
@@ -91,12 +91,14 @@ def prepare(fixture: Path, work: Path) -> None:
 
 
 class Prompts:
-    """Random CosyVoice2 prompts [sos, text, task_id, speech] built from the exported embedding tables."""
+    """Random CosyVoice2 / Fun-CosyVoice3 prompts [sos, text, task_id, speech] from the exported embedding tables."""
 
     def __init__(self, work: Path, attrs: dict) -> None:
+        from cosyvoice_cpu.lm.kv_spec import LMSpec
         from cosyvoice_cpu.lm.row_table import open_table
 
         self.attrs = attrs
+        self.rows = LMSpec.from_attrs(attrs).speech_rows  # ids that can be fed back (v3's head is wider)
         self.text = open_table(work / "fp32" / TABLES[0])
         self.speech = open_table(work / "fp32" / TABLES[1])
         self.special = np.load(work / "fp32" / TABLES[2])
@@ -108,6 +110,10 @@ class Prompts:
         speech = rng.integers(0, self.attrs["speech_token_size"], length - 2 - n_text)
         rows = [self.special[:1], self.text[text], self.special[1:2], self.speech[np.sort(speech)]]
         return np.concatenate([np.asarray(r, np.float32) for r in rows])
+
+    def pick(self, logp: np.ndarray) -> list[int]:
+        """Each row's greedy token among the ids that can be fed back."""
+        return logp[:, : self.rows].argmax(-1).tolist()
 
     def embed(self, tokens: list[int]) -> np.ndarray:
         order = np.argsort(tokens)
@@ -171,7 +177,7 @@ def speed(args: argparse.Namespace, names: list[str], prompts: Prompts, label: s
         toks, prefill = {}, {}
         for n, f in forms.items():
             t0 = time.perf_counter()
-            toks[n] = f.start(ps).argmax(-1).tolist()
+            toks[n] = prompts.pick(f.start(ps))
             prefill[n] = time.perf_counter() - t0
         times: dict[str, list[float]] = {n: [] for n in forms}
         for _ in range(args.steps):
@@ -179,7 +185,7 @@ def speed(args: argparse.Namespace, names: list[str], prompts: Prompts, label: s
                 t0 = time.perf_counter()
                 logp = f.step(toks[n])
                 times[n].append(time.perf_counter() - t0)
-                toks[n] = logp.argmax(-1).tolist()
+                toks[n] = prompts.pick(logp)
         base = statistics.median(times[names[0]][3:])
         for n in forms:
             ms = statistics.median(times[n][3:]) * 1e3
@@ -206,7 +212,7 @@ def agree(args: argparse.Namespace, names: list[str], prompts: Prompts) -> None:
         p = [prompts.make(seed)]
         free: dict[str, list[int]] = {}
         for n, f in forms.items():  # free run
-            free[n] = greedy(f, p[0], args.steps)
+            free[n] = greedy(f, p[0], args.steps, prompts.rows)
         # teacher-forced on fp32's greedy tokens
         forced = {n: forced_logp(f, p[0], free["ort-fp32"]) for n, f in forms.items()}
         for n in forms:
@@ -238,12 +244,12 @@ def profile(args: argparse.Namespace, names: list[str], prompts: Prompts) -> Non
     args.ov_config = ",".join([args.ov_config, "PERF_COUNT=YES"]).strip(",")
     for name, form in open_forms(args, names, prompts).items():
         for b in [int(r) for r in args.rows.split(",")]:
-            toks = form.start([prompts.make(100 + i) for i in range(b)]).argmax(-1).tolist()
+            toks = prompts.pick(form.start([prompts.make(100 + i) for i in range(b)]))
             spent: Counter = Counter()
             steps = []
             for k in range(args.steps):
                 t0 = time.perf_counter()
-                toks = form.step(toks).argmax(-1).tolist()
+                toks = prompts.pick(form.step(toks))
                 steps.append(time.perf_counter() - t0)
                 if k >= 3:
                     for node in form.request.profiling_info:

@@ -128,3 +128,36 @@ def test_the_engine_speaks_with_the_lm_on_openvino_through_the_scheduler(tiny_ov
     finally:
         engine.family.wait_warm()
         engine.close()
+
+
+def test_the_lm_probe_compares_the_forms_of_a_fun_cosyvoice3_lm(tiny_v3_model_dir: Path, tmp_path: Path) -> None:
+    """``bench/ov_lm_probe.py`` (the tool behind docs/quantization.md's LM rows) prepares a Fun-CosyVoice3 LM, whose
+    reference and head differ from CosyVoice2's, and runs every form on it: each form's row is printed, and the fp32
+    graph agrees with itself."""
+    import json
+    import subprocess
+    import sys
+
+    probe = [sys.executable, str(Path(__file__).parents[2] / "bench" / "ov_lm_probe.py")]
+    work = tmp_path / "work"
+    run = dict(check=True, capture_output=True, text=True, timeout=600)
+    subprocess.run([*probe, "prepare", "--fixture", str(tiny_v3_model_dir), "--work", str(work)], **run)
+    attrs = json.loads((work / "attrs.json").read_text())  # the family's own attrs
+    assert (
+        attrs["speech_rows"] < attrs["speech_vocab"]
+    )  # a head wider than the speech table: greedy picks from its rows
+    forms = "ort-int4,rt-ov-int8,rt-ov-int4"
+    agree = subprocess.run(
+        [*probe, "agree", "--work", str(work), "--forms", forms, "--prompts", "1", "--steps", "6"], **run
+    )
+    rows = {r["form"]: r for r in map(json.loads, agree.stdout.splitlines()[1:])}
+    assert sorted(rows) == sorted(["ort-fp32", "ort-int8w", *forms.split(",")])
+    assert rows["ort-fp32"]["teacher_forced_agree_fp32"] == 1.0 and rows["ort-fp32"]["mean_kl_to_fp32"] == 0.0
+    speed = [*probe, "speed", "--work", str(work), "--forms", "ort-int8w,rt-ov-int4", "--rows", "1,2", "--steps", "5"]
+    out = subprocess.run([*speed, "--no-alone"], **run).stdout.splitlines()[1:]
+    assert [(r["form"], r["rows"]) for r in map(json.loads, out)] == [
+        ("ort-int8w", 1),
+        ("rt-ov-int4", 1),
+        ("ort-int8w", 2),
+        ("rt-ov-int4", 2),
+    ]
