@@ -19,6 +19,7 @@ from cosyvoice_cpu.vocoder.windows import DEFAULT_WINDOW_FRAMES, MIN_WINDOW_FRAM
 logger = logging.getLogger(__name__)
 
 DEFAULT_LM_BATCH_ROWS = 4  # EngineConfig.lm_batch_rows: the LM decodes ahead in its own thread
+DEFAULT_PROMPT_CACHE_MB = 1024  # EngineConfig.prompt_cache_mb: the voices' streaming caches (serve --prompt-cache-mb)
 
 
 def _types(obj: object, ints: tuple[str, ...], floats: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
@@ -103,7 +104,7 @@ class EngineConfig:
     spinning: bool = False
     verify_hashes: bool = False
     streaming_estimator: bool = True
-    prompt_cache_mb: int = 1024
+    prompt_cache_mb: int = DEFAULT_PROMPT_CACHE_MB
     prompt_cache_fp16: bool = False
     lm_batch_rows: int = DEFAULT_LM_BATCH_ROWS
     malloc_mmap_threshold_kb: int = 1024

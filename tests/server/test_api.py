@@ -110,6 +110,28 @@ def test_models_health_and_metrics(server: Server) -> None:
         assert name in text, name
     ok = re.search(r'cosyvoice_requests_total\{endpoint="/v1/audio/speech",outcome="ok"\} (\d+)', text)
     assert ok and int(ok.group(1)) >= 1
+    assert _gauge(text, "cosyvoice_prompt_cache_bytes") > 0  # the streamed request kept its voice's cache
+
+
+def _gauge(metrics: str, name: str) -> float:
+    found = re.search(rf"^{name} (\S+)$", metrics, re.M)
+    assert found, f"{name} not in /metrics"
+    return float(found.group(1))
+
+
+def test_a_server_that_keeps_no_voice_cache_says_the_same(server: Server, tmp_path: Path) -> None:
+    """``--prompt-cache-mb 0`` (an edge box short of memory): each streamed request builds its voice's flow cache
+    again and keeps none, and speaks the samples a server with the cache speaks (same voice file, same seed)."""
+    lean = start_server(server.voices, tmp_path / "log", "--prompt-cache-mb", "0")
+    try:
+        with lean.client() as c, server.client() as kept:
+            for _ in range(2):  # the second request would hit a kept cache
+                r = speak(c, input="Hello there.")
+                assert r.status_code == 200, r.text
+            assert _gauge(c.get("/metrics").text, "cosyvoice_prompt_cache_bytes") == 0
+            assert pcm(r.content).size > 0 and r.content == speak(kept, input="Hello there.").content
+    finally:
+        lean.stop()
 
 
 def _expect_error(r: httpx.Response, status: int, words: str) -> None:

@@ -100,3 +100,19 @@ def test_unknown_option_still_refused(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["voice", "add", "alice", "--bogus"])
     assert e.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["serve", "wyoming"])
+def test_the_servers_take_the_voice_cache_budget(command: str, capsys: pytest.CaptureFixture) -> None:
+    """Both servers build their engine's options alike; ``--prompt-cache-mb`` reaches them (docs/server.md)."""
+    from cosyvoice_cpu.cli.common import server_engine_config
+    from cosyvoice_cpu.config import EngineConfig
+
+    parser = build_parser()
+    lean = server_engine_config(parser.parse_args([command, "-m", "D", "--prompt-cache-mb", "0"]), 2)
+    assert lean.prompt_cache_mb == 0 and lean.lm_batch_rows == 2
+    default = server_engine_config(parser.parse_args([command, "-m", "D", "--prompt-cache-fp16"]), 3)
+    assert default.prompt_cache_mb == EngineConfig().prompt_cache_mb and default.prompt_cache_fp16
+    with pytest.raises(SystemExit):
+        parser.parse_args([command, "-m", "D", "--prompt-cache-mb", "-5"])
+    assert "--prompt-cache-mb" in capsys.readouterr().err

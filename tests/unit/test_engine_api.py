@@ -14,7 +14,7 @@ from cosyvoice_cpu.server.unload import UnloadingEngine
 MEMBERS = [n for n in vars(SpeechEngine) if not n.startswith("_") or n == "__iter__"]
 PROPERTIES = {n for n in MEMBERS if isinstance(vars(SpeechEngine)[n], property)}
 SET_IN_INIT = {  # plain attributes the classes set in __init__ rather than define on the class
-    Engine: {"model_dir", "manifest", "sample_rate", "scheduler"},
+    Engine: {"model_dir", "manifest", "sample_rate", "scheduler", "prompt_caches"},
     UnloadingEngine: {"model_dir", "manifest", "sample_rate", "token_rate", "kv_cache_positions"},
 }
 

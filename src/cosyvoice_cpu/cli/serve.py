@@ -7,7 +7,13 @@ import logging
 import os
 from pathlib import Path
 
-from cosyvoice_cpu.cli.common import add_backend_args, add_unload_flag, load_engine
+from cosyvoice_cpu.cli.common import (
+    add_backend_args,
+    add_prompt_cache_flags,
+    add_unload_flag,
+    load_engine,
+    server_engine_config,
+)
 from cosyvoice_cpu.errors import ConfigError, MissingExtraError
 
 logger = logging.getLogger(__name__)
@@ -19,7 +25,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise MissingExtraError("serve needs the [server] extra: pip install 'cosyvoice-cpu[server]'") from e
     from cosyvoice_cpu.cli.speech import voices_dir
-    from cosyvoice_cpu.config import EngineConfig
     from cosyvoice_cpu.server.app import ServerSettings, create_app
 
     settings = ServerSettings(
@@ -43,13 +48,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_audio_per_char=args.max_audio_per_char,
     ).validate()
     rows = args.max_active if args.lm_batch_rows is None else args.lm_batch_rows
-    engine_config = EngineConfig(
-        threads=args.threads,
-        lm_batch_rows=rows,
-        prompt_cache_fp16=args.prompt_cache_fp16,
-        backend=args.backend,
-        compiled_shapes=args.compiled_shapes,
-    )
+    engine_config = server_engine_config(args, rows)
     if args.replicas != 1 or args.ray_address:
         if args.unload_after is not None:
             raise ConfigError("--unload-after is for the one serving process: not with --replicas or --ray-address")
@@ -264,13 +263,7 @@ def add_parser(sub: argparse._SubParsersAction, positive: type, non_negative: ty
     )
     s.add_argument("--threads", type=non_negative, default=0, help="ORT threads (default: usable physical cores)")
     add_backend_args(s)
-    s.add_argument(
-        "--prompt-cache-fp16",
-        action="store_true",
-        help="fp32 models: keep each voice's streaming cache in "
-        "float16 (half the memory, mel rel. error 2.6e-3, ~5 %% slower streamed chunks); int8 models "
-        "(the default recipe) do so already",
-    )
+    add_prompt_cache_flags(s, non_negative)
     s.add_argument("--voices", type=Path, help="saved-voices directory (shared with `cosyvoice-cpu voice`)")
     s.add_argument("--model-id", help="model id in /v1/models (default: the model directory's name)")
     add_unload_flag(s)

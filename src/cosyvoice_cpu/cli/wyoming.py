@@ -8,7 +8,13 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cosyvoice_cpu.cli.common import add_backend_args, add_unload_flag, load_engine
+from cosyvoice_cpu.cli.common import (
+    add_backend_args,
+    add_prompt_cache_flags,
+    add_unload_flag,
+    load_engine,
+    server_engine_config,
+)
 
 if TYPE_CHECKING:
     from cosyvoice_cpu.server.wyoming import WyomingOptions
@@ -81,7 +87,6 @@ def cmd_wyoming(args: argparse.Namespace) -> int:
 
     need_wyoming()
     from cosyvoice_cpu.cli.speech import voices_dir
-    from cosyvoice_cpu.config import EngineConfig
     from cosyvoice_cpu.server.app import ServerSettings, State
 
     settings = ServerSettings(
@@ -96,13 +101,7 @@ def cmd_wyoming(args: argparse.Namespace) -> int:
         max_audio_per_char=args.max_audio_per_char,
     ).validate()
     options = wyoming_options(args, args.uri).validate(settings.max_input_chars)
-    engine_config = EngineConfig(
-        threads=args.threads,
-        lm_batch_rows=args.max_active,
-        backend=args.backend,
-        compiled_shapes=args.compiled_shapes,
-    )
-    engine = load_engine(args, engine_config)
+    engine = load_engine(args, server_engine_config(args, args.max_active))
     try:
         state = State(engine, settings)
         banner = f"Wyoming server for {engine.model_dir} on {options.uri} ({settings.max_active} at once, "
@@ -141,6 +140,7 @@ def add_parser(sub: argparse._SubParsersAction, positive: type, non_negative: ty
     s.add_argument("--threads", type=non_negative, default=0, help="ORT threads (default: usable physical cores)")
     s.add_argument("--model-id", help="the model's name in info (default: the model directory's name)")
     add_backend_args(s)
+    add_prompt_cache_flags(s, non_negative)
     add_unload_flag(s)
     add_wyoming_flags(s, positive)
     s.set_defaults(func=cmd_wyoming)

@@ -3,9 +3,10 @@
 A voice's prompt contributes the same cached activations to every streamed chunk of every request with the same solver
 settings (:class:`~cosyvoice_cpu.flow.cosyvoice2_stream.CosyVoice2PromptCache`, or Fun-CosyVoice3's keys and values).
 Building them costs one flow solve over the prompt frames; keeping them costs ``steps x rows x L x T_prompt x 256``
-floats (172 MB for a 3 s prompt with the full-size CosyVoice2 at 10 steps with CFG). :class:`PromptCaches` is a
-thread-safe LRU bounded in bytes: a server with a few hot voices pays the prompt once per voice; a lone edge box can set
-the budget to 0 (built per request).
+values (a 3 s prompt with the full-size CosyVoice2 at 10 steps with CFG: 172 MB in float32, 87 MB in the float16 the
+int8 models keep). :class:`PromptCaches` is a thread-safe LRU bounded in bytes: a server with a few hot voices pays the
+prompt once per voice; a lone edge box short of memory can set the budget to 0 (``serve --prompt-cache-mb 0``: built
+per request, ~1.8 s more before the first audio on a 2-core Zen 4, docs/server.md).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from cosyvoice_cpu.config import AudioChunk, SynthesisConfig
     from cosyvoice_cpu.engine import Timings
     from cosyvoice_cpu.families.base import LMPrompt
+    from cosyvoice_cpu.flow.prompt_caches import PromptCaches
     from cosyvoice_cpu.lm.scheduler import LMScheduler
     from cosyvoice_cpu.manifest import Manifest
     from cosyvoice_cpu.voices.voice import Voice
@@ -57,6 +58,11 @@ class SpeechEngine(Protocol):
     @property
     def scheduler(self) -> LMScheduler | None:
         """The LM scheduler whose counters the metrics read (None without one, or while released)."""
+
+    @property
+    def prompt_caches(self) -> PromptCaches | None:
+        """The voices' streaming caches whose memory the metrics read (None for a family without them, or while
+        released)."""
 
     @property
     def loaded(self) -> bool:

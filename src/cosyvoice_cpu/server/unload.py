@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from cosyvoice_cpu.config import AudioChunk, SynthesisConfig
     from cosyvoice_cpu.engine import Engine, Timings
     from cosyvoice_cpu.families.base import LMPrompt
+    from cosyvoice_cpu.flow.prompt_caches import PromptCaches
     from cosyvoice_cpu.lm.scheduler import LMScheduler
     from cosyvoice_cpu.text_stream import TextStream
     from cosyvoice_cpu.voices.voice import Voice
@@ -216,6 +217,12 @@ class UnloadingEngine:
         """The loaded engine's LM scheduler (None while released: its counters start again at the next load)."""
         engine = self._engine
         return None if engine is None else engine.scheduler
+
+    @property
+    def prompt_caches(self) -> PromptCaches | None:
+        """The loaded engine's voice caches (None while released: a release frees them with the engine)."""
+        engine = self._engine
+        return None if engine is None else engine.prompt_caches
 
     # ------------------------------------------------------------------ releasing
 
