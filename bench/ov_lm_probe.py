@@ -66,14 +66,22 @@ def prepare(fixture: Path, work: Path) -> None:
     from cosyvoice_cpu.lm_files import MIN_ROWS_KEY
     from cosyvoice_cpu.workshop.parts import detect_family, export_family, load_reference
 
+    family = export_family(detect_family(fixture))
+    if not family.stateful_lm:  # CosyVoice-300M's LM is another network, with no OpenVINO LLM form
+        raise SystemExit(f"{fixture} is a {family.facts.name} fixture; the probe takes CosyVoice2 or Fun-CosyVoice3")
+    source = work / "fixture.txt"  # every form in WORK comes from one fixture's weights
+    if source.exists() and source.read_text() != str(fixture.resolve()):
+        raise SystemExit(f"{work} holds the forms of {source.read_text()}; give another --work")
     lm = load_reference(fixture, stages=("lm",)).lm.eval()
-    graphs = next(p for p in export_family(detect_family(fixture)).plans if p.ref == "lm").graphs()
     work.mkdir(parents=True, exist_ok=True)
+    source.write_text(str(fixture.resolve()))
     t0 = time.perf_counter()
-    # the family's LM graph module (CosyVoice2 or Fun-CosyVoice3) writes the graph, its tables and its attrs
-    (lm_artifact,) = graphs.export_lm(lm, work / "fp32", max_len=2048)
-    (work / "attrs.json").write_text(json.dumps(lm_artifact.attrs))
-    print(f"fp32 graph {time.perf_counter() - t0:.0f} s", flush=True)
+    if not (work / "attrs.json").exists():
+        # the family's LM graph module writes the graph, its tables and its attrs
+        graphs = next(p for p in family.plans if p.ref == "lm").graphs()
+        (lm_artifact,) = graphs.export_lm(lm, work / "fp32", max_len=2048)
+        (work / "attrs.json").write_text(json.dumps(lm_artifact.attrs))  # written last: the fp32 form is whole
+        print(f"fp32 graph {time.perf_counter() - t0:.0f} s", flush=True)
     for name, bits in (("int8w", 8), ("int4", 4)):
         if not (work / name / "lm.onnx").exists():
             (work / name).mkdir(exist_ok=True)

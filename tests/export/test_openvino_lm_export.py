@@ -130,29 +130,31 @@ def test_the_engine_speaks_with_the_lm_on_openvino_through_the_scheduler(tiny_ov
         engine.close()
 
 
-def test_the_lm_probe_compares_the_forms_of_a_fun_cosyvoice3_lm(tiny_v3_model_dir: Path, tmp_path: Path) -> None:
+def test_the_lm_probe_compares_the_forms_of_a_fun_cosyvoice3_lm(
+    tiny_v3_model_dir: Path, tiny_model_dir: Path, tiny_v1_model_dir: Path, tmp_path: Path
+) -> None:
     """``bench/ov_lm_probe.py`` (the tool behind docs/quantization.md's LM rows) prepares a Fun-CosyVoice3 LM, whose
-    reference and head differ from CosyVoice2's, and runs every form on it: each form's row is printed, and the fp32
-    graph agrees with itself."""
+    reference and head differ from CosyVoice2's, and runs every form on it; greedy tokens come from the speech
+    table's rows; a WORK of another fixture and a CosyVoice-300M fixture are refused."""
+    import importlib.util
     import json
     import subprocess
     import sys
 
-    probe = [sys.executable, str(Path(__file__).parents[2] / "bench" / "ov_lm_probe.py")]
-    work = tmp_path / "work"
+    import numpy as np
+
+    script = Path(__file__).parents[2] / "bench" / "ov_lm_probe.py"
+    probe, work = [sys.executable, str(script)], tmp_path / "work"
     run = dict(check=True, capture_output=True, text=True, timeout=600)
     subprocess.run([*probe, "prepare", "--fixture", str(tiny_v3_model_dir), "--work", str(work)], **run)
     attrs = json.loads((work / "attrs.json").read_text())  # the family's own attrs
-    assert (
-        attrs["speech_rows"] < attrs["speech_vocab"]
-    )  # a head wider than the speech table: greedy picks from its rows
+    assert attrs["speech_rows"] < attrs["speech_vocab"]  # a head wider than the speech table
     forms = "ort-int4,rt-ov-int8,rt-ov-int4"
-    agree = subprocess.run(
-        [*probe, "agree", "--work", str(work), "--forms", forms, "--prompts", "1", "--steps", "6"], **run
-    )
+    compare = [*probe, "agree", "--work", str(work), "--forms", forms, "--prompts", "1", "--steps", "6"]
+    agree = subprocess.run(compare, **run)
     rows = {r["form"]: r for r in map(json.loads, agree.stdout.splitlines()[1:])}
     assert sorted(rows) == sorted(["ort-fp32", "ort-int8w", *forms.split(",")])
-    assert rows["ort-fp32"]["teacher_forced_agree_fp32"] == 1.0 and rows["ort-fp32"]["mean_kl_to_fp32"] == 0.0
+    assert rows["ort-int8w"]["teacher_forced_agree_fp32"] >= 0.5  # int8w follows fp32 on the tiny LM (1.0 measured)
     speed = [*probe, "speed", "--work", str(work), "--forms", "ort-int8w,rt-ov-int4", "--rows", "1,2", "--steps", "5"]
     out = subprocess.run([*speed, "--no-alone"], **run).stdout.splitlines()[1:]
     assert [(r["form"], r["rows"]) for r in map(json.loads, out)] == [
@@ -161,3 +163,14 @@ def test_the_lm_probe_compares_the_forms_of_a_fun_cosyvoice3_lm(tiny_v3_model_di
         ("ort-int8w", 2),
         ("rt-ov-int4", 2),
     ]
+    spec = importlib.util.spec_from_file_location("ov_lm_probe", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    prompts = module.Prompts(work, attrs)
+    logp = np.zeros((2, attrs["speech_vocab"]), np.float32)
+    logp[0, attrs["speech_rows"] + 1], logp[0, 5], logp[1, 7] = 3.0, 2.0, 1.0  # row 0's best is a stop id
+    assert prompts.pick(logp) == [5, 7]
+    for fixture, words in ((tiny_model_dir, "holds the forms of"), (tiny_v1_model_dir, "CosyVoice2 or Fun-CosyVoice3")):
+        prepare = [*probe, "prepare", "--fixture", str(fixture), "--work", str(work)]
+        refused = subprocess.run(prepare, capture_output=True, text=True, timeout=600)
+        assert refused.returncode != 0 and words in refused.stderr, refused.stderr
