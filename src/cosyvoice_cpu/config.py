@@ -19,7 +19,8 @@ from cosyvoice_cpu.vocoder.windows import DEFAULT_WINDOW_FRAMES, MIN_WINDOW_FRAM
 logger = logging.getLogger(__name__)
 
 DEFAULT_LM_BATCH_ROWS = 4  # EngineConfig.lm_batch_rows: the LM decodes ahead in its own thread
-DEFAULT_PROMPT_CACHE_MB = 1024  # EngineConfig.prompt_cache_mb: the voices' streaming caches (serve --prompt-cache-mb)
+DEFAULT_PROMPT_CACHE_MB = 1024  # EngineConfig.prompt_cache_mb (MiB): the voices' streaming caches
+MAX_PROMPT_CACHE_MB = 1 << 20  # its largest value (1 TiB)
 
 
 def _types(obj: object, ints: tuple[str, ...], floats: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
@@ -50,7 +51,7 @@ class EngineConfig:
             also runs whole sentences, so one estimator is in memory for both modes; False loads only
             ``flow_estimator.onnx`` (whole sentences only, marginally faster per flow step: its q/k/v share one
             activation quantization; measured: docs/benchmarks-log.md, "Where the time goes").
-        prompt_cache_mb: memory for per-voice streaming caches (the prompt's flow activations: full size, 3 s
+        prompt_cache_mb: MiB for per-voice streaming caches (the prompt's flow activations: full size, 3 s
             voice, 87 MB for CosyVoice2 and 185 MB for Fun-CosyVoice3 with the int8 recipes, whose stream
             graphs take float16 caches; twice that with fp32 graphs); 0 rebuilds them for every streamed request.
         prompt_cache_fp16: with an fp32 stream graph, store those caches in float16 anyway: half the memory for a
@@ -146,7 +147,12 @@ class EngineConfig:
             "0 (leave malloc alone) to 32768",
         )
         need(0 <= self.lm_batch_rows <= 256, "lm_batch_rows", self.lm_batch_rows, "0 (off) to 256")
-        need(0 <= self.prompt_cache_mb <= 1 << 20, "prompt_cache_mb", self.prompt_cache_mb, "0 to 1048576")
+        need(
+            0 <= self.prompt_cache_mb <= MAX_PROMPT_CACHE_MB,
+            "prompt_cache_mb",
+            self.prompt_cache_mb,
+            f"0 to {MAX_PROMPT_CACHE_MB}",
+        )
         need(0 <= self.threads <= 512, "threads", self.threads, "0 (auto) to 512")
         need(0 <= self.leave_cores <= 64, "leave_cores", self.leave_cores, "0 to 64")
         need(isinstance(self.compile_ahead, bool), "compile_ahead", self.compile_ahead, "True or False")

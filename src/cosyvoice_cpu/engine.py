@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +39,7 @@ from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.facts import FamilyFacts
 from cosyvoice_cpu.families.base import Family, LMPrompt, Stages
 from cosyvoice_cpu.families.registry import family_for
+from cosyvoice_cpu.flow.prompt_caches import RequestCaches
 from cosyvoice_cpu.hardware.cpu import detect
 from cosyvoice_cpu.hardware.malloc import fix_mmap_threshold
 from cosyvoice_cpu.lm.sampling import RngDraw, SamplingConfig
@@ -68,6 +69,7 @@ class _Request:
     sampling: SamplingConfig
     rng: np.random.Generator  # the flow's fresh noise (CosyVoice-300M) and the vocoder's source noise
     check: Callable[[], None] | None = None  # called at every token; raises to stop the request
+    caches: RequestCaches = field(default_factory=dict)  # the voice's prompt cache, shared by the sentences
 
 
 class Engine:
@@ -311,13 +313,20 @@ class Engine:
 
     def _speak(self, text_ids: list[int], req: _Request, t: Timings) -> Iterator[Piece]:
         """One sentence, whole or streamed, by the family's recipe."""
-        return self.speak(self.sentence_tokens(text_ids, req), req.voice, req.config, req.rng, t)
+        return self.speak(self.sentence_tokens(text_ids, req), req.voice, req.config, req.rng, t, req.caches)
 
     def speak(
-        self, tokens: TokenSource, voice: Voice, config: SynthesisConfig, rng: np.random.Generator, t: Timings
+        self,
+        tokens: TokenSource,
+        voice: Voice,
+        config: SynthesisConfig,
+        rng: np.random.Generator,
+        t: Timings,
+        caches: RequestCaches | None = None,
     ) -> Iterator[Piece]:
-        """Speak the speech tokens of ``tokens`` with the family's recipe (streamed with ``config.stream``)."""
-        sentence = Sentence(tokens, voice, config, rng, t)
+        """Speak the speech tokens of ``tokens`` with the family's recipe (streamed with ``config.stream``);
+        ``caches``: the request's prompt caches, shared by its sentences (None: this sentence's own)."""
+        sentence = Sentence(tokens, voice, config, rng, t, {} if caches is None else caches)
         recipe = self.family.speak_stream if config.stream else self.family.speak_whole
         return recipe(sentence, self.stages)
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from cosyvoice_cpu.config import SynthesisConfig
 from cosyvoice_cpu.flow.base import FlowStage, FlowStream
+from cosyvoice_cpu.flow.prompt_caches import RequestCaches
 from cosyvoice_cpu.lm.hold import Hold
 from cosyvoice_cpu.lm.source import TokenSource
 from cosyvoice_cpu.vocoder.hift import Vocoder
@@ -63,6 +64,8 @@ class Sentence:
         voice, config: the request's voice and settings.
         rng: the request's generator for the flow's fresh noise (CosyVoice-300M) and the vocoder's source noise.
         timings: the request's stage times, added to.
+        caches: the request's own prompt caches (shared by its sentences; :class:`~cosyvoice_cpu.flow.prompt_caches.
+            PromptCaches` fills it).
     """
 
     tokens: TokenSource
@@ -70,6 +73,7 @@ class Sentence:
     config: SynthesisConfig
     rng: np.random.Generator
     timings: Timings = field(default_factory=Timings)
+    caches: RequestCaches = field(default_factory=dict)
 
 
 def change_speed(mel: np.ndarray, speed: float) -> np.ndarray:

@@ -37,6 +37,7 @@ from cosyvoice_cpu.config import AudioChunk, SynthesisConfig
 from cosyvoice_cpu.errors import ConfigError, WorkCancelled
 from cosyvoice_cpu.facts import FamilyFacts
 from cosyvoice_cpu.families.base import LMPrompt
+from cosyvoice_cpu.flow.prompt_caches import RequestCaches
 from cosyvoice_cpu.lm.bistream import BistreamRequest
 from cosyvoice_cpu.lm.generate import SpeechTokenGenerator
 from cosyvoice_cpu.lm.sampling import RngDraw, SamplingConfig
@@ -130,6 +131,7 @@ class TextStream:
         self.cap = engine.segment_cap(self.prompt, config.max_tokens, ratio=config.forced_token_ratio)
         self.interleaved = config.stream and engine.facts.mix_ratio is not None
         lm_rng, self._rng = config.rngs()
+        self._caches: RequestCaches = {}  # the voice's prompt cache, shared by the stream's passages
         self._seeds = lm_rng  # one child generator per passage, in text order: passages may decode concurrently
         self._sampling = engine.sampling_for(config)
         self._cutter = PhraseCutter()
@@ -298,7 +300,7 @@ class TextStream:
         produced, done = 0, False
         try:
             while (p := self._next()) is not None:
-                for samples, _ in self.engine.speak(p.source, self.voice, self.config, self._rng, t):
+                for samples, _ in self.engine.speak(p.source, self.voice, self.config, self._rng, t, self._caches):
                     self._check()
                     if not len(samples):
                         continue

@@ -149,6 +149,20 @@ def test_prompt_cache_is_shared_and_changes_nothing(engine: Engine, fp32_dir: Pa
     uncached = Engine.load(fp32_dir, EngineConfig(threads=2, prompt_cache_mb=0))
     assert np.array_equal(uncached.synthesize_wav("One two three.", voice, config), first)
     assert uncached.prompt_caches.nbytes == 0
+    # kept by none, built once per request: a request's sentences, and a text stream's passages, share it
+    from cosyvoice_cpu.text import prepare
+
+    misses = uncached.prompt_caches.misses
+    text = "The pump on line three is running hot and the valve beside it is stuck open again, so send someone. " * 3
+    assert len(list(prepare(text, uncached.tokenizer, normalize=False))) == 2  # two sentences of the LM
+    uncached.synthesize_wav(text, voice, config)
+    assert uncached.prompt_caches.misses == misses + 1
+    stream = uncached.open_text_stream(voice, config)
+    for piece in ["One two three. ", "Four five six seven. ", "Eight nine."]:
+        stream.feed(piece)
+    stream.close()
+    assert len([c for c in stream if c.final or len(c.samples)]) > 0
+    assert uncached.prompt_caches.misses == misses + 2 and uncached.prompt_caches.nbytes == 0
     # float16 storage: half the bytes, the same audio up to the rounding of the cached activations
     half = Engine.load(fp32_dir, EngineConfig(threads=2, prompt_cache_fp16=True))
     wave = half.synthesize_wav("One two three.", voice, config)

@@ -38,6 +38,8 @@ def test_the_deployment_runs_a_server_the_cli_accepts_with_probes_on_health() ->
     args = _serve_args([a.replace("$(POD_NAMESPACE)", "default") for a in container["args"]])
     assert args.host == "0.0.0.0" and args.threads == int(container["resources"]["requests"]["cpu"])
     assert container["ports"][0]["containerPort"] == args.port == 8000
+    request, limit = (int(container["resources"][k]["memory"].removesuffix("Mi")) for k in ("requests", "limits"))
+    assert request + args.prompt_cache_mb <= limit  # the engine's memory request and all voice caches fit the limit
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"]["path"] == "/health"
     assert "EXPOSE 8000 " in (DEPLOY / "Dockerfile").read_text()

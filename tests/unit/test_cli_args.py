@@ -113,6 +113,8 @@ def test_the_servers_take_the_voice_cache_budget(command: str, capsys: pytest.Ca
     assert lean.prompt_cache_mb == 0 and lean.lm_batch_rows == 2
     default = server_engine_config(parser.parse_args([command, "-m", "D", "--prompt-cache-fp16"]), 3)
     assert default.prompt_cache_mb == EngineConfig().prompt_cache_mb and default.prompt_cache_fp16
-    with pytest.raises(SystemExit):
-        parser.parse_args([command, "-m", "D", "--prompt-cache-mb", "-5"])
-    assert "--prompt-cache-mb" in capsys.readouterr().err
+    for bad in ("-5", "2000000", "1.5"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([command, "-m", "D", "--prompt-cache-mb", bad])
+        err = capsys.readouterr().err
+        assert "--prompt-cache-mb" in err and "from 0 to 1048576" in err, err

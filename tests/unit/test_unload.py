@@ -19,6 +19,7 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.closed = False
+        self.prompt_caches = object()  # the engine's voice caches: a release drops them with the engine
 
     def close(self) -> None:
         self.closed = True
@@ -50,8 +51,10 @@ def test_released_when_idle_and_loaded_again_on_use() -> None:
     engine = UnloadingEngine(lambda: made.append(FakeEngine()) or made[-1], idle_s=0.2, poll_s=0.02)
     try:
         assert engine.loaded and engine.sample_rate == 100 and list(engine.builtin_voices()) == ["x"]
+        assert engine.prompt_caches is made[0].prompt_caches
         wait_for(lambda: not engine.loaded)
-        assert made[0].closed and engine.unloads == 1
+        assert made[0].closed and engine.unloads == 1 and engine.prompt_caches is None  # read without loading
+        assert not engine.loaded
         assert engine.sample_rate == 100 and engine.token_rate == 25.0  # kept
         assert engine.segment_cap(None) == 7  # a call loads it again
         voice = engine.make_voice("a.wav", "text", name="alice")  # keyword arguments pass through

@@ -5,10 +5,9 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from cosyvoice_cpu.backends.plan import CHOICES
-from cosyvoice_cpu.config import DEFAULT_PROMPT_CACHE_MB, EngineConfig
+from cosyvoice_cpu.config import DEFAULT_PROMPT_CACHE_MB, MAX_PROMPT_CACHE_MB, EngineConfig
 from cosyvoice_cpu.errors import MissingExtraError
 
 
@@ -32,18 +31,30 @@ def add_backend_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_prompt_cache_flags(parser: argparse.ArgumentParser | Any, non_negative: type) -> None:
+def _budget_mib(value: str) -> int:
+    """A ``--prompt-cache-mb`` value: a whole number of MiB, 0 to ``MAX_PROMPT_CACHE_MB``."""
+    try:
+        mib = int(value)
+    except ValueError:
+        mib = -1
+    if not 0 <= mib <= MAX_PROMPT_CACHE_MB:
+        raise argparse.ArgumentTypeError(f"takes a whole number of MiB from 0 to {MAX_PROMPT_CACHE_MB}, not {value!r}")
+    return mib
+
+
+def add_prompt_cache_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--prompt-cache-mb`` and ``--prompt-cache-fp16`` of the servers (``EngineConfig.prompt_cache_mb``,
     ``EngineConfig.prompt_cache_fp16``)."""
     parser.add_argument(
         "--prompt-cache-mb",
-        type=non_negative,
+        type=_budget_mib,
         default=DEFAULT_PROMPT_CACHE_MB,
-        metavar="MB",
-        help=f"memory for the voices' streaming caches (default {DEFAULT_PROMPT_CACHE_MB}; least recently used "
-        "dropped first): each voice keeps its prompt's flow activations, 87 MB for a 3 s voice with CosyVoice2 and "
-        "185 MB with Fun-CosyVoice3 (full size, int8 models); 0 keeps none and rebuilds them for every streamed "
-        "request (about 1.8 s more before its first audio on a 2-core Zen 4; docs/server.md)",
+        metavar="MIB",
+        help=f"memory for the voices' streaming caches, in MiB (default {DEFAULT_PROMPT_CACHE_MB}; least recently "
+        "used dropped first; each process of --replicas keeps its own): a voice keeps its prompt's flow activations "
+        "per solver setting, 87 MB for a 3 s voice with CosyVoice2 and 185 MB with Fun-CosyVoice3 (full size, int8 "
+        "models); 0 keeps none and builds them again for every streamed request (about 1.8 s more before its first "
+        "audio on a 2-core Zen 4; docs/server.md)",
     )
     parser.add_argument(
         "--prompt-cache-fp16",

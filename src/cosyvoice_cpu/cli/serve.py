@@ -263,7 +263,7 @@ def add_parser(sub: argparse._SubParsersAction, positive: type, non_negative: ty
     )
     s.add_argument("--threads", type=non_negative, default=0, help="ORT threads (default: usable physical cores)")
     add_backend_args(s)
-    add_prompt_cache_flags(s, non_negative)
+    add_prompt_cache_flags(s)
     s.add_argument("--voices", type=Path, help="saved-voices directory (shared with `cosyvoice-cpu voice`)")
     s.add_argument("--model-id", help="model id in /v1/models (default: the model directory's name)")
     add_unload_flag(s)

@@ -140,7 +140,7 @@ def add_parser(sub: argparse._SubParsersAction, positive: type, non_negative: ty
     s.add_argument("--threads", type=non_negative, default=0, help="ORT threads (default: usable physical cores)")
     s.add_argument("--model-id", help="the model's name in info (default: the model directory's name)")
     add_backend_args(s)
-    add_prompt_cache_flags(s, non_negative)
+    add_prompt_cache_flags(s)
     add_unload_flag(s)
     add_wyoming_flags(s, positive)
     s.set_defaults(func=cmd_wyoming)

@@ -40,7 +40,7 @@ class ChunkedFamily(Family):
         voice, config = s.voice, s.config
         t0 = time.perf_counter()
         caches = stages.prompt_caches  # None: built for this sentence by the flow stream
-        prompt = None if caches is None else caches.get(voice, config.flow_steps, config.cfg_rate)
+        prompt = None if caches is None else caches.get(voice, config.flow_steps, config.cfg_rate, s.caches)
         flow = self.flow_stream(
             stages.flow,
             voice.speech_tokens,

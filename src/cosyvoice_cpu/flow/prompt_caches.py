@@ -58,11 +58,16 @@ class PromptVoice(Protocol):
     embedding: np.ndarray
 
 
+CacheKey = tuple[str, int, float]  # (voice fingerprint, steps, cfg rate)
+RequestCaches = dict[CacheKey, PromptCache]  # one request's caches, kept for its later sentences
+
+
 class PromptCaches:
     """LRU of a family's :class:`PromptCache` keyed by (voice fingerprint, steps, cfg rate), at most ``budget`` bytes.
 
     ``kind`` is the family's cache class (:class:`PromptCacheKind`); ``dtype`` is the storage type of the cached
-    activations (float32, or float16 for half the memory).
+    activations (float32, or float16 for half the memory). A request passes its own :data:`RequestCaches` to
+    :meth:`get`, so a cache the budget cannot keep is still built once per request, not once per sentence.
     """
 
     def __init__(
@@ -72,8 +77,9 @@ class PromptCaches:
         self.budget = budget
         self.kind = kind
         self.dtype = dtype
-        self._items: OrderedDict[tuple[str, int, float], PromptCache] = OrderedDict()
+        self._items: OrderedDict[CacheKey, PromptCache] = OrderedDict()
         self._lock = threading.Lock()
+        self._too_big: set[CacheKey] = set()  # warned about once
         self.hits = self.misses = 0
 
     @property
@@ -81,9 +87,21 @@ class PromptCaches:
         with self._lock:
             return sum(c.nbytes for c in self._items.values())
 
-    def get(self, voice: PromptVoice, steps: int, cfg_rate: float) -> PromptCache:
-        """The voice's prompt cache for these settings, built (outside the lock) on a miss."""
+    def get(self, voice: PromptVoice, steps: int, cfg_rate: float, request: RequestCaches | None = None) -> PromptCache:
+        """The voice's prompt cache for these settings, built (outside the lock) on a miss.
+
+        ``request``: the calling request's own caches; the result is added to it, and a cache found there is used
+        without asking the LRU (a request's sentences share one cache even when the budget keeps none).
+        """
         key = (voice.fingerprint, int(steps), float(cfg_rate))
+        if request is not None and key in request:
+            return request[key]
+        cache = self._get(key, voice, steps, cfg_rate)
+        if request is not None:
+            request[key] = cache
+        return cache
+
+    def _get(self, key: CacheKey, voice: PromptVoice, steps: int, cfg_rate: float) -> PromptCache:
         with self._lock:
             cache = self._items.get(key)
             if cache is not None:
@@ -94,8 +112,17 @@ class PromptCaches:
         cache = self.kind.build(
             self.stage, voice.speech_tokens, voice.mel, voice.embedding, steps, cfg_rate, dtype=self.dtype
         )
-        if cache.nbytes > self.budget:
-            return cache  # too big to keep: this request uses it, the next one builds it again
+        if cache.nbytes > self.budget:  # too big to keep: this request uses it, the next one builds it again
+            if self.budget and key not in self._too_big:  # a budget of 0 keeps none by choice: no warning
+                self._too_big.add(key)
+                logger.warning(
+                    "the streaming cache of voice %r (%.0f MiB) exceeds the prompt cache budget (%.0f MiB): built "
+                    "again for every request; raise --prompt-cache-mb to keep it",
+                    voice.name,
+                    cache.nbytes / 2**20,
+                    self.budget / 2**20,
+                )
+            return cache
         with self._lock:
             self._items[key] = cache
             self._items.move_to_end(key)

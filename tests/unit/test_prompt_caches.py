@@ -1,0 +1,85 @@
+"""The voices' prompt-cache LRU (``flow.prompt_caches.PromptCaches``): bounded in bytes, a request's sentences share
+one cache even when the budget keeps none, and a budget too small for a voice says so once."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from cosyvoice_cpu.flow.prompt_caches import PromptCaches
+
+MIB = 1 << 20
+
+
+@dataclass
+class FakeCache:
+    nbytes: int
+
+
+class FakeVoice:
+    """A voice whose prompt cache takes ``size`` bytes (the fake kind reads it from the prompt tokens)."""
+
+    def __init__(self, name: str, size: int) -> None:
+        self.name, self.fingerprint = name, f"{name}-{size}"
+        self.speech_tokens = np.array([size])
+        self.mel, self.embedding = np.zeros((2, 80), np.float32), np.zeros(192, np.float32)
+
+
+class Kind:
+    """Builds a cache of the voice's size and counts the builds."""
+
+    def __init__(self) -> None:
+        self.built = 0
+
+    def build(self, stage, prompt_tokens, prompt_feat, embedding, n_timesteps, cfg_rate, dtype):
+        self.built += 1
+        return FakeCache(int(prompt_tokens[0]))
+
+
+def caches(budget_mib: int) -> tuple[PromptCaches, Kind]:
+    kind = Kind()
+    return PromptCaches(stage=None, budget=budget_mib * MIB, kind=kind), kind  # type: ignore[arg-type]
+
+
+def get(lru: PromptCaches, voice: FakeVoice, request: dict | None = None) -> FakeCache:
+    return lru.get(voice, 10, 0.7, request)  # type: ignore[arg-type,return-value]
+
+
+def test_kept_within_the_budget_least_recently_used_dropped_first() -> None:
+    lru, kind = caches(3)
+    a, b = FakeVoice("a", MIB), FakeVoice("b", MIB)
+    assert get(lru, a) is get(lru, a) and kind.built == 1 and lru.hits == 1
+    get(lru, b)
+    get(lru, a)  # a is now the most recent
+    get(lru, FakeVoice("c", 2 * MIB))  # 4 MiB > 3: b goes
+    assert lru.nbytes == 3 * MIB and kind.built == 3
+    get(lru, a)
+    assert kind.built == 3
+    get(lru, b)
+    assert kind.built == 4
+
+
+def test_a_request_builds_a_cache_the_budget_cannot_keep_once(caplog: pytest.LogCaptureFixture) -> None:
+    lru, kind = caches(1)
+    voice = FakeVoice("alice", 2 * MIB)
+    with caplog.at_level(logging.WARNING, logger="cosyvoice_cpu.flow.prompt_caches"):
+        request: dict = {}
+        first = get(lru, voice, request)
+        assert get(lru, voice, request) is first and kind.built == 1  # the request's next sentence
+        get(lru, voice, {})  # another request builds it again
+        assert kind.built == 2 and lru.nbytes == 0
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "alice" in warned[0] and "--prompt-cache-mb" in warned[0]  # once, with the fix
+
+
+def test_a_budget_of_zero_keeps_none_without_warning(caplog: pytest.LogCaptureFixture) -> None:
+    lru, kind = caches(0)
+    with caplog.at_level(logging.WARNING, logger="cosyvoice_cpu.flow.prompt_caches"):
+        for _ in range(2):
+            request: dict = {}
+            get(lru, FakeVoice("v", MIB), request)
+            get(lru, FakeVoice("v", MIB), request)
+    assert kind.built == 2 and lru.nbytes == 0 and not caplog.records
