@@ -78,7 +78,13 @@ class Speaker(Protocol):
     def sampling_for(self, config: SynthesisConfig) -> SamplingConfig: ...
 
     def speak(
-        self, tokens: TokenSource, voice: Voice, config: SynthesisConfig, rng: np.random.Generator, t: Timings
+        self,
+        tokens: TokenSource,
+        voice: Voice,
+        config: SynthesisConfig,
+        rng: np.random.Generator,
+        t: Timings,
+        caches: RequestCaches | None = None,
     ) -> Iterator[Piece]: ...
 
 
@@ -311,6 +317,7 @@ class TextStream:
                     yield AudioChunk(samples, sr, False, p.text, p.span)
             done = True
         finally:
+            self._caches.clear()  # the voice's cache goes back to the LRU's care (or is freed) with the reading
             if not done:  # the reader stopped early: a passage started ahead of its turn must not keep its row
                 self.cancel()
         if not produced:

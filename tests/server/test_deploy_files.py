@@ -54,6 +54,10 @@ def test_compose_runs_the_same_server_behind_the_load_balancer() -> None:
     args = _serve_args(resolved)
     assert args.threads == 2 and args.allow_host == ["localhost"]
     assert "voices:/data/voices" in tts["volumes"]  # one directory of voices for every replica
+    for service in ("tts", "wyoming"):  # the engine (~1.5 GB at full size) and every voice cache fit the limit
+        limit_mb = int(compose["services"][service]["deploy"]["resources"]["limits"]["memory"].removesuffix("M"))
+        command = [re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", a) for a in compose["services"][service]["command"]]
+        assert 1536 + _serve_args(command).prompt_cache_mb <= limit_mb, service
     assert "server tts:8000" in (DEPLOY / "nginx.conf").read_text()
     assert "proxy_buffering off" in (DEPLOY / "nginx.conf").read_text()  # speech is streamed
     assert 'Connection "upgrade"' in (DEPLOY / "nginx.conf").read_text()  # the text stream WebSocket passes

@@ -83,3 +83,15 @@ def test_a_budget_of_zero_keeps_none_without_warning(caplog: pytest.LogCaptureFi
             get(lru, FakeVoice("v", MIB), request)
             get(lru, FakeVoice("v", MIB), request)
     assert kind.built == 2 and lru.nbytes == 0 and not caplog.records
+
+
+def test_a_request_still_using_a_voice_keeps_it_recent() -> None:
+    lru, kind = caches(2)
+    a, b = FakeVoice("a", MIB), FakeVoice("b", MIB)
+    request: dict = {}
+    get(lru, a, request)
+    get(lru, b)
+    get(lru, a, request)  # the request's next sentence: a is the most recent again
+    get(lru, FakeVoice("c", MIB))  # 3 MiB > 2: b goes, not a
+    get(lru, a)
+    assert kind.built == 3

@@ -51,10 +51,10 @@ def add_prompt_cache_flags(parser: argparse.ArgumentParser | argparse._ArgumentG
         default=DEFAULT_PROMPT_CACHE_MB,
         metavar="MIB",
         help=f"memory for the voices' streaming caches, in MiB (default {DEFAULT_PROMPT_CACHE_MB}; least recently "
-        "used dropped first; each process of --replicas keeps its own): a voice keeps its prompt's flow activations "
-        "per solver setting, 87 MB for a 3 s voice with CosyVoice2 and 185 MB with Fun-CosyVoice3 (full size, int8 "
-        "models); 0 keeps none and builds them again for every streamed request (about 1.8 s more before its first "
-        "audio on a 2-core Zen 4; docs/server.md)",
+        "used dropped first; per server process): a voice keeps its prompt's flow activations per solver setting, "
+        "87 MB for a 3 s voice with CosyVoice2 and 185 MB with Fun-CosyVoice3 (full size, int8 models; "
+        "CosyVoice-300M keeps none); 0 keeps none and builds them again for every streamed request (about 1.8 s "
+        "more before its first audio on a 2-core Zen 4; docs/server.md)",
     )
     parser.add_argument(
         "--prompt-cache-fp16",

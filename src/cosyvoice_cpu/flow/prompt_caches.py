@@ -79,7 +79,7 @@ class PromptCaches:
         self.dtype = dtype
         self._items: OrderedDict[CacheKey, PromptCache] = OrderedDict()
         self._lock = threading.Lock()
-        self._too_big: set[CacheKey] = set()  # warned about once
+        self._too_big: set[str] = set()  # voice fingerprints warned about (once a voice)
         self.hits = self.misses = 0
 
     @property
@@ -95,6 +95,9 @@ class PromptCaches:
         """
         key = (voice.fingerprint, int(steps), float(cfg_rate))
         if request is not None and key in request:
+            with self._lock:  # still in use: the LRU's most recent
+                if key in self._items:
+                    self._items.move_to_end(key)
             return request[key]
         cache = self._get(key, voice, steps, cfg_rate)
         if request is not None:
@@ -113,8 +116,8 @@ class PromptCaches:
             self.stage, voice.speech_tokens, voice.mel, voice.embedding, steps, cfg_rate, dtype=self.dtype
         )
         if cache.nbytes > self.budget:  # too big to keep: this request uses it, the next one builds it again
-            if self.budget and key not in self._too_big:  # a budget of 0 keeps none by choice: no warning
-                self._too_big.add(key)
+            if self.budget and voice.fingerprint not in self._too_big:  # a budget of 0 keeps none by choice
+                self._too_big.add(voice.fingerprint)
                 logger.warning(
                     "the streaming cache of voice %r (%.0f MiB) exceeds the prompt cache budget (%.0f MiB): built "
                     "again for every request; raise --prompt-cache-mb to keep it",

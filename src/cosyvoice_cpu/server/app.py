@@ -63,9 +63,14 @@ def create_app(engine: SpeechEngine, settings: ServerSettings, replica: ReplicaI
     m.gauges["cosyvoice_requests_queued"] = ("Syntheses waiting for a worker.", lambda: state.admission.waiting)
     m.gauges["cosyvoice_voices"] = ("Saved voices served.", lambda: len(state.voices))
     m.gauges["cosyvoice_text_streams_open"] = ("Text stream WebSockets open.", lambda: state.text_streams)
+
+    def cache_bytes() -> float:
+        caches = engine.prompt_caches  # read once: --unload-after may release the engine meanwhile
+        return 0 if caches is None else caches.nbytes
+
     m.gauges["cosyvoice_prompt_cache_bytes"] = (
         "Memory of the voices' streaming caches (bounded by --prompt-cache-mb).",
-        lambda: 0 if engine.prompt_caches is None else engine.prompt_caches.nbytes,
+        cache_bytes,
     )
     m.gauges["cosyvoice_lm_rows_active"] = (
         "LM batch rows held by requests (a text stream waiting for text holds one).",
