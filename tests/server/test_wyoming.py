@@ -303,6 +303,8 @@ def test_unload_after_releases_the_engine_and_loads_it_on_use(tmp_path: Path) ->
             while c.get("/health").json()["engine_loaded"]:
                 assert time.monotonic() < deadline, "the idle engine was not released"
                 time.sleep(0.1)
+            released = c.get("/metrics").text.splitlines()  # the engine's gauges read 0, not missing, while released
+            assert {"cosyvoice_prompt_cache_bytes 0", "cosyvoice_lm_rows_active 0"} <= set(released)
 
             async def speak() -> list[str]:
                 async with AsyncTcpClient("127.0.0.1", port, read_timeout=60) as w:

@@ -64,9 +64,14 @@ def create_app(engine: SpeechEngine, settings: ServerSettings, replica: ReplicaI
     m.gauges["cosyvoice_voices"] = ("Saved voices served.", lambda: len(state.voices))
     m.gauges["cosyvoice_text_streams_open"] = ("Text stream WebSockets open.", lambda: state.text_streams)
 
+    # the engine's parts are read once a scrape: --unload-after may release them between two reads
     def cache_bytes() -> float:
-        caches = engine.prompt_caches  # read once: --unload-after may release the engine meanwhile
+        caches = engine.prompt_caches
         return 0 if caches is None else caches.nbytes
+
+    def rows_active() -> float:
+        scheduler = engine.scheduler
+        return 0 if scheduler is None else scheduler.active
 
     m.gauges["cosyvoice_prompt_cache_bytes"] = (
         "Memory of the voices' streaming caches (bounded by --prompt-cache-mb).",
@@ -74,7 +79,7 @@ def create_app(engine: SpeechEngine, settings: ServerSettings, replica: ReplicaI
     )
     m.gauges["cosyvoice_lm_rows_active"] = (
         "LM batch rows held by requests (a text stream waiting for text holds one).",
-        lambda: 0 if engine.scheduler is None else engine.scheduler.active,
+        rows_active,
     )
     if engine.scheduler is not None:  # read at each scrape: an engine released by --unload-after has none
 
