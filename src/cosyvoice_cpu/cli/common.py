@@ -31,6 +31,17 @@ def add_backend_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def seconds(value: str) -> float:
+    """A servers' time flag (timeouts, audio bounds): seconds above 0, at most a day."""
+    try:
+        parsed = float(value)
+    except ValueError:
+        parsed = float("nan")
+    if not 0 < parsed <= 86_400:
+        raise argparse.ArgumentTypeError(f"takes seconds above 0 and at most 86400, not {value!r}")
+    return parsed
+
+
 def _budget_mib(value: str) -> int:
     """A ``--prompt-cache-mb`` value: a whole number of MiB, 0 to ``MAX_PROMPT_CACHE_MB``."""
     try:
@@ -53,8 +64,8 @@ def add_prompt_cache_flags(parser: argparse.ArgumentParser | argparse._ArgumentG
         help=f"memory for the voices' streaming caches, in MiB (default {DEFAULT_PROMPT_CACHE_MB}; least recently "
         "used dropped first; per server process): a voice keeps its prompt's flow activations per solver setting, "
         "87 MB for a 3 s voice with CosyVoice2 and 185 MB with Fun-CosyVoice3 (full size, int8 models; "
-        "CosyVoice-300M keeps none); 0 keeps none and builds them again for every streamed request (about 1.8 s "
-        "more before its first audio on a 2-core Zen 4; docs/server.md)",
+        "CosyVoice-300M keeps none); 0 keeps none and builds them again for every streamed request, before its "
+        "first audio (the cost measured: docs/server.md)",
     )
     parser.add_argument(
         "--prompt-cache-fp16",

@@ -12,6 +12,7 @@ from cosyvoice_cpu.cli.common import (
     add_prompt_cache_flags,
     add_unload_flag,
     load_engine,
+    seconds,
     server_engine_config,
 )
 from cosyvoice_cpu.errors import ConfigError, MissingExtraError
@@ -135,17 +136,6 @@ def _serve_replicas(args: argparse.Namespace, settings: object, engine_config: o
     return serve_replicas(args.model.resolve(), settings, dataclasses.replace(engine_config, threads=threads), plan)
 
 
-def _seconds(value: str) -> float:
-    """A timeout: seconds above 0, at most a day."""
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = float("nan")
-    if not 0 < seconds <= 86_400:
-        raise argparse.ArgumentTypeError(f"takes seconds above 0 and at most 86400, not {value!r}")
-    return seconds
-
-
 def _replicas(value: str) -> int | None:
     """``--replicas``: a count of at least 1, or ``auto`` (None: Serve's autoscaling)."""
     if value.strip().lower() == "auto":
@@ -189,7 +179,7 @@ def add_parser(sub: argparse._SubParsersAction, positive: type, non_negative: ty
     s.add_argument("--timeout", type=float, default=300.0, help="seconds one synthesis may take")
     s.add_argument(
         "--header-timeout",
-        type=_seconds,
+        type=seconds,
         default=10.0,
         metavar="S",
         help="seconds a client may take "
@@ -198,7 +188,7 @@ def add_parser(sub: argparse._SubParsersAction, positive: type, non_negative: ty
     )
     s.add_argument(
         "--body-timeout",
-        type=_seconds,
+        type=seconds,
         default=60.0,
         metavar="S",
         help="seconds a request body may "
@@ -206,7 +196,7 @@ def add_parser(sub: argparse._SubParsersAction, positive: type, non_negative: ty
     )
     s.add_argument(
         "--stream-idle-timeout",
-        type=_seconds,
+        type=seconds,
         default=30.0,
         metavar="S",
         help="seconds a text stream WebSocket (/v1/audio/speech/stream) may send no message while no audio is "
@@ -214,7 +204,7 @@ def add_parser(sub: argparse._SubParsersAction, positive: type, non_negative: ty
     )
     s.add_argument(
         "--keep-alive-timeout",
-        type=_seconds,
+        type=seconds,
         default=5.0,
         metavar="S",
         help="seconds an idle kept-alive connection stays open (uvicorn's timeout_keep_alive; default 5)",
@@ -224,14 +214,14 @@ def add_parser(sub: argparse._SubParsersAction, positive: type, non_negative: ty
     s.add_argument("--max-instructions-chars", type=positive, default=1000, help="longest speech instructions")
     s.add_argument(
         "--max-audio-seconds",
-        type=_seconds,
+        type=seconds,
         default=1200.0,
         metavar="S",
         help="the most audio one request may produce (default 1200); beyond, it is stopped (422 audio_too_long)",
     )
     s.add_argument(
         "--max-audio-per-char",
-        type=_seconds,
+        type=seconds,
         default=0.6,
         metavar="S",
         help="the most audio per input "

@@ -13,6 +13,7 @@ from cosyvoice_cpu.cli.common import (
     add_prompt_cache_flags,
     add_unload_flag,
     load_engine,
+    seconds,
     server_engine_config,
 )
 
@@ -22,16 +23,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_URI = "tcp://127.0.0.1:10200"
-
-
-def _seconds(value: str) -> float:
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = float("nan")
-    if not 0 < seconds <= 86_400:
-        raise argparse.ArgumentTypeError(f"takes seconds above 0 and at most 86400, not {value!r}")
-    return seconds
 
 
 def add_wyoming_flags(p: argparse.ArgumentParser | Any, positive: type) -> None:
@@ -53,7 +44,7 @@ def add_wyoming_flags(p: argparse.ArgumentParser | Any, positive: type) -> None:
     )
     p.add_argument(
         "--idle-timeout",
-        type=_seconds,
+        type=seconds,
         default=60.0,
         metavar="S",
         help="close a Wyoming connection that sends nothing for S seconds while nothing of it runs (default 60)",
@@ -131,11 +122,11 @@ def add_parser(sub: argparse._SubParsersAction, positive: type, non_negative: ty
     )
     s.add_argument("--max-active", type=positive, default=2, help="syntheses at once (default 2)")
     s.add_argument("--max-queue", type=non_negative, default=8, help="requests waiting beyond that (then an error)")
-    s.add_argument("--timeout", type=_seconds, default=300.0, help="seconds one synthesis may take")
+    s.add_argument("--timeout", type=seconds, default=300.0, help="seconds one synthesis may take")
     s.add_argument("--max-input-chars", type=positive, default=4096, help="longest text of one request")
-    s.add_argument("--max-audio-seconds", type=_seconds, default=1200.0, metavar="S", help="most audio per request")
+    s.add_argument("--max-audio-seconds", type=seconds, default=1200.0, metavar="S", help="most audio per request")
     s.add_argument(
-        "--max-audio-per-char", type=_seconds, default=0.6, metavar="S", help="most audio per input character"
+        "--max-audio-per-char", type=seconds, default=0.6, metavar="S", help="most audio per input character"
     )
     s.add_argument("--threads", type=non_negative, default=0, help="ORT threads (default: usable physical cores)")
     s.add_argument("--model-id", help="the model's name in info (default: the model directory's name)")

@@ -6,7 +6,7 @@ Building them costs one flow solve over the prompt frames; keeping them costs ``
 values (a 3 s prompt with the full-size CosyVoice2 at 10 steps with CFG: 172 MB in float32, 87 MB in the float16 the
 int8 models keep). :class:`PromptCaches` is a thread-safe LRU bounded in bytes: a server with a few hot voices pays the
 prompt once per voice; a lone edge box short of memory can set the budget to 0 (``serve --prompt-cache-mb 0``: built
-per request, ~1.8 s more before the first audio on a 2-core Zen 4, docs/server.md).
+per request, before its first audio; the cost measured: docs/server.md).
 """
 
 from __future__ import annotations
