@@ -1,6 +1,8 @@
 """ORT thread spinning on or off (``EngineConfig.spinning``), side by side in one process.
 
     python bench/spinning_ab.py MODEL_DIR [--threads 2] [--runs 3] [--lm-spin-us 100,1000]
+    python bench/spinning_ab.py MODEL_DIR --graphs flow_estimator_stream[,hift_decode,...] [--runs 3]
+    python bench/spinning_ab.py MODEL_DIR --graph-alone [--runs 8]
 
 Two engines on one model directory, one with spinning pool threads and one without (the default), take turns
 on the same workload as ``cosyvoice-cpu bench``: a whole 10 s sentence (RTF), the LM alone (decode ms per
@@ -9,25 +11,49 @@ once (wall seconds). Prints every run and the medians.
 
 ``--lm-spin-us`` replaces the all-sessions spinning engine with engines whose LM session alone spins, each for at
 most the given microseconds before its pool thread sleeps (ORT's ``session.intra_op.spin_duration_us``).
+
+``--graphs`` replaces it with two engines whose named graphs' sessions alone spin (ONNX Runtime graphs, by file
+stem), one of them with ORT's ``session.force_spinning_stop`` (the pool stops spinning when a run returns, so it
+spins between a call's operators only). Each run also streams the 8-character sentence (its first audio) and
+four streamed 10 s sentences at once instead of four whole ones.
+
+``--graph-alone`` times CosyVoice2's stream estimator by itself, no engine, at the chunk plan's shapes
+(``bench/ov_stream_forms.py``'s, 150 prompt frames) with spinning off, on, and on with the stop, the three
+sessions alternated call by call with a 30 ms pause before each call (a spinning pool of the previous session
+would otherwise take the cores of the next one).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from cosyvoice_cpu.benchmark.tasks import TEXT, _config, alternate, first_audio, load, measure_e2e, measure_lm
+import numpy as np
+
+from cosyvoice_cpu.benchmark.tasks import (
+    SHORT_TEXT,
+    TEXT,
+    _config,
+    alternate,
+    first_audio,
+    load,
+    measure_e2e,
+    measure_lm,
+)
 
 
-def four_at_once(engine: Any, voice: Any, tokens: int) -> float:
-    """Wall seconds for four whole sentences synthesized on four threads sharing ``engine``."""
+def four_at_once(engine: Any, voice: Any, tokens: int, stream: bool = False) -> float:
+    """Wall seconds for four sentences (whole, or streamed) synthesized on four threads sharing ``engine``."""
 
     def one() -> None:
-        for _ in engine.synthesize(TEXT, voice, _config(tokens)):
+        for _ in engine.synthesize(TEXT, voice, _config(tokens, stream=stream)):
             pass
 
     threads = [threading.Thread(target=one) for _ in range(4)]
@@ -56,6 +82,80 @@ def lm_spinning(engine: Any, model_dir: Path, threads: int, spin_us: int) -> Non
     engine.lm.session.session = ort.InferenceSession(str(model_dir / "lm.onnx"), so, providers=["CPUExecutionProvider"])
 
 
+@contextlib.contextmanager
+def spinning_graphs(stems: set[str], stop: bool) -> Iterator[None]:
+    """While open, ONNX Runtime sessions of graphs named ``<stem>.onnx`` are made spinning (and with ``stop``,
+    ``session.force_spinning_stop``); the others as the engine sets them."""
+    import onnxruntime as ort
+
+    from cosyvoice_cpu.backends import onnxruntime as backend
+
+    make, real = backend.make_session, ort.InferenceSession
+
+    def stopping(path: str, so: Any, **kw: Any) -> Any:
+        so.add_session_config_entry("session.force_spinning_stop", "1")
+        return real(path, so, **kw)
+
+    def patched(path: Any, config: Any = None) -> Any:
+        if config is None or Path(path).stem not in stems:
+            return make(path, config)
+        ort.InferenceSession = stopping if stop else real
+        try:
+            return make(path, dataclasses.replace(config, spinning=True))
+        finally:
+            ort.InferenceSession = real
+
+    backend.make_session = patched
+    try:
+        yield
+    finally:
+        backend.make_session = make
+
+
+def graph_engines(model_dir: Path, threads: int, stems: set[str]) -> dict[str, tuple[Any, Any]]:
+    """The default engine and two whose ``stems`` graphs spin (without and with the stop at a run's end); each
+    synthesizes a streamed sentence while its options are patched in (the stream graph opens at first use)."""
+    engines = {}
+    for label, spin, stop in (("spinning off", False, False), ("graphs spin", True, False), ("spin, stop", True, True)):
+        with spinning_graphs(stems if spin else set(), stop):
+            engine, voice = load(model_dir, threads, backend="onnxruntime")
+            for _ in engine.synthesize(SHORT_TEXT, voice, _config(30, stream=True)):
+                pass
+        engines[label] = (engine, voice)
+    return engines
+
+
+def graph_alone(model_dir: Path, threads: int, runs: int) -> None:
+    """The stream estimator alone, spinning off / on / on with the stop, alternated call by call."""
+    import onnxruntime as ort
+    from ov_stream_forms import SHAPES, feeds_for
+
+    def session(spin: bool, stop: bool) -> Any:
+        so = ort.SessionOptions()
+        so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
+        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+        so.add_session_config_entry("session.force_spinning_stop", "1" if stop else "0")
+        return ort.InferenceSession(str(model_dir / "flow_estimator_stream.onnx"), so,
+                                    providers=["CPUExecutionProvider"])  # fmt: skip
+
+    forms = {"off": session(False, False), "on": session(True, False), "on, stop": session(True, True)}
+    half = next(i.type for i in forms["off"].get_inputs() if i.name == "prompt_h") == "tensor(float16)"
+    rng = np.random.default_rng(0)
+    for n, c in SHAPES:
+        feeds = feeds_for(n, c, 150, half, rng)
+        times: dict[str, list[float]] = {k: [] for k in forms}
+        for s in forms.values():
+            s.run(None, feeds)
+        for _ in range(runs):
+            for label, s in forms.items():
+                time.sleep(0.03)
+                t0 = time.perf_counter()
+                s.run(None, feeds)
+                times[label].append(time.perf_counter() - t0)
+        print(f"{n:3d} new + {c:2d} context frames, ms per call (median of {runs}): "
+              + ", ".join(f"{k} {statistics.median(v) * 1000:.1f}" for k, v in times.items()))  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model_dir", type=Path)
@@ -63,10 +163,18 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=250)
     ap.add_argument("--lm-spin-us", default=None, help="comma list of LM-only spin durations (microseconds)")
+    ap.add_argument("--graphs", default=None, help="comma list of graph file stems whose sessions alone spin")
+    ap.add_argument("--graph-alone", action="store_true", help="time the stream estimator alone (CosyVoice2)")
     args = ap.parse_args()
     n = args.tokens
-    engines = {"spinning off": load(args.model_dir, args.threads)}
-    if args.lm_spin_us is None:
+    if args.graph_alone:
+        graph_alone(args.model_dir, args.threads, args.runs)
+        return
+    if args.graphs:
+        engines = graph_engines(args.model_dir, args.threads, set(args.graphs.split(",")))
+    else:
+        engines = {"spinning off": load(args.model_dir, args.threads)}
+    if args.lm_spin_us is None and not args.graphs:
         engines["spinning on"] = load(args.model_dir, args.threads, spinning=True)
     for us in [] if args.lm_spin_us is None else [int(x) for x in args.lm_spin_us.split(",")]:
         engines[f"LM {us} us"] = load(args.model_dir, args.threads)
@@ -74,8 +182,10 @@ def main() -> None:
 
     def measure(engine: Any, voice: Any) -> dict[str, float]:
         row = {"e2e_rtf": measure_e2e(engine, voice, n, 1)["rtf"], **first_audio(engine, voice, TEXT, n, 1)}
+        if args.graphs:
+            row["first_audio_8_chars_s"] = first_audio(engine, voice, SHORT_TEXT, 30, 1)["first_audio_s"]
         row["lm_decode_ms"] = measure_lm(engine, voice, n, 1)["lm_decode_ms"]
-        row["four_at_once_s"] = four_at_once(engine, voice, n)
+        row["four_at_once_s"] = four_at_once(engine, voice, n, stream=bool(args.graphs))
         return row
 
     for label, rows in alternate(engines, args.runs, measure).items():

@@ -243,3 +243,35 @@ def test_the_chunk_plan_probe_streams_each_plan_and_counts_its_chunks(tiny_expor
         assert rows["10", grid][3] == "5" and rows["20", grid][3] == "4"
     for row in rows.values():
         assert float(row[4]) > 0 and float(row[5].split()[0]) > 0 and float(row[7]) >= 0
+
+
+def test_the_spinning_probe_makes_only_the_named_graphs_spin(tiny_export_dir: Path, monkeypatch) -> None:
+    """``bench/spinning_ab.py --graphs`` (how per-graph spinning was measured, docs/benchmarks-log.md): inside
+    ``spinning_graphs`` the named graph's ORT session spins (and with ``stop``, stops when a run returns), another
+    graph's does not, and outside it the engine's options are back."""
+    import sys
+
+    from cosyvoice_cpu.backends import onnxruntime as backend
+    from cosyvoice_cpu.backends.base import SessionConfig
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    spinning_ab = __import__("spinning_ab")
+    monkeypatch.delitem(sys.modules, "spinning_ab")
+
+    def entries(graph: str) -> tuple[str, str]:
+        so = backend.make_session(tiny_export_dir / f"{graph}.onnx", SessionConfig(threads=1)).get_session_options()
+
+        def entry(key: str) -> str:
+            try:
+                return so.get_session_config_entry(key)
+            except RuntimeError:  # ORT raises for a key never set
+                return "unset"
+
+        return entry("session.intra_op.allow_spinning"), entry("session.force_spinning_stop")
+
+    with spinning_ab.spinning_graphs({"flow_estimator_stream"}, stop=True):
+        assert entries("flow_estimator_stream") == ("1", "1")
+        assert entries("hift_decode") == ("0", "unset")
+    with spinning_ab.spinning_graphs({"flow_estimator_stream"}, stop=False):
+        assert entries("flow_estimator_stream") == ("1", "unset")
+    assert entries("flow_estimator_stream") == ("0", "unset")
