@@ -14,13 +14,14 @@ most the given microseconds before its pool thread sleeps (ORT's ``session.intra
 
 ``--graphs`` replaces it with two engines whose named graphs' sessions alone spin (ONNX Runtime graphs, by file
 stem), one of them with ORT's ``session.force_spinning_stop`` (the pool stops spinning when a run returns, so it
-spins between a call's operators only). Each run also streams the 8-character sentence (its first audio) and
-four streamed 10 s sentences at once instead of four whole ones.
+spins between a call's operators only). Every graph runs on ONNX Runtime in all three. Each run also streams the
+8-character sentence (its first audio; 30 tokens) and four streamed 10 s sentences at once instead of four whole
+ones.
 
-``--graph-alone`` times CosyVoice2's stream estimator by itself, no engine, at the chunk plan's shapes
-(``bench/ov_stream_forms.py``'s, 150 prompt frames) with spinning off, on, and on with the stop, the three
-sessions alternated call by call with a 30 ms pause before each call (a spinning pool of the previous session
-would otherwise take the cores of the next one).
+``--graph-alone`` times CosyVoice2's stream estimator by itself (its session as the engine opens it), no engine,
+at the chunk plan's shapes (``bench/ov_stream_forms.py``'s, 150 prompt frames) with spinning off, on, and on with
+the stop, the three sessions alternated call by call with a 30 ms pause before each call (a spinning pool of the
+previous session would otherwise take the cores of the next one).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from cosyvoice_cpu.backends.base import SessionConfig
 from cosyvoice_cpu.benchmark.tasks import (
     SHORT_TEXT,
     TEXT,
@@ -82,28 +84,36 @@ def lm_spinning(engine: Any, model_dir: Path, threads: int, spin_us: int) -> Non
     engine.lm.session.session = ort.InferenceSession(str(model_dir / "lm.onnx"), so, providers=["CPUExecutionProvider"])
 
 
+SHORT_TOKENS = 30  # the 8-character sentence's forced length here (``cosyvoice-cpu bench`` forces 50 for CosyVoice2)
+
+
 @contextlib.contextmanager
-def spinning_graphs(stems: set[str], stop: bool) -> Iterator[None]:
+def spinning_graphs(stems: set[str], stop: bool, spun: set[str] | None = None) -> Iterator[None]:
     """While open, ONNX Runtime sessions of graphs named ``<stem>.onnx`` are made spinning (and with ``stop``,
-    ``session.force_spinning_stop``); the others as the engine sets them."""
+    ``session.force_spinning_stop``); the others as the engine sets them. The stems of the sessions it made
+    spinning are added to ``spun``. Sessions are assumed to open one at a time (the engine opens them so on ORT):
+    the stop is set by swapping ``onnxruntime.InferenceSession`` for the duration of one open."""
     import onnxruntime as ort
 
     from cosyvoice_cpu.backends import onnxruntime as backend
 
     make, real = backend.make_session, ort.InferenceSession
 
-    def stopping(path: str, so: Any, **kw: Any) -> Any:
+    def stopping(path: str, so: ort.SessionOptions, **kw: Any) -> ort.InferenceSession:
         so.add_session_config_entry("session.force_spinning_stop", "1")
         return real(path, so, **kw)
 
-    def patched(path: Any, config: Any = None) -> Any:
+    def patched(path: str | Path, config: SessionConfig | None = None) -> ort.InferenceSession:
         if config is None or Path(path).stem not in stems:
             return make(path, config)
         ort.InferenceSession = stopping if stop else real
         try:
-            return make(path, dataclasses.replace(config, spinning=True))
+            session = make(path, dataclasses.replace(config, spinning=True))
         finally:
             ort.InferenceSession = real
+        if spun is not None:
+            spun.add(Path(path).stem)
+        return session
 
     backend.make_session = patched
     try:
@@ -113,36 +123,45 @@ def spinning_graphs(stems: set[str], stop: bool) -> Iterator[None]:
 
 
 def graph_engines(model_dir: Path, threads: int, stems: set[str]) -> dict[str, tuple[Any, Any]]:
-    """The default engine and two whose ``stems`` graphs spin (without and with the stop at a run's end); each
-    synthesizes a streamed sentence while its options are patched in (the stream graph opens at first use)."""
+    """The default engine (ONNX Runtime for every graph) and two whose ``stems`` graphs spin (without and with the
+    stop at a run's end); each synthesizes a streamed sentence while its options are patched in (the stream graph
+    opens at first use). Raises SystemExit when a named graph was not opened then (a typo, or a graph this
+    workload opens later, which would not spin)."""
     engines = {}
     for label, spin, stop in (("spinning off", False, False), ("graphs spin", True, False), ("spin, stop", True, True)):
-        with spinning_graphs(stems if spin else set(), stop):
+        spun: set[str] = set()
+        with spinning_graphs(stems if spin else set(), stop, spun):
             engine, voice = load(model_dir, threads, backend="onnxruntime")
-            for _ in engine.synthesize(SHORT_TEXT, voice, _config(30, stream=True)):
+            for _ in engine.synthesize(SHORT_TEXT, voice, _config(SHORT_TOKENS, stream=True)):
                 pass
+        if spin and spun != stems:
+            engine.close()
+            raise SystemExit(f"--graphs: {sorted(stems - spun)} not opened by loading and one streamed sentence")
         engines[label] = (engine, voice)
     return engines
 
 
 def graph_alone(model_dir: Path, threads: int, runs: int) -> None:
-    """The stream estimator alone, spinning off / on / on with the stop, alternated call by call."""
-    import onnxruntime as ort
+    """CosyVoice2's stream estimator alone as the engine opens it, spinning off / on / on with the stop,
+    alternated call by call."""
     from ov_stream_forms import SHAPES, feeds_for
 
+    from cosyvoice_cpu.backends import onnxruntime as backend
+
+    path = model_dir / "flow_estimator_stream.onnx"
+    config = SessionConfig(threads=threads, priority_order=True)  # the engine's stream session's options
+
     def session(spin: bool, stop: bool) -> Any:
-        so = ort.SessionOptions()
-        so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
-        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
-        so.add_session_config_entry("session.force_spinning_stop", "1" if stop else "0")
-        return ort.InferenceSession(str(model_dir / "flow_estimator_stream.onnx"), so,
-                                    providers=["CPUExecutionProvider"])  # fmt: skip
+        with spinning_graphs({path.stem} if spin else set(), stop):
+            return backend.make_session(path, config)
 
     forms = {"off": session(False, False), "on": session(True, False), "on, stop": session(True, True)}
-    half = next(i.type for i in forms["off"].get_inputs() if i.name == "prompt_h") == "tensor(float16)"
+    cache = {i.name: i.type for i in forms["off"].get_inputs()}.get("prompt_h")
+    if cache is None:
+        raise SystemExit(f"--graph-alone: {path} is not a CosyVoice2 stream estimator (no prompt_h input)")
     rng = np.random.default_rng(0)
     for n, c in SHAPES:
-        feeds = feeds_for(n, c, 150, half, rng)
+        feeds = feeds_for(n, c, 150, cache == "tensor(float16)", rng)
         times: dict[str, list[float]] = {k: [] for k in forms}
         for s in forms.values():
             s.run(None, feeds)
@@ -171,7 +190,7 @@ def main() -> None:
         graph_alone(args.model_dir, args.threads, args.runs)
         return
     if args.graphs:
-        engines = graph_engines(args.model_dir, args.threads, set(args.graphs.split(",")))
+        engines = graph_engines(args.model_dir, args.threads, {g.strip() for g in args.graphs.split(",")})
     else:
         engines = {"spinning off": load(args.model_dir, args.threads)}
     if args.lm_spin_us is None and not args.graphs:
@@ -183,7 +202,7 @@ def main() -> None:
     def measure(engine: Any, voice: Any) -> dict[str, float]:
         row = {"e2e_rtf": measure_e2e(engine, voice, n, 1)["rtf"], **first_audio(engine, voice, TEXT, n, 1)}
         if args.graphs:
-            row["first_audio_8_chars_s"] = first_audio(engine, voice, SHORT_TEXT, 30, 1)["first_audio_s"]
+            row["first_audio_8_chars_s"] = first_audio(engine, voice, SHORT_TEXT, SHORT_TOKENS, 1)["first_audio_s"]
         row["lm_decode_ms"] = measure_lm(engine, voice, n, 1)["lm_decode_ms"]
         row["four_at_once_s"] = four_at_once(engine, voice, n, stream=bool(args.graphs))
         return row

@@ -245,21 +245,20 @@ def test_the_chunk_plan_probe_streams_each_plan_and_counts_its_chunks(tiny_expor
         assert float(row[4]) > 0 and float(row[5].split()[0]) > 0 and float(row[7]) >= 0
 
 
-def test_the_spinning_probe_makes_only_the_named_graphs_spin(tiny_export_dir: Path, monkeypatch) -> None:
-    """``bench/spinning_ab.py --graphs`` (how per-graph spinning was measured, docs/benchmarks-log.md): inside
-    ``spinning_graphs`` the named graph's ORT session spins (and with ``stop``, stops when a run returns), another
-    graph's does not, and outside it the engine's options are back."""
+def test_the_spinning_probe_makes_only_the_named_graphs_spin(tiny_export_dir: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """``bench/spinning_ab.py --graphs`` (how per-graph spinning was measured, docs/benchmarks-log.md): in the
+    engines it loads, the named graph's ORT session spins (and in the stop engine, stops when a run returns), the
+    other graphs' do not, the baseline engine's nothing; a graph name that no session opened is refused."""
+    import importlib
     import sys
 
-    from cosyvoice_cpu.backends import onnxruntime as backend
-    from cosyvoice_cpu.backends.base import SessionConfig
-
+    monkeypatch.delitem(sys.modules, "spinning_ab", raising=False)
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
-    spinning_ab = __import__("spinning_ab")
-    monkeypatch.delitem(sys.modules, "spinning_ab")
+    spinning_ab = importlib.import_module("spinning_ab")
 
-    def entries(graph: str) -> tuple[str, str]:
-        so = backend.make_session(tiny_export_dir / f"{graph}.onnx", SessionConfig(threads=1)).get_session_options()
+    def entries(session) -> tuple[str, str]:
+        so = session.ort.get_session_options()
 
         def entry(key: str) -> str:
             try:
@@ -269,9 +268,14 @@ def test_the_spinning_probe_makes_only_the_named_graphs_spin(tiny_export_dir: Pa
 
         return entry("session.intra_op.allow_spinning"), entry("session.force_spinning_stop")
 
-    with spinning_ab.spinning_graphs({"flow_estimator_stream"}, stop=True):
-        assert entries("flow_estimator_stream") == ("1", "1")
-        assert entries("hift_decode") == ("0", "unset")
-    with spinning_ab.spinning_graphs({"flow_estimator_stream"}, stop=False):
-        assert entries("flow_estimator_stream") == ("1", "unset")
-    assert entries("flow_estimator_stream") == ("0", "unset")
+    engines = spinning_ab.graph_engines(tiny_export_dir, 1, {"flow_estimator_stream"})
+    try:
+        expected = {"spinning off": ("0", "unset"), "graphs spin": ("1", "unset"), "spin, stop": ("1", "1")}
+        for label, (engine, _) in engines.items():
+            assert entries(engine.flow.stream_estimator) == expected[label], label
+            assert entries(engine.vocoder.decode_sess)[0] == "0", label
+    finally:
+        for engine, _ in engines.values():
+            engine.close()
+    with pytest.raises(SystemExit, match="flow_estimatr_stream"):
+        spinning_ab.graph_engines(tiny_export_dir, 1, {"flow_estimatr_stream"})
