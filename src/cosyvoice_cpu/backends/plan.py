@@ -56,6 +56,7 @@ OV_EXPORT = {"flow_estimator": EXPORT_OPENVINO, "lm": EXPORT_OPENVINO + " --open
 # raises the engine's peak (docs/backends.md, "Shapes, compiles and memory"), so a 2 GB edge box keeps the lean
 # engine and a server gets the fast one.
 OV_MIN_MEMORY = 3 << 30
+NO_MODEL = "no OpenVINO model of this graph in the directory"
 
 
 @dataclass(frozen=True)
@@ -147,9 +148,9 @@ def plan_backends(
     plan = {}
     exportable = openvino_exportable(family)
     for key in onnx:
-        backend, reason = ONNXRUNTIME, "no OpenVINO model of this graph in the directory"
-        if choice == AUTO and key in exportable and key not in with_ov:
-            reason = _missing(key, cpu, installed, memory)
+        backend, reason = ONNXRUNTIME, NO_MODEL
+        if choice == AUTO and key not in with_ov:
+            reason = _missing(key, cpu, installed, memory) if key in exportable else _never_exported(key)
         if choice == ONNXRUNTIME:
             reason = "--backend onnxruntime"
         elif key in with_ov and choice == OPENVINO:
@@ -160,10 +161,21 @@ def plan_backends(
     return plan
 
 
+def _never_exported(key: str) -> str:
+    """The reason under ``auto`` for graph ``key``, of which ``export --openvino`` writes no OpenVINO model for
+    this family: so that a user on a capable CPU is not left looking for a command that does not exist."""
+    if key in OPENVINO_EXPORTABLE:  # the LM of a family whose LM has no stateful OpenVINO form
+        return f"{NO_MODEL}; export writes one only of the Qwen2 LM of CosyVoice2 and Fun-CosyVoice3"
+    return (
+        f"{NO_MODEL}; export writes none: it stays on ONNX Runtime on every CPU (why, as measured: "
+        'docs/backends.md, "Graphs that stay on ONNX Runtime")'
+    )
+
+
 def _missing(key: str, cpu: CpuInfo | None, installed: bool, memory: int | None) -> str:
     """The reason under ``auto`` for graph ``key``, of which ``export --openvino`` could have written an OpenVINO
     model but did not: on a CPU where that model would run faster, with the command that writes it."""
-    reason = "no OpenVINO model of this graph in the directory"
+    reason = NO_MODEL
     if cpu is None or not (cpu.bf16 or cpu.amx):
         return reason + " (none needed: this CPU has neither AVX-512 BF16 nor AMX, ONNX Runtime is as fast here)"
     if memory is not None and memory < OV_MIN_MEMORY:
