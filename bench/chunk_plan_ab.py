@@ -2,7 +2,7 @@
 waits for.
 
     python bench/chunk_plan_ab.py MODEL_DIR [--chunk-tokens 50,100,25] [--grid on|off|both] \
-        [--first-chunk-tokens 10] [--steps 10] [--tokens 250] [--voice-seconds 3] [--runs 3] [--threads 2] \
+        [--first-chunk-tokens 10] [--steps 10[,7,5]] [--tokens 250] [--voice-seconds 3] [--runs 3] [--threads 2] \
         [--backend onnxruntime]
 
 One engine, the bench's registered voice (3 s unless ``--voice-seconds``: Fun-CosyVoice3's chunk grid starts at
@@ -14,7 +14,8 @@ holds audio): how many times the audio ran dry and for how long in all.
 
 A larger ``chunk_tokens`` re-runs the estimator's prompt and context and the encoder's window fewer times (less
 work, a lower streamed RTF) but the listener waits for each longer chunk whole: the stall column says which
-plan a listener is better served by. ``--steps`` below 10 stands in for a faster machine (less flow work).
+plan a listener is better served by. ``--steps`` below 10 stands in for a faster machine (less flow work), or
+measures what a server's ``--flow-steps`` buys (several counts, comma-separated, are plans of their own).
 ``--grid off`` cuts the plain doubling instead of ending chunks on the flow's grid (Fun-CosyVoice3's attention
 chunks, :class:`~cosyvoice_cpu.flow.common.ChunkPlan`), as the engine did before it had one.
 """
@@ -52,7 +53,7 @@ def main() -> None:
     ap.add_argument("--first-chunk-tokens", type=int, default=10)
     ap.add_argument("--grid", choices=("on", "off", "both"), default="on",
                     help="chunks moved to the flow's grid (Fun-CosyVoice3's attention chunks) or not")  # fmt: skip
-    ap.add_argument("--steps", type=int, default=10, help="Euler steps of the flow")
+    ap.add_argument("--steps", default="10", help="Euler steps of the flow, comma-separated")
     ap.add_argument("--tokens", type=int, default=250)
     ap.add_argument("--voice-seconds", type=float, default=3.0, help="the registered voice's length")
     ap.add_argument("--runs", type=int, default=3)
@@ -60,30 +61,33 @@ def main() -> None:
     ap.add_argument("--backend", default="onnxruntime")
     args = ap.parse_args()
     grids = {"on": [True], "off": [False], "both": [True, False]}[args.grid]
+    step_counts = [int(s) for s in args.steps.split(",")]
     plans = {
-        (n, on): _config(args.tokens, stream=True, first_chunk_tokens=args.first_chunk_tokens, chunk_tokens=n,
-                         flow_steps=args.steps)
+        (n, on, steps): _config(args.tokens, stream=True, first_chunk_tokens=args.first_chunk_tokens,
+                                chunk_tokens=n, flow_steps=steps)
         for n in (int(s) for s in args.chunk_tokens.split(","))
         for on in grids
+        for steps in step_counts
     }  # fmt: skip
     engine, voice = load(args.model_dir, args.threads, voice_seconds=args.voice_seconds, backend=args.backend)
-    listen(engine, voice, TEXT, next(iter(plans.values())))  # warm-up: the voice's prompt cache, the arenas
-    rows: dict[tuple[int, bool], list[dict[str, float]]] = {key: [] for key in plans}
+    for steps in step_counts:  # warm-up: the voice's prompt cache (one per step count), the arenas
+        listen(engine, voice, TEXT, next(c for (_, _, s), c in plans.items() if s == steps))
+    rows: dict[tuple[int, bool, int], list[dict[str, float]]] = {key: [] for key in plans}
     for _ in range(args.runs):
-        for (n, on), config in plans.items():
+        for (n, on, steps), config in plans.items():
             with grid(on):
-                rows[n, on].append(listen(engine, voice, TEXT, config))
+                rows[n, on, steps].append(listen(engine, voice, TEXT, config))
     engine.close()
-    print(f"{args.model_dir.name}, {args.tokens} tokens, {args.steps} steps, first chunk {args.first_chunk_tokens} "
+    print(f"{args.model_dir.name}, {args.tokens} tokens, first chunk {args.first_chunk_tokens} "
           f"tokens, a {args.voice_seconds:g} s voice ({voice.speech_tokens.size} tokens), {args.threads} threads, "
           f"{args.backend}; medians of {args.runs}")  # fmt: skip
-    print("\n| chunk_tokens | grid | chunks | first audio s | streamed RTF (runs) | stalls | stalled s |")
-    print("|---|---|---|---|---|---|---|")
-    for (n, on), rs in rows.items():
+    print("\n| chunk_tokens | grid | chunks | first audio s | streamed RTF (runs) | stalls | stalled s | flow steps |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (n, on, steps), rs in rows.items():
         med = medians(rs)
         runs = ", ".join(f"{r['stream_rtf']:.3f}" for r in rs)
         print(f"| {n} | {'on' if on else 'off'} | {med['chunks']:.0f} | {med['first_audio_s']:.2f} | "
-              f"{med['stream_rtf']:.3f} ({runs}) | {med['stalls']:g} | {med['stall_s']:.2f} |")  # fmt: skip
+              f"{med['stream_rtf']:.3f} ({runs}) | {med['stalls']:g} | {med['stall_s']:.2f} | {steps} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -134,6 +134,21 @@ def test_a_server_that_keeps_no_voice_cache_says_the_same(server: Server, tmp_pa
         lean.stop()
 
 
+def test_the_servers_step_count_is_what_a_request_without_one_gets(server: Server, tmp_path: Path) -> None:
+    """``serve --flow-steps 3``: a request that names no ``flow_steps`` speaks what ``flow_steps: 3`` speaks on the
+    default server (same voice file, same seed), not its 10-step audio; a request's own count still wins."""
+    fast = start_server(server.voices, tmp_path / "log", "--flow-steps", "3")
+    try:
+        with fast.client() as c, server.client() as default:
+            got = speak(c, stream=False)
+            assert got.status_code == 200, got.text
+            assert got.content == speak(default, stream=False, flow_steps=3).content
+            assert got.content != speak(default, stream=False).content
+            assert speak(c, stream=False, flow_steps=10).content == speak(default, stream=False).content
+    finally:
+        fast.stop()
+
+
 def _expect_error(r: httpx.Response, status: int, words: str) -> None:
     assert r.status_code == status, (r.status_code, r.text)
     message = r.json()["error"]["message"]

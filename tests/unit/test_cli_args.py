@@ -118,3 +118,19 @@ def test_the_servers_take_the_voice_cache_budget(command: str, capsys: pytest.Ca
             parser.parse_args([command, "-m", "D", "--prompt-cache-mb", bad])
         err = capsys.readouterr().err
         assert "--prompt-cache-mb" in err and "from 0 to 1048576" in err, err
+
+
+@pytest.mark.parametrize("command", ["serve", "wyoming"])
+def test_the_servers_take_a_default_step_count(command: str, capsys: pytest.CaptureFixture) -> None:
+    """``--flow-steps`` sets what a request without its own ``flow_steps`` gets (a Wyoming client cannot send one);
+    out-of-range values are refused on the command line with the range."""
+    from cosyvoice_cpu.cli.common import synthesis_defaults
+
+    parser = build_parser()
+    assert synthesis_defaults(parser.parse_args([command, "-m", "D"])).flow_steps == 10  # the official setting
+    assert synthesis_defaults(parser.parse_args([command, "-m", "D", "--flow-steps", "5"])).flow_steps == 5
+    for bad in ("0", "101", "2.5", "five"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([command, "-m", "D", "--flow-steps", bad])
+        err = capsys.readouterr().err
+        assert "--flow-steps" in err and "from 1 to 100" in err, err

@@ -1,13 +1,13 @@
 """What several commands share: the check for the ``[export]`` extra before a command that needs PyTorch, the
-``--backend`` option of the commands that load an engine, and the engine options of the two servers (``serve`` and
-``wyoming``)."""
+``--backend`` option of the commands that load an engine, and the engine and synthesis options of the two servers
+(``serve`` and ``wyoming``)."""
 
 from __future__ import annotations
 
 import argparse
 
 from cosyvoice_cpu.backends.plan import CHOICES
-from cosyvoice_cpu.config import DEFAULT_PROMPT_CACHE_MB, MAX_PROMPT_CACHE_MB, EngineConfig
+from cosyvoice_cpu.config import DEFAULT_PROMPT_CACHE_MB, MAX_PROMPT_CACHE_MB, EngineConfig, SynthesisConfig
 from cosyvoice_cpu.errors import MissingExtraError
 
 
@@ -74,6 +74,36 @@ def add_prompt_cache_flags(parser: argparse.ArgumentParser | argparse._ArgumentG
         "float16 (half the memory, mel rel. error 2.6e-3, ~5 %% slower streamed chunks); int8 models "
         "(the default recipe) do so already",
     )
+
+
+def _flow_steps(value: str) -> int:
+    """A ``--flow-steps`` value: a whole number of Euler steps, 1 to 100 (``SynthesisConfig.flow_steps``)."""
+    try:
+        steps = int(value)
+    except ValueError:
+        steps = 0
+    if not 1 <= steps <= 100:
+        raise argparse.ArgumentTypeError(f"takes a whole number of Euler steps from 1 to 100, not {value!r}")
+    return steps
+
+
+def add_synthesis_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--flow-steps`` of the servers: the synthesis setting a request starts from (``ServerSettings.defaults``),
+    for clients that cannot send one (Home Assistant over Wyoming) or should not have to."""
+    parser.add_argument(
+        "--flow-steps",
+        type=_flow_steps,
+        default=10,
+        metavar="N",
+        help="Euler steps of the flow for requests that do not ask for their own (default 10, the official "
+        "setting; fewer is faster at some cost in quality, both measured in docs/server.md); a voice's streaming "
+        "cache is kept per step count",
+    )
+
+
+def synthesis_defaults(args: argparse.Namespace) -> SynthesisConfig:
+    """The synthesis settings a server's requests start from (:func:`add_synthesis_flags`), validated."""
+    return SynthesisConfig(flow_steps=args.flow_steps).validate()
 
 
 def server_engine_config(args: argparse.Namespace, lm_batch_rows: int) -> EngineConfig:

@@ -10,10 +10,12 @@ from pathlib import Path
 from cosyvoice_cpu.cli.common import (
     add_backend_args,
     add_prompt_cache_flags,
+    add_synthesis_flags,
     add_unload_flag,
     load_engine,
     seconds,
     server_engine_config,
+    synthesis_defaults,
 )
 from cosyvoice_cpu.errors import ConfigError, MissingExtraError
 
@@ -47,6 +49,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stream_idle_timeout=args.stream_idle_timeout,
         max_audio_seconds=args.max_audio_seconds,
         max_audio_per_char=args.max_audio_per_char,
+        defaults=synthesis_defaults(args),
     ).validate()
     rows = args.max_active if args.lm_batch_rows is None else args.lm_batch_rows
     engine_config = server_engine_config(args, rows)
@@ -254,6 +257,7 @@ def add_parser(sub: argparse._SubParsersAction, positive: type, non_negative: ty
     s.add_argument("--threads", type=non_negative, default=0, help="ORT threads (default: usable physical cores)")
     add_backend_args(s)
     add_prompt_cache_flags(s)
+    add_synthesis_flags(s)
     s.add_argument("--voices", type=Path, help="saved-voices directory (shared with `cosyvoice-cpu voice`)")
     s.add_argument("--model-id", help="model id in /v1/models (default: the model directory's name)")
     add_unload_flag(s)

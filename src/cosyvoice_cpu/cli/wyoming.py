@@ -11,10 +11,12 @@ from typing import TYPE_CHECKING, Any
 from cosyvoice_cpu.cli.common import (
     add_backend_args,
     add_prompt_cache_flags,
+    add_synthesis_flags,
     add_unload_flag,
     load_engine,
     seconds,
     server_engine_config,
+    synthesis_defaults,
 )
 
 if TYPE_CHECKING:
@@ -90,6 +92,7 @@ def cmd_wyoming(args: argparse.Namespace) -> int:
         default_voice=args.default_voice,
         max_audio_seconds=args.max_audio_seconds,
         max_audio_per_char=args.max_audio_per_char,
+        defaults=synthesis_defaults(args),
     ).validate()
     options = wyoming_options(args, args.uri).validate(settings.max_input_chars)
     engine = load_engine(args, server_engine_config(args, args.max_active))
@@ -132,6 +135,7 @@ def add_parser(sub: argparse._SubParsersAction, positive: type, non_negative: ty
     s.add_argument("--model-id", help="the model's name in info (default: the model directory's name)")
     add_backend_args(s)
     add_prompt_cache_flags(s)
+    add_synthesis_flags(s)
     add_unload_flag(s)
     add_wyoming_flags(s, positive)
     s.set_defaults(func=cmd_wyoming)

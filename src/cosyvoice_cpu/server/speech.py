@@ -73,7 +73,9 @@ class SpeechOptions(BaseModel):
         "length",
     )
     seed: int | None = Field(None, description="random seed: the same seed gives the same audio")
-    flow_steps: int | None = Field(None, description="Euler steps of the flow (default 10; fewer = faster)")
+    flow_steps: int | None = Field(
+        None, description="Euler steps of the flow (default: the server's --flow-steps, 10 unless set; fewer = faster)"
+    )
     cfg_rate: float | None = None
     first_chunk_tokens: int | None = Field(None, description="speech tokens (25 per second) in the first chunk")
     chunk_tokens: int | None = None
