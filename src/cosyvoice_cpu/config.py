@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_LM_BATCH_ROWS = 4  # EngineConfig.lm_batch_rows: the LM decodes ahead in its own thread
 DEFAULT_PROMPT_CACHE_MB = 1024  # EngineConfig.prompt_cache_mb (MiB): the voices' streaming caches
 MAX_PROMPT_CACHE_MB = 1 << 20  # its largest value (1 TiB)
+MAX_FLOW_STEPS = 100  # SynthesisConfig.flow_steps: the most Euler steps a synthesis may ask for
 
 
 def _types(obj: object, ints: tuple[str, ...], floats: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
@@ -219,7 +220,8 @@ class SynthesisConfig:
             optional=("seed", "top_p", "top_k", "win_size", "tau_r", "min_tokens", "max_tokens", "forced_token_ratio"),
         )
         need(self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "0 to 2**63-1, or None")
-        need(1 <= self.flow_steps <= 100, "flow_steps", self.flow_steps, "1 to 100 (official 10)")
+        steps = f"1 to {MAX_FLOW_STEPS} (official 10)"
+        need(1 <= self.flow_steps <= MAX_FLOW_STEPS, "flow_steps", self.flow_steps, steps)
         need(0.0 <= self.cfg_rate <= 10.0, "cfg_rate", self.cfg_rate, "0 to 10 (official 0.7)")
         need(0.5 <= self.speed <= 2.0, "speed", self.speed, "0.5 to 2.0")
         need(5 <= self.first_chunk_tokens <= 500, "first_chunk_tokens", self.first_chunk_tokens, "5 to 500")

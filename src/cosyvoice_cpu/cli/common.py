@@ -7,7 +7,13 @@ from __future__ import annotations
 import argparse
 
 from cosyvoice_cpu.backends.plan import CHOICES
-from cosyvoice_cpu.config import DEFAULT_PROMPT_CACHE_MB, MAX_PROMPT_CACHE_MB, EngineConfig, SynthesisConfig
+from cosyvoice_cpu.config import (
+    DEFAULT_PROMPT_CACHE_MB,
+    MAX_FLOW_STEPS,
+    MAX_PROMPT_CACHE_MB,
+    EngineConfig,
+    SynthesisConfig,
+)
 from cosyvoice_cpu.errors import MissingExtraError
 
 
@@ -77,13 +83,16 @@ def add_prompt_cache_flags(parser: argparse.ArgumentParser | argparse._ArgumentG
 
 
 def _flow_steps(value: str) -> int:
-    """A ``--flow-steps`` value: a whole number of Euler steps, 1 to 100 (``SynthesisConfig.flow_steps``)."""
+    """A ``--flow-steps`` value: a whole number of Euler steps, 1 to ``MAX_FLOW_STEPS``
+    (``SynthesisConfig.flow_steps``)."""
     try:
         steps = int(value)
     except ValueError:
         steps = 0
-    if not 1 <= steps <= 100:
-        raise argparse.ArgumentTypeError(f"takes a whole number of Euler steps from 1 to 100, not {value!r}")
+    if not 1 <= steps <= MAX_FLOW_STEPS:
+        raise argparse.ArgumentTypeError(
+            f"takes a whole number of Euler steps from 1 to {MAX_FLOW_STEPS}, not {value!r}"
+        )
     return steps
 
 
