@@ -3,7 +3,7 @@ waits for.
 
     python bench/chunk_plan_ab.py MODEL_DIR [--chunk-tokens 50,100,25] [--grid on|off|both] \
         [--first-chunk-tokens 10] [--steps 10[,7,5]] [--tokens 250] [--voice-seconds 3] [--runs 3] [--threads 2] \
-        [--backend onnxruntime]
+        [--backend onnxruntime[,auto]]
 
 One engine, the bench's registered voice (3 s unless ``--voice-seconds``: Fun-CosyVoice3's chunk grid starts at
 the voice's length) and 10 s sentence (``tokens`` speech tokens forced), one warm-up sentence, then ``runs``
@@ -16,6 +16,8 @@ A larger ``chunk_tokens`` re-runs the estimator's prompt and context and the enc
 work, a lower streamed RTF) but the listener waits for each longer chunk whole: the stall column says which
 plan a listener is better served by. ``--steps`` below 10 stands in for a faster machine (less flow work), or
 measures what a server's ``--flow-steps`` buys (several counts, comma-separated, are plans of their own).
+Several ``--backend`` choices load one engine each (``auto``: the plan's OpenVINO graphs, e.g. the int4 LM of
+``export --openvino-lm int4``), and every plan streams on each of them in turn.
 ``--grid off`` cuts the plain doubling instead of ending chunks on the flow's grid (Fun-CosyVoice3's attention
 chunks, :class:`~cosyvoice_cpu.flow.common.ChunkPlan`), as the engine did before it had one.
 """
@@ -58,7 +60,7 @@ def main() -> None:
     ap.add_argument("--voice-seconds", type=float, default=3.0, help="the registered voice's length")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--backend", default="onnxruntime")
+    ap.add_argument("--backend", default="onnxruntime", help="engine backends, comma-separated")
     args = ap.parse_args()
     grids = {"on": [True], "off": [False], "both": [True, False]}[args.grid]
     step_counts = [int(s) for s in args.steps.split(",")]
@@ -69,25 +71,31 @@ def main() -> None:
         for on in grids
         for steps in step_counts
     }  # fmt: skip
-    engine, voice = load(args.model_dir, args.threads, voice_seconds=args.voice_seconds, backend=args.backend)
-    for steps in step_counts:  # warm-up: the voice's prompt cache (one per step count), the arenas
-        listen(engine, voice, TEXT, next(c for (_, _, s), c in plans.items() if s == steps))
-    rows: dict[tuple[int, bool, int], list[dict[str, float]]] = {key: [] for key in plans}
+    engines = {b: load(args.model_dir, args.threads, voice_seconds=args.voice_seconds, backend=b)
+               for b in args.backend.split(",")}  # fmt: skip
+    for engine, voice in engines.values():
+        for steps in step_counts:  # warm-up: the voice's prompt cache (one per step count), the arenas
+            listen(engine, voice, TEXT, next(c for (_, _, s), c in plans.items() if s == steps))
+    rows: dict[tuple[str, int, bool, int], list[dict[str, float]]] = {(b, *key): [] for b in engines for key in plans}
     for _ in range(args.runs):
         for (n, on, steps), config in plans.items():
-            with grid(on):
-                rows[n, on, steps].append(listen(engine, voice, TEXT, config))
-    engine.close()
+            for b, (engine, voice) in engines.items():
+                with grid(on):
+                    rows[b, n, on, steps].append(listen(engine, voice, TEXT, config))
+    for engine, _ in engines.values():
+        engine.close()
     print(f"{args.model_dir.name}, {args.tokens} tokens, first chunk {args.first_chunk_tokens} "
-          f"tokens, a {args.voice_seconds:g} s voice ({voice.speech_tokens.size} tokens), {args.threads} threads, "
-          f"{args.backend}; medians of {args.runs}")  # fmt: skip
-    print("\n| chunk_tokens | grid | chunks | first audio s | streamed RTF (runs) | stalls | stalled s | flow steps |")
-    print("|---|---|---|---|---|---|---|---|")
-    for (n, on, steps), rs in rows.items():
+          f"tokens, a {args.voice_seconds:g} s voice ({voice.speech_tokens.size} tokens), {args.threads} threads; "
+          f"medians of {args.runs}")  # fmt: skip
+    print("\n| chunk_tokens | grid | chunks | first audio s | streamed RTF (runs) | stalls | stalled s | flow steps "
+          "| backend |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (b, n, on, steps), rs in rows.items():
         med = medians(rs)
         runs = ", ".join(f"{r['stream_rtf']:.3f}" for r in rs)
         print(f"| {n} | {'on' if on else 'off'} | {med['chunks']:.0f} | {med['first_audio_s']:.2f} | "
-              f"{med['stream_rtf']:.3f} ({runs}) | {med['stalls']:g} | {med['stall_s']:.2f} | {steps} |")  # fmt: skip
+              f"{med['stream_rtf']:.3f} ({runs}) | {med['stalls']:g} | {med['stall_s']:.2f} | {steps} "
+              f"| {b} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -228,19 +228,22 @@ def test_first_audio_counts_what_a_listener_of_the_stream_waits_for(monkeypatch:
 def test_the_chunk_plan_probe_streams_each_plan_and_counts_its_chunks(tiny_export_dir: Path) -> None:
     """``bench/chunk_plan_ab.py`` (how the default chunk plan and the chunk grid were checked, docs/streaming.md):
     each plan streams the forced sentence in as many chunks as its doubling gives, with and without the flow's
-    grid (CosyVoice2 has none: the same chunks), and the listener's columns are filled."""
+    grid (CosyVoice2 has none: the same chunks), at each step count on each engine, and the listener's columns are
+    filled."""
     import subprocess
     import sys
 
     script = Path(__file__).resolve().parents[2] / "bench" / "chunk_plan_ab.py"
     out = subprocess.run([sys.executable, str(script), str(tiny_export_dir), "--chunk-tokens", "10,20", "--grid",
-                          "both", "--first-chunk-tokens", "5", "--tokens", "40", "--steps", "2,1", "--runs", "1"],
+                          "both", "--first-chunk-tokens", "5", "--tokens", "40", "--steps", "2,1", "--runs", "1",
+                          "--backend", "onnxruntime,auto"],
                          check=True, capture_output=True, text=True).stdout  # fmt: skip
     cells = [[c.strip() for c in line.split("|")] for line in out.splitlines() if line.startswith("| ")]
-    rows = {(r[1], r[2], r[8]): r for r in cells if r[1].isdigit()}
-    assert set(rows) == {(n, grid, steps) for n in ("10", "20") for grid in ("on", "off") for steps in ("2", "1")}
+    rows = {(r[1], r[2], r[8], r[9]): r for r in cells if r[1].isdigit()}
+    assert set(rows) == {(n, grid, steps, backend) for n in ("10", "20") for grid in ("on", "off")
+                         for steps in ("2", "1") for backend in ("onnxruntime", "auto")}  # fmt: skip
     for grid, steps in [("on", "2"), ("off", "2"), ("on", "1")]:  # 5+10+10+10+5 and 5+10+20+5 tokens
-        assert rows["10", grid, steps][3] == "5" and rows["20", grid, steps][3] == "4"
+        assert rows["10", grid, steps, "auto"][3] == "5" and rows["20", grid, steps, "onnxruntime"][3] == "4"
     for row in rows.values():
         assert float(row[4]) > 0 and float(row[5].split()[0]) > 0 and float(row[7]) >= 0
 
