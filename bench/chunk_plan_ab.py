@@ -5,9 +5,11 @@ waits for.
         [--first-chunk-tokens 10] [--steps 10[,7,5]] [--tokens 250] [--voice-seconds 3] [--runs 3] [--threads 2] \
         [--backend onnxruntime[,auto]]
 
-One engine, the bench's registered voice (3 s unless ``--voice-seconds``: Fun-CosyVoice3's chunk grid starts at
-the voice's length) and 10 s sentence (``tokens`` speech tokens forced), one warm-up sentence, then ``runs``
-rounds in which every plan streams the sentence once (plans alternated, so they share the machine's load). Per
+One engine per ``--backend`` choice, the bench's registered voice (3 s unless ``--voice-seconds``: Fun-CosyVoice3's
+chunk grid starts at the voice's length) and 10 s sentence (``tokens`` speech tokens forced), one warm-up sentence
+per engine and step count (each count has its own prompt cache), then ``runs`` rounds in which every plan streams
+the sentence once on every engine (plans and engines alternated, so they share the machine's load; the engines
+stay loaded together). Per
 plan, medians: first audio, streamed RTF (call to the last chunk, per second of audio), chunks, and the listener
 of :class:`~cosyvoice_cpu.benchmark.text_stream.Playback` (starts at the first chunk, plays without pause while it
 holds audio): how many times the audio ran dry and for how long in all.
@@ -48,14 +50,25 @@ def grid(on: bool) -> Iterator[None]:
         yield
 
 
+def _counts(value: str) -> list[int]:
+    """A comma list of positive whole numbers (``--chunk-tokens``, ``--steps``)."""
+    try:
+        counts = [int(v) for v in value.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"takes positive whole numbers, comma-separated, not {value!r}")
+    return counts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model_dir", type=Path)
-    ap.add_argument("--chunk-tokens", default="50,100,25", help="the plans' largest chunks, comma-separated")
+    ap.add_argument("--chunk-tokens", type=_counts, default="50,100,25", help="the plans' largest chunks")
     ap.add_argument("--first-chunk-tokens", type=int, default=10)
     ap.add_argument("--grid", choices=("on", "off", "both"), default="on",
                     help="chunks moved to the flow's grid (Fun-CosyVoice3's attention chunks) or not")  # fmt: skip
-    ap.add_argument("--steps", default="10", help="Euler steps of the flow, comma-separated")
+    ap.add_argument("--steps", type=_counts, default="10", help="Euler steps of the flow, comma-separated")
     ap.add_argument("--tokens", type=int, default=250)
     ap.add_argument("--voice-seconds", type=float, default=3.0, help="the registered voice's length")
     ap.add_argument("--runs", type=int, default=3)
@@ -63,11 +76,11 @@ def main() -> None:
     ap.add_argument("--backend", default="onnxruntime", help="engine backends, comma-separated")
     args = ap.parse_args()
     grids = {"on": [True], "off": [False], "both": [True, False]}[args.grid]
-    step_counts = [int(s) for s in args.steps.split(",")]
+    step_counts = args.steps
     plans = {
         (n, on, steps): _config(args.tokens, stream=True, first_chunk_tokens=args.first_chunk_tokens,
                                 chunk_tokens=n, flow_steps=steps)
-        for n in (int(s) for s in args.chunk_tokens.split(","))
+        for n in args.chunk_tokens
         for on in grids
         for steps in step_counts
     }  # fmt: skip

@@ -322,3 +322,40 @@ def test_unload_after_releases_the_engine_and_loads_it_on_use(tmp_path: Path) ->
             assert r.status_code == 200 and len(r.content) > 1000
     finally:
         srv.stop()
+
+
+def _cache_bytes(srv: WyomingServer) -> float:
+    with srv.http.client() as c:
+        metrics = c.get("/metrics").text
+    return float(next(x for x in metrics.splitlines() if x.startswith("cosyvoice_prompt_cache_bytes")).split()[-1])
+
+
+def test_the_servers_step_count_reaches_wyoming(tmp_path: Path) -> None:
+    """``serve --flow-steps 3 --wyoming``: Home Assistant names no step count, so a Wyoming synthesis runs at the
+    server's 3. Seen from outside through the voices' streaming caches, kept per solver setting: the Wyoming
+    request builds the voice's cache for 3 steps, an HTTP request at 3 steps finds it (no new bytes), one at 10
+    builds another."""
+    from cosyvoice_cpu.server.process import free_port
+
+    from .conftest import start_with_voice
+
+    port = free_port()
+    srv = WyomingServer(start_with_voice(tmp_path, "--flow-steps", "3", "--wyoming", f"tcp://127.0.0.1:{port}"), port)
+    try:
+
+        async def speak() -> list[Event]:
+            async with client(srv) as w:
+                await w.write_event(Synthesize(text="Good morning.", voice=SynthesizeVoice(name=VOICE)).event())
+                return await collect(w, "audio-stop")
+
+        assert asyncio.run(speak())[-1].type == "audio-stop"
+        built = _cache_bytes(srv)
+        assert built > 0
+        body = {"model": "tts-1", "input": "Hello.", "voice": VOICE, "response_format": "pcm", "stream": True}
+        with srv.http.client() as c:
+            assert c.post("/v1/audio/speech", json={**body, "flow_steps": 3}).status_code == 200
+            assert _cache_bytes(srv) == built  # the Wyoming request's cache: it ran at 3 steps
+            assert c.post("/v1/audio/speech", json={**body, "flow_steps": 10}).status_code == 200
+        assert _cache_bytes(srv) > built
+    finally:
+        srv.http.stop()

@@ -282,3 +282,46 @@ def test_the_spinning_probe_makes_only_the_named_graphs_spin(tiny_export_dir: Pa
             engine.close()
     with pytest.raises(SystemExit, match="flow_estimatr_stream"):
         spinning_ab.graph_engines(tiny_export_dir, 1, {"flow_estimatr_stream"})
+
+
+def test_the_chunk_plan_probe_labels_each_row_with_the_call_that_made_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """``chunk_plan_ab.py --steps 10,5 --backend onnxruntime,auto``: every engine is loaded on its backend, warmed
+    once per step count, and each row's figures come from the calls of its own step count and engine (the fake
+    listener encodes both in the RTF it reports)."""
+    import importlib.util
+    import sys
+    from types import SimpleNamespace
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "chunk_plan_ab.py"
+    spec = importlib.util.spec_from_file_location("chunk_plan_ab", script)
+    assert spec is not None and spec.loader is not None
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    calls: list[tuple[str, int]] = []
+
+    def load(model_dir: Path, threads: int, voice_seconds: float, backend: str) -> tuple[object, object]:
+        engine = SimpleNamespace(backend=backend, close=lambda: None)
+        return engine, SimpleNamespace(speech_tokens=np.zeros(75, np.int64))
+
+    def listen(engine: SimpleNamespace, voice: object, text: str, config: object) -> dict[str, float]:
+        calls.append((engine.backend, config.flow_steps))
+        rtf = config.flow_steps + (0.5 if engine.backend == "auto" else 0.0)
+        return {"chunks": 3, "first_audio_s": 1.0, "stream_rtf": rtf, "stalls": 0, "stall_s": 0.0}
+
+    monkeypatch.setattr(probe, "load", load)
+    monkeypatch.setattr(probe, "listen", listen)
+    argv = ["chunk_plan_ab.py", "DIR", "--chunk-tokens", "50", "--steps", "10,5", "--backend", "onnxruntime,auto"]
+    monkeypatch.setattr(sys, "argv", argv + ["--runs", "2"])
+    probe.main()
+    cells = [[c.strip() for c in line.split("|")] for line in capsys.readouterr().out.splitlines()]
+    rows = [r for r in cells if len(r) > 9 and r[1].isdigit()]
+    assert sorted((r[9], r[8]) for r in rows) == sorted((b, s) for b in ("onnxruntime", "auto") for s in ("10", "5"))
+    for row in rows:
+        assert float(row[5].split()[0]) == int(row[8]) + (0.5 if row[9] == "auto" else 0.0), row
+    assert sorted(calls) == sorted([(b, s) for b in ("onnxruntime", "auto") for s in (10, 5)] * 3)  # warm-up + 2
+    monkeypatch.setattr(sys, "argv", ["chunk_plan_ab.py", "DIR", "--steps", "10,"])
+    with pytest.raises(SystemExit):
+        probe.main()
+    assert "positive whole numbers" in capsys.readouterr().err

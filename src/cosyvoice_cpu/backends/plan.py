@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from cosyvoice_cpu.backends.base import BACKEND_NAMES, ONNXRUNTIME, OPENVINO
 from cosyvoice_cpu.errors import ConfigError
-from cosyvoice_cpu.facts import facts
+from cosyvoice_cpu.facts import FACTS, facts
 
 if TYPE_CHECKING:
     from cosyvoice_cpu.hardware.cpu import CpuInfo
@@ -165,11 +165,9 @@ def _never_exported(key: str) -> str:
     """The reason under ``auto`` for graph ``key``, of which ``export --openvino`` writes no OpenVINO model for
     this family: so that a user on a capable CPU is not left looking for a command that does not exist."""
     if key in OPENVINO_EXPORTABLE:  # the LM of a family whose LM has no stateful OpenVINO form
-        return f"{NO_MODEL}; export writes one only of the Qwen2 LM of CosyVoice2 and Fun-CosyVoice3"
-    return (
-        f"{NO_MODEL}; export writes none: it stays on ONNX Runtime on every CPU (why, as measured: "
-        'docs/backends.md, "Graphs that stay on ONNX Runtime")'
-    )
+        with_lm = " and ".join(f.title for f in FACTS if f.openvino_lm)
+        return f"{NO_MODEL}; export writes one only of the Qwen2 LM ({with_lm})"
+    return f'{NO_MODEL}; export writes none (why: docs/backends.md, "Graphs that stay on ONNX Runtime, measured")'
 
 
 def _missing(key: str, cpu: CpuInfo | None, installed: bool, memory: int | None) -> str:
