@@ -145,6 +145,7 @@ def test_the_servers_step_count_is_what_a_request_without_one_gets(server: Serve
             assert got.content == speak(default, stream=False, flow_steps=3).content
             assert got.content != speak(default, stream=False).content
             assert speak(c, stream=False, flow_steps=10).content == speak(default, stream=False).content
+            assert c.get("/health").json()["flow_steps"] == 3 and default.get("/health").json()["flow_steps"] == 10
     finally:
         fast.stop()
 

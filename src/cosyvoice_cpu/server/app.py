@@ -178,6 +178,7 @@ def create_app(engine: SpeechEngine, settings: ServerSettings, replica: ReplicaI
             "model": state.model_id,
             "family": engine.manifest.family,
             "sample_rate": engine.sample_rate,
+            "flow_steps": state.settings.defaults.flow_steps,  # what a request that names none gets (--flow-steps)
             "rss_mb": round(_rss_bytes() / 2**20, 1),
             "active": adm.active,
             "queued": adm.waiting,
