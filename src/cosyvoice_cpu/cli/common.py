@@ -48,15 +48,20 @@ def seconds(value: str) -> float:
     return parsed
 
 
+def _whole(value: str, low: int, high: int, unit: str) -> int:
+    """A flag's whole number of ``unit`` from ``low`` to ``high``; anything else an argparse error that says so."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = low - 1
+    if not low <= number <= high:
+        raise argparse.ArgumentTypeError(f"takes a whole number of {unit} from {low} to {high}, not {value!r}")
+    return number
+
+
 def _budget_mib(value: str) -> int:
     """A ``--prompt-cache-mb`` value: a whole number of MiB, 0 to ``MAX_PROMPT_CACHE_MB``."""
-    try:
-        mib = int(value)
-    except ValueError:
-        mib = -1
-    if not 0 <= mib <= MAX_PROMPT_CACHE_MB:
-        raise argparse.ArgumentTypeError(f"takes a whole number of MiB from 0 to {MAX_PROMPT_CACHE_MB}, not {value!r}")
-    return mib
+    return _whole(value, 0, MAX_PROMPT_CACHE_MB, "MiB")
 
 
 def add_prompt_cache_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -83,17 +88,8 @@ def add_prompt_cache_flags(parser: argparse.ArgumentParser | argparse._ArgumentG
 
 
 def _flow_steps(value: str) -> int:
-    """A ``--flow-steps`` value: a whole number of Euler steps, 1 to ``MAX_FLOW_STEPS``
-    (``SynthesisConfig.flow_steps``)."""
-    try:
-        steps = int(value)
-    except ValueError:
-        steps = 0
-    if not 1 <= steps <= MAX_FLOW_STEPS:
-        raise argparse.ArgumentTypeError(
-            f"takes a whole number of Euler steps from 1 to {MAX_FLOW_STEPS}, not {value!r}"
-        )
-    return steps
+    """A ``--flow-steps`` value: a whole number of Euler steps, 1 to ``MAX_FLOW_STEPS`` (``SynthesisConfig``)."""
+    return _whole(value, 1, MAX_FLOW_STEPS, "Euler steps")
 
 
 def add_synthesis_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -102,17 +98,18 @@ def add_synthesis_flags(parser: argparse.ArgumentParser | argparse._ArgumentGrou
     parser.add_argument(
         "--flow-steps",
         type=_flow_steps,
-        default=10,
+        default=SynthesisConfig.flow_steps,
         metavar="N",
-        help="Euler steps of the flow for requests that do not ask for their own (default 10, the official "
-        "setting; fewer is faster at some cost in quality, both measured in docs/server.md); a voice's streaming "
-        "cache is kept per step count",
+        help=f"Euler steps of the flow for requests that do not ask for their own (default "
+        f"{SynthesisConfig.flow_steps}, the official setting; fewer is faster at some cost in quality, both measured "
+        "in docs/server.md); a voice's streaming cache is kept per step count",
     )
 
 
 def synthesis_defaults(args: argparse.Namespace) -> SynthesisConfig:
-    """The synthesis settings a server's requests start from (:func:`add_synthesis_flags`), validated."""
-    return SynthesisConfig(flow_steps=args.flow_steps).validate()
+    """The synthesis settings a server's requests start from (:func:`add_synthesis_flags`; validated with the rest
+    of ``ServerSettings``)."""
+    return SynthesisConfig(flow_steps=args.flow_steps)
 
 
 def server_engine_config(args: argparse.Namespace, lm_batch_rows: int) -> EngineConfig:
