@@ -76,18 +76,17 @@ def main() -> None:
     ap.add_argument("--backend", default="onnxruntime", help="engine backends, comma-separated")
     args = ap.parse_args()
     grids = {"on": [True], "off": [False], "both": [True, False]}[args.grid]
-    step_counts = args.steps
     plans = {
         (n, on, steps): _config(args.tokens, stream=True, first_chunk_tokens=args.first_chunk_tokens,
                                 chunk_tokens=n, flow_steps=steps)
         for n in args.chunk_tokens
         for on in grids
-        for steps in step_counts
+        for steps in args.steps
     }  # fmt: skip
     engines = {b: load(args.model_dir, args.threads, voice_seconds=args.voice_seconds, backend=b)
                for b in args.backend.split(",")}  # fmt: skip
     for engine, voice in engines.values():
-        for steps in step_counts:  # warm-up: the voice's prompt cache (one per step count), the arenas
+        for steps in args.steps:  # warm-up: the voice's prompt cache (one per step count), the arenas
             listen(engine, voice, TEXT, next(c for (_, _, s), c in plans.items() if s == steps))
     rows: dict[tuple[str, int, bool, int], list[dict[str, float]]] = {(b, *key): [] for b in engines for key in plans}
     for _ in range(args.runs):
