@@ -95,3 +95,19 @@ def test_a_request_still_using_a_voice_keeps_it_recent() -> None:
     get(lru, FakeVoice("c", MIB))  # 3 MiB > 2: b goes, not a
     get(lru, a)
     assert kind.built == 3
+
+
+def test_retain_drops_the_caches_of_voices_no_longer_served() -> None:
+    lru, kind = caches(16)
+    a, b, c = FakeVoice("a", MIB), FakeVoice("b", 2 * MIB), FakeVoice("c", 3 * MIB)
+    for voice in (a, b, c):
+        get(lru, voice)
+    lru.get(b, 5, 0.7)  # another solver setting of b: its own cache
+    assert lru.nbytes == 8 * MIB
+    assert lru.retain({a.fingerprint, c.fingerprint}) == 4 * MIB  # both of b's caches go
+    assert lru.nbytes == 4 * MIB
+    get(lru, a)
+    get(lru, c)
+    assert kind.built == 4  # a's and c's were kept
+    assert lru.retain([]) == 4 * MIB and lru.nbytes == 0
+    assert lru.retain([]) == 0

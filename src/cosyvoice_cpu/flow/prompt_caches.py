@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Collection
 from typing import Protocol
 
 import numpy as np
@@ -86,6 +87,23 @@ class PromptCaches:
     def nbytes(self) -> int:
         with self._lock:
             return sum(c.nbytes for c in self._items.values())
+
+    def retain(self, fingerprints: Collection[str]) -> int:
+        """Drop the caches of every voice whose fingerprint is not in ``fingerprints`` (the voices still served);
+        the bytes freed.
+
+        A deleted or replaced voice's caches can never be asked for again, yet the LRU would keep them until the
+        budget pushed them out: a server whose voices change would hold up to ``--prompt-cache-mb`` of them. A
+        request still running with the old voice keeps its own reference (:data:`RequestCaches`).
+        """
+        keep = set(fingerprints)
+        with self._lock:
+            stale = [key for key in self._items if key[0] not in keep]
+            freed = sum(self._items.pop(key).nbytes for key in stale)
+            self._too_big &= keep
+        if stale:
+            logger.info("dropped %d prompt caches (%.0f MB) of voices no longer served", len(stale), freed / 1e6)
+        return freed
 
     def get(self, voice: PromptVoice, steps: int, cfg_rate: float, request: RequestCaches | None = None) -> PromptCache:
         """The voice's prompt cache for these settings, built (outside the lock) on a miss.

@@ -137,3 +137,10 @@ class State:
         self.replica = ReplicaInfo()  # which replica answers (create_app sets it)
         self.services: list[Service] = []  # more servers on this state (Wyoming), started and stopped in the lifespan
         self.text_streams = 0  # open text stream WebSockets (server.text_ws)
+
+    def drop_stale_voice_caches(self) -> int:
+        """Drop the engine's streaming caches of voices no longer served; the bytes freed. Called after this
+        process deletes or replaces a voice (a voice deleted through another replica is dropped here at this
+        replica's next voice change, or by the LRU's budget before that)."""
+        caches = self.engine.prompt_caches
+        return 0 if caches is None else caches.retain(self.voices.fingerprints())

@@ -104,6 +104,8 @@ def add_routes(app: FastAPI, state: State) -> None:
                 await loop.run_in_executor(None, state.voices.add, voice, replace)
             except VoiceExistsError as e:
                 raise ApiError(409, str(e), code="voice_exists") from e
+            if replace:  # the voice it replaced, if any, keeps no cache
+                await loop.run_in_executor(None, state.drop_stale_voice_caches)
         m.count(VOICES, "ok")
         return {"id": name, "name": name, "prompt_text": voice.prompt_text, "duration_s": round(voice.duration, 2)}
 
@@ -123,6 +125,7 @@ def add_routes(app: FastAPI, state: State) -> None:
             raise ApiError(404, str(e), code="voice_not_found") from e
         except VoiceExistsError as e:  # a built-in speaker of the model
             raise ApiError(409, str(e), code="voice_builtin") from e
+        await asyncio.get_running_loop().run_in_executor(None, state.drop_stale_voice_caches)
         m.count(VOICES, "ok")
         return Response(status_code=204)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from cosyvoice_cpu.voices.store import SUFFIX, DirectoryVoiceStore, VoiceExistsError, VoiceNotFoundError
 from cosyvoice_cpu.voices.store import VoiceStore as SharedStore
-from cosyvoice_cpu.voices.voice import Voice
+from cosyvoice_cpu.voices.voice import Voice, VoiceError
 
 logger = logging.getLogger(__name__)
 
@@ -91,3 +91,14 @@ class VoiceStore:
         """Delete voice ``name`` everywhere; VoiceNotFoundError if there is none."""
         self._check_writable(name)
         self.store.delete(name)
+
+    def fingerprints(self) -> set[str]:
+        """The fingerprints (:attr:`Voice.fingerprint`, the key of per-voice caches) of every voice served, saved
+        and built-in; a voice removed or broken since the listing is left out."""
+        out = {v.fingerprint for v in self.builtin.values()}
+        for name in self.store.list():
+            try:
+                out.add(self.store.get(name).fingerprint)
+            except VoiceError:
+                continue
+        return out

@@ -1,0 +1,230 @@
+"""A soak with the traffic a long-running server sees: several voices replaced as it runs, streamed and whole
+speech, text streams, clients that leave mid-stream, texts of several lengths and two languages.
+
+    python bench/server_mix.py [-m MODEL_DIR] [--requests 600] [--concurrency 3] [--every 30] [--voices 3]
+                               [--json OUT] [-- SERVE_ARGS...]    # e.g. -- --backend auto --max-audio-seconds 20
+
+``bench/server_load.py soak`` sends one sentence to one voice; a server that runs for months also meets voices
+saved, replaced and deleted (each voice keeps prompt caches), sentences of many lengths (each a flow bucket on
+OpenVINO), the text stream WebSocket and clients that hang up. Request ``i`` is :func:`action` ``(i)``: its kind
+cycles through :data:`KINDS`, its text through :data:`TEXTS`, its voice through ``--voices``. After every
+``--every`` requests (all of them finished) one voice is replaced by a recording of another length, by
+``overwrite`` and by delete and add in turn, and the server's RSS (``/health``), peak RSS (``VmHWM``) and prompt
+cache bytes (``/metrics``) are sampled. Growth is measured from the end of the warm-up (the first 10 %) to the end.
+Every outcome is counted: ``ok``, ``audio_too_long`` (the audio bound: a model with random weights may not stop),
+``dropped`` (the client's own hang-up) and ``failed`` (anything else: the run's verdict).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import io
+import json
+import re
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from cosyvoice_cpu.cli.speech import DEMO_MODEL
+from cosyvoice_cpu.server.process import ServerProcess
+
+KINDS = ("stream", "whole", "text_ws", "drop")
+TEXTS = (
+    "Pump three is hot.",
+    "Warning: line three is overheating. Check the pump.",
+    "三号泵温度过高，请立即检查冷却系统。",
+    "The night shift starts at ten. Doors on the east side close at nine thirty; please use the main gate.",
+    "Valve 12 open.",
+    "今天下午三点，二号车间将停电维护，预计持续两个小时。",
+)
+STARTUP_S = 300
+
+
+@dataclass(frozen=True)
+class Action:
+    """What request ``i`` of the mix does."""
+
+    kind: str
+    text: str
+    voice: str
+    seed: int
+
+
+def action(i: int, voices: int) -> Action:
+    """Request ``i``: kinds in turn, texts in turn per round of kinds (so every kind meets every text), voices in
+    turn."""
+    return Action(KINDS[i % len(KINDS)], TEXTS[(i // len(KINDS)) % len(TEXTS)], f"mix-{i % voices}", i)
+
+
+def recording(seconds: float, pitch: float) -> bytes:
+    """A synthetic voice of ``seconds`` (a vibrato tone at ``pitch`` Hz with a little noise) as 16 kHz WAV."""
+    import soundfile as sf
+
+    sr = 16000
+    t = np.arange(int(sr * seconds)) / sr
+    wave = 0.3 * np.sin(2 * np.pi * pitch * t * (1 + 0.05 * np.sin(2 * np.pi * 3 * t)))
+    wave += 0.01 * np.random.default_rng(int(pitch)).standard_normal(t.size)
+    buf = io.BytesIO()
+    sf.write(buf, wave.astype(np.float32), sr, format="WAV")
+    return buf.getvalue()
+
+
+def save_voice(url: str, name: str, version: int, how: str = "overwrite") -> None:
+    """Save voice ``name`` from a recording whose length and pitch depend on ``version`` (2-5 s); ``how`` is
+    ``overwrite`` (one upload with ``overwrite=true``) or ``readd`` (delete, then upload)."""
+    seconds, pitch = 2.0 + (version % 4), 140.0 + 15 * (version % 5)
+    with httpx.Client(base_url=url, timeout=600) as c:
+        if how == "readd":
+            c.delete(f"/v1/audio/voices/{name}").raise_for_status()
+        r = c.post("/v1/audio/voices", files={"file": ("v.wav", recording(seconds, pitch), "audio/wav")},
+                   data={"name": name, "prompt_text": "Good morning everyone.",
+                         "overwrite": "true" if how == "overwrite" else "false"})  # fmt: skip
+        r.raise_for_status()
+
+
+def _speech(a: Action, **extra: object) -> dict[str, object]:
+    return {"model": "tts-1", "input": a.text, "voice": a.voice, "seed": a.seed, **extra}
+
+
+def run(url: str, a: Action) -> str:
+    """Do ``a`` against the server; its outcome (``ok``, ``audio_too_long``, ``dropped`` or ``failed: ...``)."""
+    try:
+        if a.kind == "text_ws":
+            return _text_ws(url, a)
+        with httpx.Client(base_url=url, timeout=600) as c:
+            if a.kind == "whole":
+                r = c.post("/v1/audio/speech", json=_speech(a, response_format="wav", stream=False))
+                if r.status_code == 422 and r.json()["error"]["code"] == "audio_too_long":
+                    return "audio_too_long"
+                r.raise_for_status()
+                return "ok" if len(r.content) > 44 else "failed: an empty file"
+            if a.kind == "stream":  # server-sent events: a stream cut by the audio bound ends on an error event
+                last = None
+                with c.stream("POST", "/v1/audio/speech", json=_speech(a, stream_format="sse")) as r:
+                    r.raise_for_status()
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            last = json.loads(line[6:])
+                if last is not None and last["type"] == "error":
+                    code = last["error"]["code"]
+                    return "audio_too_long" if code == "audio_too_long" else f"failed: {last['error']}"
+                return "ok" if last is not None and last["type"] == "speech.audio.done" else f"failed: ended on {last}"
+            with c.stream("POST", "/v1/audio/speech", json=_speech(a, response_format="pcm")) as r:
+                r.raise_for_status()
+                for _ in r.iter_bytes():
+                    return "dropped"  # leaving the block closes the connection mid-stream
+                return "failed: no audio"
+    except Exception as e:  # noqa: BLE001 - every failure is counted and printed, the run goes on
+        return f"failed: {type(e).__name__}: {e}"
+
+
+def _text_ws(url: str, a: Action) -> str:
+    """The text in three pieces over the text stream WebSocket (sent before reading: the server keeps them)."""
+    from websockets.sync.client import connect
+
+    cut = [0, len(a.text) // 3, 2 * len(a.text) // 3, len(a.text)]
+    audio, done = 0, None
+    with connect(url.replace("http://", "ws://") + "/v1/audio/speech/stream", open_timeout=60) as ws:
+        start = {k: v for k, v in _speech(a).items() if k != "input"}
+        ws.send(json.dumps({"type": "start", **start}))
+        for lo, hi in zip(cut, cut[1:]):
+            ws.send(json.dumps({"type": "text", "text": a.text[lo:hi]}))
+        ws.send(json.dumps({"type": "end"}))
+        for message in ws:
+            if isinstance(message, bytes):
+                audio += len(message)
+            elif json.loads(message)["type"] == "done":
+                done = json.loads(message)
+    if done is None:
+        return "failed: no done message"
+    if done["stop_reason"] == "error":
+        code = done.get("error", {}).get("code")
+        return "audio_too_long" if code == "audio_too_long" else f"failed: {done.get('error')}"
+    return "ok" if audio else "failed: no audio"
+
+
+def sample(url: str, pid: int) -> dict[str, float]:
+    """The server's RSS and peak RSS (MB) and its voices' prompt cache bytes (MB) now."""
+    health = httpx.get(url + "/health", timeout=60).json()
+    metrics = httpx.get(url + "/metrics", timeout=60).text
+    cache = re.search(r"^cosyvoice_prompt_cache_bytes (\S+)$", metrics, re.M)
+    hwm = re.search(r"^VmHWM:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text(), re.M)
+    return {"rss_mb": health["rss_mb"], "peak_mb": round(int(hwm.group(1)) / 1024, 1) if hwm else float("nan"),
+            "prompt_cache_mb": round(float(cache.group(1)) / 2**20, 1) if cache else float("nan")}  # fmt: skip
+
+
+def mix(args: argparse.Namespace) -> dict:
+    outcomes: collections.Counter[str] = collections.Counter()
+    failures: list[str] = []
+    curve: list[dict[str, float]] = []
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as voices:
+        server = ServerProcess.start(args.model, Path(voices), "--threads", str(args.threads), "--max-active",
+                                     str(args.concurrency), *args.serve, timeout=STARTUP_S)  # fmt: skip
+        try:
+            for v in range(args.voices):
+                save_voice(server.url, f"mix-{v}", v)
+            done, replaced = 0, 0
+            with ThreadPoolExecutor(args.concurrency) as pool:
+                while done < args.requests:
+                    batch = range(done, min(done + args.every, args.requests))
+                    for i, out in zip(batch, pool.map(lambda i: run(server.url, action(i, args.voices)), batch)):
+                        outcomes[out.split(":")[0]] += 1
+                        if out.startswith("failed"):
+                            failures.append(f"request {i} ({action(i, args.voices)}): {out}")
+                            print(failures[-1], file=sys.stderr, flush=True)
+                    done = batch.stop
+                    how = ("overwrite", "readd")[replaced % 2]
+                    save_voice(server.url, f"mix-{replaced % args.voices}", args.voices + replaced, how)
+                    replaced += 1
+                    point = {"requests": done, "minutes": round((time.perf_counter() - t0) / 60, 2),
+                             **sample(server.url, server.proc.pid)}  # fmt: skip
+                    curve.append(point)
+                    print(f"{done:6d} requests {point['minutes']:7.1f} min  RSS {point['rss_mb']:7.1f} MB  peak "
+                          f"{point['peak_mb']:7.1f}  prompt caches {point['prompt_cache_mb']:6.1f} MB  "
+                          f"{dict(outcomes)}", flush=True)  # fmt: skip
+        finally:
+            server.stop()
+    warm = next(p["rss_mb"] for p in curve if p["requests"] >= args.requests // 10)
+    growth = (curve[-1]["rss_mb"] - warm) / warm
+    print(f"RSS after warm-up {warm:.1f} MB, at the end {curve[-1]['rss_mb']:.1f} MB: growth {growth * 100:+.2f} %; "
+          f"peak {curve[-1]['peak_mb']:.1f} MB; {dict(outcomes)}")  # fmt: skip
+    return {"model": str(args.model), "serve_args": args.serve, "requests": args.requests,
+            "concurrency": args.concurrency, "voices": args.voices, "voices_replaced": len(curve),
+            "outcomes": dict(outcomes), "failures": failures, "rss_after_warmup_mb": warm,
+            "rss_end_mb": curve[-1]["rss_mb"], "growth": round(growth, 4), "curve": curve}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    serve = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-m", "--model", type=Path, default=DEMO_MODEL)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--concurrency", type=int, default=3)
+    p.add_argument("--requests", type=int, default=600)
+    p.add_argument("--every", type=int, default=30, help="requests between samples (and voice replacements)")
+    p.add_argument("--voices", type=int, default=3)
+    p.add_argument("--json", type=Path, help="write the results here")
+    args = p.parse_args(argv)
+    for name in ("concurrency", "requests", "every", "voices"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1")
+    args.serve = serve
+    result = mix(args)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1, ensure_ascii=False))
+    return result
+
+
+if __name__ == "__main__":
+    main()
