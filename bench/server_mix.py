@@ -12,7 +12,8 @@ cycles through :data:`KINDS`, its text through :data:`TEXTS`, its voice through 
 ``overwrite`` and by delete and add in turn, and the server's RSS (``/health``), peak RSS (``VmHWM``) and prompt
 cache bytes (``/metrics``) are sampled. Growth is measured from the end of the warm-up (the first 10 %) to the end.
 Every outcome is counted: ``ok``, ``audio_too_long`` (the audio bound: a model with random weights may not stop),
-``dropped`` (the client's own hang-up) and ``failed`` (anything else: the run's verdict).
+``no_speech`` (the 400 for a model that ends before any speech, as random weights sometimes do), ``dropped`` (the
+client's own hang-up) and ``failed`` (anything else: the run's verdict).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import io
+import itertools
 import json
 import re
 import sys
@@ -101,14 +103,14 @@ def run(url: str, a: Action) -> str:
         with httpx.Client(base_url=url, timeout=600) as c:
             if a.kind == "whole":
                 r = c.post("/v1/audio/speech", json=_speech(a, response_format="wav", stream=False))
-                if r.status_code == 422 and r.json()["error"]["code"] == "audio_too_long":
-                    return "audio_too_long"
-                r.raise_for_status()
+                if r.status_code >= 400:
+                    return _refused(r)
                 return "ok" if len(r.content) > 44 else "failed: an empty file"
             if a.kind == "stream":  # server-sent events: a stream cut by the audio bound ends on an error event
                 last = None
                 with c.stream("POST", "/v1/audio/speech", json=_speech(a, stream_format="sse")) as r:
-                    r.raise_for_status()
+                    if r.status_code >= 400:
+                        return _refused(r)
                     for line in r.iter_lines():
                         if line.startswith("data: "):
                             last = json.loads(line[6:])
@@ -117,33 +119,52 @@ def run(url: str, a: Action) -> str:
                     return "audio_too_long" if code == "audio_too_long" else f"failed: {last['error']}"
                 return "ok" if last is not None and last["type"] == "speech.audio.done" else f"failed: ended on {last}"
             with c.stream("POST", "/v1/audio/speech", json=_speech(a, response_format="pcm")) as r:
-                r.raise_for_status()
+                if r.status_code >= 400:
+                    return _refused(r)
                 for _ in r.iter_bytes():
                     return "dropped"  # leaving the block closes the connection mid-stream
                 return "failed: no audio"
-    except Exception as e:  # noqa: BLE001 - every failure is counted and printed, the run goes on
+    except Exception as e:  # every failure is counted and printed, the run goes on
         return f"failed: {type(e).__name__}: {e}"
+
+
+def _refused(r: httpx.Response) -> str:
+    """The outcome of an error response: ``audio_too_long``, or ``failed:`` with its status and message."""
+    r.read()
+    try:
+        error = r.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return f"failed: {r.status_code} {r.text[:200]}"
+    if error.get("code") == "audio_too_long":
+        return "audio_too_long"
+    if "produced no speech" in str(error.get("message")):  # the LM's end token first (random weights do this)
+        return "no_speech"
+    return f"failed: {r.status_code} {error}"
 
 
 def _text_ws(url: str, a: Action) -> str:
     """The text in three pieces over the text stream WebSocket (sent before reading: the server keeps them)."""
+    from websockets.exceptions import ConnectionClosedError
     from websockets.sync.client import connect
 
     cut = [0, len(a.text) // 3, 2 * len(a.text) // 3, len(a.text)]
-    audio, done = 0, None
+    audio, done, closed = 0, None, None
     with connect(url.replace("http://", "ws://") + "/v1/audio/speech/stream", open_timeout=60) as ws:
         start = {k: v for k, v in _speech(a).items() if k != "input"}
         ws.send(json.dumps({"type": "start", **start}))
-        for lo, hi in zip(cut, cut[1:]):
+        for lo, hi in itertools.pairwise(cut):
             ws.send(json.dumps({"type": "text", "text": a.text[lo:hi]}))
         ws.send(json.dumps({"type": "end"}))
-        for message in ws:
-            if isinstance(message, bytes):
-                audio += len(message)
-            elif json.loads(message)["type"] == "done":
-                done = json.loads(message)
+        try:
+            for message in ws:
+                if isinstance(message, bytes):
+                    audio += len(message)
+                elif json.loads(message)["type"] == "done":
+                    done = json.loads(message)
+        except ConnectionClosedError as e:  # an error's close code (4422 for the audio bound) after its "done"
+            closed = e
     if done is None:
-        return "failed: no done message"
+        return f"failed: no done message ({closed})"
     if done["stop_reason"] == "error":
         code = done.get("error", {}).get("code")
         return "audio_too_long" if code == "audio_too_long" else f"failed: {done.get('error')}"
@@ -167,7 +188,7 @@ def mix(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as voices:
         server = ServerProcess.start(args.model, Path(voices), "--threads", str(args.threads), "--max-active",
-                                     str(args.concurrency), *args.serve, timeout=STARTUP_S)  # fmt: skip
+                                     str(args.concurrency), *args.serve, log=args.log, timeout=STARTUP_S)  # fmt: skip
         try:
             for v in range(args.voices):
                 save_voice(server.url, f"mix-{v}", v)
@@ -214,6 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--every", type=int, default=30, help="requests between samples (and voice replacements)")
     p.add_argument("--voices", type=int, default=3)
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--log", type=Path, help="append the server's log here (its level: warning)")
     args = p.parse_args(argv)
     for name in ("concurrency", "requests", "every", "voices"):
         if getattr(args, name) < 1:

@@ -16,8 +16,8 @@ from .conftest import start_server
 
 def _upload(c: httpx.Client, name: str, seconds: float, overwrite: bool = False) -> None:
     """Save voice ``name`` from a tone of ``seconds`` (another length: another voice, with another cache)."""
-    r = c.post("/v1/audio/voices", files={"file": ("v.wav", _tone_wav(seconds), "audio/wav")},
-               data={"name": name, "prompt_text": "Good morning everyone.", "overwrite": str(overwrite).lower()})  # fmt: skip
+    data = {"name": name, "prompt_text": "Good morning everyone.", "overwrite": str(overwrite).lower()}
+    r = c.post("/v1/audio/voices", files={"file": ("v.wav", _tone_wav(seconds), "audio/wav")}, data=data)
     assert r.status_code == 201, r.text
 
 

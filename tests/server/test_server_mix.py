@@ -1,0 +1,44 @@
+"""``bench/server_mix.py``, the soak with a long-running server's traffic, run for a few requests against the demo
+model: every kind of request is made and counted, voices are replaced between batches, and nothing fails."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "server_mix.py"
+
+
+def _script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("server_mix", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_kind_meets_every_text_and_the_voices_take_turns() -> None:
+    mix = _script()
+    n = len(mix.KINDS) * len(mix.TEXTS)
+    actions = [mix.action(i, 3) for i in range(n)]
+    assert {(a.kind, a.text) for a in actions} == {(k, t) for k in mix.KINDS for t in mix.TEXTS}
+    assert [a.voice for a in actions[:4]] == ["mix-0", "mix-1", "mix-2", "mix-0"]
+
+
+def test_a_short_mix_against_a_real_server(tmp_path: Path) -> None:
+    mix = _script()
+    out = tmp_path / "mix.json"
+    log = tmp_path / "server.log"
+    result = mix.main(["--requests", "12", "--every", "4", "--voices", "2", "--json", str(out), "--log", str(log),
+                       "--", "--max-audio-seconds", "30"])  # fmt: skip
+    assert json.loads(out.read_text()) == result
+    assert result["failures"] == [] and sum(result["outcomes"].values()) == 12, result["outcomes"]
+    assert result["outcomes"]["dropped"] == 3  # requests 3, 7 and 11 hang up mid-stream
+    assert sum(result["outcomes"].get(k, 0) for k in ("ok", "audio_too_long", "no_speech")) == 9
+    assert [p["requests"] for p in result["curve"]] == [4, 8, 12] and result["voices_replaced"] == 3
+    assert all(p["rss_mb"] > 50 and p["peak_mb"] >= p["rss_mb"] and p["prompt_cache_mb"] >= 0 for p in result["curve"])
+    assert result["serve_args"] == ["--max-audio-seconds", "30"] and log.exists()
