@@ -2,12 +2,14 @@
 speech, text streams, clients that leave mid-stream, texts of several lengths and two languages.
 
     python bench/server_mix.py [-m MODEL_DIR] [--requests 600] [--concurrency 3] [--every 30] [--voices 3]
-                               [--json OUT] [-- SERVE_ARGS...]    # e.g. -- --backend auto --max-audio-seconds 20
+                               [--wyoming] [--json OUT] [-- SERVE_ARGS...]  # e.g. -- --backend auto
 
 ``bench/server_load.py soak`` sends one sentence to one voice; a server that runs for months also meets voices
 saved, replaced and deleted (each voice keeps prompt caches), sentences of many lengths (each a flow bucket on
 OpenVINO), the text stream WebSocket and clients that hang up. Request ``i`` is :func:`action` ``(i)``: its kind
-cycles through :data:`KINDS`, its text through :data:`TEXTS`, its voice through ``--voices``. After every
+cycles through :data:`KINDS` (and ``wyoming``, a Home Assistant ``synthesize`` through the ``wyoming`` package's
+client, with ``--wyoming``: the server then runs ``serve --wyoming``), its text through :data:`TEXTS`, its voice
+through ``--voices``. After every
 ``--every`` requests (all of them finished) one voice is replaced by a recording of another length, by
 ``overwrite`` and by delete and add in turn, and the server's RSS (``/health``), peak RSS (``VmHWM``) and prompt
 cache bytes (``/metrics``) are sampled. Growth is measured from the end of the warm-up (the first 10 %) to the end.
@@ -19,6 +21,7 @@ client's own hang-up) and ``failed`` (anything else: the run's verdict).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import io
 import itertools
@@ -35,7 +38,7 @@ import httpx
 import numpy as np
 
 from cosyvoice_cpu.cli.speech import DEMO_MODEL
-from cosyvoice_cpu.server.process import ServerProcess
+from cosyvoice_cpu.server.process import ServerProcess, free_port
 
 KINDS = ("stream", "whole", "text_ws", "drop")
 TEXTS = (
@@ -59,10 +62,10 @@ class Action:
     seed: int
 
 
-def action(i: int, voices: int) -> Action:
+def action(i: int, voices: int, kinds: tuple[str, ...] = KINDS) -> Action:
     """Request ``i``: kinds in turn, texts in turn per round of kinds (so every kind meets every text), voices in
     turn."""
-    return Action(KINDS[i % len(KINDS)], TEXTS[(i // len(KINDS)) % len(TEXTS)], f"mix-{i % voices}", i)
+    return Action(kinds[i % len(kinds)], TEXTS[(i // len(kinds)) % len(TEXTS)], f"mix-{i % voices}", i)
 
 
 def recording(seconds: float, pitch: float) -> bytes:
@@ -95,11 +98,15 @@ def _speech(a: Action, **extra: object) -> dict[str, object]:
     return {"model": "tts-1", "input": a.text, "voice": a.voice, "seed": a.seed, **extra}
 
 
-def run(url: str, a: Action) -> str:
-    """Do ``a`` against the server; its outcome (``ok``, ``audio_too_long``, ``dropped`` or ``failed: ...``)."""
+def run(url: str, a: Action, wyoming_port: int | None = None) -> str:
+    """Do ``a`` against the server; its outcome (``ok``, ``audio_too_long``, ``no_speech``, ``dropped`` or
+    ``failed: ...``)."""
     try:
         if a.kind == "text_ws":
             return _text_ws(url, a)
+        if a.kind == "wyoming":
+            assert wyoming_port is not None, "a wyoming request needs the server's Wyoming port"
+            return asyncio.run(_wyoming(wyoming_port, a))
         with httpx.Client(base_url=url, timeout=600) as c:
             if a.kind == "whole":
                 r = c.post("/v1/audio/speech", json=_speech(a, response_format="wav", stream=False))
@@ -171,6 +178,27 @@ def _text_ws(url: str, a: Action) -> str:
     return "ok" if audio else "failed: no audio"
 
 
+async def _wyoming(port: int, a: Action) -> str:
+    """A Home Assistant ``synthesize`` of the text with the voice, read to ``audio-stop`` or an ``error``."""
+    from wyoming.client import AsyncTcpClient
+    from wyoming.tts import Synthesize, SynthesizeVoice
+
+    chunks = 0
+    async with AsyncTcpClient("127.0.0.1", port, connect_timeout=30, read_timeout=600) as c:
+        await c.write_event(Synthesize(text=a.text, voice=SynthesizeVoice(name=a.voice)).event())
+        while (event := await c.read_event()) is not None:
+            if event.type == "audio-chunk":
+                chunks += 1
+            elif event.type == "audio-stop":
+                return "ok" if chunks else "failed: no audio"
+            elif event.type == "error":
+                code, text = event.data.get("code"), event.data.get("text", "")
+                if code == "audio_too_long":
+                    return "audio_too_long"
+                return "no_speech" if "produced no speech" in text else f"failed: wyoming {code}: {text}"
+    return "failed: the connection ended before audio-stop"
+
+
 def sample(url: str, pid: int) -> dict[str, float]:
     """The server's RSS and peak RSS (MB) and its voices' prompt cache bytes (MB) now."""
     health = httpx.get(url + "/health", timeout=60).json()
@@ -186,9 +214,17 @@ def mix(args: argparse.Namespace) -> dict:
     failures: list[str] = []
     curve: list[dict[str, float]] = []
     t0 = time.perf_counter()
+    kinds, port, extra = KINDS, None, list(args.serve)
+    if args.wyoming:
+        kinds, port = (*KINDS, "wyoming"), free_port()
+        extra += ["--wyoming", f"tcp://127.0.0.1:{port}"]
+
+    def one(i: int) -> str:
+        return run(server.url, action(i, args.voices, kinds), port)
+
     with tempfile.TemporaryDirectory() as voices:
         server = ServerProcess.start(args.model, Path(voices), "--threads", str(args.threads), "--max-active",
-                                     str(args.concurrency), *args.serve, log=args.log, timeout=STARTUP_S)  # fmt: skip
+                                     str(args.concurrency), *extra, log=args.log, timeout=STARTUP_S)  # fmt: skip
         try:
             for v in range(args.voices):
                 save_voice(server.url, f"mix-{v}", v)
@@ -196,10 +232,10 @@ def mix(args: argparse.Namespace) -> dict:
             with ThreadPoolExecutor(args.concurrency) as pool:
                 while done < args.requests:
                     batch = range(done, min(done + args.every, args.requests))
-                    for i, out in zip(batch, pool.map(lambda i: run(server.url, action(i, args.voices)), batch)):
+                    for i, out in zip(batch, pool.map(one, batch)):
                         outcomes[out.split(":")[0]] += 1
                         if out.startswith("failed"):
-                            failures.append(f"request {i} ({action(i, args.voices)}): {out}")
+                            failures.append(f"request {i} ({action(i, args.voices, kinds)}): {out}")
                             print(failures[-1], file=sys.stderr, flush=True)
                     done = batch.stop
                     how = ("overwrite", "readd")[replaced % 2]
@@ -221,7 +257,7 @@ def mix(args: argparse.Namespace) -> dict:
           f"less the voice caches over the second half {min(rest):.0f}-{max(rest):.0f} MB (first {rest[0]:.0f}, "
           f"last {rest[-1]:.0f}); peak {curve[-1]['peak_mb']:.1f} MB; {dict(outcomes)}")  # fmt: skip
     return {"model": str(args.model), "serve_args": args.serve, "requests": args.requests,
-            "concurrency": args.concurrency, "voices": args.voices, "voices_replaced": len(curve),
+            "concurrency": args.concurrency, "voices": args.voices, "kinds": list(kinds), "voices_replaced": len(curve),
             "outcomes": dict(outcomes), "failures": failures, "rss_after_warmup_mb": warm,
             "rss_end_mb": curve[-1]["rss_mb"], "growth": round(growth, 4),
             "second_half_less_caches_mb": [round(min(rest), 1), round(max(rest), 1)], "curve": curve}  # fmt: skip
@@ -238,6 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--requests", type=int, default=600)
     p.add_argument("--every", type=int, default=30, help="requests between samples (and voice replacements)")
     p.add_argument("--voices", type=int, default=3)
+    p.add_argument("--wyoming", action="store_true", help="serve --wyoming too, and send Wyoming requests")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--log", type=Path, help="append the server's log here (its level: warning)")
     args = p.parse_args(argv)

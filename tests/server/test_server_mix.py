@@ -1,5 +1,6 @@
 """``bench/server_mix.py``, the soak with a long-running server's traffic, run for a few requests against the demo
-model: every kind of request is made and counted, voices are replaced between batches, and nothing fails."""
+model: every kind of request (Wyoming too) is made and counted, voices are replaced between batches, and nothing
+fails."""
 
 from __future__ import annotations
 
@@ -33,12 +34,13 @@ def test_a_short_mix_against_a_real_server(tmp_path: Path) -> None:
     mix = _script()
     out = tmp_path / "mix.json"
     log = tmp_path / "server.log"
-    result = mix.main(["--requests", "12", "--every", "4", "--voices", "2", "--json", str(out), "--log", str(log),
-                       "--", "--max-audio-seconds", "30"])  # fmt: skip
+    result = mix.main(["--requests", "15", "--every", "5", "--voices", "2", "--wyoming", "--json", str(out),
+                       "--log", str(log), "--", "--max-audio-seconds", "30"])  # fmt: skip
     assert json.loads(out.read_text()) == result
-    assert result["failures"] == [] and sum(result["outcomes"].values()) == 12, result["outcomes"]
-    assert result["outcomes"]["dropped"] == 3  # requests 3, 7 and 11 hang up mid-stream
-    assert sum(result["outcomes"].get(k, 0) for k in ("ok", "audio_too_long", "no_speech")) == 9
-    assert [p["requests"] for p in result["curve"]] == [4, 8, 12] and result["voices_replaced"] == 3
+    assert result["kinds"] == ["stream", "whole", "text_ws", "drop", "wyoming"]
+    assert result["failures"] == [] and sum(result["outcomes"].values()) == 15, result["outcomes"]  # 4, 9, 14: Wyoming
+    assert result["outcomes"]["dropped"] == 3  # requests 3, 8 and 13 hang up mid-stream
+    assert sum(result["outcomes"].get(k, 0) for k in ("ok", "audio_too_long", "no_speech")) == 12
+    assert [p["requests"] for p in result["curve"]] == [5, 10, 15] and result["voices_replaced"] == 3
     assert all(p["rss_mb"] > 50 and p["peak_mb"] >= p["rss_mb"] and p["prompt_cache_mb"] >= 0 for p in result["curve"])
     assert result["serve_args"] == ["--max-audio-seconds", "30"] and log.exists()
