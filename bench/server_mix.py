@@ -9,13 +9,13 @@ saved, replaced and deleted (each voice keeps prompt caches), sentences of many 
 OpenVINO), the text stream WebSocket and clients that hang up. Request ``i`` is :func:`action` ``(i)``: its kind
 cycles through :data:`KINDS` (and ``wyoming``, a Home Assistant ``synthesize`` through the ``wyoming`` package's
 client, with ``--wyoming``: the server then runs ``serve --wyoming``), its text through :data:`TEXTS`, its voice
-through ``--voices``. After every
-``--every`` requests (all of them finished) one voice is replaced by a recording of another length, by
-``overwrite`` and by delete and add in turn, and the server's RSS (``/health``), peak RSS (``VmHWM``) and prompt
-cache bytes (``/metrics``) are sampled. Growth is measured from the end of the warm-up (the first 10 %) to the end.
-Every outcome is counted: ``ok``, ``audio_too_long`` (the audio bound: a model with random weights may not stop),
-``no_speech`` (the 400 for a model that ends before any speech, as random weights sometimes do), ``dropped`` (the
-client's own hang-up) and ``failed`` (anything else: the run's verdict).
+through ``--voices``. After every ``--every`` requests (all of them finished) one voice is replaced by a
+recording of another length, by ``overwrite`` and by delete and add in turn, and the server's RSS (``/health``),
+peak RSS (``VmHWM``) and prompt cache bytes (``/metrics``) are sampled. Growth is measured from the end of the
+warm-up (the first 10 %) to the end. Every outcome is counted, overall and per kind: ``ok``, ``audio_too_long``
+(the audio bound: a model with random weights may not stop), ``no_speech`` (a model that ends before any speech,
+as random weights sometimes do), ``dropped`` (the client's own hang-up) and ``failed`` (anything else: the run's
+verdict).
 """
 
 from __future__ import annotations
@@ -118,8 +118,8 @@ def run(url: str, a: Action, wyoming_port: int | None = None) -> str:
                 with c.stream("POST", "/v1/audio/speech", json=_speech(a, stream_format="sse")) as r:
                     if r.status_code >= 400:
                         return _refused(r)
-                    for line in r.iter_lines():
-                        if line.startswith("data: "):
+                    for line in r.iter_lines():  # only the last event counts: the audio deltas are not decoded
+                        if line.startswith("data: ") and not line.startswith('data: {"type": "speech.audio.delta"'):
                             last = json.loads(line[6:])
                 if last is not None and last["type"] == "error":
                     code = last["error"]["code"]
@@ -166,15 +166,17 @@ def _text_ws(url: str, a: Action) -> str:
             for message in ws:
                 if isinstance(message, bytes):
                     audio += len(message)
-                elif json.loads(message)["type"] == "done":
-                    done = json.loads(message)
+                elif (event := json.loads(message))["type"] == "done":
+                    done = event
         except ConnectionClosedError as e:  # an error's close code (4422 for the audio bound) after its "done"
             closed = e
     if done is None:
         return f"failed: no done message ({closed})"
     if done["stop_reason"] == "error":
-        code = done.get("error", {}).get("code")
-        return "audio_too_long" if code == "audio_too_long" else f"failed: {done.get('error')}"
+        error = done.get("error", {})
+        if error.get("code") == "audio_too_long":
+            return "audio_too_long"
+        return "no_speech" if "without speech" in str(error.get("message")) else f"failed: {error}"
     return "ok" if audio else "failed: no audio"
 
 
@@ -209,8 +211,11 @@ def sample(url: str, pid: int) -> dict[str, float]:
             "prompt_cache_mb": round(float(cache.group(1)) / 2**20, 1) if cache else float("nan")}  # fmt: skip
 
 
-def mix(args: argparse.Namespace) -> dict:
+def mix(args: argparse.Namespace) -> dict[str, object]:
+    """Start the server, save the voices, run the requests in batches with a voice replaced and a sample taken
+    after each; the results (outcomes overall and per kind, failures, the curve, growth)."""
     outcomes: collections.Counter[str] = collections.Counter()
+    by_kind: collections.defaultdict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     failures: list[str] = []
     curve: list[dict[str, float]] = []
     t0 = time.perf_counter()
@@ -234,6 +239,7 @@ def mix(args: argparse.Namespace) -> dict:
                     batch = range(done, min(done + args.every, args.requests))
                     for i, out in zip(batch, pool.map(one, batch)):
                         outcomes[out.split(":")[0]] += 1
+                        by_kind[action(i, args.voices, kinds).kind][out.split(":")[0]] += 1
                         if out.startswith("failed"):
                             failures.append(f"request {i} ({action(i, args.voices, kinds)}): {out}")
                             print(failures[-1], file=sys.stderr, flush=True)
@@ -258,12 +264,14 @@ def mix(args: argparse.Namespace) -> dict:
           f"last {rest[-1]:.0f}); peak {curve[-1]['peak_mb']:.1f} MB; {dict(outcomes)}")  # fmt: skip
     return {"model": str(args.model), "serve_args": args.serve, "requests": args.requests,
             "concurrency": args.concurrency, "voices": args.voices, "kinds": list(kinds), "voices_replaced": len(curve),
-            "outcomes": dict(outcomes), "failures": failures, "rss_after_warmup_mb": warm,
+            "outcomes": dict(outcomes), "outcomes_by_kind": {k: dict(v) for k, v in by_kind.items()},
+            "failures": failures, "rss_after_warmup_mb": warm,
             "rss_end_mb": curve[-1]["rss_mb"], "growth": round(growth, 4),
             "second_half_less_caches_mb": [round(min(rest), 1), round(max(rest), 1)], "curve": curve}  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    """Parse ``argv`` (the server's own flags after ``--``), run :func:`mix`, write ``--json``; the results."""
     argv = sys.argv[1:] if argv is None else argv
     serve = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv

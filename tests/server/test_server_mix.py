@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "server_mix.py"
 
 
@@ -31,6 +33,7 @@ def test_every_kind_meets_every_text_and_the_voices_take_turns() -> None:
 
 
 def test_a_short_mix_against_a_real_server(tmp_path: Path) -> None:
+    pytest.importorskip("wyoming")
     mix = _script()
     out = tmp_path / "mix.json"
     log = tmp_path / "server.log"
@@ -39,8 +42,11 @@ def test_a_short_mix_against_a_real_server(tmp_path: Path) -> None:
     assert json.loads(out.read_text()) == result
     assert result["kinds"] == ["stream", "whole", "text_ws", "drop", "wyoming"]
     assert result["failures"] == [] and sum(result["outcomes"].values()) == 15, result["outcomes"]  # 4, 9, 14: Wyoming
-    assert result["outcomes"]["dropped"] == 3  # requests 3, 8 and 13 hang up mid-stream
-    assert sum(result["outcomes"].get(k, 0) for k in ("ok", "audio_too_long", "no_speech")) == 12
+    by_kind = result["outcomes_by_kind"]
+    assert {k: sum(v.values()) for k, v in by_kind.items()} == {k: 3 for k in result["kinds"]}
+    assert set(by_kind["drop"]) <= {"dropped", "no_speech"}  # requests 3, 8 and 13 hang up mid-stream
+    assert all(set(v) <= {"ok", "audio_too_long", "no_speech"} for k, v in by_kind.items() if k != "drop")
+    assert sum(v.get("ok", 0) for v in by_kind.values()) >= 6  # random weights: most requests speak
     assert [p["requests"] for p in result["curve"]] == [5, 10, 15] and result["voices_replaced"] == 3
     assert all(p["rss_mb"] > 50 and p["peak_mb"] >= p["rss_mb"] and p["prompt_cache_mb"] >= 0 for p in result["curve"])
     assert result["serve_args"] == ["--max-audio-seconds", "30"] and log.exists()

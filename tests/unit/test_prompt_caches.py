@@ -111,3 +111,20 @@ def test_retain_drops_the_caches_of_voices_no_longer_served() -> None:
     assert kind.built == 4  # a's and c's were kept
     assert lru.retain([]) == 4 * MIB and lru.nbytes == 0
     assert lru.retain([]) == 0
+
+
+def test_a_cache_built_while_its_voice_was_dropped_is_not_kept() -> None:
+    """A request that looked the old voice up before it was deleted finishes its build after ``retain``: the cache
+    serves that request, and the LRU does not keep it."""
+    lru, kind = caches(16)
+    old, new = FakeVoice("old", MIB), FakeVoice("new", 2 * MIB)
+    build = kind.build
+
+    def build_while_dropped(*args: object, **kw: object) -> FakeCache:
+        lru.retain({new.fingerprint})  # the voice is replaced while its cache is being built
+        return build(*args, **kw)
+
+    kind.build = build_while_dropped  # type: ignore[method-assign]
+    assert get(lru, old).nbytes == MIB and lru.nbytes == 0
+    get(lru, new)  # built during another retain that keeps it: kept
+    assert lru.nbytes == 2 * MIB

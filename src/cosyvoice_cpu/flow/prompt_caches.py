@@ -81,6 +81,8 @@ class PromptCaches:
         self._items: OrderedDict[CacheKey, PromptCache] = OrderedDict()
         self._lock = threading.Lock()
         self._too_big: set[str] = set()  # voice fingerprints warned about (once a voice)
+        self._retains = 0  # how many times retain() ran: a build that overlapped one checks its voice is still kept
+        self._kept: set[str] = set()  # the fingerprints the last retain() kept
         self.hits = self.misses = 0
 
     @property
@@ -94,10 +96,13 @@ class PromptCaches:
 
         A deleted or replaced voice's caches can never be asked for again, yet the LRU would keep them until the
         budget pushed them out: a server whose voices change would hold up to ``--prompt-cache-mb`` of them. A
-        request still running with the old voice keeps its own reference (:data:`RequestCaches`).
+        request still running with the old voice keeps its own reference (:data:`RequestCaches`); a cache of a
+        dropped voice whose build was under way during the call is not kept when the build ends.
         """
         keep = set(fingerprints)
         with self._lock:
+            self._retains += 1
+            self._kept = keep
             stale = [key for key in self._items if key[0] not in keep]
             freed = sum(self._items.pop(key).nbytes for key in stale)
             self._too_big &= keep
@@ -130,6 +135,7 @@ class PromptCaches:
                 self.hits += 1
                 return cache
             self.misses += 1
+            retains = self._retains
         cache = self.kind.build(
             self.stage, voice.speech_tokens, voice.mel, voice.embedding, steps, cfg_rate, dtype=self.dtype
         )
@@ -145,6 +151,8 @@ class PromptCaches:
                 )
             return cache
         with self._lock:
+            if self._retains != retains and key[0] not in self._kept:  # its voice was dropped while it was built
+                return cache
             self._items[key] = cache
             self._items.move_to_end(key)
             total = sum(c.nbytes for c in self._items.values())

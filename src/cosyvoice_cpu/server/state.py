@@ -140,7 +140,7 @@ class State:
 
     def drop_stale_voice_caches(self) -> int:
         """Drop the engine's streaming caches of voices no longer served; the bytes freed. Called after this
-        process deletes or replaces a voice (a voice deleted through another replica is dropped here at this
-        replica's next voice change, or by the LRU's budget before that)."""
+        process deletes or replaces a voice, or is asked to delete one that is gone (a voice deleted through another
+        replica is dropped here then, at this replica's next voice change, or by the LRU's budget before that)."""
         caches = self.engine.prompt_caches
         return 0 if caches is None else caches.retain(self.voices.fingerprints())

@@ -119,13 +119,15 @@ def add_routes(app: FastAPI, state: State) -> None:
                 "with; restart the server with another default to delete it"
             )
             raise ApiError(409, message, code="voice_is_default")
+        loop = asyncio.get_running_loop()
         try:
             state.voices.remove(name)
-        except VoiceNotFoundError as e:
+        except VoiceNotFoundError as e:  # perhaps deleted through another replica: its caches here go now
+            await loop.run_in_executor(None, state.drop_stale_voice_caches)
             raise ApiError(404, str(e), code="voice_not_found") from e
         except VoiceExistsError as e:  # a built-in speaker of the model
             raise ApiError(409, str(e), code="voice_builtin") from e
-        await asyncio.get_running_loop().run_in_executor(None, state.drop_stale_voice_caches)
+        await loop.run_in_executor(None, state.drop_stale_voice_caches)
         m.count(VOICES, "ok")
         return Response(status_code=204)
 
