@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import io
 import itertools
 import json
 import re
@@ -35,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import numpy as np
 
-from cosyvoice_cpu.cli.speech import DEMO_MODEL
+from cosyvoice_cpu.cli.speech import DEMO_MODEL, _tone_wav
+from cosyvoice_cpu.hardware.pages import status_mb
 from cosyvoice_cpu.server.process import ServerProcess, free_port
 
 KINDS = ("stream", "whole", "text_ws", "drop")
@@ -68,27 +67,14 @@ def action(i: int, voices: int, kinds: tuple[str, ...] = KINDS) -> Action:
     return Action(kinds[i % len(kinds)], TEXTS[(i // len(kinds)) % len(TEXTS)], f"mix-{i % voices}", i)
 
 
-def recording(seconds: float, pitch: float) -> bytes:
-    """A synthetic voice of ``seconds`` (a vibrato tone at ``pitch`` Hz with a little noise) as 16 kHz WAV."""
-    import soundfile as sf
-
-    sr = 16000
-    t = np.arange(int(sr * seconds)) / sr
-    wave = 0.3 * np.sin(2 * np.pi * pitch * t * (1 + 0.05 * np.sin(2 * np.pi * 3 * t)))
-    wave += 0.01 * np.random.default_rng(int(pitch)).standard_normal(t.size)
-    buf = io.BytesIO()
-    sf.write(buf, wave.astype(np.float32), sr, format="WAV")
-    return buf.getvalue()
-
-
 def save_voice(url: str, name: str, version: int, how: str = "overwrite") -> None:
-    """Save voice ``name`` from a recording whose length and pitch depend on ``version`` (2-5 s); ``how`` is
+    """Save voice ``name`` from a tone whose length and pitch depend on ``version`` (2-5 s); ``how`` is
     ``overwrite`` (one upload with ``overwrite=true``) or ``readd`` (delete, then upload)."""
     seconds, pitch = 2.0 + (version % 4), 140.0 + 15 * (version % 5)
     with httpx.Client(base_url=url, timeout=600) as c:
         if how == "readd":
             c.delete(f"/v1/audio/voices/{name}").raise_for_status()
-        r = c.post("/v1/audio/voices", files={"file": ("v.wav", recording(seconds, pitch), "audio/wav")},
+        r = c.post("/v1/audio/voices", files={"file": ("v.wav", _tone_wav(seconds, pitch=pitch), "audio/wav")},
                    data={"name": name, "prompt_text": "Good morning everyone.",
                          "overwrite": "true" if how == "overwrite" else "false"})  # fmt: skip
         r.raise_for_status()
@@ -206,8 +192,8 @@ def sample(url: str, pid: int) -> dict[str, float]:
     health = httpx.get(url + "/health", timeout=60).json()
     metrics = httpx.get(url + "/metrics", timeout=60).text
     cache = re.search(r"^cosyvoice_prompt_cache_bytes (\S+)$", metrics, re.M)
-    hwm = re.search(r"^VmHWM:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text(), re.M)
-    return {"rss_mb": health["rss_mb"], "peak_mb": round(int(hwm.group(1)) / 1024, 1) if hwm else float("nan"),
+    peak = status_mb("VmHWM", pid)
+    return {"rss_mb": health["rss_mb"], "peak_mb": round(peak, 1) if peak is not None else float("nan"),
             "prompt_cache_mb": round(float(cache.group(1)) / 2**20, 1) if cache else float("nan")}  # fmt: skip
 
 

@@ -212,8 +212,9 @@ def _say(args: argparse.Namespace, engine: Engine, config: SynthesisConfig, voic
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo_model"
 
 
-def _tone_wav(seconds: float = 3.0, sr: int = 16000) -> bytes:
-    """A synthetic 'voice' (a vibrato tone with a little noise) as wav bytes: the demo needs no recording."""
+def _tone_wav(seconds: float = 3.0, sr: int = 16000, pitch: float = 170.0) -> bytes:
+    """A synthetic 'voice' (a vibrato tone at ``pitch`` Hz with a little noise) as wav bytes: the demo needs no
+    recording."""
     import io
 
     import soundfile as sf
@@ -221,7 +222,7 @@ def _tone_wav(seconds: float = 3.0, sr: int = 16000) -> bytes:
     t = np.arange(int(sr * seconds)) / sr
     rng = np.random.default_rng(0)
     vibrato = 1 + 0.05 * np.sin(2 * np.pi * 3 * t)
-    wave = 0.3 * np.sin(2 * np.pi * 170 * t * vibrato) + 0.01 * rng.standard_normal(t.size)
+    wave = 0.3 * np.sin(2 * np.pi * pitch * t * vibrato) + 0.01 * rng.standard_normal(t.size)
     buf = io.BytesIO()
     sf.write(buf, wave.astype(np.float32), sr, format="WAV")
     return buf.getvalue()

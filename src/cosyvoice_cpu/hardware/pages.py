@@ -121,10 +121,11 @@ def release_dir_pages(directory: str | Path) -> int:
     return sum(release_file_pages(p) for p in sorted(paths))
 
 
-def status_mb(field: str) -> float | None:
-    """A memory field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ...) in MB; None where it cannot be read."""
+def status_mb(field: str, pid: int | str = "self") -> float | None:
+    """A memory field of ``/proc/PID/status`` (``VmRSS``, ``VmHWM``, ...) of this process or another, in MB; None
+    where it cannot be read."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     except (OSError, ValueError):
