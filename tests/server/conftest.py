@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,18 @@ def start_server(voices: Path, log: Path, *extra: str, model: Path = DEMO_MODEL)
 def add_voice(client: httpx.Client, name: str = VOICE, text: str = PROMPT_TEXT, **data: str) -> httpx.Response:
     return client.post("/v1/audio/voices", files={"file": ("prompt.wav", _tone_wav(), "audio/wav")},
                        data={"name": name, "prompt_text": text, **data})  # fmt: skip
+
+
+def gauge(metrics: str, name: str) -> float:
+    """The value of gauge ``name`` in a ``/metrics`` text (asserted to be there)."""
+    found = re.search(rf"^{name} (\S+)$", metrics, re.M)
+    assert found, f"{name} not in /metrics"
+    return float(found.group(1))
+
+
+def prompt_cache_bytes(client: httpx.Client) -> float:
+    """What the server's voice streaming caches hold now (``cosyvoice_prompt_cache_bytes``)."""
+    return gauge(client.get("/metrics").text, "cosyvoice_prompt_cache_bytes")
 
 
 def start_with_voice(root: Path, *extra: str) -> Server:

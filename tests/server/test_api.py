@@ -22,7 +22,7 @@ from cosyvoice_cpu.config import EngineConfig, SynthesisConfig
 from cosyvoice_cpu.engine import Engine
 from cosyvoice_cpu.voices.voice import Voice
 
-from .conftest import VOICE, Server, add_voice, start_server
+from .conftest import VOICE, Server, add_voice, gauge, prompt_cache_bytes, start_server
 
 TEXT = "Warning: line three is overheating. Check the pump."
 
@@ -110,13 +110,7 @@ def test_models_health_and_metrics(server: Server) -> None:
         assert name in text, name
     ok = re.search(r'cosyvoice_requests_total\{endpoint="/v1/audio/speech",outcome="ok"\} (\d+)', text)
     assert ok and int(ok.group(1)) >= 1
-    assert _gauge(text, "cosyvoice_prompt_cache_bytes") > 0  # the streamed request kept its voice's cache
-
-
-def _gauge(metrics: str, name: str) -> float:
-    found = re.search(rf"^{name} (\S+)$", metrics, re.M)
-    assert found, f"{name} not in /metrics"
-    return float(found.group(1))
+    assert gauge(text, "cosyvoice_prompt_cache_bytes") > 0  # the streamed request kept its voice's cache
 
 
 def test_a_server_that_keeps_no_voice_cache_says_the_same(server: Server, tmp_path: Path) -> None:
@@ -128,7 +122,7 @@ def test_a_server_that_keeps_no_voice_cache_says_the_same(server: Server, tmp_pa
             for _ in range(2):  # the second request would hit a kept cache
                 r = speak(c, input="Hello there.")
                 assert r.status_code == 200, r.text
-            assert _gauge(c.get("/metrics").text, "cosyvoice_prompt_cache_bytes") == 0
+            assert prompt_cache_bytes(c) == 0
             assert pcm(r.content).size > 0 and r.content == speak(kept, input="Hello there.").content
     finally:
         lean.stop()

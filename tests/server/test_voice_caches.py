@@ -4,14 +4,13 @@ voices nobody could ask for). Seen from outside through ``/metrics``' ``cosyvoic
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import httpx
 
 from cosyvoice_cpu.cli.speech import _tone_wav
 
-from .conftest import start_server
+from .conftest import prompt_cache_bytes, start_server
 
 
 def _upload(c: httpx.Client, name: str, seconds: float, overwrite: bool = False) -> None:
@@ -27,12 +26,6 @@ def _stream(c: httpx.Client, voice: str) -> None:
     assert r.status_code == 200 and r.content, r.text
 
 
-def _cache_bytes(c: httpx.Client) -> int:
-    found = re.search(r"^cosyvoice_prompt_cache_bytes (\S+)$", c.get("/metrics").text, re.M)
-    assert found, "cosyvoice_prompt_cache_bytes not in /metrics"
-    return int(float(found.group(1)))
-
-
 def test_a_replaced_or_deleted_voice_keeps_no_cache(tmp_path: Path) -> None:
     srv = start_server(tmp_path / "voices", tmp_path / "server.log")
     try:
@@ -40,23 +33,23 @@ def test_a_replaced_or_deleted_voice_keeps_no_cache(tmp_path: Path) -> None:
             _upload(c, "a", 3.0)
             _upload(c, "b", 4.0)
             _stream(c, "a")
-            a_old = _cache_bytes(c)
+            a_old = prompt_cache_bytes(c)
             _stream(c, "b")
-            b = _cache_bytes(c) - a_old
+            b = prompt_cache_bytes(c) - a_old
             assert a_old > 0 and b > 0
             _upload(c, "a", 3.5, overwrite=True)  # a new recording under the old name
-            assert _cache_bytes(c) == b  # the old recording's cache is gone at once
+            assert prompt_cache_bytes(c) == b  # the old recording's cache is gone at once
             _stream(c, "a")
-            a_new = _cache_bytes(c) - b
+            a_new = prompt_cache_bytes(c) - b
             assert a_new > 0 and a_new != a_old
             _upload(c, "a", 3.5, overwrite=True)  # the same recording again: its cache is still good
-            assert _cache_bytes(c) == a_new + b
+            assert prompt_cache_bytes(c) == a_new + b
             assert c.delete("/v1/audio/voices/b").status_code == 204
-            assert _cache_bytes(c) == a_new
+            assert prompt_cache_bytes(c) == a_new
             _stream(c, "a")  # still kept: no rebuild, no growth
-            assert _cache_bytes(c) == a_new
+            assert prompt_cache_bytes(c) == a_new
             assert c.delete("/v1/audio/voices/a").status_code == 204
-            assert _cache_bytes(c) == 0
+            assert prompt_cache_bytes(c) == 0
             assert c.get("/health").json()["status"] == "ok"
     finally:
         srv.stop()

@@ -25,7 +25,7 @@ from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, Synthesize
 from cosyvoice_cpu.cli.speech import DEMO_MODEL, _tone_wav
 from cosyvoice_cpu.facts import facts
 
-from .conftest import PROMPT_TEXT, VOICE, WyomingServer, add_voice
+from .conftest import PROMPT_TEXT, VOICE, WyomingServer, add_voice, prompt_cache_bytes
 
 RATE = 24000  # the demo model's (CosyVoice2)
 TEXT = "Warning: line three is overheating. Check the pump."
@@ -326,8 +326,7 @@ def test_unload_after_releases_the_engine_and_loads_it_on_use(tmp_path: Path) ->
 
 def _cache_bytes(srv: WyomingServer) -> float:
     with srv.http.client() as c:
-        metrics = c.get("/metrics").text
-    return float(next(x for x in metrics.splitlines() if x.startswith("cosyvoice_prompt_cache_bytes")).split()[-1])
+        return prompt_cache_bytes(c)
 
 
 def test_the_servers_step_count_reaches_wyoming(tmp_path: Path) -> None:
