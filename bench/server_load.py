@@ -2,6 +2,7 @@
 
     python bench/server_load.py batching [-m MODEL_DIR] [--concurrency 1,4,8] [--requests 16] [--json OUT]
     python bench/server_load.py soak [-m MODEL_DIR] [--requests 2000] [--concurrency 4] [--json OUT]
+    python bench/server_load.py latency [-m MODEL_DIR] [--requests 20] [--idle 0,10] [--json OUT]
 
 ``batching``: the same requests (streamed pcm, one sentence, distinct seeds) sent serially and with N in flight,
 to a server with the LM scheduler and, in the same run, to one without it (``--lm-batch-rows 0``: concurrent
@@ -9,15 +10,24 @@ requests then decode their LM steps separately). Reports sentences/s and ratios 
 
 ``soak``: many requests at a fixed concurrency; the server's RSS (``/health``) is sampled every ``--every``
 requests. Growth is measured from the end of the warm-up (the first 10 %) to the end; the curve is written to
-the JSON. The default model is the packaged tiny demo model; pass ``-m`` for a full-size export.
+the JSON.
+
+``latency``: what a voice assistant's user waits for: one short sentence (the guide's 8 characters) streamed at a
+time, each after ``--idle`` seconds with nothing to do (a list: the gaps take turns, request by request, so the
+machine's drift falls on each alike). Reports the first audio's median, 90th percentile and worst per gap, and
+every value in the JSON: the tail, not only the median, is what a user hears as "sometimes it hesitates".
+
+The default model is the packaged tiny demo model; pass ``-m`` for a full-size export.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -26,6 +36,7 @@ from pathlib import Path
 
 import httpx
 
+from cosyvoice_cpu.benchmark.tasks import SHORT_TEXT
 from cosyvoice_cpu.cli.speech import DEMO_MODEL, _tone_wav
 from cosyvoice_cpu.server.process import ServerProcess
 
@@ -146,6 +157,38 @@ def soak(args: argparse.Namespace) -> dict:
     }
 
 
+def quantile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (nearest rank: a value that was measured, never interpolated)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def latency(args: argparse.Namespace) -> dict:
+    firsts: dict[float, list[float]] = {gap: [] for gap in args.idle}
+    with tempfile.TemporaryDirectory() as voices:
+        server = ServerProcess.start(args.model, Path(voices), "--threads", str(args.threads), timeout=STARTUP_S)
+        try:
+            ensure_voice(server.url)
+            one(server.url, 999, SHORT_TEXT)  # warm-up: the voice's caches, the first call of each graph
+            for i in range(args.requests):
+                for gap in args.idle:
+                    time.sleep(gap)
+                    firsts[gap].append(round(one(server.url, i, SHORT_TEXT)["first"], 3))
+        finally:
+            server.stop()
+    rows = []
+    for gap, values in firsts.items():
+        row = {"idle_s": gap, "requests": len(values), "median_first_audio_s": statistics.median(values),
+               "p90_first_audio_s": quantile(values, 0.9), "worst_first_audio_s": max(values),
+               "first_audio_s": values}  # fmt: skip
+        rows.append(row)
+        print(f"after {gap:5.1f} s idle: first audio median {row['median_first_audio_s']:.3f} s, "
+              f"90th percentile {row['p90_first_audio_s']:.3f} s, worst {row['worst_first_audio_s']:.3f} s "
+              f"({len(values)} requests)")  # fmt: skip
+    return {"machine": platform.processor() or platform.machine(), "model": str(args.model), "text": SHORT_TEXT,
+            "threads": args.threads, "rows": rows}  # fmt: skip
+
+
 def _safe(url: str, seed: int) -> dict | None:
     try:
         return one(url, seed, "Pump three is hot." if seed % 2 else TEXT)
@@ -154,20 +197,26 @@ def _safe(url: str, seed: int) -> dict | None:
         return None
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["batching", "soak"])
+    p.add_argument("mode", choices=["batching", "soak", "latency"])
     p.add_argument("-m", "--model", type=Path, default=DEMO_MODEL)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--concurrency", default=None, help="batching: list (default 1,4,8); soak: one number (4)")
-    p.add_argument("--requests", type=int, default=None, help="batching: per level (16); soak: total (2000)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="batching: per level (16); soak: total (2000); latency: per idle gap (20)")  # fmt: skip
+    p.add_argument("--idle", default="0,10", help="latency: seconds idle before each request, a list taking turns")
     p.add_argument("--every", type=int, default=50, help="soak: RSS sample interval in requests")
     p.add_argument("--json", type=Path, help="write the results here")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.mode == "batching":
         args.concurrency = [int(x) for x in (args.concurrency or "1,4,8").split(",")]
         args.requests = args.requests or 16
         result = batching(args)
+    elif args.mode == "latency":
+        args.idle = [float(x) for x in args.idle.split(",")]
+        args.requests = args.requests or 20
+        result = latency(args)
     else:
         args.concurrency = int(args.concurrency or 4)
         args.requests = args.requests or 2000
@@ -177,6 +226,7 @@ def main() -> None:
         args.json.write_text(json.dumps(result, indent=1))
         if args.mode == "soak":
             plot_soak(result, args.json.with_suffix(".png"))
+    return result
 
 
 def plot_soak(result: dict, out: Path) -> None:

@@ -1,0 +1,39 @@
+"""``bench/server_load.py latency``, the first audio a voice assistant's user waits for after the server sat idle,
+run for a few requests against the demo model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "server_load.py"
+
+
+def _script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("server_load", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_quantile_is_a_measured_value_by_nearest_rank() -> None:
+    q = _script().quantile
+    assert q([float(v) for v in range(10, 0, -1)], 0.9) == 9.0
+    assert q([3.0], 0.9) == 3.0 and q([2.0, 1.0], 0.5) == 1.0 and q([2.0, 1.0], 1.0) == 2.0
+
+
+def test_idle_gaps_take_turns_against_a_real_server(tmp_path: Path) -> None:
+    out = tmp_path / "latency.json"
+    result = _script().main(["latency", "--requests", "3", "--idle", "0,0.5", "--json", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert [row["idle_s"] for row in result["rows"]] == [0.0, 0.5]
+    for row in result["rows"]:
+        values = row["first_audio_s"]
+        assert row["requests"] == len(values) == 3 and all(0 < v < 60 for v in values)
+        assert row["p90_first_audio_s"] in values and row["worst_first_audio_s"] == max(values)
+        assert min(values) <= row["median_first_audio_s"] <= row["worst_first_audio_s"]
