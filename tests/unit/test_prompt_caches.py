@@ -1,9 +1,12 @@
 """The voices' prompt-cache LRU (``flow.prompt_caches.PromptCaches``): bounded in bytes, a request's sentences share
-one cache even when the budget keeps none, and a budget too small for a voice says so once."""
+one cache even when the budget keeps none, requests at the same time share one build, and a budget too small for a
+voice says so once."""
 
 from __future__ import annotations
 
 import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,7 +72,9 @@ def test_a_request_builds_a_cache_the_budget_cannot_keep_once(caplog: pytest.Log
         request: dict = {}
         first = get(lru, voice, request)
         assert get(lru, voice, request) is first and kind.built == 1  # the request's next sentence
-        get(lru, voice, {})  # another request builds it again
+        assert get(lru, voice, {}) is first and kind.built == 1 and lru.shared == 1  # a request meanwhile shares it
+        del first, request  # those requests end: nothing holds the cache any more
+        get(lru, voice, {})  # the next request builds it again
         assert kind.built == 2 and lru.nbytes == 0
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1 and "alice" in warned[0] and "--prompt-cache-mb" in warned[0]  # once, with the fix
@@ -128,3 +133,53 @@ def test_a_cache_built_while_its_voice_was_dropped_is_not_kept() -> None:
     assert get(lru, old).nbytes == MIB and lru.nbytes == 0
     get(lru, new)  # built during another retain that keeps it: kept
     assert lru.nbytes == 2 * MIB
+
+
+def test_requests_at_the_same_time_wait_for_one_build() -> None:
+    """Four requests for a voice whose cache is not built yet (a new voice, or one the budget cannot keep) get one
+    build between them, not four copies: the first builds, the others wait for it."""
+    lru, kind = caches(0)  # kept by no LRU: only the requests hold it
+    release, started = threading.Event(), threading.Event()
+    build = kind.build
+
+    def slow_build(*args: object, **kw: object) -> FakeCache:
+        started.set()
+        assert release.wait(10)
+        return build(*args, **kw)
+
+    kind.build = slow_build  # type: ignore[method-assign]
+    voice = FakeVoice("v", MIB)
+    with ThreadPoolExecutor(4) as pool:
+        first = pool.submit(get, lru, voice, {})
+        assert started.wait(10)
+        others = [pool.submit(get, lru, voice, {}) for _ in range(3)]
+        release.set()
+        got = [f.result(10) for f in (first, *others)]
+    assert kind.built == 1 and all(c is got[0] for c in got) and lru.misses == 1
+
+
+def test_a_failed_build_leaves_the_waiting_request_to_build_its_own() -> None:
+    lru, kind = caches(0)
+    release, started = threading.Event(), threading.Event()
+    build = kind.build
+    calls = []
+
+    def failing_first(*args: object, **kw: object) -> FakeCache:
+        calls.append(1)
+        if len(calls) == 1:
+            started.set()
+            assert release.wait(10)
+            raise MemoryError("the first build fails")
+        return build(*args, **kw)
+
+    kind.build = failing_first  # type: ignore[method-assign]
+    voice = FakeVoice("v", MIB)
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(get, lru, voice, {})
+        assert started.wait(10)
+        second = pool.submit(get, lru, voice, {})
+        release.set()
+        with pytest.raises(MemoryError):
+            first.result(10)
+        assert second.result(10).nbytes == MIB
+    assert len(calls) == 2 and not lru._building

@@ -6,13 +6,15 @@ Building them costs one flow solve over the prompt frames; keeping them costs ``
 values (a 3 s prompt with the full-size CosyVoice2 at 10 steps with CFG: 172 MB in float32, 87 MB in the float16 the
 int8 models keep). :class:`PromptCaches` is a thread-safe LRU bounded in bytes: a server with a few hot voices pays the
 prompt once per voice; a lone edge box short of memory can set the budget to 0 (``serve --prompt-cache-mb 0``: built
-per request, before its first audio; the cost measured: docs/server.md).
+per request, before its first audio, and shared by the requests that run at the same time; the cost measured:
+docs/server.md).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Collection
 from typing import Protocol
@@ -68,7 +70,9 @@ class PromptCaches:
 
     ``kind`` is the family's cache class (:class:`PromptCacheKind`); ``dtype`` is the storage type of the cached
     activations (float32, or float16 for half the memory). A request passes its own :data:`RequestCaches` to
-    :meth:`get`, so a cache the budget cannot keep is still built once per request, not once per sentence.
+    :meth:`get`, so a cache the budget cannot keep is still built once per request, not once per sentence; and a
+    cache a running request holds is shared with every request that asks for it meanwhile (one build, one copy per
+    voice and setting in use, whatever the budget), requests that ask while it is being built waiting for that build.
     """
 
     def __init__(
@@ -83,7 +87,12 @@ class PromptCaches:
         self._too_big: set[str] = set()  # voice fingerprints warned about (once a voice)
         self._retains = 0  # how many times retain() ran: a build that overlapped one checks its voice is still kept
         self._kept: set[str] = set()  # the fingerprints the last retain() kept
-        self.hits = self.misses = 0
+        # every cache a request still holds (weakly: a cache goes when its last request ends and the LRU has let it
+        # go), so a request never builds a second copy of one in use; and the builds under way, which a request
+        # for the same cache waits for instead of building its own
+        self._in_use: weakref.WeakValueDictionary[CacheKey, PromptCache] = weakref.WeakValueDictionary()
+        self._building: dict[CacheKey, threading.Event] = {}
+        self.hits = self.misses = self.shared = 0
 
     @property
     def nbytes(self) -> int:
@@ -128,23 +137,41 @@ class PromptCaches:
         return cache
 
     def _get(self, key: CacheKey, voice: PromptVoice, steps: int, cfg_rate: float) -> PromptCache:
-        with self._lock:
-            cache = self._items.get(key)
-            if cache is not None:
-                self._items.move_to_end(key)
-                self.hits += 1
-                return cache
-            self.misses += 1
-            retains = self._retains
-        cache = self.kind.build(
-            self.stage, voice.speech_tokens, voice.mel, voice.embedding, steps, cfg_rate, dtype=self.dtype
-        )
-        if cache.nbytes > self.budget:  # too big to keep: this request uses it, the next one builds it again
+        while True:
+            with self._lock:
+                cache = self._items.get(key)
+                if cache is not None:
+                    self._items.move_to_end(key)
+                    self.hits += 1
+                    return cache
+                cache = self._in_use.get(key)
+                if cache is not None:  # out of the LRU (or never in it) but a running request holds it: share it
+                    self.shared += 1
+                    return cache
+                building = self._building.get(key)
+                if building is None:
+                    building = self._building[key] = threading.Event()
+                    self.misses += 1
+                    retains = self._retains
+                    break
+            building.wait()  # another request is building this one: take theirs (or build it if theirs failed)
+        try:
+            cache = self.kind.build(
+                self.stage, voice.speech_tokens, voice.mel, voice.embedding, steps, cfg_rate, dtype=self.dtype
+            )
+            with self._lock:
+                self._in_use[key] = cache
+        finally:
+            with self._lock:
+                del self._building[key]
+            building.set()
+        if cache.nbytes > self.budget:  # too big to keep: the requests using it share it, a later one builds it again
             if self.budget and voice.fingerprint not in self._too_big:  # a budget of 0 keeps none by choice
                 self._too_big.add(voice.fingerprint)
                 logger.warning(
                     "the streaming cache of voice %r (%.0f MiB) exceeds the prompt cache budget (%.0f MiB): built "
-                    "again for every request; raise --prompt-cache-mb to keep it",
+                    "again for every request that finds no running request holding it; raise --prompt-cache-mb to "
+                    "keep it",
                     voice.name,
                     cache.nbytes / 2**20,
                     self.budget / 2**20,
