@@ -27,7 +27,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -165,6 +164,7 @@ def quantile(values: list[float], q: float) -> float:
 
 def latency(args: argparse.Namespace) -> dict:
     firsts: dict[float, list[float]] = {gap: [] for gap in args.idle}
+    failed: dict[float, int] = dict.fromkeys(args.idle, 0)  # refused (random weights: "no speech") or no audio
     with tempfile.TemporaryDirectory() as voices:
         server = ServerProcess.start(args.model, Path(voices), "--threads", str(args.threads), timeout=STARTUP_S)
         try:
@@ -173,12 +173,23 @@ def latency(args: argparse.Namespace) -> dict:
             for i in range(args.requests):
                 for gap in args.idle:
                     time.sleep(gap)
-                    firsts[gap].append(round(one(server.url, i, SHORT_TEXT)["first"], 3))
+                    try:
+                        r = one(server.url, i, SHORT_TEXT)
+                    except httpx.HTTPError as e:
+                        print(f"request {i} after {gap} s idle failed: {e}", file=sys.stderr)
+                        r = {"audio": 0.0}
+                    if r["audio"] > 0:
+                        firsts[gap].append(round(r["first"], 3))
+                    else:
+                        failed[gap] += 1
         finally:
             server.stop()
     rows = []
     for gap, values in firsts.items():
-        row = {"idle_s": gap, "requests": len(values), "median_first_audio_s": statistics.median(values),
+        if not values:
+            raise SystemExit(f"no request after {gap} s idle gave audio ({failed[gap]} failed)")
+        row = {"idle_s": gap, "requests": len(values), "failed": failed[gap],
+               "median_first_audio_s": quantile(values, 0.5),
                "p90_first_audio_s": quantile(values, 0.9), "worst_first_audio_s": max(values),
                "first_audio_s": values}  # fmt: skip
         rows.append(row)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 import httpx
 import pytest
@@ -14,6 +17,7 @@ from cosyvoice_cpu.cli.speech import DEMO_MODEL, _tone_wav
 from cosyvoice_cpu.server.process import ServerProcess
 
 VOICE = "demo"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 PROMPT_TEXT = "Good morning everyone."
 
 
@@ -109,3 +113,13 @@ def wyoming_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wyoming
         yield WyomingServer(srv, port)
     finally:
         srv.stop()
+
+
+def bench_script(name: str) -> ModuleType:
+    """``bench/NAME.py`` loaded as module ``name`` (registered in ``sys.modules``: its dataclasses look it up)."""
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -3,22 +3,15 @@ run for a few requests against the demo model."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "server_load.py"
+from .conftest import bench_script
 
 
 def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("server_load", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("server_load")
 
 
 def test_the_quantile_is_a_measured_value_by_nearest_rank() -> None:
@@ -34,6 +27,7 @@ def test_idle_gaps_take_turns_against_a_real_server(tmp_path: Path) -> None:
     assert [row["idle_s"] for row in result["rows"]] == [0.0, 0.5]
     for row in result["rows"]:
         values = row["first_audio_s"]
-        assert row["requests"] == len(values) == 3 and all(0 < v < 60 for v in values)
+        assert row["requests"] == len(values) >= 2 and row["requests"] + row["failed"] == 3
+        assert all(0 < v < 60 for v in values)
         assert row["p90_first_audio_s"] in values and row["worst_first_audio_s"] == max(values)
         assert min(values) <= row["median_first_audio_s"] <= row["worst_first_audio_s"]

@@ -4,24 +4,17 @@ fails."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "server_mix.py"
+from .conftest import bench_script
 
 
 def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("server_mix", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("server_mix")
 
 
 def test_every_kind_meets_every_text_and_the_voices_take_turns() -> None:

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from cosyvoice_cpu.flow import prompt_caches
 from cosyvoice_cpu.flow.prompt_caches import PromptCaches
 
 MIB = 1 << 20
@@ -135,39 +138,88 @@ def test_a_cache_built_while_its_voice_was_dropped_is_not_kept() -> None:
     assert lru.nbytes == 2 * MIB
 
 
-def test_requests_at_the_same_time_wait_for_one_build() -> None:
+def test_a_cache_the_budget_let_go_while_a_request_held_it_is_shared_and_kept_again() -> None:
+    lru, kind = caches(2)
+    a, b, c = FakeVoice("a", MIB), FakeVoice("b", MIB), FakeVoice("c", MIB)
+    request: dict = {}
+    held = get(lru, a, request)
+    get(lru, b)
+    get(lru, c)  # 3 MiB > 2: a leaves the LRU, but the request still holds it
+    assert lru.nbytes == 2 * MIB
+    assert get(lru, a, {}) is held and kind.built == 3 and lru.shared == 1  # another request: shared, not rebuilt
+    del held, request
+    get(lru, a)  # back in the LRU as its most recent (b went): still no build
+    assert kind.built == 3 and lru.nbytes == 2 * MIB
+    get(lru, b)
+    assert kind.built == 4
+
+
+def test_a_dropped_voices_cache_a_request_holds_is_shared_but_not_kept_again() -> None:
+    lru, kind = caches(16)
+    voice = FakeVoice("old", MIB)
+    held = get(lru, voice, {})
+    lru.retain([])  # the voice is deleted while a request still speaks with it
+    assert get(lru, voice, {}) is held and kind.built == 1  # a request that looked it up before: the same cache
+    assert lru.nbytes == 0
+
+
+class CountingEvent(threading.Event):
+    """An event that counts the threads waiting on it (every event the LRU makes, in these tests)."""
+
+    waiting = 0
+    lock = threading.Lock()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        with CountingEvent.lock:
+            CountingEvent.waiting += 1
+        return super().wait(timeout)
+
+
+def _until(condition: object, seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def counted_waits(monkeypatch: pytest.MonkeyPatch) -> type[CountingEvent]:
+    monkeypatch.setattr(prompt_caches, "threading", SimpleNamespace(Event=CountingEvent, Lock=threading.Lock))
+    CountingEvent.waiting = 0
+    return CountingEvent
+
+
+def test_requests_at_the_same_time_wait_for_one_build(counted_waits: type[CountingEvent]) -> None:
     """Four requests for a voice whose cache is not built yet (a new voice, or one the budget cannot keep) get one
     build between them, not four copies: the first builds, the others wait for it."""
     lru, kind = caches(0)  # kept by no LRU: only the requests hold it
-    release, started = threading.Event(), threading.Event()
+    release = threading.Event()
     build = kind.build
 
     def slow_build(*args: object, **kw: object) -> FakeCache:
-        started.set()
         assert release.wait(10)
         return build(*args, **kw)
 
     kind.build = slow_build  # type: ignore[method-assign]
     voice = FakeVoice("v", MIB)
     with ThreadPoolExecutor(4) as pool:
-        first = pool.submit(get, lru, voice, {})
-        assert started.wait(10)
-        others = [pool.submit(get, lru, voice, {}) for _ in range(3)]
+        futures = [pool.submit(get, lru, voice, {}) for _ in range(4)]
+        _until(lambda: counted_waits.waiting == 3)  # three wait on the build; the first is in it
         release.set()
-        got = [f.result(10) for f in (first, *others)]
-    assert kind.built == 1 and all(c is got[0] for c in got) and lru.misses == 1
+        got = [f.result(10) for f in futures]
+    assert kind.built == 1 and all(c is got[0] for c in got)
+    assert lru.misses == 1 and lru.shared == 3
 
 
-def test_a_failed_build_leaves_the_waiting_request_to_build_its_own() -> None:
+def test_a_failed_build_leaves_the_waiting_request_to_build_its_own(counted_waits: type[CountingEvent]) -> None:
     lru, kind = caches(0)
-    release, started = threading.Event(), threading.Event()
+    release = threading.Event()
     build = kind.build
     calls = []
 
     def failing_first(*args: object, **kw: object) -> FakeCache:
         calls.append(1)
         if len(calls) == 1:
-            started.set()
             assert release.wait(10)
             raise MemoryError("the first build fails")
         return build(*args, **kw)
@@ -176,10 +228,11 @@ def test_a_failed_build_leaves_the_waiting_request_to_build_its_own() -> None:
     voice = FakeVoice("v", MIB)
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(get, lru, voice, {})
-        assert started.wait(10)
+        _until(lambda: len(calls) == 1)
         second = pool.submit(get, lru, voice, {})
+        _until(lambda: counted_waits.waiting == 1)  # the second request waits on the first's build
         release.set()
         with pytest.raises(MemoryError):
             first.result(10)
         assert second.result(10).nbytes == MIB
-    assert len(calls) == 2 and not lru._building
+    assert len(calls) == 2 and lru.misses == 2 and not lru._building

@@ -147,6 +147,8 @@ class PromptCaches:
                 cache = self._in_use.get(key)
                 if cache is not None:  # out of the LRU (or never in it) but a running request holds it: share it
                     self.shared += 1
+                    if cache.nbytes <= self.budget and (not self._retains or key[0] in self._kept):
+                        self._keep(key, cache)  # in use again: the LRU's most recent (never a dropped voice's)
                     return cache
                 building = self._building.get(key)
                 if building is None:
@@ -180,13 +182,17 @@ class PromptCaches:
         with self._lock:
             if self._retains != retains and key[0] not in self._kept:  # its voice was dropped while it was built
                 return cache
-            self._items[key] = cache
-            self._items.move_to_end(key)
-            total = sum(c.nbytes for c in self._items.values())
-            while total > self.budget and len(self._items) > 1:
-                _, old = self._items.popitem(last=False)
-                total -= old.nbytes
+            self._keep(key, cache)
         logger.info(
             "prompt cache for voice %r (%d steps, cfg %.2f): %.0f MB", voice.name, steps, cfg_rate, cache.nbytes / 1e6
         )
         return cache
+
+    def _keep(self, key: CacheKey, cache: PromptCache) -> None:
+        """Make ``cache`` the LRU's most recent and drop the least recent past the budget (call with the lock)."""
+        self._items[key] = cache
+        self._items.move_to_end(key)
+        total = sum(c.nbytes for c in self._items.values())
+        while total > self.budget and len(self._items) > 1:
+            _, old = self._items.popitem(last=False)
+            total -= old.nbytes
