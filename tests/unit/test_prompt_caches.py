@@ -93,6 +93,19 @@ def test_a_budget_of_zero_keeps_none_without_warning(caplog: pytest.LogCaptureFi
     assert kind.built == 2 and lru.nbytes == 0 and not caplog.records
 
 
+def test_held_bytes_count_the_caches_only_running_requests_hold() -> None:
+    """``nbytes`` is what the budget keeps; ``held_nbytes`` (``/metrics``' held gauge) every cache in memory."""
+    lru, _ = caches(2)
+    big, small = FakeVoice("big", 3 * MIB), FakeVoice("small", MIB)
+    request: dict = {}
+    held = get(lru, big, request)  # too big to keep: only the request holds it
+    get(lru, small)
+    assert lru.nbytes == MIB and lru.held_nbytes == 4 * MIB
+    assert get(lru, big, {}) is held and lru.held_nbytes == 4 * MIB  # shared: counted once
+    del held, request  # the request ends
+    assert lru.nbytes == lru.held_nbytes == MIB
+
+
 def test_a_request_still_using_a_voice_keeps_it_recent() -> None:
     lru, kind = caches(2)
     a, b = FakeVoice("a", MIB), FakeVoice("b", MIB)

@@ -96,8 +96,18 @@ class PromptCaches:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the LRU keeps (at most ``budget``)."""
         with self._lock:
             return sum(c.nbytes for c in self._items.values())
+
+    @property
+    def held_nbytes(self) -> int:
+        """Bytes of every cache in memory: those the LRU keeps and those only running requests still hold (a
+        cache too big for the budget, one the budget let go, a dropped voice's). Requests holding a cache share it,
+        so this counts each cache once; a cache from before a replaced voice's ``retain`` counts until its requests
+        end."""
+        with self._lock:
+            return sum(c.nbytes for c in list(self._in_use.values()))
 
     def retain(self, fingerprints: Collection[str]) -> int:
         """Drop the caches of every voice whose fingerprint is not in ``fingerprints`` (the voices still served);

@@ -73,9 +73,17 @@ def create_app(engine: SpeechEngine, settings: ServerSettings, replica: ReplicaI
         scheduler = engine.scheduler
         return 0 if scheduler is None else scheduler.active
 
+    def held_cache_bytes() -> float:
+        caches = engine.prompt_caches
+        return 0 if caches is None else caches.held_nbytes
+
     m.gauges["cosyvoice_prompt_cache_bytes"] = (
-        "Memory of the voices' streaming caches (bounded by --prompt-cache-mb).",
+        "Memory of the voices' streaming caches the budget keeps (bounded by --prompt-cache-mb).",
         cache_bytes,
+    )
+    m.gauges["cosyvoice_prompt_cache_held_bytes"] = (
+        "Memory of every voice streaming cache in memory: the kept ones and those only running requests hold.",
+        held_cache_bytes,
     )
     m.gauges["cosyvoice_lm_rows_active"] = (
         "LM batch rows held by requests (a text stream waiting for text holds one).",
