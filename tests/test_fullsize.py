@@ -9,7 +9,6 @@ CI machine's disk (docs/benchmarks-log.md, "2026-12-04 (night)").
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import sys
@@ -18,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from tests.repo_scripts import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
 
 PROBE = """
 import sys, json
@@ -54,9 +53,7 @@ def test_full_fixture_matches_released_parameter_counts(full_model_dir: Path) ->
     from tests.parity.official import official
 
     official("cosyvoice.llm.llm")  # skip locally / fail in CI when the official code is absent
-    spec = importlib.util.spec_from_file_location("fullsize_check", ROOT / "bench" / "fullsize_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("bench/fullsize_check.py")
     report = mod.main(["--dir", str(full_model_dir), "--official"])
     for who in ("ours", "official"):
         for key, released in mod.RELEASED_M.items():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -11,14 +10,11 @@ from cosyvoice_cpu.cli.speech import DEMO_MODEL, _tone_wav
 from cosyvoice_cpu.config import SynthesisConfig
 from cosyvoice_cpu.engine import Engine
 from cosyvoice_cpu.manifest import Manifest
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.repo_scripts import load_script
 
 
 def test_packaged_demo_model_matches_a_fresh_export(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("make_demo_model", ROOT / "scripts" / "make_demo_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("scripts/make_demo_model.py")
     fresh = mod.build(tmp_path / "demo")
     shipped, new = Manifest.load(DEMO_MODEL), Manifest.load(fresh)
     assert shipped.recipe == new.recipe and shipped.lm == new.lm and shipped.flow == new.flow

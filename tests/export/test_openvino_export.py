@@ -25,6 +25,7 @@ from cosyvoice_cpu.engine import Engine
 from cosyvoice_cpu.hardware.cpu import detect
 from cosyvoice_cpu.manifest import Manifest
 from cosyvoice_cpu.workshop.exporter import ExportOptions, export_model
+from tests.repo_scripts import load_script
 
 
 @pytest.fixture(scope="module")
@@ -230,16 +231,13 @@ def test_only_layers_on_a_data_path_from_the_inputs_are_kept_out_of_int8() -> No
 
 
 def test_the_estimator_forms_probe_counts_the_work_and_times_every_form(ov_int8_dir: Path, tmp_path: Path) -> None:
-    import importlib.util
     import json
 
     import openvino as ov
     import openvino.opset13 as ops
 
     script = Path(__file__).resolve().parents[2] / "bench" / "ov_estimator_forms.py"
-    spec = importlib.util.spec_from_file_location("bench_ov_forms", script)
-    forms = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(forms)
+    forms = load_script("bench/ov_estimator_forms.py")
     x = ops.parameter([2, 10, 8], np.float32, name="x")
     y = ops.matmul(x, ops.convert(ops.constant(np.ones((8, 4), np.float16)), "f32"), False, False)  # weights
     att = ops.matmul(x, ops.transpose(x, ops.constant([0, 2, 1])), False, False)  # activation x activation

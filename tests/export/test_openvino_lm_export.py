@@ -18,6 +18,7 @@ from cosyvoice_cpu.export.openvino_lm import agreement_line
 from cosyvoice_cpu.manifest import Manifest
 from cosyvoice_cpu.workshop.export_stages import wants_openvino_lm
 from cosyvoice_cpu.workshop.exporter import ExportOptions
+from tests.repo_scripts import load_script
 
 
 def test_the_openvino_export_lists_the_stateful_lm_with_its_agreement(tiny_ov_export_dir: Path) -> None:
@@ -136,7 +137,6 @@ def test_the_lm_probe_compares_the_forms_of_a_fun_cosyvoice3_lm(
     """``bench/ov_lm_probe.py`` (the tool behind docs/quantization.md's LM rows) prepares a Fun-CosyVoice3 LM, whose
     reference and head differ from CosyVoice2's, and runs every form on it; greedy tokens come from the speech
     table's rows; a WORK of another fixture and a CosyVoice-300M fixture are refused."""
-    import importlib.util
     import json
     import subprocess
     import sys
@@ -163,9 +163,7 @@ def test_the_lm_probe_compares_the_forms_of_a_fun_cosyvoice3_lm(
         ("ort-int8w", 2),
         ("rt-ov-int4", 2),
     ]
-    spec = importlib.util.spec_from_file_location("ov_lm_probe", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("bench/ov_lm_probe.py")
     prompts = module.Prompts(work, attrs)
     logp = np.zeros((2, attrs["speech_vocab"]), np.float32)
     logp[0, attrs["speech_rows"] + 1], logp[0, 5], logp[1, 7] = 3.0, 2.0, 1.0  # row 0's best is a stop id

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-PEER = Path(__file__).resolve().parents[2] / "bench" / "peer.py"
+from tests.repo_scripts import load_script
+
 TOKENS = 20
 FIELDS = ("impl", "threads", "tokens", "audio_s", "torch_version", "machine", "build_s", "lm_prefill_s",
           "lm_decode_tok_s", "lm_total_s", "flow_s", "flow_ms_per_step", "hift_s", "e2e_s", "rtf", "peak_rss_mb",
@@ -20,12 +19,7 @@ TIMES = ("build_s", "lm_prefill_s", "lm_decode_tok_s", "lm_total_s", "flow_s", "
 
 def _peer_module():
     """bench/ is not a package: load the script as a module (it does no work at import)."""
-    if "bench_peer" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("bench_peer", PEER)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["bench_peer"] = mod  # dataclasses resolve their module through sys.modules
-        spec.loader.exec_module(mod)
-    return sys.modules["bench_peer"]
+    return load_script("bench/peer.py")
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,9 +13,9 @@ import pytest
 
 from cosyvoice_cpu.cli.speech import DEMO_MODEL, _tone_wav
 from cosyvoice_cpu.server.process import ServerProcess
+from tests.repo_scripts import load_script
 
 VOICE = "demo"
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 PROMPT_TEXT = "Good morning everyone."
 
 
@@ -116,10 +114,5 @@ def wyoming_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wyoming
 
 
 def bench_script(name: str) -> ModuleType:
-    """``bench/NAME.py`` loaded as module ``name`` (registered in ``sys.modules``: its dataclasses look it up)."""
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    """``bench/NAME.py`` loaded as a module (:func:`tests.repo_scripts.load_script`)."""
+    return load_script(f"bench/{name}.py")

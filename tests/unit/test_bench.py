@@ -11,6 +11,7 @@ import pytest
 from cosyvoice_cpu.cli.main import main
 from cosyvoice_cpu.config import SynthesisConfig
 from cosyvoice_cpu.errors import ConfigError
+from tests.repo_scripts import load_script
 
 
 def test_forced_token_count_gives_exact_lengths(tiny_export_dir: Path, tmp_path: Path) -> None:
@@ -290,15 +291,10 @@ def test_the_chunk_plan_probe_labels_each_row_with_the_call_that_made_it(
     """``chunk_plan_ab.py --steps 10,5 --backend onnxruntime,auto``: every engine is loaded on its backend, warmed
     once per step count, and each row's figures come from the calls of its own step count and engine (the fake
     listener encodes both in the RTF it reports)."""
-    import importlib.util
     import sys
     from types import SimpleNamespace
 
-    script = Path(__file__).resolve().parents[2] / "bench" / "chunk_plan_ab.py"
-    spec = importlib.util.spec_from_file_location("chunk_plan_ab", script)
-    assert spec is not None and spec.loader is not None
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = load_script("bench/chunk_plan_ab.py")
     calls: list[tuple[str, int]] = []
 
     def load(model_dir: Path, threads: int, voice_seconds: float, backend: str) -> tuple[object, object]:
