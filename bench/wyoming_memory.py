@@ -109,7 +109,8 @@ def main() -> int:
     p.add_argument("--unload-after", type=float, default=5.0)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    out: dict[str, Any] = {"model": str(args.model), "threads": args.threads, "cpu": cpu_name()}
+    out: dict[str, Any] = {"model": str(args.model), "threads": args.threads, "cpu": cpu_name(),
+                           "unload_after_s": args.unload_after}  # fmt: skip
     out["cores"] = os.cpu_count()
     root = Path(tempfile.mkdtemp(prefix="wyoming-bench-"))
     threads = ("--threads", str(args.threads))

@@ -17,7 +17,8 @@ def load_script(path: str) -> ModuleType:
     file = ROOT / path
     name = file.stem
     loaded = sys.modules.get(name)
-    if loaded is not None and Path(getattr(loaded, "__file__", "")) == file:
+    if loaded is not None:
+        assert Path(getattr(loaded, "__file__", "") or "") == file, f"{name!r} is already the module {loaded!r}"
         return loaded
     spec = importlib.util.spec_from_file_location(name, file)
     assert spec is not None and spec.loader is not None, f"{file} is not a Python file"

@@ -71,8 +71,8 @@ def test_a_cache_only_a_running_request_holds_is_counted_as_held(tmp_path: Path)
             ws.send(json.dumps({"type": "start", "model": "tts-1", "voice": "demo", "seed": 1}))
             text = "The pump on line three is running hot, and the cooling water is low. Please check it now. "
             ws.send(json.dumps({"type": "text", "text": text}))
-            while not isinstance(ws.recv(timeout=25), bytes):  # the text speaks, the stream stays open for more
-                pass
+            while not isinstance(m := ws.recv(timeout=60), bytes):  # the text speaks, the stream stays open
+                assert json.loads(m)["type"] == "started", m  # not done, not an error
             metrics = c.get("/metrics").text
             assert gauge(metrics, "cosyvoice_prompt_cache_bytes") == 0
             assert gauge(metrics, "cosyvoice_prompt_cache_held_bytes") > 0

@@ -106,8 +106,8 @@ class PromptCaches:
         cache too big for the budget, one the budget let go, a dropped voice's). Requests holding a cache share it,
         so this counts each cache once; a cache from before a replaced voice's ``retain`` counts until its requests
         end."""
-        with self._lock:
-            return sum(c.nbytes for c in list(self._in_use.values()))
+        with self._lock:  # valuerefs() copies at once: a request ending meanwhile cannot resize it mid-count
+            return sum(c.nbytes for ref in self._in_use.valuerefs() if (c := ref()) is not None)
 
     def retain(self, fingerprints: Collection[str]) -> int:
         """Drop the caches of every voice whose fingerprint is not in ``fingerprints`` (the voices still served);
