@@ -236,8 +236,8 @@ def test_the_estimator_forms_probe_counts_the_work_and_times_every_form(ov_int8_
     import openvino as ov
     import openvino.opset13 as ops
 
-    script = Path(__file__).resolve().parents[2] / "bench" / "ov_estimator_forms.py"
     forms = load_script("bench/ov_estimator_forms.py")
+    script = Path(forms.__file__)
     x = ops.parameter([2, 10, 8], np.float32, name="x")
     y = ops.matmul(x, ops.convert(ops.constant(np.ones((8, 4), np.float16)), "f32"), False, False)  # weights
     att = ops.matmul(x, ops.transpose(x, ops.constant([0, 2, 1])), False, False)  # activation x activation

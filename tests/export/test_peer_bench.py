@@ -16,10 +16,7 @@ FIELDS = ("impl", "threads", "tokens", "audio_s", "torch_version", "machine", "b
           "rss_after")  # fmt: skip
 TIMES = ("build_s", "lm_prefill_s", "lm_decode_tok_s", "lm_total_s", "flow_s", "flow_ms_per_step", "hift_s", "e2e_s")
 
-
-def _peer_module():
-    """bench/ is not a package: load the script as a module (it does no work at import)."""
-    return load_script("bench/peer.py")
+PEER = "bench/peer.py"  # not a package: loaded as a module (it does no work at import)
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +24,7 @@ def results(tiny_model_dir) -> dict[str, dict]:
     """Both implementations' JSON on the tiny fixture, each from its own subprocess."""
     if importlib.util.find_spec("cosyvoice") is None:
         pytest.skip("official CosyVoice code not installed (token2wav-cosyvoice); run scripts/install.sh --dev")
-    peer = _peer_module()
+    peer = load_script(PEER)
     return {impl: peer.run_peer(tiny_model_dir, impl, threads=1, tokens=TOKENS, seed=0, timeout=120)
             for impl in peer.IMPLS}  # fmt: skip
 
@@ -58,7 +55,7 @@ def test_exact_ratio_forces_length() -> None:
     """int(n_text * ratio) is exactly the wanted count, in float64 and in float32 (official tensor math)."""
     import torch
 
-    ratio = _peer_module().exact_ratio
+    ratio = load_script(PEER).exact_ratio
     for n_text in (1, 7, 40, 41):
         for tokens in (1, 20, 30, 249, 250, 251, 500, 1000):
             r = ratio(tokens, n_text)

@@ -6,14 +6,12 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 
 import httpx
 import pytest
 
 from cosyvoice_cpu.cli.speech import DEMO_MODEL, _tone_wav
 from cosyvoice_cpu.server.process import ServerProcess
-from tests.repo_scripts import load_script
 
 VOICE = "demo"
 PROMPT_TEXT = "Good morning everyone."
@@ -111,8 +109,3 @@ def wyoming_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wyoming
         yield WyomingServer(srv, port)
     finally:
         srv.stop()
-
-
-def bench_script(name: str) -> ModuleType:
-    """``bench/NAME.py`` loaded as a module (:func:`tests.repo_scripts.load_script`)."""
-    return load_script(f"bench/{name}.py")

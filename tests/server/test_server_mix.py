@@ -6,19 +6,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-from .conftest import bench_script
+from tests.repo_scripts import load_script
 
-
-def _script() -> ModuleType:
-    return bench_script("server_mix")
+SCRIPT = "bench/server_mix.py"
 
 
 def test_every_kind_meets_every_text_and_the_voices_take_turns() -> None:
-    mix = _script()
+    mix = load_script(SCRIPT)
     n = len(mix.KINDS) * len(mix.TEXTS)
     actions = [mix.action(i, 3) for i in range(n)]
     assert {(a.kind, a.text) for a in actions} == {(k, t) for k in mix.KINDS for t in mix.TEXTS}
@@ -27,7 +24,7 @@ def test_every_kind_meets_every_text_and_the_voices_take_turns() -> None:
 
 def test_a_short_mix_against_a_real_server(tmp_path: Path) -> None:
     pytest.importorskip("wyoming")
-    mix = _script()
+    mix = load_script(SCRIPT)
     out = tmp_path / "mix.json"
     log = tmp_path / "server.log"
     result = mix.main(["--requests", "15", "--every", "5", "--voices", "2", "--wyoming", "--json", str(out),
