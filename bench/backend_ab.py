@@ -1,50 +1,101 @@
-"""The engine on ONNX Runtime against the engine with the plan's OpenVINO graphs, measured side by side.
+"""The engine under two (or more) backend plans, measured side by side in one process.
 
-    python bench/backend_ab.py MODEL_DIR [--threads 2] [--runs 4] [--tokens 250]
+    python bench/backend_ab.py MODEL_DIR [--backends onnxruntime,openvino] [--measure e2e[,lm,first,stream]] \
+        [--threads 2] [--runs 4] [--tokens 250] [--compiled-shapes N]
 
 ``cosyvoice-cpu bench --backend onnxruntime,openvino`` runs each backend in its own process one after the other
-(so each has its own peak RSS), which on a shared, noisy machine can put the two under different loads. Here both
-engines are loaded in one process and take turns on the bench workload (the registered 3 s voice, a sentence
-forced to ``--tokens`` tokens, by default 10 s of audio; default quality; each measurement after its own warm-up
-run), so their ratio is measured under the same load. Prints per backend the median flow RTF, end-to-end RTF and
-flow ms per Euler step, and every run's flow RTF. Memory is not compared here (one process holds both).
+(so each has its own peak RSS), which on a shared, noisy machine can put the two under different loads. Here the
+engines of ``--backends`` (plans: ``auto``, ``onnxruntime``, ``openvino``) are loaded in one process and take turns
+on the bench workload (the registered 3 s voice, a sentence forced to ``--tokens`` tokens, by default 10 s of
+audio; default quality; each measurement after its own warm-up run), so their ratio is measured under the same
+load. ``auto,openvino`` on a directory with an int8 ``lm_ov`` compares the LM on ONNX Runtime and on OpenVINO with
+the same estimator. Each run measures, per ``--measure``:
+
+- ``e2e``: a whole sentence: flow RTF, end-to-end RTF, flow ms per Euler step;
+- ``lm``: the LM alone (the bench's ``measure_lm``): prefill seconds (after the voice's prefix) and decode tokens/s;
+- ``first``: the 8-character sentence streamed (``--short-tokens``): seconds to its first audio;
+- ``stream``: the 10 s sentence streamed: first audio and the streamed RTF.
+
+Prints per backend the medians with the ratio to the first backend (> 1: faster), and every run. Memory is not
+compared here (one process holds all the engines).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 from cosyvoice_cpu.backends.plan import describe
-from cosyvoice_cpu.benchmark.tasks import alternate, load, measure_e2e
+from cosyvoice_cpu.benchmark.tasks import SHORT_TEXT, TEXT, _config, alternate, listen, load, measure_e2e, measure_lm
 from cosyvoice_cpu.manifest import Manifest
+
+# measure -> (the keys printed, whether a larger value is better)
+KEYS = {
+    "e2e": (("flow_rtf", False), ("rtf", False), ("flow_ms_per_step", False)),
+    "lm": (("lm_prefill_s", False), ("lm_decode_tok_s", True)),
+    "first": (("short_first_audio_s", False),),
+    "stream": (("first_audio_s", False), ("stream_rtf", False)),
+}
+
+
+def measures(names: list[str], tokens: int, short_tokens: int) -> Callable:
+    """One run of every measure in ``names`` on one engine: the merged results."""
+
+    def run(engine, voice) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if "e2e" in names:
+            out.update(measure_e2e(engine, voice, tokens, 1))
+        if "lm" in names:
+            out.update(measure_lm(engine, voice, tokens, 1))
+        if "first" in names:
+            r = listen(engine, voice, SHORT_TEXT, _config(short_tokens, stream=True))
+            out["short_first_audio_s"] = r["first_audio_s"]
+        if "stream" in names:
+            out.update(listen(engine, voice, TEXT, _config(tokens, stream=True)))
+        return out
+
+    return run
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model_dir", type=Path)
+    ap.add_argument("--backends", default="onnxruntime,openvino", help="the engines' plans, comma-separated")
+    ap.add_argument("--measure", default="e2e", help=f"comma-separated: {', '.join(KEYS)}")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=None, help="speech tokens per sentence (default: 10 s of audio)")
-    ap.add_argument("--compiled-shapes", type=int, default=0, help="the OpenVINO engine's compiled_shapes (0: dynamic)")
+    ap.add_argument("--short-tokens", type=int, default=None, help="tokens of the 8-character sentence (2 s)")
+    ap.add_argument("--compiled-shapes", type=int, default=0, help="the OpenVINO engines' compiled_shapes (0: dynamic)")
     args = ap.parse_args()
-    if args.tokens is None:
-        args.tokens = round(10 * Manifest.load(args.model_dir).token_frame_rate)
-    shapes = {"onnxruntime": 0, "openvino": args.compiled_shapes}
-    engines = {b: load(args.model_dir, args.threads, backend=b, streaming_estimator=False, compiled_shapes=n)
-               for b, n in shapes.items()}  # fmt: skip
+    names = args.measure.split(",")
+    if unknown := set(names) - set(KEYS):
+        ap.error(f"--measure: unknown {sorted(unknown)}; choose from {', '.join(KEYS)}")
+    rate = Manifest.load(args.model_dir).token_frame_rate
+    tokens = args.tokens or round(10 * rate)
+    short = args.short_tokens or round(2 * rate)
+    streaming = bool({"first", "stream"} & set(names))
+    shapes = args.compiled_shapes
+    engines = {
+        b: load(args.model_dir, args.threads, backend=b, streaming_estimator=streaming, compiled_shapes=shapes)
+        for b in args.backends.split(",")
+    }
     plans = {b: describe(engine.plan) for b, (engine, _) in engines.items()}
-    results = alternate(engines, args.runs, lambda engine, voice: measure_e2e(engine, voice, args.tokens, 1))
-    base = None
+    results = alternate(engines, args.runs, measures(names, tokens, short))
+    first = None
     for b, rs in results.items():
-        flow = statistics.median(r["flow_rtf"] for r in rs)
-        base = base or flow
-        e2e = statistics.median(r["rtf"] for r in rs)
-        step = statistics.median(r["flow_ms_per_step"] for r in rs)
-        runs = ", ".join(f"{r['flow_rtf']:.3f}" for r in rs)
-        print(f"{b:12s} flow RTF {flow:.3f} ({base / flow:.2f}x), end-to-end RTF {e2e:.3f}, flow {step:.0f} ms/step "
-              f"(runs: {runs})")  # fmt: skip
+        med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        first = first or med
+        cells = []
+        for name in names:
+            for key, higher in KEYS[name]:
+                ratio = med[key] / first[key] if higher else first[key] / med[key]
+                cells.append(f"{key} {med[key]:.3f} ({ratio:.2f}x)")
+        print(f"{b:12s} " + ", ".join(cells))
+        for key, _ in (k for name in names for k in KEYS[name]):
+            print(f"{'':12s} {key} runs: {', '.join(f'{r[key]:.3f}' for r in rs)}")
         for line in plans[b]:
             print(f"{'':12s} {line}")
 

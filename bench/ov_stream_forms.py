@@ -2,6 +2,7 @@
 
     python bench/ov_stream_forms.py export --from OFFICIAL_DIR --work WORK
     python bench/ov_stream_forms.py speed --ort MODEL_DIR --work WORK [--forms ort,ov-bf16,ov-int8] [--prompt 150]
+    python bench/ov_stream_forms.py engine --ort MODEL_DIR --work WORK [--form ov-int8] [--runs 4]
 
 ``export`` traces the stream estimator of a full-size official CosyVoice2 directory in its plain form (attention
 as MatMul/Softmax, as the whole-sentence OpenVINO model is) to ``WORK/stream_plain.onnx``, converts it to OpenVINO
@@ -13,6 +14,12 @@ transformer preset, calibrated on chunk feeds of random normal values; a speed f
 2): per shape the first call and the median of 6 more, then the process RSS. ``ort`` is ``MODEL_DIR``'s
 ``flow_estimator_stream.onnx`` (the int8 recipes' graph, float16 caches); ``ov-*-static`` compiles one model per
 shape instead of one dynamic compile.
+
+``engine`` asks what a form does where users hear it: two engines on ``MODEL_DIR`` under ``auto``, the second
+with its stream estimator replaced by the OpenVINO form (one dynamic compile; float32 caches, which the flow asks
+the graph for), take turns streaming the 8-character sentence (2 s) and the 10 s one, ``--runs`` times after a
+warm-up run each. Prints per engine the medians of the first audio, the streamed RTF and the seconds the listener
+waited (``benchmark.tasks.listen``), every run's streamed RTF, and the process's RSS at the end (both engines).
 """
 
 from __future__ import annotations
@@ -139,6 +146,30 @@ def speed(args: argparse.Namespace) -> None:
         print(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
 
 
+def engine_ab(args: argparse.Namespace) -> None:
+    from cosyvoice_cpu.backends.base import SessionConfig
+    from cosyvoice_cpu.backends.openvino import OpenVino
+    from cosyvoice_cpu.benchmark.tasks import SHORT_TEXT, TEXT, _config, alternate, listen, load
+
+    engines = {"ort": load(Path(args.ort), args.threads), args.form: load(Path(args.ort), args.threads)}
+    xml = Path(args.work) / f"stream_{args.form.split('-')[1]}.ov.xml"
+    flow = engines[args.form][0].flow
+    flow._sessions["stream"] = OpenVino().open(xml, SessionConfig(threads=args.threads, max_shapes=0))
+
+    def measure(engine, voice) -> dict[str, float]:
+        short = listen(engine, voice, SHORT_TEXT, _config(50, stream=True))
+        long = listen(engine, voice, TEXT, _config(250, stream=True))
+        return {"short_first_s": short["first_audio_s"], "first_s": long["first_audio_s"],
+                "stream_rtf": long["stream_rtf"], "stall_s": long["stall_s"]}  # fmt: skip
+
+    for engine, voice in engines.values():  # warm-up: each stream shape's first call (compiles, arena growth)
+        measure(engine, voice)
+    for name, rs in alternate(engines, args.runs, measure).items():
+        med = {k: round(statistics.median(r[k] for r in rs), 3) for k in rs[0]}
+        print(json.dumps({"engine": name, **med, "stream_rtf_runs": [round(r["stream_rtf"], 3) for r in rs]}))
+    print(json.dumps({"rss_mb": round(status_mb("VmRSS") or 0), "hwm_mb": round(status_mb("VmHWM") or 0)}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -146,6 +177,12 @@ def main() -> None:
     e.add_argument("--from", dest="src", required=True)
     e.add_argument("--work", required=True)
     e.add_argument("--prompt", type=int, default=150)
+    g = sub.add_parser("engine")
+    g.add_argument("--ort", required=True)
+    g.add_argument("--work", required=True)
+    g.add_argument("--form", default="ov-int8", choices=("ov-int8", "ov-bf16"))
+    g.add_argument("--runs", type=int, default=4)
+    g.add_argument("--threads", type=int, default=2)
     for name in ("speed", "child"):
         s = sub.add_parser(name)
         s.add_argument("--ort", required=True)
@@ -155,7 +192,7 @@ def main() -> None:
         s.add_argument("--prompt", type=int, default=150)
         s.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    {"export": export, "speed": speed, "child": child}[args.cmd](args)
+    {"export": export, "speed": speed, "child": child, "engine": engine_ab}[args.cmd](args)
 
 
 if __name__ == "__main__":

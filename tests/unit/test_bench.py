@@ -321,3 +321,27 @@ def test_the_chunk_plan_probe_labels_each_row_with_the_call_that_made_it(
     with pytest.raises(SystemExit):
         probe.main()
     assert "positive whole numbers" in capsys.readouterr().err
+
+
+def test_the_backend_probe_measures_every_engine_on_each_measure(tiny_export_dir: Path) -> None:
+    """``bench/backend_ab.py --backends A,B --measure ...`` (how the LM's backends were compared on the AMX Xeon,
+    docs/backends.md): each engine gets a line with every measure's medians, the first engine's ratios 1.00x, and
+    a measure it does not know is refused by name."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "backend_ab.py"
+    cmd = [sys.executable, str(script), str(tiny_export_dir), "--backends", "onnxruntime,auto", "--runs", "1",
+           "--tokens", "20", "--short-tokens", "8", "--threads", "1"]  # fmt: skip
+    out = subprocess.run([*cmd, "--measure", "e2e,lm,first,stream"], check=True, capture_output=True, text=True)
+    lines = {line.split()[0]: line for line in out.stdout.splitlines() if not line.startswith(" ")}
+    assert set(lines) == {"onnxruntime", "auto"}, out.stdout
+    keys = ("flow_rtf", "rtf", "flow_ms_per_step", "lm_prefill_s", "lm_decode_tok_s", "short_first_audio_s",
+            "first_audio_s", "stream_rtf")  # fmt: skip
+    for name, line in lines.items():
+        for key in keys:
+            assert f" {key} " in line, (name, key, line)
+        assert line.count("x)") == len(keys), line
+    assert all(part.endswith("(1.00x)") for part in lines["onnxruntime"].split(", "))
+    bad = subprocess.run([*cmd, "--measure", "e2e,lmm"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "lmm" in bad.stderr

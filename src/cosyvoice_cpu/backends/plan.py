@@ -43,12 +43,16 @@ OV_SUFFIX = "_ov"  # manifest key of a graph's OpenVINO model: "<graph>_ov"
 # get it. The LM only for the families whose facts say ``openvino_lm`` (:func:`openvino_exportable`).
 OPENVINO_EXPORTABLE = frozenset({"flow_estimator", "lm"})
 EXPORT_OPENVINO = "cosyvoice-cpu export --from OFFICIAL_DIR --to MODEL_DIR --openvino int8"
+# The stateful int4 LM against ONNX Runtime's int8w, alternated in the engine (docs/backends.md, "The LM on OpenVINO")
+LM_INT4_GAIN = (
+    "1.35x faster on an AVX-512 BF16 Zen 4 (end to end 1.17x, less memory) and 1.52x on an AMX Xeon (prefill 1.45x)"
+)
 # What OpenVINO was measured to gain per graph, for the reason of a missing model (docs/backends.md)
 OV_GAIN = {
     "flow_estimator": "OpenVINO ran the whole-sentence flow 1.3-1.85x faster",
-    "lm": "OpenVINO's int4 LM decoded 1.35x faster than ONNX Runtime's int8w in the engine (end to end 1.17x, "
-    "less memory) on an AVX-512 BF16 Zen 4, at int4's cost in argmax agreement, which the export prints: check it "
-    "(on random weights Fun-CosyVoice3's LM lost far more than CosyVoice2's, docs/quantization.md)",
+    "lm": f"OpenVINO's int4 LM decoded {LM_INT4_GAIN} than ONNX Runtime's int8w in the engine, at int4's cost in "
+    "argmax agreement, which the export prints: check it (on random weights Fun-CosyVoice3's LM lost far more than "
+    "CosyVoice2's, docs/quantization.md)",
 }
 # The export command that writes each graph's OpenVINO model in the form ``auto`` runs
 OV_EXPORT = {"flow_estimator": EXPORT_OPENVINO, "lm": EXPORT_OPENVINO + " --openvino-lm int4"}
@@ -222,13 +226,13 @@ def _auto_lm(entry: GraphEntry, what: str, isa: str) -> tuple[str, str]:
     if entry.attrs.get("weights", entry.precision) != "int4":
         return ONNXRUNTIME, (
             f"{what} present, but OpenVINO's int8 LM was no faster than ONNX Runtime's int8w in the engine "
-            "(AVX-512 BF16 Zen 4, alternated: a decode step 1.17x slower for one stream, streamed sentences "
-            "1.04-1.13x faster, 4 rows 1.14-1.21x faster; not measured on AMX yet) (--backend openvino to use it "
+            "(alternated: a decode step 1.17x slower for one stream on an AVX-512 BF16 Zen 4, 0.98x on an AMX Xeon; "
+            "4 rows 1.14-1.35x faster, prefill 1.10x on AMX, first audio equal) (--backend openvino to use it "
             "anyway; export --openvino-lm int4 for the fast one)"
         )
     return OPENVINO, (
-        f"{what}, stateful{agreed}; the CPU has {isa}: OpenVINO's int4 LM decoded 1.35x faster than ONNX Runtime's "
-        "int8w in the engine (end to end 1.17x, less memory; AVX-512 BF16 Zen 4)"
+        f"{what}, stateful{agreed}; the CPU has {isa}: OpenVINO's int4 LM decoded {LM_INT4_GAIN} than ONNX "
+        "Runtime's int8w in the engine"
     )
 
 
