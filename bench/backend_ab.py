@@ -83,6 +83,10 @@ def main() -> None:
         for b in args.backends.split(",")
     }
     plans = {b: describe(engine.plan) for b, (engine, _) in engines.items()}
+    if streaming:  # warm-up: each stream shape's first call (e2e and lm warm up inside their own measure)
+        warm = measures([n for n in names if n in ("first", "stream")], tokens, short)
+        for engine, voice in engines.values():
+            warm(engine, voice)
     results = alternate(engines, args.runs, measures(names, tokens, short))
     first = None
     for b, rs in results.items():
