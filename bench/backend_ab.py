@@ -7,9 +7,10 @@
 (so each has its own peak RSS), which on a shared, noisy machine can put the two under different loads. Here the
 engines of ``--backends`` (plans: ``auto``, ``onnxruntime``, ``openvino``) are loaded in one process and take turns
 on the bench workload (the registered 3 s voice, a sentence forced to ``--tokens`` tokens, by default 10 s of
-audio; default quality; each measurement after its own warm-up run), so their ratio is measured under the same
-load. ``auto,openvino`` on a directory with an int8 ``lm_ov`` compares the LM on ONNX Runtime and on OpenVINO with
-the same estimator. Each run measures, per ``--measure``:
+audio; default quality; ``e2e`` and ``lm`` each after their own warm-up run, the streams after one warm-up stream of
+each kind per engine), so their ratio is measured under the same load. ``auto,openvino`` on a directory with an
+int8 ``lm_ov`` compares the LM on ONNX Runtime and on OpenVINO with the same estimator.
+Each run measures, per ``--measure``:
 
 - ``e2e``: a whole sentence: flow RTF, end-to-end RTF, flow ms per Euler step;
 - ``lm``: the LM alone (the bench's ``measure_lm``): prefill seconds (after the voice's prefix) and decode tokens/s;
@@ -27,7 +28,7 @@ import statistics
 from collections.abc import Callable
 from pathlib import Path
 
-from cosyvoice_cpu.backends.plan import describe
+from cosyvoice_cpu.backends.plan import CHOICES, describe
 from cosyvoice_cpu.benchmark.tasks import SHORT_TEXT, TEXT, _config, alternate, listen, load, measure_e2e, measure_lm
 from cosyvoice_cpu.manifest import Manifest
 
@@ -70,9 +71,13 @@ def main() -> None:
     ap.add_argument("--short-tokens", type=int, default=None, help="tokens of the 8-character sentence (2 s)")
     ap.add_argument("--compiled-shapes", type=int, default=0, help="the OpenVINO engines' compiled_shapes (0: dynamic)")
     args = ap.parse_args()
-    names = args.measure.split(",")
+    names, backends = args.measure.split(","), args.backends.split(",")
     if unknown := set(names) - set(KEYS):
         ap.error(f"--measure: unknown {sorted(unknown)}; choose from {', '.join(KEYS)}")
+    if unknown := set(backends) - set(CHOICES):
+        ap.error(f"--backends: unknown {sorted(unknown)}; choose from {', '.join(CHOICES)}")
+    if len(set(backends)) != len(backends):
+        ap.error(f"--backends: each plan once (got {args.backends})")
     rate = Manifest.load(args.model_dir).token_frame_rate
     tokens = args.tokens or round(10 * rate)
     short = args.short_tokens or round(2 * rate)
@@ -80,7 +85,7 @@ def main() -> None:
     shapes = args.compiled_shapes
     engines = {
         b: load(args.model_dir, args.threads, backend=b, streaming_estimator=streaming, compiled_shapes=shapes)
-        for b in args.backends.split(",")
+        for b in backends
     }
     plans = {b: describe(engine.plan) for b, (engine, _) in engines.items()}
     if streaming:  # warm-up: each stream shape's first call (e2e and lm warm up inside their own measure)

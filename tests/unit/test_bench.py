@@ -325,8 +325,8 @@ def test_the_chunk_plan_probe_labels_each_row_with_the_call_that_made_it(
 
 def test_the_backend_probe_measures_every_engine_on_each_measure(tiny_export_dir: Path) -> None:
     """``bench/backend_ab.py --backends A,B --measure ...`` (how the LM's backends were compared on the AMX Xeon,
-    docs/backends.md): each engine gets a line with every measure's medians, the first engine's ratios 1.00x, and
-    a measure it does not know is refused by name."""
+    docs/backends.md): each engine gets a line with every measure's medians, the first engine's ratios 1.00x; a
+    measure it does not know and a plan named twice (one engine would hide the other) are refused."""
     import subprocess
     import sys
 
@@ -343,5 +343,6 @@ def test_the_backend_probe_measures_every_engine_on_each_measure(tiny_export_dir
             assert f" {key} " in line, (name, key, line)
         assert line.count("x)") == len(keys), line
     assert all(part.endswith("(1.00x)") for part in lines["onnxruntime"].split(", "))
-    bad = subprocess.run([*cmd, "--measure", "e2e,lmm"], capture_output=True, text=True)
-    assert bad.returncode != 0 and "lmm" in bad.stderr
+    for flag, value in (("--measure", "e2e,lmm"), ("--backends", "auto,auto")):
+        bad = subprocess.run([*cmd, flag, value], capture_output=True, text=True)  # the last flag wins
+        assert bad.returncode == 2 and f"{flag}: " in bad.stderr, bad.stderr

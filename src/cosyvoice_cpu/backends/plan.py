@@ -45,7 +45,8 @@ OPENVINO_EXPORTABLE = frozenset({"flow_estimator", "lm"})
 EXPORT_OPENVINO = "cosyvoice-cpu export --from OFFICIAL_DIR --to MODEL_DIR --openvino int8"
 # The stateful int4 LM against ONNX Runtime's int8w, alternated in the engine (docs/backends.md, "The LM on OpenVINO")
 LM_INT4_GAIN = (
-    "1.35x faster on an AVX-512 BF16 Zen 4 (end to end 1.17x, less memory) and 1.52x on an AMX Xeon (prefill 1.45x)"
+    "1.35x faster on an AVX-512 BF16 Zen 4 (end to end 1.17x, less memory) and 1.52x faster on an AMX Xeon "
+    "(prefill 1.45x)"
 )
 # What OpenVINO was measured to gain per graph, for the reason of a missing model (docs/backends.md)
 OV_GAIN = {
@@ -226,9 +227,9 @@ def _auto_lm(entry: GraphEntry, what: str, isa: str) -> tuple[str, str]:
     if entry.attrs.get("weights", entry.precision) != "int4":
         return ONNXRUNTIME, (
             f"{what} present, but OpenVINO's int8 LM was no faster than ONNX Runtime's int8w in the engine "
-            "(alternated: a decode step 1.17x slower for one stream on an AVX-512 BF16 Zen 4, 0.98x on an AMX Xeon; "
-            "4 rows 1.14-1.35x faster, prefill 1.10x on AMX, first audio equal) (--backend openvino to use it "
-            "anyway; export --openvino-lm int4 for the fast one)"
+            "(alternated: a one-stream decode step 1.17x slower on an AVX-512 BF16 Zen 4 and as fast on an AMX Xeon, "
+            "where prefill was 1.10x faster and first audio the same; the bare LM at 4 rows 1.14-1.35x faster) "
+            "(--backend openvino to use it anyway; export --openvino-lm int4 for the fast one)"
         )
     return OPENVINO, (
         f"{what}, stateful{agreed}; the CPU has {isa}: OpenVINO's int4 LM decoded {LM_INT4_GAIN} than ONNX "
