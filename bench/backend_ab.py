@@ -27,10 +27,15 @@ import argparse
 import statistics
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cosyvoice_cpu.backends.plan import CHOICES, describe
 from cosyvoice_cpu.benchmark.tasks import SHORT_TEXT, TEXT, _config, alternate, listen, load, measure_e2e, measure_lm
 from cosyvoice_cpu.manifest import Manifest
+
+if TYPE_CHECKING:
+    from cosyvoice_cpu.engine import Engine
+    from cosyvoice_cpu.voices.voice import Voice
 
 # measure -> (the keys printed, whether a larger value is better)
 KEYS = {
@@ -88,13 +93,27 @@ def main() -> None:
         for b in backends
     }
     plans = {b: describe(engine.plan) for b, (engine, _) in engines.items()}
-    if streaming:  # warm-up: each stream shape's first call (e2e and lm warm up inside their own measure)
-        warm = measures([n for n in names if n in ("first", "stream")], tokens, short)
+    report(compare(engines, names, args.runs, tokens, short), names, plans)
+
+
+def compare(
+    engines: dict[str, tuple[Engine, Voice]], names: list[str], runs: int, tokens: int, short_tokens: int
+) -> dict[str, list[dict[str, float]]]:
+    """``runs`` alternated runs of the measures ``names`` on every engine (label -> every run's results), after one
+    warm-up stream of each streamed kind per engine: each stream shape's first call (``e2e`` and ``lm`` warm up
+    inside their own measure)."""
+    if streamed := [n for n in names if n in ("first", "stream")]:
+        warm = measures(streamed, tokens, short_tokens)
         for engine, voice in engines.values():
             warm(engine, voice)
-    results = alternate(engines, args.runs, measures(names, tokens, short))
+    return alternate(engines, runs, measures(names, tokens, short_tokens))
+
+
+def report(results: dict[str, list[dict[str, float]]], names: list[str], plans: dict[str, list[str]]) -> None:
+    """Per engine: the medians of ``names``' keys with their ratio to the first engine's (> 1: faster), every
+    run, and the engine's plan (``plans``: label -> lines; none for a label it lacks)."""
     first = None
-    for b, rs in results.items():
+    for label, rs in results.items():
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
         first = first or med
         cells = []
@@ -102,10 +121,10 @@ def main() -> None:
             for key, higher in KEYS[name]:
                 ratio = med[key] / first[key] if higher else first[key] / med[key]
                 cells.append(f"{key} {med[key]:.3f} ({ratio:.2f}x)")
-        print(f"{b:12s} " + ", ".join(cells))
+        print(f"{label:12s} " + ", ".join(cells))
         for key, _ in (k for name in names for k in KEYS[name]):
             print(f"{'':12s} {key} runs: {', '.join(f'{r[key]:.3f}' for r in rs)}")
-        for line in plans[b]:
+        for line in plans.get(label, ()):
             print(f"{'':12s} {line}")
 
 

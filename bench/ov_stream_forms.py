@@ -18,8 +18,8 @@ shape instead of one dynamic compile.
 ``engine`` asks what a form does where users hear it: two engines on ``MODEL_DIR`` under ``auto``, the second
 with its stream estimator replaced by the OpenVINO form (one dynamic compile; float32 caches, which the flow asks
 the graph for), take turns streaming the 8-character sentence (2 s) and the 10 s one, ``--runs`` times after a
-warm-up run each. Prints per engine the medians of the first audio, the streamed RTF and the seconds the listener
-waited (``benchmark.tasks.listen``), every run's streamed RTF, and the process's peak RSS (both engines).
+warm-up run each (``bench/backend_ab.py``'s ``--measure first,stream``, and its report: the medians of the first
+audio and the streamed RTF with their ratio to ``ort``'s, every run), then the process's peak RSS (both engines).
 """
 
 from __future__ import annotations
@@ -147,28 +147,19 @@ def speed(args: argparse.Namespace) -> None:
 
 
 def engine_ab(args: argparse.Namespace) -> None:
+    from backend_ab import compare, report  # bench/ is the script directory, first on sys.path
+
     from cosyvoice_cpu.backends.base import SessionConfig
     from cosyvoice_cpu.backends.openvino import OpenVino
-    from cosyvoice_cpu.benchmark.tasks import SHORT_TEXT, TEXT, _config, alternate, listen, load
+    from cosyvoice_cpu.benchmark.tasks import load
 
     engines = {"ort": load(Path(args.ort), args.threads), args.form: load(Path(args.ort), args.threads)}
     xml = Path(args.work) / f"stream_{args.form.split('-')[1]}.ov.xml"
     flow = engines[args.form][0].flow
     flow._sessions["stream"] = OpenVino().open(xml, SessionConfig(threads=args.threads, max_shapes=0))
-
-    rate = engines["ort"][0].manifest.token_frame_rate  # 2 s and 10 s of speech tokens, as the bench forces them
-
-    def measure(engine, voice) -> dict[str, float]:
-        short = listen(engine, voice, SHORT_TEXT, _config(round(2 * rate), stream=True))
-        long = listen(engine, voice, TEXT, _config(round(10 * rate), stream=True))
-        return {"short_first_s": short["first_audio_s"], "first_s": long["first_audio_s"],
-                "stream_rtf": long["stream_rtf"], "stall_s": long["stall_s"]}  # fmt: skip
-
-    for engine, voice in engines.values():  # warm-up: each stream shape's first call (compiles, arena growth)
-        measure(engine, voice)
-    for name, rs in alternate(engines, args.runs, measure).items():
-        med = {k: round(statistics.median(r[k] for r in rs), 3) for k in rs[0]}
-        print(json.dumps({"engine": name, **med, "stream_rtf_runs": [round(r["stream_rtf"], 3) for r in rs]}))
+    rate = engines["ort"][0].manifest.token_frame_rate  # 10 s and 2 s of speech tokens, as the bench forces them
+    names = ["first", "stream"]
+    report(compare(engines, names, args.runs, round(10 * rate), round(2 * rate)), names, {})
     print(json.dumps({"hwm_mb": round(status_mb("VmHWM") or 0)}))
 
 
