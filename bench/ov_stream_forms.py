@@ -11,7 +11,8 @@ transformer preset, calibrated on chunk feeds of random normal values; a speed f
 
 ``speed`` runs each form in its own process over the shapes a streamed sentence meets with the default chunk plan
 (first chunk 10 tokens = 20 frames, doubling to 50 tokens = 100 frames, 25 tokens = 50 frames of context; CFG batch
-2): per shape the first call and the median of 6 more, then the process RSS. ``ort`` is ``MODEL_DIR``'s
+2): per shape the first call and the median of 6 more, with the CPU time the process spent in them (every thread:
+what the call costs a machine whose cores the LM is also using), then the process RSS. ``ort`` is ``MODEL_DIR``'s
 ``flow_estimator_stream.onnx`` (the int8 recipes' graph, float16 caches); ``ov-*-static`` compiles one model per
 shape instead of one dynamic compile.
 
@@ -118,22 +119,26 @@ def child(args: argparse.Namespace) -> None:
             return lambda f: req.infer(f)
 
     out = {"form": form, "prompt": args.prompt, "shapes": []}
-    total = 0.0
+    total = total_cpu = 0.0
     for n, c in SHAPES:
         f = feeds_for(n, c, args.prompt, half, rng)
         run = runner(n, c)
         t0 = time.perf_counter()
         run(f)
         first = time.perf_counter() - t0
-        times = []
+        times, cpu = [], []
         for _ in range(6):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             run(f)
             times.append(time.perf_counter() - t0)
-        med = statistics.median(times)
+            cpu.append(time.process_time() - c0)
+        med, cpu_med = statistics.median(times), statistics.median(cpu)
         total += med
-        out["shapes"].append({"n": n, "c": c, "first_ms": round(first * 1000), "median_ms": round(med * 1000, 1)})
+        total_cpu += cpu_med
+        out["shapes"].append({"n": n, "c": c, "first_ms": round(first * 1000), "median_ms": round(med * 1000, 1),
+                              "cpu_ms": round(cpu_med * 1000, 1)})  # fmt: skip
     out["sum_median_ms"] = round(total * 1000, 1)
+    out["sum_cpu_ms"] = round(total_cpu * 1000, 1)
     out["rss_mb"] = round(status_mb("VmRSS") or 0)
     out["hwm_mb"] = round(status_mb("VmHWM") or 0)
     print(json.dumps(out))

@@ -330,3 +330,35 @@ def test_the_memory_probes_run_on_the_backend_and_properties_asked_for(ov_int8_d
     for backend in ("onnxruntime", "openvino"):
         p = subprocess.run([*steps, "--backend", backend], check=True, capture_output=True, text=True, timeout=600)
         assert f"flow_estimator on {backend}" in p.stdout and "whole, after streams" in p.stdout
+
+
+def test_the_weight_layer_probe_groups_the_layers_by_their_fused_activation(ov_int8_dir: Path, tmp_path: Path) -> None:
+    import json
+
+    import openvino as ov
+
+    load_script("bench/ov_estimator_forms.py")  # the probe imports it by name, as its sibling
+    probe = load_script("bench/ov_fc_probe.py")
+    core = ov.Core()
+    props = {"INFERENCE_PRECISION_HINT": "bf16", "PERF_COUNT": True}
+    x = np.ones((64, 16), np.float32)
+    for act, fused in (("gelu", True), ("relu", True), ("none", False)):
+        model = probe.layer_model(ov, 64, 16, 32, 2, act)
+        assert probe.layer_shapes(model) == {(64, 16, 32): 1, (64, 32, 16): 1}
+        compiled = core.compile_model(model, "CPU", props)
+        groups = probe.by_activation(compiled, model, compiled.create_infer_request(), 1, {"x": x})
+        # the plugin fuses an activation right after a layer into the layer's node
+        assert set(groups) == ({act.capitalize()} if fused else {"none"}), (act, groups)
+        assert sum(g["gmac"] for g in groups.values()) == pytest.approx(2 * 64 * 16 * 32 / 1e9, abs=1e-6)
+    out = tmp_path / "fc.jsonl"
+    cmd = [sys.executable, str(Path(probe.__file__)), "-m", str(ov_int8_dir), "--frames", "100", "--rows-times",
+           "1,2", "--runs", "1", "--depth", "2", "--activations", "none,gelu", "--out", str(out)]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, cwd=tmp_path)
+    row = json.loads(out.read_text())
+    shapes = {(e["m"], e["k"], e["n"]) for e in row["layers"]}
+    variants = {(e["form"], e["activation"]) for e in row["layers"]}
+    assert variants == {(f, a) for f in ("bf16", "int8") for a in ("none", "gelu")}
+    assert len(row["layers"]) == len(shapes) * len(variants) and all(e["ms"] > 0 for e in row["layers"])
+    assert row["model_layers"] and sum(g["gmac"] for g in row["model_layers"].values()) > 0
+    refused = subprocess.run(cmd[:-2] + ["--activations", "swish", "--out", str(out)], capture_output=True, text=True)
+    assert refused.returncode == 2 and "--activations" in refused.stderr
