@@ -52,16 +52,21 @@ def _constant(node: Any) -> bool:
     return False
 
 
+def matmul_mkn(op: Any) -> tuple[int, int, int]:
+    """(rows M, inputs K, outputs N) of a statically shaped MatMul: every leading axis of its output counts as rows."""
+    a = list(op.get_input_shape(0))
+    out = list(op.get_output_shape(0))
+    return int(np.prod(out[:-1])), int(a[-2] if op.get_transpose_a() else a[-1]), int(out[-1])
+
+
 def macs(model: Any) -> dict[str, float]:
     """GMAC of one call of a statically shaped OpenVINO model: weight layers and attention products."""
     out = {"weights": 0.0, "attention": 0.0}
     for op in model.get_ops():
         kind = op.get_type_name()
         if kind == "MatMul":
-            a = list(op.get_input_shape(0))
-            k = a[-2] if op.get_transpose_a() else a[-1]
-            n = float(np.prod(list(op.get_output_shape(0)))) * k
-            out["weights" if _constant(op.input_value(1).get_node()) else "attention"] += n / 1e9
+            m, k, n = matmul_mkn(op)
+            out["weights" if _constant(op.input_value(1).get_node()) else "attention"] += m * k * n / 1e9
         elif kind in ("Convolution", "GroupConvolution"):
             w = list(op.get_input_shape(1))
             per_out = float(np.prod(w[2:] if kind == "GroupConvolution" else w[1:]))

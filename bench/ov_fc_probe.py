@@ -18,13 +18,13 @@ times each of ``--rows-times`` rows (more rows per call: the CFG rows and severa
 - ``int8``: quantized by NNCF's transformer preset as the exporter quantizes the estimator (int8 weights and
   activations).
 
-The variants of one shape are compiled together and their calls alternated. Printed per variant: the
-``FullyConnected`` nodes' own time per layer (OpenVINO's per-node counters: the layer with what the plugin fused
-into it), its rate in GMAC/s, the whole call's time per layer (``call``: with the model's input conversion and
-whatever the plugin left outside the layers' nodes) and the kernels; then the model's weight layers' time predicted from
-these (sum of count x time at ``--rows-times`` 1). ``--square`` times square layers of those widths at the model's
-row count instead (the rate against K alone). Appends one JSON line to ``--out``. Nothing here is imported by
-the runtime.
+The variants of one shape are compiled together and their calls alternated (the row counts one after the other).
+Printed per variant: the ``FullyConnected`` nodes' own time per layer (OpenVINO's per-node counters: the layer with
+what the plugin fused into it), its rate in GMAC/s, the whole call's time per layer (``call``: with the model's
+input conversion and whatever the plugin left outside the layers' nodes) and the kernels; then the model's weight
+layers' time predicted from these (sum of count x time at ``--rows-times`` 1). ``--square`` times square layers of
+those widths at the model's largest row count instead (the rate against K alone). Appends one JSON line to
+``--out``. Nothing here is imported by the runtime.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from ov_estimator_forms import _constant, time_fed
+from ov_estimator_forms import _constant, matmul_mkn, time_fed
 
 from cosyvoice_cpu.backends.buckets import bucket, pad_axis
 from cosyvoice_cpu.benchmark.feeds import estimator_feeds
@@ -49,12 +49,8 @@ def layer_shapes(model: Any) -> Counter[tuple[int, int, int]]:
     """(M rows, K inputs, N outputs) of every MatMul with a constant weight in a statically shaped model, counted."""
     found: Counter[tuple[int, int, int]] = Counter()
     for op in model.get_ops():
-        if op.get_type_name() != "MatMul" or not _constant(op.input_value(1).get_node()):
-            continue
-        a = list(op.get_input_shape(0))
-        k = a[-2] if op.get_transpose_a() else a[-1]
-        out = list(op.get_output_shape(0))
-        found[(int(np.prod(out[:-1])), int(k), int(out[-1]))] += 1
+        if op.get_type_name() == "MatMul" and _constant(op.input_value(1).get_node()):
+            found[matmul_mkn(op)] += 1
     return found
 
 
@@ -72,7 +68,8 @@ def layer_model(ov: Any, m: int, k: int, n: int, depth: int, activation: str) ->
     for i in range(depth):
         a, b = (k, n) if i % 2 == 0 else (n, k)
         w = ops.constant((rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32))
-        y = ops.add(ops.matmul(y, w, False, False), ops.constant(np.zeros(b, np.float32)))
+        bias = ops.constant((0.01 * rng.standard_normal(b)).astype(np.float32))  # not zero: a zero Add is removed
+        y = ops.add(ops.matmul(y, w, False, False), bias)
         if activation.startswith("gelu"):
             y = ops.gelu(y, "tanh" if activation == "gelu-tanh" else "erf")
         elif activation == "relu":
@@ -139,6 +136,8 @@ def main() -> None:
     if set(forms) - {"bf16", "int8"}:
         ap.error(f"--forms: bf16 and int8 only, got {args.forms}")
     times_rows = [int(t) for t in args.rows_times.split(",")]
+    if 1 not in times_rows:
+        ap.error("--rows-times: include 1 (the model's own rows, which the predicted sums use)")
     activations = args.activations.split(",")
     if set(activations) - set(ACTS):
         ap.error(f"--activations: {', '.join(ACTS)} only, got {args.activations}")
@@ -173,7 +172,8 @@ def main() -> None:
         shapes = Counter({(rows, int(w), int(w)): 1 for w in args.square.split(",")})
     row: dict[str, Any] = {"model_dir": str(args.model_dir), "frames": args.frames, "threads": args.threads,
                            "date": time.strftime("%Y-%m-%d"), "activations": activations, "depth": args.depth,
-                           "square": args.square, "runs": args.runs, "model_layers": groups, "layers": []}  # fmt: skip
+                           "square": args.square, "runs": args.runs, "forms": forms, "rows_times": times_rows,
+                           "openvino": ov.get_version(), "model_layers": groups, "layers": []}  # fmt: skip
     print(f"{'M':>6} {'K':>5} {'N':>5} {'count':>5} {'form':5} {'activation':10} {'ms':>7} {'GMAC/s':>7} "
           f"{'call':>7}  kernel")  # fmt: skip
     variants = [(f, a) for f in forms for a in activations]
@@ -194,8 +194,9 @@ def main() -> None:
             ms: dict[tuple[str, str], list[float]] = {v: [] for v in variants}
             calls: dict[tuple[str, str], list[float]] = {v: [] for v in variants}
             kinds: dict[tuple[str, str], set[str]] = {v: set() for v in variants}
-            for _ in range(args.runs):  # alternated: the VM's slow minutes fall on every variant
-                for v, request in requests.items():
+            order = list(requests.items())
+            for r in range(args.runs):  # alternated, each run from the next variant: slow minutes fall on every one
+                for v, request in order[r % len(order) :] + order[: r % len(order)]:
                     t0 = time.perf_counter()
                     request.infer({"x": x})
                     calls[v].append((time.perf_counter() - t0) * 1000 / args.depth)
@@ -208,8 +209,9 @@ def main() -> None:
                 if times == 1:
                     predicted[form, act] += count * med
                 call = statistics.median(calls[form, act])
+                rate = gmac / max(med, 1e-9) * 1000
                 entry = {"m": rows, "k": k, "n": n, "count": count, "form": form, "activation": act,
-                         "ms": round(med, 3), "gmac_s": round(gmac / med * 1000, 1), "call_ms": round(call, 3),
+                         "ms": round(med, 3), "gmac_s": round(rate, 1), "call_ms": round(call, 3),
                          "kernel": ",".join(sorted(kinds[form, act]))}  # fmt: skip
                 row["layers"].append(entry)
                 print(f"{rows:6d} {k:5d} {n:5d} {count:5d} {form:5} {act:10} {med:7.3f} {entry['gmac_s']:7.0f} "
@@ -218,7 +220,8 @@ def main() -> None:
     row["weight_gmac"] = round(total, 2)
     row["predicted_ms"] = {f"{f} {a}": round(v, 1) for (f, a), v in predicted.items()}
     for (form, act), ms_sum in predicted.items():
-        print(f"{form}, {act} after every layer: the model's weight-layer shapes ({total:.1f} GMAC) as these layers: "
+        what = "these square layers" if args.square else "the model's weight-layer shapes"
+        print(f"{form}, {act} after every layer: {what} ({total:.1f} GMAC) as these layers: "
               f"{ms_sum:.0f} ms ({total / max(ms_sum, 1e-9) * 1000:.0f} GMAC/s)")  # fmt: skip
     with open(args.out, "a") as f:
         f.write(json.dumps(row) + "\n")

@@ -11,10 +11,10 @@ transformer preset, calibrated on chunk feeds of random normal values; a speed f
 
 ``speed`` runs each form in its own process over the shapes a streamed sentence meets with the default chunk plan
 (first chunk 10 tokens = 20 frames, doubling to 50 tokens = 100 frames, 25 tokens = 50 frames of context; CFG batch
-2): per shape the first call and the median of 6 more, with the CPU time the process spent in them (every thread:
-what the call costs a machine whose cores the LM is also using), then the process RSS. ``ort`` is ``MODEL_DIR``'s
-``flow_estimator_stream.onnx`` (the int8 recipes' graph, float16 caches); ``ov-*-static`` compiles one model per
-shape instead of one dynamic compile.
+2): per shape the first call and the median of 6 more, with the CPU time the process spent in them (every thread,
+busy or waiting in a spin: ORT's threads do not spin here, as in the engine), then the process RSS. ``ort`` is
+``MODEL_DIR``'s ``flow_estimator_stream.onnx`` (the int8 recipes' graph, float16 caches); ``ov-*-static`` compiles
+one model per shape instead of one dynamic compile.
 
 ``engine`` asks what a form does where users hear it: two engines on ``MODEL_DIR`` under ``auto``, the second
 with its stream estimator replaced by the OpenVINO form (one dynamic compile; float32 caches, which the flow asks
@@ -91,6 +91,7 @@ def child(args: argparse.Namespace) -> None:
 
         so = ort.SessionOptions()
         so.intra_op_num_threads = threads
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as the engine runs it (spinning off)
         path = str(Path(args.ort) / "flow_estimator_stream.onnx")
         sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
         half = next(i.type for i in sess.get_inputs() if i.name == "prompt_h") == "tensor(float16)"

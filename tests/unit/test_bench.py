@@ -346,3 +346,25 @@ def test_the_backend_probe_measures_every_engine_on_each_measure(tiny_export_dir
     for flag, value in (("--measure", "e2e,lmm"), ("--backends", "auto,auto")):
         bad = subprocess.run([*cmd, flag, value], capture_output=True, text=True)  # the last flag wins
         assert bad.returncode == 2 and f"{flag}: " in bad.stderr, bad.stderr
+
+
+def test_the_lm_shapes_probe_reports_every_prompt_length_twice(tiny_export_dir: Path) -> None:
+    """``bench/lm_shapes_memory.py`` (how the OpenVINO LM's memory per prompt length was found, docs/backends.md):
+    one row per request, every length once and then again, the prompts' lengths in the asked order; bad counts
+    refused."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "lm_shapes_memory.py"
+    cmd = [sys.executable, str(script), str(tiny_export_dir), "--backend", "onnxruntime", "--steps", "2", "--lengths",
+           "3", "--threads", "1"]  # fmt: skip
+    for extra, first_pass in (([], sorted), (["--descending"], lambda v: sorted(v, reverse=True))):
+        out = subprocess.run([*cmd, *extra], check=True, capture_output=True, text=True, timeout=600).stdout
+        assert out.splitlines()[0].startswith("--backend onnxruntime: the LM on onnxruntime"), out
+        rows = [line.split() for line in out.splitlines()[2:]]
+        assert [int(r[0]) for r in rows] == list(range(6)), out
+        ids = [int(r[1]) for r in rows]
+        assert len(set(ids)) == 3 and ids[:3] == first_pass(ids[:3]) and ids[3:] == sorted(set(ids)), out
+        assert all(float(r[4]) > 0 for r in rows), out
+    bad = subprocess.run([*cmd, "--steps", "0"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "--steps" in bad.stderr

@@ -1,0 +1,69 @@
+"""The LM's memory as it meets prompts of many lengths: does each new length keep memory?
+
+    python bench/lm_shapes_memory.py MODEL_DIR [--backend auto] [--steps 60] [--lengths 11] [--descending] \
+        [--threads 2]
+
+One engine, the bench's registered voice, the LM alone: the bench's sentence cut to ``--lengths`` word counts (each
+a prompt of another length), every length once and then all again (ascending, or ``--descending`` the first
+time), ``--steps`` decode steps each. After each request: prefill and median decode step, RSS, peak RSS, what
+glibc's malloc holds free and the anonymous memory. A backend that keeps something per prompt length grows on the
+first pass and not on the second; one that keeps only its largest call's memory grows only up to the longest
+length. Nothing here is imported by the runtime.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from cosyvoice_cpu.benchmark.tasks import TEXT, graph_backends, load
+from cosyvoice_cpu.hardware.malloc import malloc_free_bytes
+from cosyvoice_cpu.hardware.pages import status_mb
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model_dir", type=Path)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--lengths", type=int, default=11)
+    ap.add_argument("--descending", action="store_true")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    if args.steps < 1 or args.lengths < 1:
+        ap.error("--steps and --lengths must be at least 1")
+    engine, voice = load(args.model_dir, args.threads, backend=args.backend)
+    prompt_ids, prompt_speech, speaker = engine.lm_prompt(voice, None, False)
+    words = TEXT.split()
+    counts = sorted({max(1, round(len(words) * (i + 1) / args.lengths)) for i in range(args.lengths)})
+    order = (counts[::-1] if args.descending else counts) + counts
+    lm_on = graph_backends(engine.plan).get("lm", "?")
+    print(f"--backend {args.backend}: the LM on {lm_on}; after load RSS {status_mb('VmRSS'):.0f} MB")
+    print(f"{'#':>3} {'text ids':>8} {'prefill ms':>10} {'step ms':>7} {'RSS MB':>7} {'peak MB':>7} "
+          f"{'malloc free MB':>14} {'anon MB':>7}")  # fmt: skip
+    for i, n in enumerate(order):
+        text_ids = engine.tokenizer.encode(" ".join(words[:n]))
+        request = engine.lm.request(
+            text_ids, prompt_ids, prompt_speech, seed=i, budget=(args.steps, args.steps), speaker=speaker
+        )
+        it = iter(request)
+        t0 = time.perf_counter()
+        next(it)
+        t1 = time.perf_counter()
+        prefill, steps = t1 - t0, []
+        for _ in it:
+            t2 = time.perf_counter()
+            steps.append(t2 - t1)
+            t1 = t2
+        step = statistics.median(steps) * 1000 if steps else float("nan")
+        free = malloc_free_bytes()
+        print(f"{i:3d} {len(text_ids):8d} {prefill * 1000:10.0f} {step:7.1f} {status_mb('VmRSS'):7.0f} "
+              f"{status_mb('VmHWM'):7.0f} {'-' if free is None else f'{free / 1e6:.0f}':>14} "
+              f"{status_mb('RssAnon'):7.0f}")  # fmt: skip
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()
