@@ -119,6 +119,41 @@ def fc_nodes(request: Any) -> tuple[float, str]:
     return sum(p.real_time.total_seconds() * 1000 for p in rows), ",".join(sorted({p.exec_type for p in rows}))
 
 
+def time_variants(
+    core: Any, props: dict[str, Any], rows: int, k: int, n: int, variants: list[tuple[str, str]], depth: int, runs: int
+) -> dict[tuple[str, str], tuple[float, float, str]]:
+    """Each (form, activation) of :func:`layer_model` at (rows, k, n), compiled together and its calls alternated
+    ``runs`` times (each run starting from the next variant, so the VM's slow minutes fall on every one): per variant
+    the median ms per layer of its ``FullyConnected`` nodes, the median ms per layer of the whole call, its kernels."""
+    import nncf
+
+    from cosyvoice_cpu.backends.openvino import import_openvino
+
+    ov = import_openvino()
+    x = np.random.default_rng(1).standard_normal((rows, k)).astype(np.float32)
+    requests = {}
+    for form, act in variants:
+        model = layer_model(ov, rows, k, n, depth, act)
+        if form == "int8":
+            model = nncf.quantize(model, nncf.Dataset([{"x": x}]), subset_size=1,
+                                  model_type=nncf.ModelType.TRANSFORMER)  # fmt: skip
+        requests[form, act] = core.compile_model(model, "CPU", props).create_infer_request()
+        requests[form, act].infer({"x": x})  # the first call (kernels, buffers) not timed
+    layer: dict[tuple[str, str], list[float]] = {v: [] for v in variants}
+    call: dict[tuple[str, str], list[float]] = {v: [] for v in variants}
+    kinds: dict[tuple[str, str], set[str]] = {v: set() for v in variants}
+    order = list(requests.items())
+    for r in range(runs):
+        for v, request in order[r % len(order) :] + order[: r % len(order)]:
+            t0 = time.perf_counter()
+            request.infer({"x": x})
+            call[v].append((time.perf_counter() - t0) * 1000 / depth)
+            t, kind = fc_nodes(request)
+            layer[v].append(t / depth)
+            kinds[v].add(kind)
+    return {v: (statistics.median(layer[v]), statistics.median(call[v]), ",".join(sorted(kinds[v]))) for v in variants}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model-dir", type=Path, required=True)
@@ -142,8 +177,6 @@ def main() -> None:
     if set(activations) - set(ACTS):
         ap.error(f"--activations: {', '.join(ACTS)} only, got {args.activations}")
     import logging
-
-    import nncf
 
     logging.getLogger("nncf").setLevel(logging.ERROR)
 
@@ -182,37 +215,14 @@ def main() -> None:
     for (m, k, n), count in sorted(timed.items(), key=lambda kv: -kv[0][0] * kv[0][1] * kv[0][2] * kv[1]):
         for times in times_rows:
             rows = m * times
-            x = np.random.default_rng(1).standard_normal((rows, k)).astype(np.float32)
-            requests = {}
-            for form, act in variants:
-                fp32 = layer_model(ov, rows, k, n, args.depth, act)
-                if form == "int8":
-                    fp32 = nncf.quantize(fp32, nncf.Dataset([{"x": x}]), subset_size=1,
-                                         model_type=nncf.ModelType.TRANSFORMER)  # fmt: skip
-                requests[form, act] = core.compile_model(fp32, "CPU", props).create_infer_request()
-                requests[form, act].infer({"x": x})
-            ms: dict[tuple[str, str], list[float]] = {v: [] for v in variants}
-            calls: dict[tuple[str, str], list[float]] = {v: [] for v in variants}
-            kinds: dict[tuple[str, str], set[str]] = {v: set() for v in variants}
-            order = list(requests.items())
-            for r in range(args.runs):  # alternated, each run from the next variant: slow minutes fall on every one
-                for v, request in order[r % len(order) :] + order[: r % len(order)]:
-                    t0 = time.perf_counter()
-                    request.infer({"x": x})
-                    calls[v].append((time.perf_counter() - t0) * 1000 / args.depth)
-                    t, kind = fc_nodes(request)
-                    ms[v].append(t / args.depth)
-                    kinds[v].add(kind)
-            for (form, act), ts in ms.items():
-                med = statistics.median(ts)
-                gmac = rows * k * n / 1e9
+            timed_variants = time_variants(core, props, rows, k, n, variants, args.depth, args.runs)
+            for (form, act), (med, call, kernels) in timed_variants.items():
                 if times == 1:
                     predicted[form, act] += count * med
-                call = statistics.median(calls[form, act])
-                rate = gmac / max(med, 1e-9) * 1000
+                rate = rows * k * n / 1e9 / max(med, 1e-9) * 1000
                 entry = {"m": rows, "k": k, "n": n, "count": count, "form": form, "activation": act,
                          "ms": round(med, 3), "gmac_s": round(rate, 1), "call_ms": round(call, 3),
-                         "kernel": ",".join(sorted(kinds[form, act]))}  # fmt: skip
+                         "kernel": kernels}  # fmt: skip
                 row["layers"].append(entry)
                 print(f"{rows:6d} {k:5d} {n:5d} {count:5d} {form:5} {act:10} {med:7.3f} {entry['gmac_s']:7.0f} "
                       f"{call:7.3f}  {entry['kernel']}")  # fmt: skip
