@@ -1,14 +1,14 @@
 """The LM's memory as it meets prompts of many lengths: does each new length keep memory?
 
     python bench/lm_shapes_memory.py MODEL_DIR [--backend auto] [--steps 60] [--lengths 11] [--descending] \
-        [--threads 2]
+        [--repeat 1] [--threads 2]
 
-One engine, the bench's registered voice, the LM alone: the bench's sentence cut to ``--lengths`` word counts (each
-a prompt of another length), every length once and then all again (ascending, or ``--descending`` the first
-time), ``--steps`` decode steps each. After each request: prefill and median decode step, RSS, peak RSS, what
-glibc's malloc holds free and the anonymous memory. A backend that keeps something per prompt length grows on the
-first pass and not on the second; one that keeps only its largest call's memory grows only up to the longest
-length. Nothing here is imported by the runtime.
+One engine, the bench's registered voice, the LM alone: the bench's sentence (``--repeat`` times over) cut to
+``--lengths`` word counts (each a prompt of another length), every length once and then all again (ascending, or
+``--descending`` the first time), ``--steps`` decode steps each. After each request: prefill and median decode step,
+RSS, peak RSS, what glibc's malloc holds free and the anonymous memory. A backend that keeps something per prompt
+length grows on the first pass and not on the second; one that keeps only its largest call's memory grows only up to
+the longest length. Nothing here is imported by the runtime.
 """
 
 from __future__ import annotations
@@ -30,13 +30,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--lengths", type=int, default=11)
     ap.add_argument("--descending", action="store_true")
+    ap.add_argument("--repeat", type=int, default=1, help="the sentence this many times over (longer prompts)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    if args.steps < 1 or args.lengths < 1:
-        ap.error("--steps and --lengths must be at least 1")
+    if args.steps < 1 or args.lengths < 1 or args.repeat < 1:
+        ap.error("--steps, --lengths and --repeat must be at least 1")
     engine, voice = load(args.model_dir, args.threads, backend=args.backend)
     prompt_ids, prompt_speech, speaker = engine.lm_prompt(voice, None, False)
-    words = TEXT.split()
+    words = " ".join([TEXT] * args.repeat).split()
     counts = sorted({max(1, round(len(words) * (i + 1) / args.lengths)) for i in range(args.lengths)})
     order = (counts[::-1] if args.descending else counts) + counts
     lm_on = graph_backends(engine.plan).get("lm", "?")
