@@ -125,10 +125,13 @@ def time_variants(
     """Each (form, activation) of :func:`layer_model` at (rows, k, n), compiled together and its calls alternated
     ``runs`` times (each run starting from the next variant, so the VM's slow minutes fall on every one): per variant
     the median ms per layer of its ``FullyConnected`` nodes, the median ms per layer of the whole call, its kernels."""
+    import logging
+
     import nncf
 
     from cosyvoice_cpu.backends.openvino import import_openvino
 
+    logging.getLogger("nncf").setLevel(logging.ERROR)  # after its import, which sets its own level
     ov = import_openvino()
     x = np.random.default_rng(1).standard_normal((rows, k)).astype(np.float32)
     requests = {}
@@ -176,10 +179,6 @@ def main() -> None:
     activations = args.activations.split(",")
     if set(activations) - set(ACTS):
         ap.error(f"--activations: {', '.join(ACTS)} only, got {args.activations}")
-    import logging
-
-    logging.getLogger("nncf").setLevel(logging.ERROR)
-
     from cosyvoice_cpu.backends.openvino import import_openvino
 
     ov = import_openvino()

@@ -366,5 +366,6 @@ def test_the_lm_shapes_probe_reports_every_prompt_length_twice(tiny_export_dir: 
         ids = [int(r[1]) for r in rows]
         assert len(set(ids)) == 3 and ids[:3] == first_pass(ids[:3]) and ids[3:] == sorted(set(ids)), out
         assert all(float(r[4]) > 0 for r in rows), out
-    bad = subprocess.run([*cmd, "--steps", "0"], capture_output=True, text=True, timeout=600)
-    assert bad.returncode == 2 and "--steps" in bad.stderr
+    for flag in ("--steps", "--repeat"):
+        bad = subprocess.run([*cmd, flag, "0"], capture_output=True, text=True, timeout=600)
+        assert bad.returncode == 2 and "--repeat must be at least 1" in bad.stderr, flag

@@ -51,7 +51,7 @@ LM_INT4_GAIN = (
 # What the OpenVINO LM costs a long-running process (docs/backends.md, "Memory per prompt length")
 LM_OV_MEMORY = (
     "it keeps a few MB for every prompt length it has prefilled, so a long-running server grows with the lengths "
-    "it meets (docs/backends.md, 'Memory per prompt length')"
+    "it meets"
 )
 # What OpenVINO was measured to gain per graph, for the reason of a missing model (docs/backends.md)
 OV_GAIN = {
@@ -226,7 +226,8 @@ def _isa(cpu: CpuInfo) -> str:
 def _auto_lm(entry: GraphEntry, what: str, isa: str) -> tuple[str, str]:
     """(backend, reason) under ``auto`` for the stateful LM ``entry`` on a CPU with ``isa``: OpenVINO where it was
     measured faster in the whole engine, its int4 weights (docs/backends.md, "The LM on OpenVINO"; it also held
-    less memory than ONNX Runtime's int8w, so no memory floor applies)."""
+    less memory than ONNX Runtime's int8w after one sentence, so no memory floor applies, but it keeps a few MB per
+    prompt length it meets, which the reason says: "Memory per prompt length")."""
     agreement = entry.attrs.get("agreement")
     agreed = "" if agreement is None else f", greedy agreement with the ONNX LM {agreement:.3f} at export"
     if entry.attrs.get("weights", entry.precision) != "int4":
@@ -238,7 +239,7 @@ def _auto_lm(entry: GraphEntry, what: str, isa: str) -> tuple[str, str]:
         )
     return OPENVINO, (
         f"{what}, stateful{agreed}; the CPU has {isa}: OpenVINO's int4 LM decoded {LM_INT4_GAIN} than ONNX "
-        f"Runtime's int8w in the engine; {LM_OV_MEMORY}"
+        f'Runtime\'s int8w in the engine; {LM_OV_MEMORY} (docs/backends.md, "Memory per prompt length")'
     )
 
 
