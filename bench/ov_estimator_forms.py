@@ -89,6 +89,14 @@ def time_fed(feeds: dict[str, np.ndarray], model: Any) -> dict[str, np.ndarray]:
     return out
 
 
+def reshaped_to_bucket(model: Any, feeds: dict[str, np.ndarray], frames: int) -> dict[str, np.ndarray]:
+    """``feeds`` padded to the frame bucket of ``frames`` (as the runtime pads a call), and ``model`` reshaped to
+    them in place (a static compile's shapes)."""
+    padded = pad_axis(feeds, ESTIMATOR_PADDING, bucket(frames))
+    model.reshape({k: list(v.shape) for k, v in padded.items()})
+    return padded
+
+
 def profile(request: Any) -> dict[str, float]:
     """ms per (node type, kernel) of the last call (PERF_COUNT compiles only), largest first; every kernel that
     ran, however short (a tiny test model's whole call can take under a millisecond per node type)."""
@@ -125,8 +133,7 @@ def main() -> None:
     core = ov.Core()
     static_model = core.read_model(str(xml))
     plain = time_fed(onnx_feeds, static_model)
-    padded = pad_axis(plain, ESTIMATOR_PADDING, size)
-    static_model.reshape({k: list(v.shape) for k, v in padded.items()})
+    padded = reshaped_to_bucket(static_model, plain, args.frames)
     dynamic = core.compile_model(core.read_model(str(xml)), "CPU", props).create_infer_request()
     static = core.compile_model(static_model, "CPU", props).create_infer_request()
     so = ort.SessionOptions()

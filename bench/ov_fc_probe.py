@@ -38,11 +38,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from ov_estimator_forms import _constant, matmul_mkn, time_fed
+from ov_estimator_forms import _constant, matmul_mkn, reshaped_to_bucket, time_fed
 
-from cosyvoice_cpu.backends.buckets import bucket, pad_axis
+from cosyvoice_cpu.backends.buckets import bucket
 from cosyvoice_cpu.benchmark.feeds import estimator_feeds
-from cosyvoice_cpu.flow.graphs import ESTIMATOR_PADDING
 
 
 def layer_shapes(model: Any) -> Counter[tuple[int, int, int]]:
@@ -184,9 +183,8 @@ def main() -> None:
     ov = import_openvino()
     core = ov.Core()
     model = core.read_model(str(args.model_dir / "flow_estimator.ov.xml"))
-    feeds = pad_axis(time_fed(estimator_feeds(args.frames, np.random.default_rng(0)), model), ESTIMATOR_PADDING,
-                     bucket(args.frames))  # fmt: skip
-    model.reshape({k: list(v.shape) for k, v in feeds.items()})
+    plain = time_fed(estimator_feeds(args.frames, np.random.default_rng(0)), model)
+    feeds = reshaped_to_bucket(model, plain, args.frames)
     props = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": "bf16",
              "INFERENCE_NUM_THREADS": args.threads, "PERF_COUNT": True}  # fmt: skip
     compiled = core.compile_model(model, "CPU", props)
