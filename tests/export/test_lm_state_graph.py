@@ -110,7 +110,7 @@ def test_scheduler_traffic_gives_the_bound_graphs_logp(sessions) -> None:
 def test_idle_rows_are_compacted(sessions) -> None:
     """A row that sits out many steps gets a masked position at each; once the long row leaves, the state is
     compacted to the short row's real positions and goes on as the bound graph does."""
-    from cosyvoice_cpu.lm.state_graph import SLACK
+    from cosyvoice_cpu.lm.state_graph import PIECE_STEP, SLACK
 
     bound, state = sessions
     d = bound.spec.hidden
@@ -127,7 +127,8 @@ def test_idle_rows_are_compacted(sessions) -> None:
         else:
             cache.release(args[0], 0)
         widths.append(cache.mask.shape[1])
-    assert max(widths) == 10 + SLACK + 16 and widths[-1] == 6  # the short row alone, compacted
+    # two prefills of one padded piece each, a position per step; then the short row alone, compacted
+    assert max(widths) == 2 * PIECE_STEP + SLACK + 16 and widths[-1] == 6
     _same(_script(bound, plan, 2), _script(state, plan, 2))
 
 
@@ -161,6 +162,42 @@ def test_prefix_cache_split_prefill_matches_one_call(sessions) -> None:
         prefixes.load(cache, 0, b"voice", embeds[:11])
         assert rel_err(state.prefill(cache, 0, embeds[11:]), whole) < RTOL
     assert (prefixes.hits, prefixes.misses) == (1, 1)
+
+
+def test_prefill_pieces_cover_the_prompt_in_a_few_sizes() -> None:
+    from cosyvoice_cpu.lm.state_graph import PIECE, PIECE_STEP, prefill_pieces
+
+    for n in range(1, 4 * PIECE + 3):
+        pieces = prefill_pieces(n)
+        assert [a for a, _, _ in pieces] == [0] + [b for _, b, _ in pieces[:-1]] and pieces[-1][1] == n
+        sizes = [b - a + pad for a, b, pad in pieces]
+        assert all(size % PIECE_STEP == 0 and 0 < size <= PIECE for size in sizes), (n, pieces)
+        assert all(pad == 0 for _, _, pad in pieces[1:]) and pieces[0][2] < PIECE_STEP
+
+
+def test_prompts_of_every_length_prefill_in_calls_of_a_few_sizes(sessions, monkeypatch: pytest.MonkeyPatch) -> None:
+    """OpenVINO keeps memory for every number of positions a call brings: prompts of every length, alone and
+    beside a live row (the side request), bring only PIECE / PIECE_STEP sizes, and give the bound graph's
+    log-probabilities (padding and pieces change nothing)."""
+    from cosyvoice_cpu.backends.openvino import OpenVinoState
+    from cosyvoice_cpu.lm.state_graph import PIECE, PIECE_STEP
+
+    bound, state = sessions
+    d, sizes = bound.spec.hidden, set()
+    run = OpenVinoState.run
+    monkeypatch.setattr(
+        OpenVinoState, "run", lambda self, f, o: sizes.add(f["inputs_embeds"].shape[1]) or run(self, f, o)
+    )
+    for n in range(1, MAX_LEN - 10, 3):
+        plan: list[tuple] = [
+            ("prefill", 1, _prompt(6, n, d)),
+            ("prefill", 0, _prompt(n, n, d)),
+            ("step", [0, 1], [3, 4]),
+        ]
+        _same(_script(bound, plan, 2), _script(state, plan, 2))
+        _same(_script(bound, plan[1:2], 1), _script(state, plan[1:2], 1))
+    assert sizes <= {1} | set(range(PIECE_STEP, PIECE + 1, PIECE_STEP)), sorted(sizes)
+    assert PIECE in sizes
 
 
 def test_misuse_is_refused(sessions) -> None:

@@ -172,3 +172,23 @@ def test_the_lm_probe_compares_the_forms_of_a_fun_cosyvoice3_lm(
         prepare = [*probe, "prepare", "--fixture", str(fixture), "--work", str(work)]
         refused = subprocess.run(prepare, capture_output=True, text=True, timeout=600)
         assert refused.returncode != 0 and words in refused.stderr, refused.stderr
+
+
+def test_the_lm_shapes_probe_alternates_the_prefill_forms(tiny_ov_export_dir: Path) -> None:
+    """``bench/lm_shapes_memory.py --prefill both`` (how the pieces were measured against one call): every request
+    in both forms, the forms taking turns first, and each length's medians at the end."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "lm_shapes_memory.py"
+    cmd = [sys.executable, str(script), str(tiny_ov_export_dir), "--backend", "openvino", "--steps", "2",
+           "--lengths", "2", "--threads", "1", "--prefill", "both"]  # fmt: skip
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600).stdout
+    lines = out.splitlines()
+    assert lines[0].startswith("--backend openvino: the LM on openvino"), out
+    rows = [line.split() for line in lines[2:10]]
+    assert [r[-1] for r in rows] == ["pieces", "one-call", "one-call", "pieces"] * 2, out
+    assert [r[1] for r in rows[::2]] == [r[1] for r in rows[1::2]], out  # each length in both forms
+    assert lines[10] == "median prefill ms by text ids: one-call / pieces", out
+    summary = [line.split() for line in lines[11:]]
+    assert len(summary) == 2 and sorted(r[0] for r in summary) == sorted({r[1] for r in rows}), out

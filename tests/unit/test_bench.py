@@ -369,3 +369,5 @@ def test_the_lm_shapes_probe_reports_every_prompt_length_twice(tiny_export_dir: 
     for flag in ("--steps", "--repeat"):
         bad = subprocess.run([*cmd, flag, "0"], capture_output=True, text=True, timeout=600)
         assert bad.returncode == 2 and "--repeat must be at least 1" in bad.stderr, flag
+    bad = subprocess.run([*cmd, "--prefill", "both"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "only the stateful (OpenVINO) LM prefills in pieces" in bad.stderr

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -134,15 +134,9 @@ def measure_lm(engine: Engine, voice: Voice, tokens: int, runs: int) -> dict[str
     prefill, steps = [], []
     for _ in range(runs + 1):
         req = engine.lm.request(text_ids, prompt_ids, prompt_speech, seed=0, budget=(tokens, tokens), speaker=speaker)
-        it = iter(req)
-        t0 = time.perf_counter()
-        next(it)
-        t1 = time.perf_counter()
-        prefill.append(t1 - t0)
-        for _ in it:
-            t2 = time.perf_counter()
-            steps.append(t2 - t1)
-            t1 = t2
+        first, each = timed_request(req)
+        prefill.append(first)
+        steps += each
     positions = len(engine.lm.prompt_embeddings(text_ids, prompt_ids, prompt_speech, speaker))
     step = statistics.median(steps[tokens - 1 :])  # the warm-up run's steps excluded
     # the voice transcript's positions come from the LM prefix cache after the warm-up (lm_prefix)
@@ -153,6 +147,20 @@ def measure_lm(engine: Engine, voice: Voice, tokens: int, runs: int) -> dict[str
         "lm_decode_ms": step * 1000,
         "lm_decode_tok_s": 1.0 / step,
     }
+
+
+def timed_request(request: Iterable[object]) -> tuple[float, list[float]]:
+    """Run an LM request to its end: seconds to its first token (the prefill), and of each token after."""
+    it = iter(request)
+    t0 = time.perf_counter()
+    next(it)
+    t1 = time.perf_counter()
+    first, steps = t1 - t0, []
+    for _ in it:
+        t2 = time.perf_counter()
+        steps.append(t2 - t1)
+        t1 = t2
+    return first, steps
 
 
 def measure_lm_batched(engine: Engine, voice: Voice, streams: int, steps: int = 100) -> dict[str, float]:

@@ -17,7 +17,13 @@ the mask hides the rest. So rows of different lengths decode in one call; a row 
 masked position; a new row joins as a masked copy of another (``beam_idx`` repeats it) and a finished one leaves
 at the next call (``beam_idx`` drops it). Nothing is copied per step. A long prefill while other rows are in the
 state runs alone on a second request (:data:`SIDE_PREFILL`), its entries merged back by one state write; the same
-write compacts the state once masked positions outnumber real ones. ``read`` / ``write`` move a row's entries
+write compacts the state once masked positions outnumber real ones.
+
+A prefill runs in calls of a few sizes only (:func:`prefill_pieces`): its first positions, masked padding before
+them up to a multiple of :data:`PIECE_STEP`, then :data:`PIECE` positions a call. OpenVINO's CPU plugin keeps a few
+MB for every new number of positions a call brings, so a server fed prompts of every length would grow without end;
+in pieces it meets at most ``PIECE / PIECE_STEP`` sizes, at the same speed (measured: docs/backends.md, "Memory per
+prompt length"). ``read`` / ``write`` move a row's entries
 through the state's get/set, so the prefix cache works as on the bound graph.
 """
 
@@ -40,6 +46,19 @@ logger = logging.getLogger(__name__)
 SIDE_PREFILL = 32
 # Masked positions the state may hold beyond twice its longest row before it is compacted
 SLACK = 64
+# A prefill's calls: PIECE positions each, after a first one of the rest padded to a multiple of PIECE_STEP
+PIECE = 64
+PIECE_STEP = 8
+
+
+def prefill_pieces(n: int) -> list[tuple[int, int, int]]:
+    """The calls that prefill n positions: (start, stop, padding) each, the padding masked positions before
+    ``[start, stop)``; every call brings ``stop - start + padding`` positions, a multiple of :data:`PIECE_STEP`
+    up to :data:`PIECE`."""
+    first = n % PIECE or min(n, PIECE)
+    pieces = [(0, first, -first % PIECE_STEP)]
+    pieces += [(a, a + PIECE, 0) for a in range(first, n, PIECE)]
+    return pieces
 
 
 def state_names(i: int) -> tuple[str, str]:
@@ -66,10 +85,11 @@ class StateGraph(LMGraph):
 
     def _warm(self) -> None:
         """Compile the model and run a prefill and a step of zeros on a throwaway request, at load: the first call
-        of each kind makes its kernels, which the first request would otherwise wait for (measured: docs/backends.md,
-        "The LM on OpenVINO")."""
+        of each size makes its kernels, which the first request would otherwise wait for (measured: docs/backends.md,
+        "The LM on OpenVINO"). The prefill brings a whole piece, which every prompt longer than one uses, and the
+        smallest."""
         cache = self.new_cache(1)
-        cache.prefill(0, np.zeros((2, self.spec.hidden), np.float32))
+        cache.prefill(0, np.zeros((PIECE + 1, self.spec.hidden), np.float32))
         cache.step([0], np.zeros((1, self.spec.hidden), np.float32))
 
     def new_cache(self, rows: int) -> StateCache:
@@ -95,7 +115,7 @@ class StateCache(LMCache):
         self.spec, self._rows, self._session = spec, rows, session
         self.lengths = np.zeros(rows, np.int64)
         self.state: ModelState = session.open_state()
-        self._side: ModelState | None = None
+        self._side: StateCache | None = None
         self.slots: list[int] = []
         self.mask = np.zeros((0, 0), np.int64)
         self.gone: set[int] = set()
@@ -154,7 +174,9 @@ class StateCache(LMCache):
         check_capacity(self.spec, [row], [self.lengths[row] + len(embeds)])
         if len(embeds) > SIDE_PREFILL and any(r != row for r in self.live):
             return self._prefill_aside(row, embeds)
-        return self._call({row: embeds})[0]
+        for start, stop, pad in prefill_pieces(len(embeds)):
+            logp = self._call({row: embeds[start:stop]}, pad)[0]
+        return logp
 
     def step(self, rows: list[int], embeds: np.ndarray) -> np.ndarray:
         """Append one position, embeds (len(rows), D), to each of ``rows``; logp (len(rows), V)."""
@@ -163,13 +185,15 @@ class StateCache(LMCache):
         check_capacity(self.spec, rows, self.lengths[rows] + 1)
         return self._call({r: embeds[i : i + 1] for i, r in enumerate(rows)})
 
-    def _call(self, fed: dict[int, np.ndarray]) -> np.ndarray:
-        """One call over every live row and the fed rows: ``fed`` row -> its new positions (S, D), S alike for all.
-        Rows not fed get S masked positions; returns logp (len(fed), V) in ``fed``'s order."""
+    def _call(self, fed: dict[int, np.ndarray], pad: int = 0) -> np.ndarray:
+        """One call over every live row and the fed rows: ``fed`` row -> its new positions (n, D), n alike for all,
+        after ``pad`` masked positions (the call brings S = pad + n). Rows not fed get S masked positions; returns
+        logp (len(fed), V) in ``fed``'s order."""
         keep = [b for b, r in enumerate(self.slots) if r not in self.gone]
         rows = [self.slots[b] for b in keep] + [r for r in fed if r not in self.live]
         beam = keep + [0] * (len(rows) - len(keep))  # a new row: a copy of slot 0, masked out
-        s = len(next(iter(fed.values())))
+        n = len(next(iter(fed.values())))
+        s = pad + n
         old = np.zeros((len(rows), self.mask.shape[1]), np.int64)
         old[: len(keep)] = self.mask[keep]
         embeds = np.zeros((len(rows), s, self.spec.hidden), np.float32)
@@ -177,8 +201,8 @@ class StateCache(LMCache):
         positions = np.zeros((len(rows), s), np.int64)
         for b, r in enumerate(rows):
             if r in fed:
-                embeds[b], new[b] = fed[r], 1
-                positions[b] = self.lengths[r] + np.arange(s)
+                embeds[b, pad:], new[b, pad:] = fed[r], 1
+                positions[b, pad:] = self.lengths[r] + np.arange(n)
         mask = np.concatenate([old, new], axis=1)
         if not self.slots:
             beam = list(range(len(rows)))  # an empty state takes the call's batch
@@ -186,7 +210,7 @@ class StateCache(LMCache):
         (logp,) = self.state.run({**feeds, "beam_idx": np.array(beam, np.int32)}, ["logp"])
         self.slots, self.mask, self.gone = rows, mask, set()
         for r in fed:
-            self.lengths[r] += s
+            self.lengths[r] += n
         if mask.shape[1] > 2 * int(self.lengths[rows].max()) + SLACK:
             self._repack(self._contents())
         return logp[[rows.index(r) for r in fed]]
@@ -195,22 +219,15 @@ class StateCache(LMCache):
         """Prefill row ``row`` alone on a second request, then write every row's entries back as the state."""
         contents = self._contents()
         if self._side is None:
-            self._side = self._session.open_state()
-        side, n, s = self._side, int(self.lengths[row]), len(embeds)
-        side.reset()
-        if n:
-            side.write(self._tensors([contents[row]])[0])
-        feeds = {
-            "inputs_embeds": np.asarray(embeds, np.float32)[None],
-            "attention_mask": np.ones((1, n + s), np.int64),
-            "position_ids": np.arange(n, n + s, dtype=np.int64)[None],
-            "beam_idx": np.zeros(1, np.int32),
-        }
-        (logp,) = side.run(feeds, ["logp"])
-        contents[row] = self._entries(side.read(), np.ones(n + s, np.int64), 0)
-        side.reset()
+            self._side = StateCache(self.spec, self._rows, self._session)
+        side = self._side
+        if row in contents:
+            side.write(row, contents[row])
+        logp = side.prefill(row, embeds)
+        contents[row] = side.read(row, int(side.lengths[row]))
+        side.reset(row)
         self._repack(contents)
-        return logp[0]
+        return logp
 
     # ---- moving entries ---------------------------------------------------------------------------------------
 
