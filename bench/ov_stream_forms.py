@@ -87,13 +87,11 @@ def child(args: argparse.Namespace) -> None:
     form, threads = args.form, args.threads
     rng = np.random.default_rng(0)
     if form == "ort":
-        import onnxruntime as ort
+        from cosyvoice_cpu.backends.base import SessionConfig
+        from cosyvoice_cpu.backends.onnxruntime import make_session
 
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = threads
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as the engine runs it (spinning off)
-        path = str(Path(args.ort) / "flow_estimator_stream.onnx")
-        sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+        # the engine's session options (spinning off)
+        sess = make_session(Path(args.ort) / "flow_estimator_stream.onnx", SessionConfig(threads=threads))
         half = next(i.type for i in sess.get_inputs() if i.name == "prompt_h") == "tensor(float16)"
 
         def runner(n: int, c: int):

@@ -48,17 +48,12 @@ LM_INT4_GAIN = (
     "1.35x faster on an AVX-512 BF16 Zen 4 (end to end 1.17x, less memory) and 1.52x faster on an AMX Xeon "
     "(prefill 1.45x)"
 )
-# What the OpenVINO LM costs a long-running process (docs/backends.md, "Memory per prompt length")
-LM_OV_MEMORY = (
-    "it keeps a few MB for every prompt length it has prefilled, so a long-running server grows with the lengths "
-    "it meets"
-)
 # What OpenVINO was measured to gain per graph, for the reason of a missing model (docs/backends.md)
 OV_GAIN = {
     "flow_estimator": "OpenVINO ran the whole-sentence flow 1.3-1.85x faster",
     "lm": f"OpenVINO's int4 LM decoded {LM_INT4_GAIN} than ONNX Runtime's int8w in the engine, at int4's cost in "
     "argmax agreement, which the export prints: check it (on random weights Fun-CosyVoice3's LM lost far more than "
-    "CosyVoice2's, docs/quantization.md); " + LM_OV_MEMORY,
+    "CosyVoice2's, docs/quantization.md)",
 }
 # The export command that writes each graph's OpenVINO model in the form ``auto`` runs
 OV_EXPORT = {"flow_estimator": EXPORT_OPENVINO, "lm": EXPORT_OPENVINO + " --openvino-lm int4"}
@@ -226,8 +221,8 @@ def _isa(cpu: CpuInfo) -> str:
 def _auto_lm(entry: GraphEntry, what: str, isa: str) -> tuple[str, str]:
     """(backend, reason) under ``auto`` for the stateful LM ``entry`` on a CPU with ``isa``: OpenVINO where it was
     measured faster in the whole engine, its int4 weights (docs/backends.md, "The LM on OpenVINO"; it also held
-    less memory than ONNX Runtime's int8w after one sentence, so no memory floor applies, but it keeps a few MB per
-    prompt length it meets, which the reason says: "Memory per prompt length")."""
+    less memory than ONNX Runtime's int8w after one sentence, so no memory floor applies; its prefills run in pieces
+    of a few sizes, so it does not grow with the prompt lengths it meets: "Memory per prompt length")."""
     agreement = entry.attrs.get("agreement")
     agreed = "" if agreement is None else f", greedy agreement with the ONNX LM {agreement:.3f} at export"
     if entry.attrs.get("weights", entry.precision) != "int4":
@@ -239,7 +234,7 @@ def _auto_lm(entry: GraphEntry, what: str, isa: str) -> tuple[str, str]:
         )
     return OPENVINO, (
         f"{what}, stateful{agreed}; the CPU has {isa}: OpenVINO's int4 LM decoded {LM_INT4_GAIN} than ONNX "
-        f'Runtime\'s int8w in the engine; {LM_OV_MEMORY} (docs/backends.md, "Memory per prompt length")'
+        "Runtime's int8w in the engine"
     )
 
 
