@@ -12,8 +12,9 @@ the longest length.
 
 ``--prefill`` (the stateful OpenVINO LM only): ``pieces``, as the engine runs it (``lm.state_graph.prefill_pieces``),
 ``one-call``, the whole prefill in one call as before the pieces (memory per length), or ``both``: each request
-twice, the two forms alternated (which goes first turning each length), and the median prefill of each form per
-length at the end. Nothing here is imported by the runtime.
+twice, the two forms alternated (which goes first turning with each length and pass), and each form's prefill per
+length on the second pass at the end; the number of calls each form made is printed. Nothing here is imported
+by the runtime.
 """
 
 from __future__ import annotations
@@ -27,7 +28,20 @@ from cosyvoice_cpu.hardware.malloc import malloc_free_bytes
 from cosyvoice_cpu.hardware.pages import status_mb
 from cosyvoice_cpu.lm import state_graph
 
-FORMS = {"pieces": state_graph.prefill_pieces, "one-call": lambda n: [(0, n, 0)]}
+PIECES = state_graph.prefill_pieces
+FORMS = {"pieces": PIECES, "one-call": lambda n: [(0, n, 0)]}
+CALLS = dict.fromkeys(FORMS, 0)  # the calls each form gave StateCache.prefill (proof that the switch reached it)
+
+
+def _switch(form: str) -> None:
+    """Make StateCache.prefill (which looks the function up at every prefill) run ``form``, counting its calls."""
+
+    def pieces(n: int) -> list[tuple[int, int, int]]:
+        out = FORMS[form](n)
+        CALLS[form] += len(out)
+        return out
+
+    state_graph.prefill_pieces = pieces
 
 
 def main() -> None:
@@ -60,22 +74,25 @@ def main() -> None:
     row = 0
     for i, n in enumerate(order):
         text_ids = engine.tokenizer.encode(" ".join(words[:n]))
-        for form in forms[i % len(forms) :] + forms[: i % len(forms)]:
-            state_graph.prefill_pieces = FORMS[form]  # what StateCache.prefill calls
+        turn = (i + i // len(counts)) % len(forms)  # which form goes first turns with each length and pass
+        for form in forms[turn:] + forms[:turn]:
+            _switch(form)
             request = engine.lm.request(
                 text_ids, prompt_ids, prompt_speech, seed=i, budget=(args.steps, args.steps), speaker=speaker
             )
             prefill, steps = timed_request(request)
-            prefills.setdefault((form, len(text_ids)), []).append(prefill)
+            if i >= len(counts):  # the second pass: every size met before
+                prefills.setdefault((form, len(text_ids)), []).append(prefill)
             step = statistics.median(steps) * 1000 if steps else float("nan")
             free = malloc_free_bytes()
             print(f"{row:3d} {len(text_ids):8d} {prefill * 1000:10.0f} {step:7.1f} {status_mb('VmRSS'):7.0f} "
                   f"{status_mb('VmHWM'):7.0f} {'-' if free is None else f'{free / 1e6:.0f}':>14} "
                   f"{status_mb('RssAnon'):7.0f}" + (f" {form}" if len(forms) > 1 else ""))  # fmt: skip
             row += 1
-    state_graph.prefill_pieces = FORMS["pieces"]
+    state_graph.prefill_pieces = PIECES
+    print("prefill calls: " + ", ".join(f"{form} {CALLS[form]}" for form in forms))
     if len(forms) > 1:
-        print("median prefill ms by text ids: one-call / pieces")
+        print("second pass, prefill ms by text ids: one-call / pieces")
         for ids in sorted({k[1] for k in prefills}):
             one, pieces = (statistics.median(prefills[(f, ids)]) for f in ("one-call", "pieces"))
             print(f"{ids:8d} {one * 1000:7.0f} {pieces * 1000:7.0f} {one / pieces:6.2f}")

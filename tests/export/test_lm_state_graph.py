@@ -153,7 +153,7 @@ def test_prefix_cache_split_prefill_matches_one_call(sessions) -> None:
     from cosyvoice_cpu.lm.prefix import PrefixCache
 
     _, state = sessions
-    embeds = _prompt(30, 9, state.spec.hidden)
+    embeds = _prompt(60, 9, state.spec.hidden)  # the rest beside a live row: aside, after the prefix written
     prefixes = PrefixCache(state)
     whole = state.prefill(state.new_cache(1), 0, embeds)
     for _ in range(2):  # a miss, then a hit
@@ -172,7 +172,8 @@ def test_prefill_pieces_cover_the_prompt_in_a_few_sizes() -> None:
         assert [a for a, _, _ in pieces] == [0] + [b for _, b, _ in pieces[:-1]] and pieces[-1][1] == n
         sizes = [b - a + pad for a, b, pad in pieces]
         assert all(size % PIECE_STEP == 0 and 0 < size <= PIECE for size in sizes), (n, pieces)
-        assert all(pad == 0 for _, _, pad in pieces[1:]) and pieces[0][2] < PIECE_STEP
+        assert all(pad == 0 for _, _, pad in pieces[:-1]) and pieces[-1][2] < PIECE_STEP
+        assert len(pieces) == -(-n // PIECE)  # whole pieces, the padded rest last
 
 
 def test_prompts_of_every_length_prefill_in_calls_of_a_few_sizes(sessions, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -198,6 +199,20 @@ def test_prompts_of_every_length_prefill_in_calls_of_a_few_sizes(sessions, monke
         _same(_script(bound, plan[1:2], 1), _script(state, plan[1:2], 1))
     assert sizes <= {1} | set(range(PIECE_STEP, PIECE + 1, PIECE_STEP)), sorted(sizes)
     assert PIECE in sizes
+
+
+def test_a_graph_that_gives_nan_after_padding_is_refused_at_load(lm_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cosyvoice_cpu.backends import registry
+    from cosyvoice_cpu.backends.openvino import OpenVino, OpenVinoState
+    from cosyvoice_cpu.errors import ModelDirError
+    from cosyvoice_cpu.lm.session import LMSession
+
+    run = OpenVinoState.run
+    monkeypatch.setattr(OpenVinoState, "run", lambda self, f, o: [x * np.nan for x in run(self, f, o)])
+    monkeypatch.setitem(registry.BACKENDS, OPENVINO, OpenVino(cache_dir="", precision="f32"))
+    out, attrs = lm_dir
+    with pytest.raises(ModelDirError, match="non-finite log-probabilities after masked padding"):
+        LMSession.from_dir(out, attrs, graph_file="lm.ov.xml", threads=SessionConfig(threads=1, backend=OPENVINO))
 
 
 def test_misuse_is_refused(sessions) -> None:

@@ -11,7 +11,7 @@ where the LM is the Qwen2 LM (CosyVoice2, Fun-CosyVoice3), the LM as a stateful 
 - ``auto``: OpenVINO for a graph where it was measured to win: the directory has its OpenVINO model, ``openvino``
   is installed, the CPU computes bf16 natively (AVX-512 BF16 or AMX; OpenVINO's gain is bf16 and VNNI, its f32
   is no faster than ONNX Runtime's), the graph can be padded to shared shapes where it is padded at all (the
-  estimators' ``pad_exact``; a stateful LM is never padded, its rows carry their own mask), and the machine has
+  estimators' ``pad_exact``; a stateful LM pads its own prefills, its rows carry their own mask), and the machine has
   memory to spare: OpenVINO's estimator holds more than ONNX Runtime's (:data:`OV_MIN_MEMORY`; measured:
   docs/backends.md, "Shapes, compiles and memory"). Anything else runs as it always did, on ONNX Runtime.
 
@@ -197,7 +197,7 @@ def _auto(entry: GraphEntry, cpu: CpuInfo | None, installed: bool, memory: int |
             f"{what} present, but this CPU has neither AVX-512 BF16 nor AMX: OpenVINO's gain is "
             "bf16/VNNI, its f32 is no faster than ONNX Runtime"
         )
-    if entry.attrs.get("stateful", False):  # the LM: never padded, its own rule
+    if entry.attrs.get("stateful", False):  # the LM: pads its own prefills, its own rule
         return _auto_lm(entry, what, _isa(cpu))
     if not entry.attrs.get("pad_exact", False):
         return ONNXRUNTIME, (
@@ -222,7 +222,8 @@ def _auto_lm(entry: GraphEntry, what: str, isa: str) -> tuple[str, str]:
     """(backend, reason) under ``auto`` for the stateful LM ``entry`` on a CPU with ``isa``: OpenVINO where it was
     measured faster in the whole engine, its int4 weights (docs/backends.md, "The LM on OpenVINO"; it also held
     less memory than ONNX Runtime's int8w after one sentence, so no memory floor applies; its prefills run in pieces
-    of a few sizes, so it does not grow with the prompt lengths it meets: "Memory per prompt length")."""
+    of a few sizes, so it keeps memory for those sizes only, not for every prompt length: "Memory per prompt
+    length")."""
     agreement = entry.attrs.get("agreement")
     agreed = "" if agreement is None else f", greedy agreement with the ONNX LM {agreement:.3f} at export"
     if entry.attrs.get("weights", entry.precision) != "int4":

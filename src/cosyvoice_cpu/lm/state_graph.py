@@ -17,14 +17,15 @@ the mask hides the rest. So rows of different lengths decode in one call; a row 
 masked position; a new row joins as a masked copy of another (``beam_idx`` repeats it) and a finished one leaves
 at the next call (``beam_idx`` drops it). Nothing is copied per step. A long prefill while other rows are in the
 state runs alone on a second request (:data:`SIDE_PREFILL`), its entries merged back by one state write; the same
-write compacts the state once masked positions outnumber real ones.
-
-A prefill runs in calls of a few sizes only (:func:`prefill_pieces`): its first positions, masked padding before
-them up to a multiple of :data:`PIECE_STEP`, then :data:`PIECE` positions a call. OpenVINO's CPU plugin keeps a few
-MB for every new number of positions a call brings, so a server fed prompts of every length would grow without end;
-in pieces it meets at most ``PIECE / PIECE_STEP`` sizes, at the same speed (measured: docs/backends.md, "Memory per
-prompt length"). ``read`` / ``write`` move a row's entries
+write compacts the state once masked positions outnumber real ones. ``read`` / ``write`` move a row's entries
 through the state's get/set, so the prefix cache works as on the bound graph.
+
+A prefill runs in calls of a few sizes only (:func:`prefill_pieces`): :data:`PIECE` positions a call, the rest last
+after masked padding up to a multiple of :data:`PIECE_STEP`. OpenVINO's CPU plugin keeps a few MB for every new
+number of positions a call brings, so a server fed prompts of every length would grow without end; in pieces it
+meets at most ``PIECE / PIECE_STEP`` sizes, no slower (measured: docs/backends.md, "Memory per prompt length"). The
+padding's queries of a row with no earlier position see no real key: the warm-up checks that the graph keeps them
+finite.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from cosyvoice_cpu.backends.base import GraphSession, ModelState, check_io
-from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.lm.cache import LMCache, LMGraph, check_capacity
 from cosyvoice_cpu.lm.kv_spec import LMSpec, past_names, present_names
 
@@ -46,7 +47,7 @@ logger = logging.getLogger(__name__)
 SIDE_PREFILL = 32
 # Masked positions the state may hold beyond twice its longest row before it is compacted
 SLACK = 64
-# A prefill's calls: PIECE positions each, after a first one of the rest padded to a multiple of PIECE_STEP
+# A prefill's calls: PIECE positions each, then the rest after masked padding to a multiple of PIECE_STEP
 PIECE = 64
 PIECE_STEP = 8
 
@@ -54,10 +55,11 @@ PIECE_STEP = 8
 def prefill_pieces(n: int) -> list[tuple[int, int, int]]:
     """The calls that prefill n positions: (start, stop, padding) each, the padding masked positions before
     ``[start, stop)``; every call brings ``stop - start + padding`` positions, a multiple of :data:`PIECE_STEP`
-    up to :data:`PIECE`."""
-    first = n % PIECE or min(n, PIECE)
-    pieces = [(0, first, -first % PIECE_STEP)]
-    pieces += [(a, a + PIECE, 0) for a in range(first, n, PIECE)]
+    up to :data:`PIECE`. Whole pieces first, so the padded rest has real positions before it where n > PIECE."""
+    whole = n - n % PIECE
+    pieces = [(a, a + PIECE, 0) for a in range(0, whole, PIECE)]
+    if n > whole or not pieces:
+        pieces.append((whole, n, -(n - whole) % PIECE_STEP))
     return pieces
 
 
@@ -84,13 +86,21 @@ class StateGraph(LMGraph):
         self._warm()
 
     def _warm(self) -> None:
-        """Compile the model and run a prefill and a step of zeros on a throwaway request, at load: the first call
-        of each size makes its kernels, which the first request would otherwise wait for (measured: docs/backends.md,
-        "The LM on OpenVINO"). The prefill brings a whole piece, which every prompt longer than one uses, and the
-        smallest."""
+        """Compile the model and run a prefill and a step on a throwaway request, at load: the first call of each
+        size makes its kernels, which the first request would otherwise wait for (measured: docs/backends.md, "The LM
+        on OpenVINO"). The prefills bring the smallest size, padded at the start of a row, and a whole piece, which
+        every prompt longer than one uses; the log-probabilities must be finite (a NaN from the padding's queries
+        would reach every later position of the row)."""
         cache = self.new_cache(1)
-        cache.prefill(0, np.zeros((PIECE + 1, self.spec.hidden), np.float32))
-        cache.step([0], np.zeros((1, self.spec.hidden), np.float32))
+        n = min(PIECE, self.spec.max_len - 2)
+        embeds = np.random.default_rng(0).standard_normal((n + 2, self.spec.hidden)).astype(np.float32)
+        logp = [cache.prefill(0, embeds[:1]), cache.prefill(0, embeds[1 : n + 1]), cache.step([0], embeds[n + 1 :])[0]]
+        if not all(np.isfinite(p).all() for p in logp):
+            raise ModelDirError(
+                f"{self.path}: the LM gives non-finite log-probabilities after masked padding at load; this "
+                "OpenVINO version does not keep a fully masked attention row finite: run the LM on ONNX Runtime "
+                "(--backend onnxruntime) and report the OpenVINO version"
+            )
 
     def new_cache(self, rows: int) -> StateCache:
         return StateCache(self.spec, rows, self.session)
@@ -174,6 +184,7 @@ class StateCache(LMCache):
         check_capacity(self.spec, [row], [self.lengths[row] + len(embeds)])
         if len(embeds) > SIDE_PREFILL and any(r != row for r in self.live):
             return self._prefill_aside(row, embeds)
+        logp = np.zeros(0, np.float32)
         for start, stop, pad in prefill_pieces(len(embeds)):
             logp = self._call({row: embeds[start:stop]}, pad)[0]
         return logp
@@ -221,11 +232,13 @@ class StateCache(LMCache):
         if self._side is None:
             self._side = StateCache(self.spec, self._rows, self._session)
         side = self._side
-        if row in contents:
-            side.write(row, contents[row])
-        logp = side.prefill(row, embeds)
-        contents[row] = side.read(row, int(side.lengths[row]))
-        side.reset(row)
+        try:
+            if row in contents:
+                side.write(row, contents[row])
+            logp = side.prefill(row, embeds)
+            contents[row] = side.read(row, int(side.lengths[row]))
+        finally:
+            side.reset(row)  # empty again, whatever happened
         self._repack(contents)
         return logp
 
