@@ -59,7 +59,8 @@ def main() -> None:
         ap.error("--steps, --lengths and --repeat must be at least 1")
     engine, voice = load(args.model_dir, args.threads, backend=args.backend)
     forms = list(FORMS) if args.prefill == "both" else [args.prefill]
-    if forms != ["pieces"] and not isinstance(engine.lm.session.runner, state_graph.StateGraph):
+    stateful = isinstance(engine.lm.session.runner, state_graph.StateGraph)
+    if forms != ["pieces"] and not stateful:
         engine.close()
         ap.error("--prefill: only the stateful (OpenVINO) LM prefills in pieces; this LM runs on a bound ONNX graph")
     prompt_ids, prompt_speech, speaker = engine.lm_prompt(voice, None, False)
@@ -90,7 +91,8 @@ def main() -> None:
                   f"{status_mb('RssAnon'):7.0f}" + (f" {form}" if len(forms) > 1 else ""))  # fmt: skip
             row += 1
     state_graph.prefill_pieces = PIECES
-    print("prefill calls: " + ", ".join(f"{form} {CALLS[form]}" for form in forms))
+    if stateful:
+        print("prefill calls: " + ", ".join(f"{form} {CALLS[form]}" for form in forms))
     if len(forms) > 1:
         print("second pass, prefill ms by text ids: one-call / pieces")
         for ids in sorted({k[1] for k in prefills}):
