@@ -176,7 +176,7 @@ def test_the_lm_probe_compares_the_forms_of_a_fun_cosyvoice3_lm(
 
 def test_the_lm_shapes_probe_alternates_the_prefill_forms(tiny_ov_export_dir: Path) -> None:
     """``bench/lm_shapes_memory.py --prefill both`` (how the pieces were measured against one call): every request
-    in both forms, the forms taking turns first, and each length's medians at the end."""
+    in both forms, the forms taking turns first, both reached (call counts), each length's second pass at the end."""
     import subprocess
     import sys
 
