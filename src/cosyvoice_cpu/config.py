@@ -69,6 +69,12 @@ class EngineConfig:
             (:func:`~cosyvoice_cpu.hardware.malloc.fix_mmap_threshold`). Process-wide, set by ``Engine.load``: it lowers
             the peak of a process doing whole and streamed sentences (measured: docs/benchmarks-log.md, "Memory").
             0 leaves malloc alone; ``MALLOC_MMAP_THRESHOLD_`` in the environment wins.
+        malloc_arenas: on glibc, the most heaps (arenas) malloc makes for the process's threads
+            (:func:`~cosyvoice_cpu.hardware.malloc.limit_arenas`; glibc's own bound is 8 per core). Process-wide,
+            set by ``Engine.load`` before its threads start: freed memory spread over many heaps stays resident,
+            and a server's request threads, LM scheduler and OpenVINO calls spread it (measured:
+            docs/backends.md, "A server's memory over time"). 0 leaves malloc alone; ``MALLOC_ARENA_MAX`` in the
+            environment wins.
         release_weight_pages: after opening each graph, have the kernel reclaim the pages of its weight file
             that ORT touched while packing its own copies (``SessionConfig.release_weight_pages``): full-size
             CosyVoice2 int8w, the LM's 44 MB of block scales; a lower peak for a process doing whole and streamed
@@ -110,6 +116,7 @@ class EngineConfig:
     prompt_cache_fp16: bool = False
     lm_batch_rows: int = DEFAULT_LM_BATCH_ROWS
     malloc_mmap_threshold_kb: int = 1024
+    malloc_arenas: int = 2
     release_weight_pages: bool = True
     vocoder_window_frames: int = DEFAULT_WINDOW_FRAMES
     arena_shrink_frames: int = DEFAULT_SHRINK_FRAMES
@@ -126,6 +133,7 @@ class EngineConfig:
                 "prompt_cache_mb",
                 "lm_batch_rows",
                 "malloc_mmap_threshold_kb",
+                "malloc_arenas",
                 "vocoder_window_frames",
                 "arena_shrink_frames",
                 "compiled_shapes",
@@ -147,6 +155,7 @@ class EngineConfig:
             self.malloc_mmap_threshold_kb,
             "0 (leave malloc alone) to 32768",
         )
+        need(0 <= self.malloc_arenas <= 1024, "malloc_arenas", self.malloc_arenas, "0 (leave malloc alone) to 1024")
         need(0 <= self.lm_batch_rows <= 256, "lm_batch_rows", self.lm_batch_rows, "0 (off) to 256")
         need(
             0 <= self.prompt_cache_mb <= MAX_PROMPT_CACHE_MB,

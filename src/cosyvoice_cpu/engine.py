@@ -41,7 +41,7 @@ from cosyvoice_cpu.families.base import Family, LMPrompt, Stages
 from cosyvoice_cpu.families.registry import family_for
 from cosyvoice_cpu.flow.prompt_caches import RequestCaches
 from cosyvoice_cpu.hardware.cpu import detect
-from cosyvoice_cpu.hardware.malloc import fix_mmap_threshold
+from cosyvoice_cpu.hardware.malloc import fix_mmap_threshold, limit_arenas
 from cosyvoice_cpu.lm.sampling import RngDraw, SamplingConfig
 from cosyvoice_cpu.lm.scheduler import LMScheduler
 from cosyvoice_cpu.lm.source import SentenceTokens, TokenSource
@@ -110,6 +110,8 @@ class Engine:
         hw.check_cpu()  # before onnxruntime is imported: no 'Illegal instruction'
         if config.malloc_mmap_threshold_kb and fix_mmap_threshold(config.malloc_mmap_threshold_kb << 10):
             logger.debug("glibc mmap threshold fixed at %d KiB", config.malloc_mmap_threshold_kb)
+        if config.malloc_arenas and limit_arenas(config.malloc_arenas):
+            logger.debug("glibc malloc limited to %d heaps", config.malloc_arenas)
         threads = config.threads or hw.threads(config.leave_cores)
         t0 = time.perf_counter()
         model_dir = Path(model_dir)

@@ -18,7 +18,7 @@ from cosyvoice_cpu.hardware.cpu import (
     read_cpuinfo,
 )
 from cosyvoice_cpu.hardware.features import floor_problem, kernel_level, speed_expectation
-from cosyvoice_cpu.hardware.malloc import fix_mmap_threshold, malloc_free_bytes
+from cosyvoice_cpu.hardware.malloc import fix_mmap_threshold, limit_arenas, malloc_free_bytes, malloc_heaps
 from cosyvoice_cpu.probes.calibrate import probe_kernels
 
 
@@ -291,6 +291,48 @@ def test_a_fixed_mmap_threshold_returns_freed_buffers_to_the_os() -> None:
     assert EngineConfig().malloc_mmap_threshold_kb == 1024
     with pytest.raises(ConfigError, match="malloc_mmap_threshold_kb"):
         EngineConfig(malloc_mmap_threshold_kb=-1).validate()
+
+
+_ARENA_PROBE = """
+import sys, threading
+import numpy as np
+from cosyvoice_cpu.cli.speech import DEMO_MODEL
+from cosyvoice_cpu.config import EngineConfig
+from cosyvoice_cpu.engine import Engine
+from cosyvoice_cpu.hardware.malloc import malloc_heaps
+engine = Engine.load(DEMO_MODEL, EngineConfig(threads=1, malloc_arenas=int(sys.argv[1])))
+go = threading.Barrier(6)
+def churn():  # six threads allocating at once: glibc gives a thread that finds the heaps busy one of its own
+    go.wait()
+    for _ in range(3000):
+        blocks = [np.ones(256) for _ in range(40)]
+        del blocks
+threads = [threading.Thread(target=churn) for _ in range(6)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(malloc_heaps())
+engine.close()
+"""
+
+
+def test_an_engine_keeps_the_process_to_few_malloc_heaps() -> None:
+    """Loaded with the default config, the engine bounds glibc's heaps: six threads allocating side by side after it
+    share 2 heaps, where glibc alone gives them several (``malloc_arenas=0``)."""
+    import os
+    import subprocess
+    import sys
+
+    if malloc_heaps() is None:
+        pytest.skip("needs glibc")
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    heaps = {n: int(subprocess.run([sys.executable, "-c", _ARENA_PROBE, str(n)], env=env, capture_output=True,
+                                   text=True, check=True).stdout)
+             for n in (EngineConfig().malloc_arenas, 0)}  # fmt: skip
+    assert EngineConfig().malloc_arenas == 2 and heaps[2] <= 2 < heaps[0], heaps
+    with pytest.raises(ConfigError, match="1 to 1024"):
+        limit_arenas(0)
+    with pytest.raises(ConfigError, match="malloc_arenas"):
+        EngineConfig(malloc_arenas=-1).validate()
 
 
 def test_doctor_reports_the_machine_and_a_model(tiny_export_dir: Path, tmp_path: Path, capsys) -> None:

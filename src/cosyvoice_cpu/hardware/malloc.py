@@ -1,18 +1,31 @@
-"""glibc's malloc in this process: the mmap threshold that keeps big freed buffers returnable, and how much memory
-its heaps hold free. Both are no-ops (False / None) off glibc; ``ctypes`` is loaded when they are called.
+"""glibc's malloc in this process: the mmap threshold that keeps big freed buffers returnable, the number of heaps
+(arenas) threads allocate from, and how much memory the heaps hold free and how many there are. All are no-ops
+(False / None) off glibc; ``ctypes`` is loaded when they are called.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 from cosyvoice_cpu.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-_M_MMAP_THRESHOLD = -3  # glibc <malloc.h>
+_M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8  # glibc <malloc.h>
 MMAP_THRESHOLD_ENV = "MALLOC_MMAP_THRESHOLD_"  # glibc reads it at start-up; an explicit value there wins
+ARENA_MAX_ENV = "MALLOC_ARENA_MAX"
+
+
+def _mallopt(param: int, value: int) -> bool:
+    import ctypes  # here, not at import time
+
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    return bool(mallopt(param, int(value)))
 
 
 def fix_mmap_threshold(nbytes: int) -> bool:
@@ -29,14 +42,60 @@ def fix_mmap_threshold(nbytes: int) -> bool:
         raise ConfigError(f"mmap threshold must be 1 byte to 32 MiB, got {nbytes}")
     if os.environ.get(MMAP_THRESHOLD_ENV):
         return False
+    return _mallopt(_M_MMAP_THRESHOLD, nbytes)
+
+
+def limit_arenas(count: int) -> bool:
+    """Let glibc's malloc create at most ``count`` heaps (arenas, the main one included) for this process's
+    threads; True if set.
+
+    By default glibc gives a thread that finds the heaps busy a heap of its own, up to 8 per core, and memory
+    freed in a heap stays with that heap: a server whose request threads, LM scheduler and OpenVINO calls
+    allocate side by side spreads its freed memory over many heaps, each resident. Few heaps keep it reusable
+    (measured on a server mix: docs/backends.md, "A server's memory over time"). Heaps already made stay;
+    call it before the threads start. A no-op (False) off glibc or when ``MALLOC_ARENA_MAX`` is set in the
+    environment (the operator's choice wins).
+    """
+    if not 1 <= count <= 1024:
+        raise ConfigError(f"malloc arenas must be 1 to 1024, got {count}")
+    if os.environ.get(ARENA_MAX_ENV):
+        return False
+    return _mallopt(_M_ARENA_MAX, count)
+
+
+def trim_heaps() -> bool:
+    """Return the free memory of glibc's heaps to the kernel (``malloc_trim(0)``: whole free pages anywhere in
+    every heap, not only at their tops); True if there was any to return, False also off glibc."""
     import ctypes  # here, not at import time
 
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc
+        malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, int(nbytes)))
+    return bool(malloc_trim(0))
+
+
+def malloc_heaps() -> int | None:
+    """How many heaps (arenas) glibc's malloc has made in this process (``malloc_info``); None off glibc."""
+    import ctypes  # here, not at import time
+    import tempfile
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        malloc_info, fopen, fclose = libc.malloc_info, libc.fopen, libc.fclose
+    except (OSError, AttributeError):
+        return None
+    fopen.restype, fopen.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_char_p]
+    malloc_info.argtypes, fclose.argtypes = [ctypes.c_int, ctypes.c_void_p], [ctypes.c_void_p]
+    with tempfile.NamedTemporaryFile(suffix=".xml") as f:
+        stream = fopen(f.name.encode(), b"w")
+        if not stream:
+            return None
+        try:
+            malloc_info(0, stream)
+        finally:
+            fclose(stream)
+        return Path(f.name).read_text().count("<heap nr=")
 
 
 def malloc_free_bytes() -> int | None:
