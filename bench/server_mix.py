@@ -188,13 +188,18 @@ async def _wyoming(port: int, a: Action) -> str:
 
 
 def sample(url: str, pid: int) -> dict[str, float]:
-    """The server's RSS and peak RSS (MB) and its voices' prompt cache bytes (MB) now."""
+    """The server's RSS and peak RSS (MB), its voices' prompt cache bytes and glibc's free heap memory (MB) now,
+    and its heap trims so far."""
     health = httpx.get(url + "/health", timeout=60).json()
     metrics = httpx.get(url + "/metrics", timeout=60).text
     cache = re.search(r"^cosyvoice_prompt_cache_bytes (\S+)$", metrics, re.M)
+    free = re.search(r"^cosyvoice_process_malloc_free_bytes (\S+)$", metrics, re.M)
+    trims = re.search(r"^cosyvoice_heap_trims_total (\S+)$", metrics, re.M)
     peak = status_mb("VmHWM", pid)
     return {"rss_mb": health["rss_mb"], "peak_mb": round(peak, 1) if peak is not None else float("nan"),
-            "prompt_cache_mb": round(float(cache.group(1)) / 2**20, 1) if cache else float("nan")}  # fmt: skip
+            "prompt_cache_mb": round(float(cache.group(1)) / 2**20, 1) if cache else float("nan"),
+            "malloc_free_mb": round(float(free.group(1)) / 2**20, 1) if free else float("nan"),
+            "heap_trims": int(float(trims.group(1))) if trims else 0}  # fmt: skip
 
 
 def mix(args: argparse.Namespace) -> dict[str, object]:
@@ -237,7 +242,8 @@ def mix(args: argparse.Namespace) -> dict[str, object]:
                              **sample(server.url, server.proc.pid)}  # fmt: skip
                     curve.append(point)
                     print(f"{done:6d} requests {point['minutes']:7.1f} min  RSS {point['rss_mb']:7.1f} MB  peak "
-                          f"{point['peak_mb']:7.1f}  prompt caches {point['prompt_cache_mb']:6.1f} MB  "
+                          f"{point['peak_mb']:7.1f}  prompt caches {point['prompt_cache_mb']:6.1f} MB  malloc free "
+                          f"{point['malloc_free_mb']:6.1f} MB  trims {point['heap_trims']}  "
                           f"{dict(outcomes)}", flush=True)  # fmt: skip
         finally:
             server.stop()

@@ -108,6 +108,12 @@ def test_models_health_and_metrics(server: Server) -> None:
                  "cosyvoice_queue_wait_seconds_sum", "cosyvoice_lm_tokens_per_second",
                  "cosyvoice_lm_batch_steps_total", "cosyvoice_process_resident_memory_bytes"):  # fmt: skip
         assert name in text, name
+    assert gauge(text, "cosyvoice_process_malloc_free_bytes") > 0  # glibc's heaps hold some free memory
+    with server.client() as c:  # idle now: the server trims its heaps a second later
+        deadline = time.monotonic() + 20
+        while gauge(c.get("/metrics").text, "cosyvoice_heap_trims_total") < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert gauge(c.get("/metrics").text, "cosyvoice_heap_trims_total") >= 1
     ok = re.search(r'cosyvoice_requests_total\{endpoint="/v1/audio/speech",outcome="ok"\} (\d+)', text)
     assert ok and int(ok.group(1)) >= 1
     assert gauge(text, "cosyvoice_prompt_cache_bytes") > 0  # the streamed request kept its voice's cache

@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
+from cosyvoice_cpu.hardware.malloc import malloc_free_bytes
 from cosyvoice_cpu.server import handlers
 from cosyvoice_cpu.server.guard import ApiKeyMiddleware, HostOriginGuard
 from cosyvoice_cpu.server.identity import ReplicaHeaderMiddleware, ReplicaInfo
@@ -59,6 +60,18 @@ def create_app(engine: SpeechEngine, settings: ServerSettings, replica: ReplicaI
     state.replica = replica or ReplicaInfo()
     m = state.metrics
     m.gauges["cosyvoice_process_resident_memory_bytes"] = ("Resident memory of the server process.", _rss_bytes)
+    m.gauges["cosyvoice_process_malloc_free_bytes"] = (
+        "Memory freed into glibc's heaps, not reused yet (resident until a heap trim returns its pages; 0 off glibc).",
+        lambda: malloc_free_bytes() or 0,
+    )
+    m.counters["cosyvoice_heap_trims_total"] = (
+        "Trims of glibc's heaps after the server went idle (their free pages returned to the OS).",
+        lambda: state.admission.heap_trim.trims,
+    )
+    m.counters["cosyvoice_heap_trimmed_bytes_total"] = (
+        "Resident memory the heap trims returned (RSS before less after, summed).",
+        lambda: state.admission.heap_trim.freed_bytes,
+    )
     m.gauges["cosyvoice_requests_active"] = ("Syntheses running.", lambda: state.admission.active)
     m.gauges["cosyvoice_requests_queued"] = ("Syntheses waiting for a worker.", lambda: state.admission.waiting)
     m.gauges["cosyvoice_voices"] = ("Saved voices served.", lambda: len(state.voices))

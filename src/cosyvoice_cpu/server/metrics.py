@@ -48,7 +48,7 @@ class Histogram:
 
 
 class Metrics:
-    """The server's metrics. ``gauges`` are read at scrape time: name -> (help, callable)."""
+    """The server's metrics. ``gauges`` and ``counters`` are read at scrape time: name -> (help, callable)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -59,6 +59,7 @@ class Metrics:
         self.rtf = Histogram(RTF_BUCKETS)
         self.audio_seconds = 0.0
         self.gauges: dict[str, tuple[str, Callable[[], float]]] = {}
+        self.counters: dict[str, tuple[str, Callable[[], float]]] = {}  # read at scrape time like the gauges
         self.batch_sizes: Callable[[], dict[int, int]] | None = None
         self.lm_counters: Callable[[], dict[str, float]] | None = None
 
@@ -114,11 +115,12 @@ class Metrics:
             sizes = self.batch_sizes()
             body = [f'cosyvoice_lm_batch_steps_total{{rows="{k}"}} {v}' for k, v in sorted(sizes.items())]
             block("cosyvoice_lm_batch_steps_total", "counter", "LM decode steps by rows decoded together.", body)
-        for name, (help_, read) in self.gauges.items():
-            try:
-                value = float(read())
-            except Exception as e:  # a gauge never breaks the scrape
-                logger.debug("gauge %s failed: %s", name, e)
-                continue
-            block(name, "gauge", help_, [f"{name} {value:.6g}"])
+        for kind, read_at_scrape in (("counter", self.counters), ("gauge", self.gauges)):
+            for name, (help_, read) in read_at_scrape.items():
+                try:
+                    value = float(read())
+                except Exception as e:  # a gauge never breaks the scrape
+                    logger.debug("%s %s failed: %s", kind, name, e)
+                    continue
+                block(name, kind, help_, [f"{name} {value:.6g}"])
         return "\n".join(lines) + "\n"

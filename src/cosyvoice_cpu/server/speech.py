@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cosyvoice_cpu.config import SynthesisConfig
 from cosyvoice_cpu.server.checks import MAX_MODEL_CHARS, MAX_VOICE_CHARS
+from cosyvoice_cpu.server.trim import HeapTrim
 
 if TYPE_CHECKING:
     from cosyvoice_cpu.config import AudioChunk
@@ -185,7 +186,9 @@ class AudioBound:
 
 
 class Admission:
-    """Bounds the work: ``max_active`` syntheses run, up to ``max_queue`` more wait; beyond that, 429."""
+    """Bounds the work: ``max_active`` syntheses run, up to ``max_queue`` more wait; beyond that, 429. Each
+    synthesis that leaves tells ``heap_trim``, which returns glibc's free heap memory once the server is idle
+    (:mod:`cosyvoice_cpu.server.trim`)."""
 
     def __init__(self, max_active: int, max_queue: int) -> None:
         self.max_active, self.max_queue = max_active, max_queue
@@ -193,6 +196,7 @@ class Admission:
         self.waiting = 0
         self.draining = False
         self._slots = asyncio.Semaphore(max_active)
+        self.heap_trim = HeapTrim(lambda: self.active == 0 and self.waiting == 0)
 
     async def enter(self) -> float:
         """Wait for a slot; returns the seconds waited. Raises Rejected when full or draining."""
@@ -212,6 +216,7 @@ class Admission:
     def leave(self) -> None:
         self.active -= 1
         self._slots.release()
+        self.heap_trim.left()
 
 
 @dataclass(eq=False)  # compared and hashed by identity: the app keeps the running ones in a set

@@ -11,7 +11,6 @@ collected, ONNX Runtime's shared arena shrunk and glibc's free memory returned (
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import logging
 import threading
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from cosyvoice_cpu.backends.registry import release_idle_memory
 from cosyvoice_cpu.errors import need
+from cosyvoice_cpu.hardware.malloc import trim_heaps
 from cosyvoice_cpu.server.engine_api import PromptAudio
 
 if TYPE_CHECKING:
@@ -34,14 +34,6 @@ if TYPE_CHECKING:
     from cosyvoice_cpu.voices.voice import Voice
 
 logger = logging.getLogger(__name__)
-
-
-def _trim() -> None:
-    """Return glibc's free heap memory to the kernel (nothing elsewhere)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def rss_mb() -> float:
@@ -247,7 +239,7 @@ class UnloadingEngine:
         taken.pop().close()  # the last reference: the sessions, caches and the scheduler go with it
         gc.collect()
         release_idle_memory()  # ONNX Runtime's process-wide arena keeps its regions after its sessions closed
-        _trim()
+        trim_heaps()
         self.unloads += 1
         logger.info("engine released after %.0f s idle: RSS %.0f -> %.0f MB", idle, before, rss_mb())
 
