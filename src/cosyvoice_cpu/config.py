@@ -73,7 +73,7 @@ class EngineConfig:
             (:func:`~cosyvoice_cpu.hardware.malloc.limit_arenas`; glibc's own bound is 8 per core). Process-wide,
             set by ``Engine.load`` before its threads start: freed memory spread over many heaps stays resident,
             and a server's request threads, LM scheduler and OpenVINO calls spread it (measured:
-            docs/backends.md, "A server's memory over time"). 0 leaves malloc alone; ``MALLOC_ARENA_MAX`` in the
+            docs/server.md, "A server's memory over time"). 0 leaves malloc alone; ``MALLOC_ARENA_MAX`` in the
             environment wins.
         release_weight_pages: after opening each graph, have the kernel reclaim the pages of its weight file
             that ORT touched while packing its own copies (``SessionConfig.release_weight_pages``): full-size

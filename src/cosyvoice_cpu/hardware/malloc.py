@@ -52,7 +52,7 @@ def limit_arenas(count: int) -> bool:
     By default glibc gives a thread that finds the heaps busy a heap of its own, up to 8 per core, and memory
     freed in a heap stays with that heap: a server whose request threads, LM scheduler and OpenVINO calls
     allocate side by side spreads its freed memory over many heaps, each resident. Few heaps keep it reusable
-    (measured on a server mix: docs/backends.md, "A server's memory over time"). Heaps already made stay;
+    (measured on a server mix: docs/server.md, "A server's memory over time"). Heaps already made stay;
     call it before the threads start. A no-op (False) off glibc or when ``MALLOC_ARENA_MAX`` is set in the
     environment (the operator's choice wins).
     """
