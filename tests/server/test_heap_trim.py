@@ -5,6 +5,8 @@ itself is counted, and the real server's ``/metrics`` shows one after a request 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 
 import pytest
 
@@ -21,20 +23,26 @@ def trims(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+async def until(done: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Wait (in the loop) until ``done()``, at most ``timeout`` seconds (a loaded machine runs the worker late)."""
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+
+
 def test_an_idle_server_trims_once_after_the_delay(trims: list[int]) -> None:
     async def run() -> None:
         admission = Admission(2, 2)
-        admission.heap_trim = HeapTrim(lambda: admission.active == 0 and admission.waiting == 0, idle_s=0.05)
+        heap_trim = admission.heap_trim = HeapTrim(lambda: admission.active == 0 and admission.waiting == 0, 0.05)
         await admission.enter()
         await admission.enter()
-        admission.leave()  # one still runs: no trim
-        await asyncio.sleep(0.15)
-        assert trims == []
-        admission.leave()  # idle now
-        await asyncio.sleep(0.02)
-        assert trims == []  # not before the delay
-        await asyncio.sleep(0.15)
-        assert trims == [1] and admission.heap_trim.trims == 1
+        admission.leave()  # one still runs: nothing scheduled
+        assert heap_trim._pending is None
+        admission.leave()  # idle now: a trim after the delay, not at once
+        assert heap_trim._pending is not None and trims == []
+        await until(lambda: heap_trim.trims == 1)
+        await asyncio.sleep(0.1)
+        assert trims == [1] and heap_trim.trims == 1
 
     asyncio.run(run())
 
@@ -42,15 +50,14 @@ def test_an_idle_server_trims_once_after_the_delay(trims: list[int]) -> None:
 def test_a_request_arriving_in_the_delay_cancels_the_trim(trims: list[int]) -> None:
     async def run() -> None:
         admission = Admission(1, 2)
-        admission.heap_trim = HeapTrim(lambda: admission.active == 0 and admission.waiting == 0, idle_s=0.1)
+        heap_trim = admission.heap_trim = HeapTrim(lambda: admission.active == 0 and admission.waiting == 0, 0.1)
         await admission.enter()
+        admission.leave()  # idle: a trim scheduled
+        await admission.enter()  # busy again before the delay ends
+        await asyncio.sleep(0.3)  # the delay is over: it found the server busy
+        assert heap_trim._pending is None and trims == []
         admission.leave()
-        await asyncio.sleep(0.03)
-        await admission.enter()  # busy again before the delay ended
-        await asyncio.sleep(0.2)
-        assert trims == []
-        admission.leave()
-        await asyncio.sleep(0.25)
+        await until(lambda: heap_trim.trims == 1)
         assert trims == [1]
 
     asyncio.run(run())
@@ -59,17 +66,17 @@ def test_a_request_arriving_in_the_delay_cancels_the_trim(trims: list[int]) -> N
 def test_a_server_never_idle_trims_every_busy_s_at_most(trims: list[int]) -> None:
     async def run() -> None:
         admission = Admission(3, 2)
-        admission.heap_trim = HeapTrim(lambda: False, idle_s=0.01, busy_s=0.1)  # never idle
+        heap_trim = admission.heap_trim = HeapTrim(lambda: False, idle_s=0.01, busy_s=0.1)  # never idle
         await admission.enter()
         admission.leave()  # the last trim (the start) is recent: none
-        await asyncio.sleep(0.05)
-        assert trims == []
-        await asyncio.sleep(0.1)
+        assert heap_trim._pending is None
+        await asyncio.sleep(0.15)
         await admission.enter()
         admission.leave()  # more than busy_s since the start: one now
         await admission.enter()
         admission.leave()  # and not again right after
-        await asyncio.sleep(0.05)
+        await until(lambda: heap_trim.trims == 1)
+        await asyncio.sleep(0.1)
         assert trims == [1]
 
     asyncio.run(run())
