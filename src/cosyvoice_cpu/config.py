@@ -70,11 +70,11 @@ class EngineConfig:
             the peak of a process doing whole and streamed sentences (measured: docs/benchmarks-log.md, "Memory").
             0 leaves malloc alone; ``MALLOC_MMAP_THRESHOLD_`` in the environment wins.
         malloc_arenas: on glibc, the most heaps (arenas) malloc makes for the process's threads
-            (:func:`~cosyvoice_cpu.hardware.malloc.limit_arenas`; glibc's own bound is 8 per core). Process-wide,
-            set by ``Engine.load`` before its threads start: freed memory spread over many heaps stays resident,
-            and a server's request threads, LM scheduler and OpenVINO calls spread it (measured:
-            docs/server.md, "A server's memory over time"). 0 leaves malloc alone; ``MALLOC_ARENA_MAX`` in the
-            environment wins.
+            (:func:`~cosyvoice_cpu.hardware.malloc.limit_arenas`; glibc gives each new thread one, up to 8 per
+            core). Process-wide, set by ``Engine.load``, best before other threads start: freed memory spread over
+            many heaps stays resident, and a server's request threads, LM scheduler and OpenVINO calls spread it
+            (measured: docs/server.md, "A server's memory over time"). 0 leaves malloc alone;
+            ``MALLOC_ARENA_MAX`` in the environment wins.
         release_weight_pages: after opening each graph, have the kernel reclaim the pages of its weight file
             that ORT touched while packing its own copies (``SessionConfig.release_weight_pages``): full-size
             CosyVoice2 int8w, the LM's 44 MB of block scales; a lower peak for a process doing whole and streamed

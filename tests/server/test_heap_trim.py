@@ -82,6 +82,24 @@ def test_a_server_never_idle_trims_every_busy_s_at_most(trims: list[int]) -> Non
     asyncio.run(run())
 
 
+def test_back_to_back_requests_still_trim_every_busy_s(trims: list[int]) -> None:
+    """One client whose next request starts within the idle delay: idle at every leave, never for ``idle_s``."""
+
+    async def run() -> None:
+        admission = Admission(1, 2)
+        heap_trim = admission.heap_trim = HeapTrim(lambda: admission.active == 0 and admission.waiting == 0, 0.2, 0.3)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.0:
+            await admission.enter()
+            await asyncio.sleep(0.05)
+            admission.leave()
+        heap_trim.close()  # the idle trim after the last request does not count
+        await until(lambda: heap_trim.trims >= 1, timeout=3.0)
+        assert trims, "a server busy at every idle timer never trimmed"
+
+    asyncio.run(run())
+
+
 def test_a_trim_counts_what_it_returned() -> None:
     heap_trim = HeapTrim(lambda: True)
     heap_trim.trim()  # the real malloc_trim (a no-op off glibc)

@@ -49,12 +49,13 @@ def limit_arenas(count: int) -> bool:
     """Let glibc's malloc create at most ``count`` heaps (arenas, the main one included) for this process's
     threads; True if set.
 
-    By default glibc gives a thread that finds the heaps busy a heap of its own, up to 8 per core, and memory
-    freed in a heap stays with that heap: a server whose request threads, LM scheduler and OpenVINO calls
-    allocate side by side spreads its freed memory over many heaps, each resident. Few heaps keep it reusable
-    (measured on a server mix: docs/server.md, "A server's memory over time"). Heaps already made stay;
-    call it before the threads start. A no-op (False) off glibc or when ``MALLOC_ARENA_MAX`` is set in the
-    environment (the operator's choice wins).
+    By default glibc gives each new thread a heap of its own (64-bit: up to 8 per core; past that, threads
+    share), and memory freed in a heap stays with that heap: a server whose request threads, LM scheduler and
+    OpenVINO calls allocate side by side spreads its freed memory over many heaps, each resident. Few heaps keep
+    it reusable (measured on a server mix: docs/server.md, "A server's memory over time"). Heaps already made
+    stay, and once a process has made more than 8, glibc has fixed its bound and this changes nothing (it still
+    returns True): call it before the threads start. A no-op (False) off glibc or when ``MALLOC_ARENA_MAX`` is
+    set in the environment (the operator's choice wins).
     """
     if not 1 <= count <= 1024:
         raise ConfigError(f"malloc arenas must be 1 to 1024, got {count}")
@@ -63,15 +64,16 @@ def limit_arenas(count: int) -> bool:
     return _mallopt(_M_ARENA_MAX, count)
 
 
-def trim_heaps() -> bool:
+def trim_heaps() -> bool | None:
     """Return the free memory of glibc's heaps to the kernel (``malloc_trim(0)``: whole free pages anywhere in
-    every heap, not only at their tops); True if there was any to return, False also off glibc."""
+    every heap, not only at their tops); True if there was any to return, None off glibc."""
     import ctypes  # here, not at import time
 
     try:
         malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):
-        return False
+        return None
+    malloc_trim.argtypes = [ctypes.c_size_t]
     return bool(malloc_trim(0))
 
 

@@ -61,11 +61,11 @@ def create_app(engine: SpeechEngine, settings: ServerSettings, replica: ReplicaI
     m = state.metrics
     m.gauges["cosyvoice_process_resident_memory_bytes"] = ("Resident memory of the server process.", _rss_bytes)
     m.gauges["cosyvoice_process_malloc_free_bytes"] = (
-        "Memory freed into glibc's heaps, not reused yet (resident until a heap trim returns its pages; 0 off glibc).",
+        "Memory freed into glibc's heaps, not reused yet (still counted after a heap trim returns its pages).",
         lambda: malloc_free_bytes() or 0,
     )
     m.counters["cosyvoice_heap_trims_total"] = (
-        "Trims of glibc's heaps after the server went idle (their free pages returned to the OS).",
+        "Trims of glibc's heaps, once idle or every minute on a busy server (free pages returned to the OS).",
         lambda: state.admission.heap_trim.trims,
     )
     m.counters["cosyvoice_heap_trimmed_bytes_total"] = (
@@ -135,6 +135,7 @@ def create_app(engine: SpeechEngine, settings: ServerSettings, replica: ReplicaI
             await service.start()
         yield
         state.admission.draining = True
+        state.admission.heap_trim.close()
         for service in state.services:
             await service.stop()
         for job in list(state.jobs):  # running syntheses stop at their next token instead of holding the exit

@@ -1,15 +1,15 @@
 """Giving glibc's free heap memory back while a server runs: :class:`HeapTrim`, called by
 :class:`~cosyvoice_cpu.server.speech.Admission` whenever a synthesis leaves.
 
-glibc keeps what a process frees in
-its heaps, resident, and returns it only from a heap's top; a server's requests, LM scheduler and OpenVINO calls
-free memory all over its heaps. On a long run of mixed requests that free memory reached 400 MB and more, counted in
-the server's RSS (docs/server.md, "A server's memory over time"). ``malloc_trim`` returns every whole free page of
-every heap to the kernel (the pages stay free in malloc's own count, ``cosyvoice_process_malloc_free_bytes``, but
-leave the RSS). It locks each heap while it runs, so the server trims once it has had no synthesis running or
-waiting for :data:`IDLE_S` seconds, and, on a server never idle that long, at most every :data:`BUSY_S` seconds when
-a synthesis leaves. The trim runs in a worker thread, never in the event loop. ``cosyvoice_heap_trims_total`` and
-``cosyvoice_heap_trimmed_bytes_total`` in ``/metrics`` count the trims and the resident memory they returned.
+glibc keeps what a process frees in its heaps, resident, and returns it only from a heap's top; a server's requests,
+LM scheduler and OpenVINO calls free memory all over its heaps. On a long run of mixed requests that free memory
+reached 400 MB and more, counted in the server's RSS (docs/server.md, "A server's memory over time").
+``malloc_trim`` returns every whole free page of every heap to the kernel (the pages stay free in malloc's own
+count, ``cosyvoice_process_malloc_free_bytes``, but leave the RSS). It locks each heap while it runs, so the server
+trims once it has had no synthesis running or waiting for :data:`IDLE_S` seconds, and, when a synthesis leaves more
+than :data:`BUSY_S` seconds after the last trim, at once (a server never idle that long). The trim runs in a worker
+thread, never in the event loop. ``cosyvoice_heap_trims_total`` and ``cosyvoice_heap_trimmed_bytes_total`` in
+``/metrics`` count the trims and the resident memory they returned.
 """
 
 from __future__ import annotations
@@ -47,16 +47,21 @@ class HeapTrim:
         self.freed_bytes = 0  # resident memory the trims returned (RSS before less after, summed)
 
     def left(self) -> None:
-        """A synthesis left (in the event loop): schedule a trim if the server is idle now, or trim now if the
-        last one is more than ``busy_s`` old."""
+        """A synthesis left (in the event loop): trim now if the last trim is more than ``busy_s`` old (also on a
+        server whose requests come back to back, idle at every leave but never for ``idle_s``), else schedule one
+        if the server is idle now."""
         loop = asyncio.get_running_loop()
-        if self._idle():
-            if self.idle_s > 0:
-                if self._pending is not None:
-                    self._pending.cancel()
-                self._pending = loop.call_later(self.idle_s, self._if_still_idle, loop)
-        elif 0 < self.busy_s < time.monotonic() - self._last:
+        if 0 < self.busy_s < time.monotonic() - self._last:
             self._start(loop)
+        elif self._idle() and self.idle_s > 0:
+            self.close()
+            self._pending = loop.call_later(self.idle_s, self._if_still_idle, loop)
+
+    def close(self) -> None:
+        """Cancel a scheduled trim (the server is stopping)."""
+        if self._pending is not None:
+            self._pending.cancel()
+            self._pending = None
 
     def _if_still_idle(self, loop: asyncio.AbstractEventLoop) -> None:
         self._pending = None
@@ -65,7 +70,10 @@ class HeapTrim:
 
     def _start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._last = time.monotonic()
-        loop.run_in_executor(None, self.trim)
+        try:
+            loop.run_in_executor(None, self.trim)
+        except RuntimeError as e:  # the loop's executor is shutting down with the server
+            logger.debug("heap trim skipped: %s", e)
 
     def trim(self) -> None:
         """Return the free heap memory now (one trim at a time; a second caller returns at once)."""
@@ -73,10 +81,13 @@ class HeapTrim:
             return
         try:
             before, t0 = status_mb("VmRSS") or 0.0, time.perf_counter()
-            trim_heaps()
+            if trim_heaps() is None:  # not glibc: nothing to trim, nothing counted
+                return
             after = status_mb("VmRSS") or 0.0
             self.trims += 1
             self.freed_bytes += int(max(0.0, before - after) * 2**20)  # other threads' work moves it too
             logger.debug("heap trim: RSS %.0f -> %.0f MB in %.0f ms", before, after, (time.perf_counter() - t0) * 1000)
+        except Exception:  # a worker's future nobody reads: say it here
+            logger.exception("heap trim failed")
         finally:
             self._running.release()

@@ -242,6 +242,7 @@ async def serve_alone(state: State, options: WyomingOptions) -> None:
         logger.info("stopping the Wyoming server")
     finally:
         state.admission.draining = True
+        state.admission.heap_trim.close()
         await service.stop()
         for job in list(state.jobs):
             job.cancel.set()
