@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 from cosyvoice_cpu.errors import ConfigError
 
@@ -18,14 +19,20 @@ MMAP_THRESHOLD_ENV = "MALLOC_MMAP_THRESHOLD_"  # glibc reads it at start-up; an 
 ARENA_MAX_ENV = "MALLOC_ARENA_MAX"
 
 
-def _mallopt(param: int, value: int) -> bool:
-    import ctypes  # here, not at import time
+def _glibc(name: str) -> Any:
+    """glibc's function ``name`` through ``ctypes`` (loaded here, not at import time); None off glibc or where
+    this glibc lacks it."""
+    import ctypes
 
     try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):  # not glibc
-        return False
-    return bool(mallopt(param, int(value)))
+        return getattr(ctypes.CDLL("libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+
+
+def _mallopt(param: int, value: int) -> bool:
+    mallopt = _glibc("mallopt")
+    return mallopt is not None and bool(mallopt(param, int(value)))
 
 
 def fix_mmap_threshold(nbytes: int) -> bool:
@@ -67,11 +74,10 @@ def limit_arenas(count: int) -> bool:
 def trim_heaps() -> bool | None:
     """Return the free memory of glibc's heaps to the kernel (``malloc_trim(0)``: whole free pages anywhere in
     every heap, not only at their tops); True if there was any to return, None off glibc."""
-    import ctypes  # here, not at import time
+    import ctypes
 
-    try:
-        malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
+    malloc_trim = _glibc("malloc_trim")
+    if malloc_trim is None:
         return None
     malloc_trim.argtypes = [ctypes.c_size_t]
     return bool(malloc_trim(0))
@@ -79,13 +85,11 @@ def trim_heaps() -> bool | None:
 
 def malloc_heaps() -> int | None:
     """How many heaps (arenas) glibc's malloc has made in this process (``malloc_info``); None off glibc."""
-    import ctypes  # here, not at import time
+    import ctypes
     import tempfile
 
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        malloc_info, fopen, fclose = libc.malloc_info, libc.fopen, libc.fclose
-    except (OSError, AttributeError):
+    malloc_info, fopen, fclose = _glibc("malloc_info"), _glibc("fopen"), _glibc("fclose")
+    if malloc_info is None or fopen is None or fclose is None:
         return None
     fopen.restype, fopen.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_char_p]
     malloc_info.argtypes, fclose.argtypes = [ctypes.c_int, ctypes.c_void_p], [ctypes.c_void_p]
@@ -103,7 +107,7 @@ def malloc_heaps() -> int | None:
 def malloc_free_bytes() -> int | None:
     """Bytes glibc's malloc holds free in its heaps (freed, not returned to the OS: ``mallinfo2().fordblks``);
     None off glibc or before glibc 2.33."""
-    import ctypes  # here, not at import time
+    import ctypes
 
     class MallInfo2(ctypes.Structure):
         _fields_ = [
@@ -122,9 +126,8 @@ def malloc_free_bytes() -> int | None:
             )
         ]
 
-    try:
-        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
-    except (OSError, AttributeError):
+    mallinfo2 = _glibc("mallinfo2")
+    if mallinfo2 is None:
         return None
     mallinfo2.restype = MallInfo2
     return int(mallinfo2().fordblks)

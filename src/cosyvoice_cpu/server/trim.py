@@ -3,7 +3,7 @@
 
 glibc keeps what a process frees in its heaps, resident, and returns it only from a heap's top; a server's requests,
 LM scheduler and OpenVINO calls free memory all over its heaps. On a long run of mixed requests that free memory
-reached 400 MB and more, counted in the server's RSS (docs/server.md, "A server's memory over time").
+added up, counted in the server's RSS (measured: docs/server.md, "A server's memory over time").
 ``malloc_trim`` returns every whole free page of every heap to the kernel (the pages stay free in malloc's own
 count, ``cosyvoice_process_malloc_free_bytes``, but leave the RSS). It locks each heap while it runs, so the server
 trims once it has had no synthesis running or waiting for :data:`IDLE_S` seconds, and, when a synthesis leaves more
