@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
 
 from cosyvoice_cpu.cli.speech import DEMO_MODEL
-from cosyvoice_cpu.server.process import ServerProcess
+from cosyvoice_cpu.server import process
+from cosyvoice_cpu.server.process import ServerProcess, free_port
 
 
 def test_a_server_that_exits_is_reported_with_its_log(tmp_path: Path) -> None:
@@ -24,3 +26,22 @@ def test_start_waits_for_health_and_stop_ends_the_process(tmp_path: Path) -> Non
         server.stop()
     assert server.proc.poll() is not None and not server.healthy()
     server.stop()  # a second stop is a no-op
+
+
+def test_free_ports_are_free_and_outside_the_ephemeral_range() -> None:
+    """A port from the kernel's ephemeral range can be taken by any outgoing connection before the child binds it
+    (a Ray Serve proxy once failed to bind one in CI)."""
+    low = process._ephemeral_low()
+    ports = {free_port() for _ in range(20)}
+    assert all(20000 <= p < low for p in ports) and len(ports) > 1
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_a_taken_port_is_never_handed_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        taken = held.getsockname()[1]
+        monkeypatch.setattr(process.random.Random, "sample", lambda self, r, k: [taken, taken + 1])
+        assert free_port() != taken

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -22,8 +23,37 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 
+# Below the kernel's ephemeral range and above Ray's worker ports (10002-19999 by default).
+_FIRST_PORT = 20000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _ephemeral_low() -> int:
+    """The first port the kernel hands to outgoing connections (32768 when it cannot be read)."""
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago, outside the kernel's ephemeral range.
+
+    Port 0 would give an ephemeral port: the range every outgoing connection's local end is drawn from, so a child that
+    opens many connections before it listens (``serve --replicas`` starts Ray's processes, all talking gRPC) can be
+    handed the same port first and then fail to bind it. A random free port between 20000 and the ephemeral range
+    avoids that; port 0 only when that range is too small.
+    """
+    low = _ephemeral_low()
+    rng = random.Random()  # noqa: S311 - a port number, not a secret
+    if low - _FIRST_PORT >= 1000:
+        for port in rng.sample(range(_FIRST_PORT, low), 50):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
