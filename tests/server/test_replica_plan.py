@@ -26,6 +26,8 @@ def test_replica_flags_parse_and_become_serve_options() -> None:
             parse(["serve", "-m", "m", "--replicas", bad])
     fixed = ReplicaPlan(replicas=3, threads=2, max_ongoing=40).validate().deployment_options()
     assert fixed["num_replicas"] == 3 and fixed["ray_actor_options"] == {"num_cpus": 2}
+    with_env = ReplicaPlan(threads=2).deployment_options({"MALLOC_ARENA_MAX": "2"})
+    assert with_env["ray_actor_options"] == {"num_cpus": 2, "runtime_env": {"env_vars": {"MALLOC_ARENA_MAX": "2"}}}
     assert fixed["max_ongoing_requests"] == 40 and "autoscaling_config" not in fixed
     auto = ReplicaPlan(replicas=None, min_replicas=2, max_replicas=6, target_ongoing=3).deployment_options()
     assert auto["autoscaling_config"]["min_replicas"] == 2 and auto["autoscaling_config"]["max_replicas"] == 6

@@ -16,6 +16,8 @@ import httpx
 import pytest
 
 from cosyvoice_cpu.cli.speech import DEMO_MODEL, _tone_wav
+from cosyvoice_cpu.config import EngineConfig
+from cosyvoice_cpu.hardware.malloc import arena_env
 from cosyvoice_cpu.server.process import free_port
 from cosyvoice_cpu.server.replica_probe import end_session, replica_pids, start_session
 from cosyvoice_cpu.server.replicas import COUNT_TTL_S
@@ -90,6 +92,11 @@ def test_both_replicas_serve_and_share_voices(cluster: tuple[str, int, Path]) ->
         # each replica caches Serve's count for COUNT_TTL_S: one asked while the other was starting says 1 until then
         other = _until("the other replica counting both", other_counts_both, 10 * COUNT_TTL_S)
         assert other.json()["pid"] in replica_pids(sid)
+        # each replica's process started with the engine's heap limit (glibc reads it only at start-up)
+        want = arena_env(EngineConfig().malloc_arenas)
+        for pid in replica_pids(sid):
+            environ = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
+            assert {k: environ.get(k) for k in want} == want, pid
         # the other replica lists the voice and speaks with it (speech requests also land on either replica)
         served: dict[str, int] = {}
         for seed in range(12):

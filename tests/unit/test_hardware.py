@@ -18,7 +18,13 @@ from cosyvoice_cpu.hardware.cpu import (
     read_cpuinfo,
 )
 from cosyvoice_cpu.hardware.features import floor_problem, kernel_level, speed_expectation
-from cosyvoice_cpu.hardware.malloc import fix_mmap_threshold, limit_arenas, malloc_free_bytes, malloc_heaps
+from cosyvoice_cpu.hardware.malloc import (
+    arena_env,
+    fix_mmap_threshold,
+    limit_arenas,
+    malloc_free_bytes,
+    malloc_heaps,
+)
 from cosyvoice_cpu.probes.calibrate import probe_kernels
 
 
@@ -372,3 +378,11 @@ def test_doctor_shows_every_pool() -> None:
     p = subprocess.run([sys.executable, "-m", "cosyvoice_cpu", "doctor"], capture_output=True, text=True, timeout=120)
     pools = [line for line in p.stdout.splitlines() if line.startswith("pools ")]
     assert any("onnxruntime:" in line for line in pools) and any("lm-scheduler:" in line for line in pools), p.stdout
+
+
+def test_the_heap_limit_for_new_processes_keeps_the_operators_choice() -> None:
+    assert arena_env(2, {}) == {"MALLOC_ARENA_MAX": "2"}
+    assert arena_env(2, {"MALLOC_ARENA_MAX": "4"}) == {"MALLOC_ARENA_MAX": "4"}
+    assert arena_env(0, {}) == {}  # 0: malloc left alone
+    with pytest.raises(ConfigError, match="0 to 1024"):
+        arena_env(-1, {})

@@ -71,6 +71,21 @@ def limit_arenas(count: int) -> bool:
     return _mallopt(_M_ARENA_MAX, count)
 
 
+def arena_env(count: int, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a new process needs to start with at most ``count`` heaps: ``{"MALLOC_ARENA_MAX": ...}``
+    (``environ``'s own value when it has one: the operator's choice wins), or nothing when ``count`` is 0.
+
+    For processes that make their threads before our code runs (a Ray replica's actor), where
+    :func:`limit_arenas` comes too late: glibc reads the variable when the process starts.
+    """
+    if not 0 <= count <= 1024:
+        raise ConfigError(f"malloc arenas must be 0 to 1024, got {count}")
+    given = (os.environ if environ is None else environ).get(ARENA_MAX_ENV)
+    if given:
+        return {ARENA_MAX_ENV: given}
+    return {ARENA_MAX_ENV: str(count)} if count else {}
+
+
 def trim_heaps() -> bool | None:
     """Return the free memory of glibc's heaps to the kernel (``malloc_trim(0)``: whole free pages anywhere in
     every heap, not only at their tops); True if there was any to return, None off glibc."""

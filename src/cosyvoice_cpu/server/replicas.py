@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cosyvoice_cpu.errors import ConfigError, MissingExtraError
+from cosyvoice_cpu.hardware.malloc import arena_env
 from cosyvoice_cpu.server.identity import ReplicaInfo
 from cosyvoice_cpu.server.ray_local import (  # re-exported: the local Ray instance lives there
     RAY_DAEMONS,
@@ -107,10 +108,14 @@ class ReplicaPlan:
             )
         return self
 
-    def deployment_options(self) -> dict[str, object]:
-        """The ``serve.deployment`` options of this plan."""
+    def deployment_options(self, env: dict[str, str] | None = None) -> dict[str, object]:
+        """The ``serve.deployment`` options of this plan; ``env``: variables every replica's process starts with
+        (Ray's ``runtime_env``)."""
+        actor: dict[str, object] = {"num_cpus": self.threads}
+        if env:
+            actor["runtime_env"] = {"env_vars": dict(env)}
         opts: dict[str, object] = {
-            "ray_actor_options": {"num_cpus": self.threads},
+            "ray_actor_options": actor,
             "max_ongoing_requests": self.max_ongoing,
             "health_check_period_s": self.health_period_s,
         }
@@ -147,11 +152,17 @@ class _CachedCount:
         return self.value
 
 
-def _build_deployment(plan: ReplicaPlan) -> Any:
-    """The Serve deployment class (made here: ``ray`` is imported only when replicas are asked for)."""
+def _build_deployment(plan: ReplicaPlan, engine_config: EngineConfig) -> Any:
+    """The Serve deployment class (made here: ``ray`` is imported only when replicas are asked for).
+
+    A replica's actor process runs Ray's threads (each may have made a glibc heap) before the engine loads, where
+    the engine's own heap limit can come too late: the replicas start with ``MALLOC_ARENA_MAX`` instead.
+    """
     from ray import serve
 
-    @serve.deployment(name=DEPLOYMENT_NAME, **plan.deployment_options())
+    env = arena_env(engine_config.malloc_arenas)
+
+    @serve.deployment(name=DEPLOYMENT_NAME, **plan.deployment_options(env))
     @serve.ingress()
     class CosyVoiceReplica:
         """One replica: its own engine, loaded once, and the app around it."""
@@ -221,7 +232,7 @@ def serve_replicas(
                 cpus,
             )
         serve.start(http_options={"host": plan.host, "port": plan.port})
-        deployment = _build_deployment(plan)
+        deployment = _build_deployment(plan, engine_config)
         serve.run(
             deployment.bind(str(model_dir), settings, engine_config), name=APP_NAME, route_prefix="/", blocking=False
         )
