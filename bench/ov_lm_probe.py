@@ -33,7 +33,10 @@ the six node types / kernels that took longest (ms per step, summed over nodes; 
 Forms: ``ort-fp32``, ``ort-int8w``, ``ort-int4`` (the runtime's ``LMSession``, 2 threads); ``ov-int8``, ``ov-int4``
 (OpenVINO at its default inference precision: bf16 where the CPU has it) and ``ov-int8-f32``, ``ov-int4-f32``
 (``INFERENCE_PRECISION_HINT`` and ``KV_CACHE_PRECISION`` f32; the defaults on a CPU with AVX-512 BF16 are
-bf16 and u8). ``--ov-config KEY=VALUE,...`` adds OpenVINO compile properties.
+bf16 and u8). ``--ov-config KEY=VALUE,...`` adds OpenVINO compile properties. ``+dqN`` after an OpenVINO form's
+name sets its ``DYNAMIC_QUANTIZATION_GROUP_SIZE`` to N (``ov-int4-f32+dq128``): the activations of its compressed
+products quantized to int8 in groups of N, taken only where the products' input is f32 (OpenVINO's default is 32;
+0 turns it off), so several group sizes can be alternated in one process.
 """
 
 from __future__ import annotations
@@ -149,7 +152,10 @@ def ov_form(work: Path, name: str, threads: int, extra: dict, embed):
     ``props``)."""
     from cosyvoice_cpu.export.lm.agreement import OvStatefulForm
 
+    name, _, dq = name.partition("+dq")
     config = dict(extra)
+    if dq:
+        config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = dq
     if name.endswith("-f32"):
         config.update(INFERENCE_PRECISION_HINT="f32", KV_CACHE_PRECISION="f32")
     t0 = time.perf_counter()
@@ -169,7 +175,7 @@ def open_forms(args: argparse.Namespace, names: list[str], prompts: Prompts) -> 
     for name in names:
         if name in ORT_FORMS or name in RT_FORMS:
             forms[name] = ort_form(args.work, name, attrs, args.threads)
-        elif name in OV_FORMS:
+        elif name.partition("+dq")[0] in OV_FORMS:
             forms[name] = ov_form(args.work, name, args.threads, extra, prompts.embed)
             print(f"{name}: compiled in {forms[name].compile_s:.1f} s, {forms[name].props}", flush=True)
         else:
@@ -305,7 +311,7 @@ def main() -> None:
     if args.what == "agree":
         return agree(args, names, prompts)
     if args.what == "profile":
-        return profile(args, [n for n in names if n in OV_FORMS], prompts)
+        return profile(args, [n for n in names if n.partition("+dq")[0] in OV_FORMS], prompts)
     if args.what == "one":  # one form in this process (called by speed --alone)
         speed(args, names, prompts, "alone")
         return

@@ -163,6 +163,9 @@ def test_the_lm_probe_compares_the_forms_of_a_fun_cosyvoice3_lm(
         ("ort-int8w", 2),
         ("rt-ov-int4", 2),
     ]
+    groups = [*speed[:6], "ov-int4-f32+dq0,ov-int4-f32+dq64", "--rows", "1", "--steps", "5", "--no-alone"]
+    said = subprocess.run(groups, **run).stdout  # a form's +dqN is its own dynamic quantization group
+    assert "'DYNAMIC_QUANTIZATION_GROUP_SIZE': '0'" in said and "'DYNAMIC_QUANTIZATION_GROUP_SIZE': '64'" in said, said
     module = load_script("bench/ov_lm_probe.py")
     prompts = module.Prompts(work, attrs)
     logp = np.zeros((2, attrs["speech_vocab"]), np.float32)

@@ -21,9 +21,10 @@ its largest call, after a call with ``release_memory``.
 
 The inference precision follows the CPU: bf16 where it has AVX-512 BF16 or AMX, f32 elsewhere (where OpenVINO
 gains nothing over ONNX Runtime and the plan does not choose it). A stateful model (the LM) computes in f32 with an
-f32 KV cache everywhere: its decode is bound by reading the int8 weights, so bf16 and a u8 cache were no faster and
-cost token agreement (docs/backends.md, "The LM on OpenVINO"). ``openvino`` is imported when a graph is
-opened, never at import time.
+f32 KV cache everywhere: bf16 and a u8 cache cost token agreement, and only an f32 input takes the CPU plugin's
+int8-activation path for compressed weights (``DYNAMIC_QUANTIZATION_GROUP_SIZE``): in bf16 the int4 LM widens its
+weights inside every product and decoded slower (docs/backends.md, "The LM on OpenVINO"). ``openvino`` is imported
+when a graph is opened, never at import time.
 """
 
 from __future__ import annotations
