@@ -152,7 +152,9 @@ def ov_form(work: Path, name: str, threads: int, extra: dict, embed):
     ``props``)."""
     from cosyvoice_cpu.export.lm.agreement import OvStatefulForm
 
-    name, _, dq = name.partition("+dq")
+    name, plus, dq = name.partition("+dq")
+    if plus and not dq.isdigit():
+        raise SystemExit(f"{name}+dq{dq}: the group size after +dq must be a number (0 turns the path off)")
     config = dict(extra)
     if dq:
         config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = dq
@@ -179,7 +181,8 @@ def open_forms(args: argparse.Namespace, names: list[str], prompts: Prompts) -> 
             forms[name] = ov_form(args.work, name, args.threads, extra, prompts.embed)
             print(f"{name}: compiled in {forms[name].compile_s:.1f} s, {forms[name].props}", flush=True)
         else:
-            raise SystemExit(f"unknown form {name}; choose from {', '.join([*ORT_FORMS, *RT_FORMS, *OV_FORMS])}")
+            known = ", ".join([*ORT_FORMS, *RT_FORMS, *OV_FORMS])
+            raise SystemExit(f"unknown form {name}; choose from {known} (OpenVINO forms also as FORM+dqN)")
     return forms
 
 

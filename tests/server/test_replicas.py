@@ -48,9 +48,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int
     """``serve --replicas 2 --threads 1`` in its own session: (base URL, session id, voices directory)."""
     root = tmp_path_factory.mktemp("replicas")
     port, log = free_port(), root / "serve.log"
-    proc = start_session(["serve", "-m", str(DEMO_MODEL), "--voices", str(root / "voices"), "--port", str(port),
-                          "--replicas", "2", "--threads", "1", "--max-active", "4", "--log-level", "warning"],
-                         log)  # fmt: skip
+    with pytest.MonkeyPatch.context() as env:  # replicas must get the heap limit from serve, not inherit it
+        env.delenv("MALLOC_ARENA_MAX", raising=False)
+        proc = start_session(["serve", "-m", str(DEMO_MODEL), "--voices", str(root / "voices"), "--port", str(port),
+                              "--replicas", "2", "--threads", "1", "--max-active", "4", "--log-level", "warning"],
+                             log)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         with httpx.Client(base_url=url, timeout=5) as c:
@@ -93,7 +95,7 @@ def test_both_replicas_serve_and_share_voices(cluster: tuple[str, int, Path]) ->
         other = _until("the other replica counting both", other_counts_both, 10 * COUNT_TTL_S)
         assert other.json()["pid"] in replica_pids(sid)
         # each replica's process started with the engine's heap limit (glibc reads it only at start-up)
-        want = arena_env(EngineConfig().malloc_arenas)
+        want = arena_env(EngineConfig().malloc_arenas, {})  # serve started without MALLOC_ARENA_MAX
         for pid in replica_pids(sid):
             environ = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
             assert {k: environ.get(k) for k in want} == want, pid

@@ -23,7 +23,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 
-# Below the kernel's ephemeral range and above Ray's worker ports (10002-19999 by default).
+# Below the kernel's ephemeral range, and above the worker ports `ray start` gives by default (10002-19999); a local
+# `ray.init()` lets its workers and its other services listen on ephemeral or higher ports.
 _FIRST_PORT = 20000
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
@@ -42,7 +43,7 @@ def free_port() -> int:
     Port 0 would give an ephemeral port: the range every outgoing connection's local end is drawn from, so a child that
     opens many connections before it listens (``serve --replicas`` starts Ray's processes, all talking gRPC) can be
     handed the same port first and then fail to bind it. A random free port between 20000 and the ephemeral range
-    avoids that; port 0 only when that range is too small.
+    avoids that; port 0 (an ephemeral port) only when that range is under 1000 ports or 50 tries found none free.
     """
     low = _ephemeral_low()
     rng = random.Random()  # noqa: S311 - a port number, not a secret
