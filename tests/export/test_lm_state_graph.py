@@ -87,6 +87,15 @@ def test_the_stateful_graph_is_opened_as_one(sessions) -> None:
     assert state.session.stateful and not bound.session.stateful
     assert isinstance(state.runner, StateGraph) and isinstance(state.new_cache(2), StateCache)
     assert state.min_rows == 1
+    from cosyvoice_cpu.backends.openvino import LM_ACTIVATION_GROUP
+    from cosyvoice_cpu.export.lm.openvino_stateful import INT4_GROUP
+
+    # f32 (the only input OpenVINO's int8-activation path takes) in groups of the int4 weights' size
+    compiled = list(state.runner.session._compiled.values())
+    assert compiled and LM_ACTIVATION_GROUP == INT4_GROUP
+    for c in compiled:
+        assert str(c.get_property("INFERENCE_PRECISION_HINT")) == "<Type: 'float32'>"
+        assert int(c.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) == LM_ACTIVATION_GROUP
 
 
 def test_scheduler_traffic_gives_the_bound_graphs_logp(sessions) -> None:
