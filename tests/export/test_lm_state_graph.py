@@ -94,8 +94,20 @@ def test_the_stateful_graph_is_opened_as_one(sessions) -> None:
     compiled = list(state.runner.session._compiled.values())
     assert compiled and LM_ACTIVATION_GROUP == INT4_GROUP
     for c in compiled:
-        assert str(c.get_property("INFERENCE_PRECISION_HINT")) == "<Type: 'float32'>"
+        assert c.get_property("INFERENCE_PRECISION_HINT").get_type_name() == "f32"
         assert int(c.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) == LM_ACTIVATION_GROUP
+
+
+def test_a_stateful_lm_runs_in_f32_whatever_precision_the_backend_has(lm_dir) -> None:
+    """A backend in bf16 (OpenVINO's default on CPUs with AVX-512 BF16 or AMX) still opens the LM in f32 with an f32
+    cache and int8 activations in groups of ``LM_ACTIVATION_GROUP`` (docs/backends.md, "The LM on OpenVINO")."""
+    from cosyvoice_cpu.backends.openvino import LM_ACTIVATION_GROUP, OpenVino
+
+    out, _ = lm_dir
+    session = OpenVino(cache_dir="", precision="bf16").open(out / "lm.ov.xml", SessionConfig(threads=1))
+    props = session._properties
+    assert (props["INFERENCE_PRECISION_HINT"], props["KV_CACHE_PRECISION"]) == ("f32", "f32")
+    assert props["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == LM_ACTIVATION_GROUP
 
 
 def test_scheduler_traffic_gives_the_bound_graphs_logp(sessions) -> None:

@@ -23,8 +23,8 @@ The inference precision follows the CPU: bf16 where it has AVX-512 BF16 or AMX, 
 nothing over ONNX Runtime and the plan does not choose it). A stateful model (the LM) computes in f32 with an f32 KV
 cache everywhere: bf16 and a u8 cache cost token agreement, and only an f32 input takes the CPU plugin's
 int8-activation path for compressed weights (``DYNAMIC_QUANTIZATION_GROUP_SIZE``; bf16 widens the weights in every
-product), here in groups of :data:`LM_ACTIVATION_GROUP`, faster than the default 32 at the same agreement
-(docs/backends.md, "The LM on OpenVINO"). ``openvino`` is imported when a graph is opened, never at import time.
+product), here in groups of :data:`LM_ACTIVATION_GROUP` (measured on the int4 LM on AMX only: docs/backends.md, "The
+LM on OpenVINO"). ``openvino`` is imported when a graph is opened, never at import time.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ logger = logging.getLogger(__name__)
 DYNAMIC_SHAPES = 24
 # OpenVINO's usage-telemetry package, hidden while ``openvino`` is imported (import_openvino)
 TELEMETRY_MODULE = "openvino_telemetry"
-LM_ACTIVATION_GROUP = 128  # a stateful LM's int8 activation groups: the int4 export's weight groups (INT4_GROUP)
+LM_ACTIVATION_GROUP = 128  # a stateful LM's int8 activation groups: the full-size int4 export's weight groups
 _IMPORT_LOCK = threading.Lock()
 # OpenVINO element type names -> the ONNX type strings the graph contracts are written in
 _TYPES = {"f32": "tensor(float)", "f16": "tensor(float16)", "i64": "tensor(int64)", "i32": "tensor(int32)",
