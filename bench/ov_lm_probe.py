@@ -147,6 +147,11 @@ def ort_form(work: Path, name: str, attrs: dict, threads: int):
     return SessionForm(LMSession.from_dir(work / ORT_FORMS[name], attrs, threads=threads))
 
 
+def is_ov_form(name: str) -> bool:
+    """An OpenVINO form's name, with or without a ``+dqN`` suffix."""
+    return name.partition("+dq")[0] in OV_FORMS
+
+
 def ov_form(work: Path, name: str, threads: int, extra: dict, embed):
     """The package's :class:`OvStatefulForm` with its compile time and precision properties (``compile_s``,
     ``props``)."""
@@ -177,7 +182,7 @@ def open_forms(args: argparse.Namespace, names: list[str], prompts: Prompts) -> 
     for name in names:
         if name in ORT_FORMS or name in RT_FORMS:
             forms[name] = ort_form(args.work, name, attrs, args.threads)
-        elif name.partition("+dq")[0] in OV_FORMS:
+        elif is_ov_form(name):
             forms[name] = ov_form(args.work, name, args.threads, extra, prompts.embed)
             print(f"{name}: compiled in {forms[name].compile_s:.1f} s, {forms[name].props}", flush=True)
         else:
@@ -314,7 +319,7 @@ def main() -> None:
     if args.what == "agree":
         return agree(args, names, prompts)
     if args.what == "profile":
-        return profile(args, [n for n in names if n.partition("+dq")[0] in OV_FORMS], prompts)
+        return profile(args, [n for n in names if is_ov_form(n)], prompts)
     if args.what == "one":  # one form in this process (called by speed --alone)
         speed(args, names, prompts, "alone")
         return

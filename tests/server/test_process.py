@@ -31,9 +31,7 @@ def test_start_waits_for_health_and_stop_ends_the_process(tmp_path: Path) -> Non
 def test_free_ports_are_free_and_outside_the_ephemeral_range() -> None:
     """A port from the kernel's ephemeral range can be taken by any outgoing connection before the child binds it
     (a Ray Serve proxy once failed to bind one in CI)."""
-    low = process._ephemeral_low()
-    if low - 20000 < 1000:
-        pytest.skip(f"this kernel's ephemeral range starts at {low}: free_port falls back to port 0 here")
+    low = _ephemeral_low_or_skip()
     ports = {free_port() for _ in range(20)}
     assert all(20000 <= p < low for p in ports) and len(ports) > 1
     for port in ports:
@@ -42,15 +40,21 @@ def test_free_ports_are_free_and_outside_the_ephemeral_range() -> None:
 
 
 def test_a_taken_port_is_never_handed_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    low = process._ephemeral_low()
-    if low - 20000 < 1000:
-        pytest.skip(f"this kernel's ephemeral range starts at {low}: free_port falls back to port 0 here")
+    low = _ephemeral_low_or_skip()
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         taken = held.getsockname()[1]
         free = next(p for p in range(20000, low) if _bindable(p))
         monkeypatch.setattr(process.random.Random, "sample", lambda self, r, k: [taken, free])
         assert free_port() == free  # the taken one tried first and passed over
+
+
+def _ephemeral_low_or_skip() -> int:
+    """The ephemeral range's first port, or a skip where free_port falls back to port 0 (a range under 21000)."""
+    low = process._ephemeral_low()
+    if low - 20000 < 1000:
+        pytest.skip(f"this kernel's ephemeral range starts at {low}: free_port falls back to port 0 here")
+    return low
 
 
 def _bindable(port: int) -> bool:
