@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from contextlib import asynccontextmanager
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from cosyvoice_cpu.hardware.malloc import malloc_free_bytes
+from cosyvoice_cpu.hardware.pages import status_mb
 from cosyvoice_cpu.server import handlers
 from cosyvoice_cpu.server.guard import ApiKeyMiddleware, HostOriginGuard
 from cosyvoice_cpu.server.identity import ReplicaHeaderMiddleware, ReplicaInfo
@@ -35,11 +35,8 @@ logger = logging.getLogger(__name__)
 
 
 def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
+    """This process's resident memory in bytes, 0 where /proc is not there."""
+    return round((status_mb("VmRSS") or 0.0) * 2**20)
 
 
 def create_app(engine: SpeechEngine, settings: ServerSettings, replica: ReplicaInfo | None = None) -> FastAPI:

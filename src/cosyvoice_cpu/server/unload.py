@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from cosyvoice_cpu.backends.registry import release_idle_memory
 from cosyvoice_cpu.errors import need
 from cosyvoice_cpu.hardware.malloc import trim_heaps
+from cosyvoice_cpu.hardware.pages import status_mb
 from cosyvoice_cpu.server.engine_api import PromptAudio
 
 if TYPE_CHECKING:
@@ -38,13 +39,7 @@ logger = logging.getLogger(__name__)
 
 def rss_mb() -> float:
     """This process's resident memory (MB), 0 where /proc is not there."""
-    try:
-        with open("/proc/self/statm") as f:
-            import os
-
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError, IndexError):
-        return 0.0
+    return status_mb("VmRSS") or 0.0
 
 
 class _Held:
