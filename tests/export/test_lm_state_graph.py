@@ -87,27 +87,37 @@ def test_the_stateful_graph_is_opened_as_one(sessions) -> None:
     assert state.session.stateful and not bound.session.stateful
     assert isinstance(state.runner, StateGraph) and isinstance(state.new_cache(2), StateCache)
     assert state.min_rows == 1
-    from cosyvoice_cpu.backends.openvino import LM_ACTIVATION_GROUP
-    from cosyvoice_cpu.export.lm.openvino_stateful import INT4_GROUP
+    from cosyvoice_cpu.backends.openvino_lm import CHANNEL_WEIGHTS_GROUP
 
-    # f32 (the only input OpenVINO's int8-activation path takes) in groups of the int4 weights' size
+    # f32 (the only input OpenVINO's int8-activation path takes); fp32 weights: the per-channel weights' group
     compiled = list(state.runner.session._compiled.values())
-    assert compiled and LM_ACTIVATION_GROUP == INT4_GROUP
+    assert compiled
     for c in compiled:
         assert c.get_property("INFERENCE_PRECISION_HINT").get_type_name() == "f32"
-        assert int(c.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) == LM_ACTIVATION_GROUP
+        assert int(c.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) == CHANNEL_WEIGHTS_GROUP
 
 
-def test_a_stateful_lm_runs_in_f32_whatever_precision_the_backend_has(lm_dir) -> None:
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_a_stateful_lm_runs_in_f32_with_activations_grouped_like_its_weights(
+    lm_dir, weights: str, tmp_path: Path
+) -> None:
     """A backend in bf16 (OpenVINO's default on CPUs with AVX-512 BF16 or AMX) still opens the LM in f32 with an f32
-    cache and int8 activations in groups of ``LM_ACTIVATION_GROUP`` (docs/backends.md, "The LM on OpenVINO")."""
-    from cosyvoice_cpu.backends.openvino import LM_ACTIVATION_GROUP, OpenVino
+    cache; its int8 activations go in the int4 weights' groups, or OpenVINO's default 32 for per-channel int8
+    weights (docs/backends.md, "The LM on OpenVINO")."""
+    pytest.importorskip("nncf")
+    from cosyvoice_cpu.backends.openvino import OpenVino
+    from cosyvoice_cpu.backends.openvino_lm import CHANNEL_WEIGHTS_GROUP
+    from cosyvoice_cpu.export.lm.openvino_stateful import compress
 
     out, _ = lm_dir
-    session = OpenVino(cache_dir="", precision="bf16").open(out / "lm.ov.xml", SessionConfig(threads=1))
-    props = session._properties
+    ov = OpenVino(cache_dir="", precision="bf16")
+    path = tmp_path / "lm.ov.xml"
+    import openvino
+
+    openvino.save_model(compress(ov.core().read_model(str(out / "lm.ov.xml")), weights, 16), path)
+    props = ov.open(path, SessionConfig(threads=1))._properties
     assert (props["INFERENCE_PRECISION_HINT"], props["KV_CACHE_PRECISION"]) == ("f32", "f32")
-    assert props["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == LM_ACTIVATION_GROUP
+    assert props["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == (16 if weights == "int4" else CHANNEL_WEIGHTS_GROUP)
 
 
 def test_scheduler_traffic_gives_the_bound_graphs_logp(sessions) -> None:

@@ -21,10 +21,8 @@ its largest call, after a call with ``release_memory``.
 
 The inference precision follows the CPU: bf16 where it has AVX-512 BF16 or AMX, f32 elsewhere (where OpenVINO gains
 nothing over ONNX Runtime and the plan does not choose it). A stateful model (the LM) computes in f32 with an f32 KV
-cache everywhere: bf16 and a u8 cache cost token agreement, and only an f32 input takes the CPU plugin's
-int8-activation path for compressed weights (``DYNAMIC_QUANTIZATION_GROUP_SIZE``; bf16 widens the weights in every
-product), here in groups of :data:`LM_ACTIVATION_GROUP` (measured on the int4 LM on AMX only: docs/backends.md, "The
-LM on OpenVINO"). ``openvino`` is imported when a graph is opened, never at import time.
+cache everywhere, its activations quantized in groups like its weights (:mod:`cosyvoice_cpu.backends.openvino_lm`).
+``openvino`` is imported when a graph is opened, never at import time.
 """
 
 from __future__ import annotations
@@ -52,6 +50,7 @@ from cosyvoice_cpu.backends.base import (
     SessionConfig,
 )
 from cosyvoice_cpu.backends.buckets import BucketedSession
+from cosyvoice_cpu.backends.openvino_lm import stateful_lm_properties
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.hardware.pages import release_dir_pages, release_file_pages
 from cosyvoice_cpu.paths import cache_dir
@@ -66,7 +65,6 @@ logger = logging.getLogger(__name__)
 DYNAMIC_SHAPES = 24
 # OpenVINO's usage-telemetry package, hidden while ``openvino`` is imported (import_openvino)
 TELEMETRY_MODULE = "openvino_telemetry"
-LM_ACTIVATION_GROUP = 128  # a stateful LM's int8 activation groups: the full-size int4 export's weight groups
 _IMPORT_LOCK = threading.Lock()
 # OpenVINO element type names -> the ONNX type strings the graph contracts are written in
 _TYPES = {"f32": "tensor(float)", "f16": "tensor(float16)", "i64": "tensor(int64)", "i32": "tensor(int32)",
@@ -390,9 +388,8 @@ class OpenVino(Backend):
         }
         if config.threads:
             properties["INFERENCE_NUM_THREADS"] = int(config.threads)
-        if model.get_sinks():  # a stateful LM: f32 compute and KV cache, int8 activations by weight group
-            lm = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
-            properties.update(lm, DYNAMIC_QUANTIZATION_GROUP_SIZE=LM_ACTIVATION_GROUP)
+        if model.get_sinks():  # a stateful LM: f32 compute and KV cache, int8 activations grouped like its weights
+            properties.update(stateful_lm_properties(model))
         weights = path.with_suffix(".bin") if config.release_weight_pages and path.suffix == ".xml" else None
         max_shapes = config.max_shapes if self.max_shapes is None else self.max_shapes
         cache = Path(self._cache_dir()) if self._cache_dir() else None

@@ -1,0 +1,47 @@
+"""A stateful LM's compile properties on OpenVINO: f32 compute and KV cache, int8 activations grouped like the weights.
+
+Only an f32 input takes the CPU plugin's int8-activation path for compressed weights
+(``DYNAMIC_QUANTIZATION_GROUP_SIZE``: the activations quantized to int8 in groups and multiplied with the weights
+as integers); in bf16 the products widen their weights to bf16, and bf16 compute with OpenVINO's u8 cache kept
+fewer argmaxes. So the LM computes in f32 on every CPU. The activation group follows the weights:
+
+- int4 weights (NNCF stores them as ``(out, groups, group)`` constants): their own group, 128 at full size;
+- int8 weights (one scale per output channel) and fp32 ones: :data:`CHANNEL_WEIGHTS_GROUP`, OpenVINO's default.
+
+Both measured in docs/backends.md, "The LM on OpenVINO": on the int4 LM (AMX Xeon, Zen 4), 128 was faster than 32
+with the same agreement; on the int8 LM (Zen 4; not measured on AMX) it was no faster and kept fewer argmaxes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import openvino as ov
+
+logger = logging.getLogger(__name__)
+
+CHANNEL_WEIGHTS_GROUP = 32  # OpenVINO 2026.4's default, set so a later release's default cannot move it unmeasured
+INT4_TYPES = ("i4", "u4")
+
+
+def int4_weight_group(model: ov.Model) -> int | None:
+    """The group size of ``model``'s int4 weight constants (their last axis), or None where it has none."""
+    for op in model.get_ops():
+        if op.get_type_name() == "Constant" and op.get_element_type().get_type_name() in INT4_TYPES:
+            shape = op.get_output_partial_shape(0)
+            if shape.rank.is_static and shape.rank.get_length() == 3 and shape[2].is_static:
+                return int(shape[2].get_length())
+    return None
+
+
+def stateful_lm_properties(model: ov.Model) -> dict[str, str | int]:
+    """The compile properties of a stateful LM (a model with sinks), whatever precision the backend has."""
+    group = int4_weight_group(model)
+    logger.debug("stateful LM: f32, activations in groups of %s", group or CHANNEL_WEIGHTS_GROUP)
+    return {
+        "INFERENCE_PRECISION_HINT": "f32",
+        "KV_CACHE_PRECISION": "f32",
+        "DYNAMIC_QUANTIZATION_GROUP_SIZE": group or CHANNEL_WEIGHTS_GROUP,
+    }
