@@ -1,7 +1,7 @@
 """Where the first streamed chunk's time goes, for several first-chunk sizes.
 
     python bench/first_audio_probe.py MODEL_DIR [--threads 2] [--sizes 15,10,8] [--runs 3] \
-        [--prefix-cache on|off|both] [--lm-only]
+        [--prefix-cache on|off|both] [--lm-only] [--backend onnxruntime[,auto]]
 
 Same workload as ``cosyvoice-cpu bench`` (registered 3 s voice, the 8-character sentence forced to 50 tokens,
 prompt cache warm), the stages called directly: LM prefill + first token, the decode up to the chunk and its
@@ -11,6 +11,9 @@ prompt cache warm), the stages called directly: LM prefill + first token, the de
 every request prefills it again, as before the cache existed; ``both`` alternates the two in each run.
 ``--lm-only`` times the LM prefill + first token alone (any family, CosyVoice-300M included: its prompt has the
 speaker row), with the 10 s bench sentence's text too.
+``--backend`` loads one engine per choice (``auto``: the plan's OpenVINO graphs, e.g. the int4 LM of ``export
+--openvino-lm int4``); the engines stay loaded together and are alternated in every run, so they share the
+machine's load, and each row names its backend.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from cosyvoice_cpu.benchmark.tasks import SHORT_TEXT, TEXT, load
+from cosyvoice_cpu.benchmark.tasks import SHORT_TEXT, TEXT, graph_backends, load
 from cosyvoice_cpu.flow.cosyvoice2_stream import CosyVoice2FlowStream
 from cosyvoice_cpu.lm.prefix import DEFAULT_BYTES, PrefixCache
 from cosyvoice_cpu.vocoder.overlap_stream import VocoderStream
@@ -37,42 +40,66 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--prefix-cache", choices=("on", "off", "both"), default="on")
     ap.add_argument("--lm-only", action="store_true", help="time the LM prefill + first token only")
+    ap.add_argument("--backend", default="onnxruntime", help="engine backends, comma-separated")
     args = ap.parse_args()
-    engine, voice = load(args.model_dir, args.threads)
-    prompt_ids, prompt_speech, speaker = engine.lm_prompt(voice, None, False)
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.prefix_cache]
-    caches = {on: PrefixCache(engine.lm.session, DEFAULT_BYTES if on else 0) for on in modes}
+    runs = {b: _Run(*load(args.model_dir, args.threads, backend=b), modes) for b in args.backend.split(",")}
+    for b, run in runs.items():
+        print(f"--backend {b}: the LM on {graph_backends(run.engine.plan).get('lm', '?')}", flush=True)
     if args.lm_only:
-        print("| sentence | prefill positions | of them the prefix | LM prefix cache | LM prefill + first token s |")
-        print("|---|---|---|---|---|")
+        print("| sentence | prefill positions | of them the prefix | LM prefix cache | LM prefill + first token s "
+              "| backend |")  # fmt: skip
+        print("|---|---|---|---|---|---|")
         for label, text in (("8 characters", SHORT_TEXT), ("10 s", TEXT)):
-            ids = engine.tokenizer.encode(text)
-            times: dict[bool, list[float]] = {on: [] for on in modes}
+            times = {(b, on): [] for b in runs for on in modes}
             for _ in range(args.runs):
-                for on in modes:
-                    engine.lm.prefixes = caches[on]
-                    t0 = time.perf_counter()
-                    req = engine.lm.request(ids, prompt_ids, prompt_speech, seed=0, budget=(50, 50), speaker=speaker)
-                    next(iter(req))
-                    times[on].append(time.perf_counter() - t0)
+                for (b, on), got in times.items():  # alternated, so all see the same machine
+                    req, seconds = runs[b].prefill(text, on)
+                    got.append(seconds)
             prefix = req.prefix[1] if req.prefix else 0
-            for on in modes:
+            for (b, on), got in times.items():
                 print(f"| {label} | {len(req.embeds)} | {prefix} | {'on' if on else 'off'} | "
-                      f"{statistics.median(times[on]):.3f} |", flush=True)  # fmt: skip
+                      f"{statistics.median(got):.3f} | {b} |", flush=True)  # fmt: skip
         return
-    text_ids = engine.tokenizer.encode(SHORT_TEXT)
-    cache = engine.prompt_caches.get(voice, 10, 0.7)
-    print("| first chunk tokens | LM prefix cache | LM prefill s | LM decode s | flow s | vocoder s | first audio s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| first chunk tokens | LM prefix cache | LM prefill s | LM decode s | flow s | vocoder s | first audio s "
+          "| backend |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for n in (int(s) for s in args.sizes.split(",")):
-        rows: dict[bool, list[tuple[float, ...]]] = {on: [] for on in modes}
+        rows: dict[tuple[str, bool], list[tuple[float, ...]]] = {(b, on): [] for b in runs for on in modes}
         for _ in range(args.runs):
-            for on in modes:  # alternated, so both see the same machine
-                engine.lm.prefixes = caches[on]
-                rows[on].append(_first_chunk(engine, voice, text_ids, prompt_ids, prompt_speech, cache, n))
-        for on in modes:
-            med = [statistics.median(r[k] for r in rows[on]) for k in range(5)]
-            print(f"| {n} | {'on' if on else 'off'} | " + " | ".join(f"{m:.3f}" for m in med) + " |", flush=True)
+            for (b, on), got in rows.items():  # alternated, so all see the same machine
+                got.append(runs[b].first_chunk(n, on))
+        for (b, on), got in rows.items():
+            med = [statistics.median(r[k] for r in got) for k in range(5)]
+            print(f"| {n} | {'on' if on else 'off'} | " + " | ".join(f"{m:.3f}" for m in med) + f" | {b} |",
+                  flush=True)  # fmt: skip
+
+
+class _Run:
+    """One engine with the bench's voice, its LM prompt, its prefix caches (one per ``modes`` entry) and its prompt
+    cache at the default 10 steps."""
+
+    def __init__(self, engine: Any, voice: Any, modes: list[bool]) -> None:
+        self.engine, self.voice = engine, voice
+        self.prompt_ids, self.prompt_speech, self.speaker = engine.lm_prompt(voice, None, False)
+        self.caches = {on: PrefixCache(engine.lm.session, DEFAULT_BYTES if on else 0) for on in modes}
+        self.text_ids = engine.tokenizer.encode(SHORT_TEXT)
+        self.flow_cache = engine.prompt_caches.get(voice, 10, 0.7)
+
+    def prefill(self, text: str, prefix_cache: bool) -> tuple[Any, float]:
+        """(the LM request, seconds of its prefill + first token) for ``text``."""
+        self.engine.lm.prefixes = self.caches[prefix_cache]
+        ids = self.engine.tokenizer.encode(text)
+        t0 = time.perf_counter()
+        req = self.engine.lm.request(ids, self.prompt_ids, self.prompt_speech, seed=0, budget=(50, 50),
+                                     speaker=self.speaker)  # fmt: skip
+        next(iter(req))
+        return req, time.perf_counter() - t0
+
+    def first_chunk(self, n: int, prefix_cache: bool) -> tuple[float, ...]:
+        self.engine.lm.prefixes = self.caches[prefix_cache]
+        args = (self.engine, self.voice, self.text_ids, self.prompt_ids, self.prompt_speech, self.flow_cache, n)
+        return _first_chunk(*args)
 
 
 def _first_chunk(engine: Any, voice: Any, text_ids: list[int], prompt_ids: Any, prompt_speech: Any, cache: Any,

@@ -198,3 +198,26 @@ def test_the_lm_shapes_probe_alternates_the_prefill_forms(tiny_ov_export_dir: Pa
     assert lines[11] == "second pass, prefill ms by text ids: one-call / pieces", out
     summary = [line.split() for line in lines[12:]]
     assert len(summary) == 2 and sorted(r[0] for r in summary) == sorted({r[1] for r in rows}), out
+
+
+def test_the_first_audio_probe_alternates_backends(tiny_ov_export_dir: Path) -> None:
+    """``bench/first_audio_probe.py --backend onnxruntime,openvino``: one engine per backend (the LM on each), every
+    size and prefix-cache mode timed on both, each row naming its backend, the first audio the sum of its stages."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "first_audio_probe.py"
+    base = [sys.executable, str(script), str(tiny_ov_export_dir), "--threads", "1", "--runs", "1",
+            "--backend", "onnxruntime,openvino", "--prefix-cache", "both"]  # fmt: skip
+    run = dict(check=True, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([*base, "--sizes", "4,2"], **run).stdout
+    assert "--backend onnxruntime: the LM on onnxruntime" in out and "--backend openvino: the LM on openvino" in out
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| ")]
+    got = [(r[0], r[1], r[-1]) for r in rows[1:]]
+    assert got == [(n, on, b) for n in ("4", "2") for b in ("onnxruntime", "openvino") for on in ("off", "on")], out
+    for r in rows[1:]:
+        stages, total = [float(x) for x in r[2:6]], float(r[6])
+        assert all(x > 0 for x in stages) and abs(sum(stages) - total) < 0.01, out
+    out = subprocess.run([*base, "--lm-only"], **run).stdout
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| ")]
+    assert sorted({r[-1] for r in rows[1:]}) == ["onnxruntime", "openvino"] and len(rows) == 1 + 2 * 2 * 2, out
