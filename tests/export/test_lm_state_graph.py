@@ -97,27 +97,30 @@ def test_the_stateful_graph_is_opened_as_one(sessions) -> None:
         assert int(c.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) == CHANNEL_WEIGHTS_GROUP
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("weights", ["none", "int8", "int4", "int4-asym"])
 def test_a_stateful_lm_runs_in_f32_with_activations_grouped_like_its_weights(
     lm_dir, weights: str, tmp_path: Path
 ) -> None:
-    """A backend in bf16 (OpenVINO's default on CPUs with AVX-512 BF16 or AMX) still opens the LM in f32 with an f32
-    cache; its int8 activations go in the int4 weights' groups, or OpenVINO's default 32 for per-channel int8
-    weights (docs/backends.md, "The LM on OpenVINO")."""
-    pytest.importorskip("nncf")
-    from cosyvoice_cpu.backends.openvino import OpenVino
-    from cosyvoice_cpu.backends.openvino_lm import CHANNEL_WEIGHTS_GROUP
-    from cosyvoice_cpu.export.lm.openvino_stateful import compress
-
-    out, _ = lm_dir
-    ov = OpenVino(cache_dir="", precision="bf16")
-    path = tmp_path / "lm.ov.xml"
+    """A backend in bf16 (OpenVINO's default on CPUs with AVX-512 BF16 or AMX) still asks for the LM in f32 with an
+    f32 cache; its int8 activations in the int4 weights' groups (not their asymmetric form's zero points' 1), or
+    OpenVINO's default 32 for per-channel int8 and fp32 weights (docs/backends.md, "The LM on OpenVINO")."""
     import openvino
 
-    openvino.save_model(compress(ov.core().read_model(str(out / "lm.ov.xml")), weights, 16), path)
-    props = ov.open(path, SessionConfig(threads=1))._properties
+    from cosyvoice_cpu.backends.openvino import OpenVino
+    from cosyvoice_cpu.backends.openvino_lm import CHANNEL_WEIGHTS_GROUP
+
+    out, _ = lm_dir
+    backend = OpenVino(cache_dir="", precision="bf16")
+    model, path = backend.core().read_model(str(out / "lm.ov.xml")), tmp_path / "lm.ov.xml"
+    if weights != "none":
+        nncf = pytest.importorskip("nncf")
+        mode = {"int8": "INT8_ASYM", "int4": "INT4_SYM", "int4-asym": "INT4_ASYM"}[weights]
+        group = {} if weights == "int8" else {"group_size": 16, "ratio": 1.0}
+        model = nncf.compress_weights(model, mode=getattr(nncf.CompressWeightsMode, mode), **group)
+    openvino.save_model(model, path, compress_to_fp16=False)
+    props = backend.open(path, SessionConfig(threads=1))._properties
     assert (props["INFERENCE_PRECISION_HINT"], props["KV_CACHE_PRECISION"]) == ("f32", "f32")
-    assert props["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == (16 if weights == "int4" else CHANNEL_WEIGHTS_GROUP)
+    assert props["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == (16 if weights.startswith("int4") else CHANNEL_WEIGHTS_GROUP)
 
 
 def test_scheduler_traffic_gives_the_bound_graphs_logp(sessions) -> None:

@@ -10,7 +10,7 @@ modified one is swapped out or kept. So it is safe on any address range, even on
 between. Kernels that read the file at run time (fp32-compute ``MatMulNBits``, convolutions) touch their pages
 first at their first run, so at load there is nothing of theirs to release.
 
-:func:`status_mb` reads this process's memory fields (``VmRSS``, ``VmHWM``) for the benchmarks.
+:func:`status_mb` reads a process's memory fields (``VmRSS``, ``VmHWM``) for the benchmarks and the server.
 
 Nothing here runs at import; off Linux (no ``/proc/self/smaps``) or on kernels before 5.4 (no
 ``MADV_PAGEOUT``) every function returns 0 and nothing happens.
