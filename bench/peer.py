@@ -54,6 +54,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cosyvoice_cpu.hardware.pages import status_mb
+
 logger = logging.getLogger("bench.peer")
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,20 +107,14 @@ def exact_ratio(tokens: int, n_text: int = TEXT_TOKENS) -> float:
 def rss_mb() -> float:
     """Peak resident set size of this process image so far, in MB: ``VmHWM`` (``ru_maxrss`` survives fork + exec,
     so it would include the peak of a parent that exported a model just before), else ``ru_maxrss``."""
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = status_mb("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def current_rss_mb() -> float:
     """Resident set size right now (VmRSS), in MB; NaN where /proc is unavailable."""
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    rss = status_mb("VmRSS")
+    return float("nan") if rss is None else rss
 
 
 def machine_name() -> str:

@@ -37,6 +37,7 @@ from wyoming.client import AsyncTcpClient
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeVoice
 
 from cosyvoice_cpu.cli.speech import DEMO_MODEL, _tone_wav
+from cosyvoice_cpu.hardware.pages import status_mb
 from cosyvoice_cpu.server.process import ServerProcess, free_port
 
 TEXT = "Good morning. The pump on line three is running hot."
@@ -44,8 +45,9 @@ VOICE = "demo"
 
 
 def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(x.split()[1]) for x in f if x.startswith("VmRSS:")) / 1024
+    """The process ``pid``'s resident memory (MB); NaN once it has gone."""
+    rss = status_mb("VmRSS", pid)
+    return float("nan") if rss is None else rss
 
 
 def cpu_name() -> str:
