@@ -1,7 +1,7 @@
 """Where the first streamed chunk's time goes, for several first-chunk sizes.
 
     python bench/first_audio_probe.py MODEL_DIR [--threads 2] [--sizes 15,10,8] [--runs 3] \
-        [--prefix-cache on|off|both] [--lm-only] [--backend onnxruntime[,auto]]
+        [--prefix-cache on|off|both] [--lm-only] [--backend auto[,onnxruntime]]
 
 Same workload as ``cosyvoice-cpu bench`` (registered 3 s voice, the 8-character sentence forced to 50 tokens,
 prompt cache warm), the stages called directly: LM prefill + first token, the decode up to the chunk and its
@@ -11,9 +11,9 @@ prompt cache warm), the stages called directly: LM prefill + first token, the de
 every request prefills it again, as before the cache existed; ``both`` alternates the two in each run.
 ``--lm-only`` times the LM prefill + first token alone (any family, CosyVoice-300M included: its prompt has the
 speaker row), with the 10 s bench sentence's text too.
-``--backend`` loads one engine per choice (``auto``: the plan's OpenVINO graphs, e.g. the int4 LM of ``export
---openvino-lm int4``); the engines stay loaded together and are alternated in every run, so they share the
-machine's load, and each row names its backend.
+``--backend`` (default ``auto``, the engine's own default: the plan's OpenVINO graphs, e.g. the int4 LM of ``export
+--openvino-lm int4``) loads one engine per choice; the engines stay loaded together and are alternated in every
+run, so they share the machine's load, and each row names its backend.
 """
 
 from __future__ import annotations
@@ -40,12 +40,16 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--prefix-cache", choices=("on", "off", "both"), default="on")
     ap.add_argument("--lm-only", action="store_true", help="time the LM prefill + first token only")
-    ap.add_argument("--backend", default="onnxruntime", help="engine backends, comma-separated")
+    ap.add_argument("--backend", default="auto", help="engine backends, comma-separated (default: auto)")
     args = ap.parse_args()
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.prefix_cache]
-    runs = {b: _Run(*load(args.model_dir, args.threads, backend=b), modes) for b in args.backend.split(",")}
+    backends = args.backend.split(",")
+    if len(set(backends)) < len(backends):
+        ap.error(f"--backend {args.backend}: each backend once")
+    runs = {b: _Run(*load(args.model_dir, args.threads, backend=b), modes) for b in backends}
     for b, run in runs.items():
-        print(f"--backend {b}: the LM on {graph_backends(run.engine.plan).get('lm', '?')}", flush=True)
+        lm = graph_backends(run.engine.plan).get("lm", "?")
+        print(f"--backend {b}: the LM on {lm} ({type(run.engine.lm.session.runner).__name__})", flush=True)
     if args.lm_only:
         print("| sentence | prefill positions | of them the prefix | LM prefix cache | LM prefill + first token s "
               "| backend |")  # fmt: skip

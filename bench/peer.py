@@ -29,8 +29,9 @@ official v1 flow draws fresh noise (``MaskedDiffWithXvec.inference``, no streami
   Warm-up: one run on 25 tokens. Measured: total seconds, and each estimator call through forward hooks.
 * HiFT: a synthetic log-mel (``randn * 2 - 5``) of ``2 * tokens`` frames; one warm-up call, one timed call.
 
-Peak RSS (``getrusage(RUSAGE_SELF).ru_maxrss``) is read after the build and after each stage (``rss_after``;
-``rss_current_after`` is VmRSS at the same points). ``loadavg_*`` flag a machine shared with other work. End-to-end is
+Peak RSS (``VmHWM``, else ``getrusage(RUSAGE_SELF).ru_maxrss``: :func:`rss_mb`) is read after the build and after
+each stage (``rss_after``; ``rss_current_after`` is VmRSS at the same points). ``loadavg_*`` flag a machine shared
+with other work. End-to-end is
 LM total + flow + HiFT (no frontend, no prompt feature extraction); RTF = e2e / (tokens / 25 Hz, or 50 Hz for v1).
 Callers (``cosyvoice-cpu bench``) run this script in a subprocess, e.g. through :func:`run_peer`.
 """

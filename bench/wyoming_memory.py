@@ -45,9 +45,11 @@ VOICE = "demo"
 
 
 def rss_mb(pid: int) -> float:
-    """The process ``pid``'s resident memory (MB); NaN once it has gone."""
+    """The process ``pid``'s resident memory (MB); an error once it has exited (a dead server is no measurement)."""
     rss = status_mb("VmRSS", pid)
-    return float("nan") if rss is None else rss
+    if rss is None:
+        raise RuntimeError(f"process {pid} has no resident memory to read: it has exited")
+    return rss
 
 
 def cpu_name() -> str:

@@ -211,7 +211,9 @@ def test_the_first_audio_probe_alternates_backends(tiny_ov_export_dir: Path) -> 
             "--backend", "onnxruntime,openvino", "--prefix-cache", "both"]  # fmt: skip
     run = dict(check=True, capture_output=True, text=True, timeout=600)
     out = subprocess.run([*base, "--sizes", "4,2"], **run).stdout
-    assert "--backend onnxruntime: the LM on onnxruntime" in out and "--backend openvino: the LM on openvino" in out
+    said = [line for line in out.splitlines() if line.startswith("--backend")]  # the LM's backend and graph form
+    assert said == ["--backend onnxruntime: the LM on onnxruntime (BoundGraph)",
+                    "--backend openvino: the LM on openvino (StateGraph)"], out  # fmt: skip
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| ")]
     got = [(r[0], r[1], r[-1]) for r in rows[1:]]
     assert got == [(n, on, b) for n in ("4", "2") for b in ("onnxruntime", "openvino") for on in ("off", "on")], out
