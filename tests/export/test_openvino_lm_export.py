@@ -214,12 +214,17 @@ def test_the_first_audio_probe_alternates_backends(tiny_ov_export_dir: Path) -> 
     said = [line for line in out.splitlines() if line.startswith("--backend")]  # the LM's backend and graph form
     assert said == ["--backend onnxruntime: the LM on onnxruntime (BoundGraph)",
                     "--backend openvino: the LM on openvino (StateGraph)"], out  # fmt: skip
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| ")]
+    rows = _table_rows(out)
     got = [(r[0], r[1], r[-1]) for r in rows[1:]]
     assert got == [(n, on, b) for n in ("4", "2") for b in ("onnxruntime", "openvino") for on in ("off", "on")], out
     for r in rows[1:]:
         stages, total = [float(x) for x in r[2:6]], float(r[6])
         assert all(x > 0 for x in stages) and abs(sum(stages) - total) < 0.01, out
     out = subprocess.run([*base, "--lm-only"], **run).stdout
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| ")]
+    rows = _table_rows(out)
     assert sorted({r[-1] for r in rows[1:]}) == ["onnxruntime", "openvino"] and len(rows) == 1 + 2 * 2 * 2, out
+
+
+def _table_rows(out: str) -> list[list[str]]:
+    """The cells of every row of the markdown tables in ``out`` (header row included, separator rows not)."""
+    return [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| ")]

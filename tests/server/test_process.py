@@ -33,7 +33,7 @@ def test_free_ports_are_free_and_outside_the_ephemeral_range() -> None:
     (a Ray Serve proxy once failed to bind one in CI)."""
     low = _ephemeral_low_or_skip()
     ports = {free_port() for _ in range(20)}
-    assert all(20000 <= p < low for p in ports) and len(ports) > 1
+    assert all(process._FIRST_PORT <= p < low for p in ports) and len(ports) > 1
     for port in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
@@ -44,23 +44,14 @@ def test_a_taken_port_is_never_handed_out(monkeypatch: pytest.MonkeyPatch) -> No
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         taken = held.getsockname()[1]
-        free = next(p for p in range(20000, low) if _bindable(p))
+        free = next(p for p in range(process._FIRST_PORT, low) if process._bindable(p))
         monkeypatch.setattr(process.random.Random, "sample", lambda self, r, k: [taken, free])
         assert free_port() == free  # the taken one tried first and passed over
 
 
 def _ephemeral_low_or_skip() -> int:
-    """The ephemeral range's first port, or a skip where free_port falls back to port 0 (a range under 21000)."""
+    """The ephemeral range's first port, or a skip where free_port falls back to port 0 (too few ports below it)."""
     low = process._ephemeral_low()
-    if low - 20000 < 1000:
+    if low - process._FIRST_PORT < process._MIN_PORTS:
         pytest.skip(f"this kernel's ephemeral range starts at {low}: free_port falls back to port 0 here")
     return low
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True

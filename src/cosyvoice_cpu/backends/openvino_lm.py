@@ -33,21 +33,17 @@ INT4_TYPES = ("i4", "u4")
 def int4_weight_group(model: ov.Model) -> int | None:
     """The group size of ``model``'s int4 weights: the largest last axis of its 3-D int4 constants (zero points have
     1 there), or None where it has none."""
-    groups = [0]
+    group = 0
     for op in model.get_ops():
         if op.get_type_name() == "Constant" and op.get_element_type().get_type_name() in INT4_TYPES:
             shape = op.get_output_partial_shape(0)
             if shape.rank.is_static and shape.rank.get_length() == 3 and shape[2].is_static:
-                groups.append(int(shape[2].get_length()))
-    return max(groups) if max(groups) > 1 else None
+                group = max(group, int(shape[2].get_length()))
+    return group if group > 1 else None
 
 
 def stateful_lm_properties(model: ov.Model) -> dict[str, str | int]:
     """The compile properties of a stateful LM (a model with sinks), whatever precision the backend has."""
-    group = int4_weight_group(model)
-    logger.debug("stateful LM: f32, activations in groups of %s", group or CHANNEL_WEIGHTS_GROUP)
-    return {
-        "INFERENCE_PRECISION_HINT": "f32",
-        "KV_CACHE_PRECISION": "f32",
-        "DYNAMIC_QUANTIZATION_GROUP_SIZE": group or CHANNEL_WEIGHTS_GROUP,
-    }
+    group = int4_weight_group(model) or CHANNEL_WEIGHTS_GROUP
+    logger.debug("stateful LM: f32, activations in groups of %d", group)
+    return {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": group}

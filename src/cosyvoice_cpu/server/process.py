@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 # Below the kernel's ephemeral range, and above the worker ports `ray start` gives by default (10002-19999); a local
 # `ray.init()` lets its workers and its other services listen on ephemeral or higher ports.
 _FIRST_PORT = 20000
+_MIN_PORTS = 1000  # fewer ports than this between _FIRST_PORT and the ephemeral range: port 0 instead
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
@@ -35,6 +36,16 @@ def _ephemeral_low() -> int:
         return int(_EPHEMERAL_RANGE.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return 32768
+
+
+def _bindable(port: int) -> bool:
+    """Whether ``port`` on 127.0.0.1 can be bound right now."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def free_port() -> int:
@@ -47,13 +58,9 @@ def free_port() -> int:
     """
     low = _ephemeral_low()
     rng = random.Random()  # noqa: S311 - a port number, not a secret
-    if low - _FIRST_PORT >= 1000:
+    if low - _FIRST_PORT >= _MIN_PORTS:
         for port in rng.sample(range(_FIRST_PORT, low), 50):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
+            if _bindable(port):
                 return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
