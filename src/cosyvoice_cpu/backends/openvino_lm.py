@@ -11,9 +11,8 @@ fewer argmaxes. So the LM computes in f32 on every CPU. The activation group fol
   largest last axis among the 3-D int4 constants;
 - int8 weights (one scale per output channel) and fp32 ones: :data:`CHANNEL_WEIGHTS_GROUP`, OpenVINO's default.
 
-Both measured in docs/backends.md, "The LM on OpenVINO": on the int4 LM, 128 was faster than 32 on the AMX Xeon and,
-each form alone, on the Zen 4 (alternated there: 0.95x at 1 row, 1.10x at 4), with the same agreement; on the int8
-LM (Zen 4; not measured on AMX) it was no faster and kept fewer argmaxes.
+Why each, with the figures: docs/backends.md, "The LM on OpenVINO" (int4: 128 against 32 on the AMX Xeon and the
+Zen 4; int8: 128 against 32 on the Zen 4 only).
 """
 
 from __future__ import annotations
