@@ -1,7 +1,7 @@
 """The engine under two (or more) backend plans, measured side by side in one process.
 
     python bench/backend_ab.py MODEL_DIR [--backends onnxruntime,openvino] [--measure e2e[,lm,first,stream]] \
-        [--threads 2] [--runs 4] [--tokens 250] [--compiled-shapes N]
+        [--threads 2] [--runs 4] [--tokens 250] [--compiled-shapes N] [--ov-precision bf16,f32]
 
 ``cosyvoice-cpu bench --backend onnxruntime,openvino`` runs each backend in its own process one after the other
 (so each has its own peak RSS), which on a shared, noisy machine can put the two under different loads. Here the
@@ -9,7 +9,9 @@ engines of ``--backends`` (plans: ``auto``, ``onnxruntime``, ``openvino``) are l
 on the bench workload (the registered 3 s voice, a sentence forced to ``--tokens`` tokens, by default 10 s of
 audio; default quality; ``e2e`` and ``lm`` each after their own warm-up run, the streams after one warm-up stream of
 each kind per engine), so their ratio is measured under the same load. ``auto,openvino`` on a directory with an
-int8 ``lm_ov`` compares the LM on ONNX Runtime and on OpenVINO with the same estimator.
+int8 ``lm_ov`` compares the LM on ONNX Runtime and on OpenVINO with the same estimator. ``--ov-precision bf16,f32``
+loads every plan but ``onnxruntime`` once per OpenVINO compute precision (labelled ``PLAN@PRECISION``; without it, the
+CPU's own, :func:`~cosyvoice_cpu.backends.openvino.precision_for_cpu`); a stateful LM computes in f32 whatever it says.
 Each run measures, per ``--measure``:
 
 - ``e2e``: a whole sentence: flow RTF, end-to-end RTF, flow ms per Euler step;
@@ -29,7 +31,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cosyvoice_cpu.backends.base import ONNXRUNTIME, OPENVINO
 from cosyvoice_cpu.backends.plan import CHOICES, describe
+from cosyvoice_cpu.backends.registry import BACKENDS
 from cosyvoice_cpu.benchmark.tasks import SHORT_TEXT, TEXT, _config, alternate, listen, load, measure_e2e, measure_lm
 from cosyvoice_cpu.manifest import Manifest
 
@@ -37,6 +41,7 @@ if TYPE_CHECKING:
     from cosyvoice_cpu.engine import Engine
     from cosyvoice_cpu.voices.voice import Voice
 
+PRECISIONS = ("bf16", "f32")  # --ov-precision: OpenVINO's INFERENCE_PRECISION_HINT values the backend takes
 # measure -> (the keys printed, whether a larger value is better)
 KEYS = {
     "e2e": (("flow_rtf", False), ("rtf", False), ("flow_ms_per_step", False)),
@@ -75,6 +80,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=None, help="speech tokens per sentence (default: 10 s of audio)")
     ap.add_argument("--short-tokens", type=int, default=None, help="tokens of the 8-character sentence (2 s)")
     ap.add_argument("--compiled-shapes", type=int, default=0, help="the OpenVINO engines' compiled_shapes (0: dynamic)")
+    ap.add_argument("--ov-precision", default="", help="OpenVINO compute precisions, comma-separated (bf16, f32): "
+                    "each plan but onnxruntime once per precision (default: the CPU's)")  # fmt: skip
     args = ap.parse_args()
     names, backends = args.measure.split(","), args.backends.split(",")
     if unknown := set(names) - set(KEYS):
@@ -83,17 +90,34 @@ def main() -> None:
         ap.error(f"--backends: unknown {sorted(unknown)}; choose from {', '.join(CHOICES)}")
     if len(set(backends)) != len(backends):
         ap.error(f"--backends: each plan once (got {args.backends})")
+    asked = args.ov_precision.split(",") if args.ov_precision else []
+    if not set(asked) <= set(PRECISIONS) or len(set(asked)) != len(asked):
+        ap.error(f"--ov-precision: each of {', '.join(PRECISIONS)} at most once (got {args.ov_precision})")
+    precisions: list[str | None] = [*asked] or [None]
     rate = Manifest.load(args.model_dir).token_frame_rate
     tokens = args.tokens or round(10 * rate)
     short = args.short_tokens or round(2 * rate)
     streaming = bool({"first", "stream"} & set(names))
     shapes = args.compiled_shapes
-    engines = {
-        b: load(args.model_dir, args.threads, backend=b, streaming_estimator=streaming, compiled_shapes=shapes)
-        for b in backends
-    }
+    engines = {}
+    for b in backends:
+        for p in [None] if b == ONNXRUNTIME else precisions:
+            label = b if p is None else f"{b}@{p}"
+            engines[label] = load_at(p, args.model_dir, args.threads, backend=b, streaming_estimator=streaming,
+                                     compiled_shapes=shapes)  # fmt: skip
     plans = {b: describe(engine.plan) for b, (engine, _) in engines.items()}
     report(compare(engines, names, args.runs, tokens, short), names, plans)
+
+
+def load_at(precision: str | None, *args: object, **config: object) -> tuple[Engine, Voice]:
+    """:func:`~cosyvoice_cpu.benchmark.tasks.load` with OpenVINO compiling at ``precision`` (None: the CPU's): the
+    backend reads it when it opens a graph, so it holds for this engine only."""
+    backend = BACKENDS[OPENVINO]
+    before, backend.precision = backend.precision, precision
+    try:
+        return load(*args, **config)
+    finally:
+        backend.precision = before
 
 
 def compare(

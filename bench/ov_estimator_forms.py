@@ -1,7 +1,7 @@
 """One whole-sentence estimator call in every form the runtime can run it, alternated in one process.
 
     python bench/ov_estimator_forms.py -m MODEL_DIR [--frames 650] [--runs 5] [--threads 2] [--profile [--unfused]] \
-        [--switch]
+        [--switch] [--precision bf16|f32]
 
 ``MODEL_DIR`` holds ``flow_estimator.onnx`` and an OpenVINO model (``export --openvino``). Forms, batch 2 (CFG),
 ``--frames`` frames (650: a 10 s sentence after a 3 s voice), medians of ``--runs`` alternated calls:
@@ -17,9 +17,10 @@ adds OpenVINO's per-node time by node and kernel type for both compiles, and the
 ``--unfused`` (with ``--profile``) also profiles the static compile with the CPU plugin's fused subgraphs off
 (``SNIPPETS_MODE=DISABLE``): fused, the attention's two products and its softmax hide in one ``Subgraph`` node;
 unfused, they run as ``MatMul`` and ``Softmax`` nodes, whose kernels say whether the products ran on AMX tiles
-(``brgemm_avx512_amx...``) and how much of the attention the softmax is. ``--switch`` adds the time to bring a
-static bucket from OpenVINO's model cache (what a bucket change costs the static form). Appends one JSON line to
-``--out``. Nothing here is imported by the runtime.
+(``brgemm_avx512_amx...``) and how much of the attention the softmax is. ``--precision`` sets OpenVINO's compute
+precision (default: the CPU's, as the runtime's: :func:`~cosyvoice_cpu.backends.openvino.precision_for_cpu`).
+``--switch`` adds the time to bring a static bucket from OpenVINO's model cache (what a bucket change costs the
+static form). Appends one JSON line to ``--out``. Nothing here is imported by the runtime.
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ def main() -> None:
     ap.add_argument("--unfused", action="store_true", help="with --profile: also the static compile, snippets off")
     ap.add_argument("--switch", action="store_true")
     ap.add_argument("--out", default="bench/results/ov-estimator-forms.jsonl")
+    ap.add_argument("--precision", choices=("bf16", "f32"), default=None, help="default: the CPU's")
     args = ap.parse_args()
     if args.unfused and not args.profile:
         ap.error("--unfused profiles a compile: it needs --profile")
@@ -128,7 +130,8 @@ def main() -> None:
     xml = args.model_dir / "flow_estimator.ov.xml"
     size = bucket(args.frames)
     onnx_feeds = estimator_feeds(args.frames, np.random.default_rng(0))
-    props = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": precision_for_cpu(),
+    precision = args.precision or precision_for_cpu()
+    props = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": precision,
              "INFERENCE_NUM_THREADS": args.threads, "PERF_COUNT": args.profile}  # fmt: skip
     core = ov.Core()
     static_model = core.read_model(str(xml))
@@ -156,7 +159,7 @@ def main() -> None:
             times[name].append((time.perf_counter() - t0) * 1000)
     ref = statistics.median(times[f"ort {args.frames}"])
     row: dict[str, Any] = {"model_dir": str(args.model_dir), "frames": args.frames, "bucket": size,
-                           "threads": args.threads, "date": time.strftime("%Y-%m-%d"), "ms": {},
+                           "threads": args.threads, "precision": precision, "date": time.strftime("%Y-%m-%d"), "ms": {},
                            "gmac": {k: round(v, 2) for k, v in macs(static_model).items()}}  # fmt: skip
     for name, ts in times.items():
         med = statistics.median(ts)

@@ -12,6 +12,7 @@ from cosyvoice_cpu.backends.plan import describe, plan_backends
 from cosyvoice_cpu.config import EngineConfig
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.flow.graphs import ESTIMATOR_PADDING, estimator_shapes
+from cosyvoice_cpu.hardware.cpu import CpuInfo
 
 
 def _entry(file: str, precision: str = "fp32", **attrs: object) -> SimpleNamespace:
@@ -25,9 +26,14 @@ def _graphs(pad_exact: bool = True, with_ov: bool = True) -> dict[str, SimpleNam
     return graphs
 
 
-BF16 = SimpleNamespace(bf16=True, amx=False)
-AMX = SimpleNamespace(bf16=False, amx=True)
-AVX2 = SimpleNamespace(bf16=False, amx=False)
+def _cpu(flags: str, vendor: str) -> CpuInfo:
+    return CpuInfo("test CPU", frozenset(flags.split()), 2, 2, vendor=vendor)
+
+
+BF16 = _cpu("avx2 fma avx512f avx512_vnni avx512_bf16", "AuthenticAMD")  # a Zen 4
+AMX = _cpu("avx2 fma avx512f avx512_vnni amx_bf16 amx_int8", "GenuineIntel")
+INTEL_BF16 = _cpu("avx2 fma avx512f avx512_vnni avx512_bf16 avx512_fp16", "GenuineIntel")  # AMX hidden
+AVX2 = _cpu("avx2 fma", "AuthenticAMD")
 
 
 def test_auto_puts_the_estimator_on_openvino_only_where_the_cpu_has_bf16() -> None:
@@ -41,6 +47,24 @@ def test_auto_puts_the_estimator_on_openvino_only_where_the_cpu_has_bf16() -> No
     assert avx2.backend == "onnxruntime" and "neither AVX-512 BF16 nor AMX" in avx2.reason
     unknown = plan_backends(_graphs(), "auto", None, installed=True)  # /proc/cpuinfo unreadable: no bf16
     assert unknown["flow_estimator"].backend in ("onnxruntime", "openvino")
+
+
+def test_the_estimator_computes_in_bf16_only_where_bf16_outruns_f32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An Intel core with AVX-512 BF16 but no AMX still gets the OpenVINO estimator (faster than ONNX Runtime in f32)
+    but computes it in f32, where its bf16 products ran slower; the reason doctor prints says which."""
+    from cosyvoice_cpu.backends import openvino
+    from cosyvoice_cpu.hardware import cpu as cpu_module
+
+    plans = {c: plan_backends(_graphs(), "auto", c, installed=True, memory=None)["flow_estimator"]
+             for c in (BF16, AMX, INTEL_BF16)}  # fmt: skip
+    assert {p.backend for p in plans.values()} == {"openvino"}
+    assert "computed in bf16" in plans[BF16].reason and "computed in bf16" in plans[AMX].reason
+    assert "computed in f32" in plans[INTEL_BF16].reason and "Intel core without AMX" in plans[INTEL_BF16].reason
+    unknown = _cpu("avx2 fma avx512f avx512_bf16", "")  # no vendor_id: bf16 not measured faster there
+    assert [c.fast_bf16 for c in (BF16, AMX, INTEL_BF16, AVX2, unknown)] == [True, True, False, False, False]
+    for cpu, want in ((BF16, "bf16"), (AMX, "bf16"), (INTEL_BF16, "f32"), (AVX2, "f32"), (None, "f32")):
+        monkeypatch.setattr(cpu_module, "read_cpuinfo", lambda cpu=cpu: cpu)
+        assert openvino.precision_for_cpu() == want, cpu
 
 
 def test_auto_keeps_onnxruntime_where_memory_is_short() -> None:

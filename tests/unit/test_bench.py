@@ -323,31 +323,6 @@ def test_the_chunk_plan_probe_labels_each_row_with_the_call_that_made_it(
     assert "positive whole numbers" in capsys.readouterr().err
 
 
-def test_the_backend_probe_measures_every_engine_on_each_measure(tiny_export_dir: Path) -> None:
-    """``bench/backend_ab.py --backends A,B --measure ...`` (how the LM's backends were compared on the AMX Xeon,
-    docs/backends.md): each engine gets a line with every measure's medians, the first engine's ratios 1.00x; a
-    measure it does not know and a plan named twice (one engine would hide the other) are refused."""
-    import subprocess
-    import sys
-
-    script = Path(__file__).resolve().parents[2] / "bench" / "backend_ab.py"
-    cmd = [sys.executable, str(script), str(tiny_export_dir), "--backends", "onnxruntime,auto", "--runs", "1",
-           "--tokens", "20", "--short-tokens", "8", "--threads", "1"]  # fmt: skip
-    out = subprocess.run([*cmd, "--measure", "e2e,lm,first,stream"], check=True, capture_output=True, text=True)
-    lines = {line.split()[0]: line for line in out.stdout.splitlines() if not line.startswith(" ")}
-    assert set(lines) == {"onnxruntime", "auto"}, out.stdout
-    keys = ("flow_rtf", "rtf", "flow_ms_per_step", "lm_prefill_s", "lm_decode_tok_s", "short_first_audio_s",
-            "first_audio_s", "stream_rtf")  # fmt: skip
-    for name, line in lines.items():
-        for key in keys:
-            assert f" {key} " in line, (name, key, line)
-        assert line.count("x)") == len(keys), line
-    assert all(part.endswith("(1.00x)") for part in lines["onnxruntime"].split(", "))
-    for flag, value in (("--measure", "e2e,lmm"), ("--backends", "auto,auto")):
-        bad = subprocess.run([*cmd, flag, value], capture_output=True, text=True)  # the last flag wins
-        assert bad.returncode == 2 and f"{flag}: " in bad.stderr, bad.stderr
-
-
 def test_the_lm_shapes_probe_reports_every_prompt_length_twice(tiny_export_dir: Path) -> None:
     """``bench/lm_shapes_memory.py`` (how the OpenVINO LM's memory per prompt length was found, docs/backends.md):
     one row per request, every length once and then again, the prompts' lengths in the asked order; bad counts

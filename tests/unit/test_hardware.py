@@ -28,13 +28,14 @@ from cosyvoice_cpu.hardware.malloc import (
 from cosyvoice_cpu.probes.calibrate import probe_kernels
 
 
-def _cpuinfo(flags: str, sockets: int = 1, cores: int = 2, threads: int = 2, model: str = "Test CPU") -> str:
+def _cpuinfo(flags: str, sockets: int = 1, cores: int = 2, threads: int = 2, model: str = "Test CPU",
+             vendor: str = "GenuineIntel") -> str:  # fmt: skip
     blocks, n = [], 0
     for s in range(sockets):
         for c in range(cores):
             for _ in range(threads):
-                blocks.append(f"processor\t: {n}\nmodel name\t: {model}\nphysical id\t: {s}\ncore id\t\t: {c}\n"
-                              f"flags\t\t: {flags}\n")  # fmt: skip
+                blocks.append(f"processor\t: {n}\nvendor_id\t: {vendor}\nmodel name\t: {model}\nphysical id\t: {s}\n"
+                              f"core id\t\t: {c}\nflags\t\t: {flags}\n")  # fmt: skip
                 n += 1
     return "\n".join(blocks) + "\n"
 
@@ -63,6 +64,21 @@ def test_features_cores_quota_and_memory_of_a_container(tmp_path: Path) -> None:
     assert any("quota is 3 CPUs" in n for n in hw.notes) and any("memory limit is 4.0 GiB" in n for n in hw.notes)
     hw.check_cpu()  # AVX2 present: fine
     assert not any("VNNI" in n for n in hw.notes)
+
+
+@pytest.mark.parametrize(("vendor", "flags", "fast"), [
+    ("AuthenticAMD", "avx2 fma avx512f avx512_vnni avx512_bf16", True),  # Zen 4
+    ("GenuineIntel", "avx2 fma avx512f avx512_vnni avx512_bf16 avx512_fp16", False),  # a Xeon whose AMX is hidden
+    ("GenuineIntel", "avx2 fma avx512f avx512_vnni avx512_bf16 amx_bf16 amx_int8 amx_tile", True),
+    ("AuthenticAMD", "avx2 fma", False),
+])  # fmt: skip
+def test_the_vendor_is_read_and_decides_whether_bf16_outruns_f32(tmp_path: Path, vendor: str, flags: str,
+                                                                   fast: bool) -> None:  # fmt: skip
+    """OpenVINO's compute precision (``backends.openvino.precision_for_cpu``) goes by ``fast_bf16``: AVX-512 BF16
+    pays on AMD's cores and with AMX, not on an Intel core without AMX (docs/backends.md)."""
+    root = _root(tmp_path, {"proc/cpuinfo": _cpuinfo(flags, vendor=vendor), "proc/meminfo": MEMINFO})
+    for cpu in (read_cpuinfo(root), detect(root).cpu):  # detect keeps the vendor when it merges cpuid's flags
+        assert (cpu.vendor, cpu.fast_bf16) == (vendor, fast)
 
 
 def test_a_cpu_without_vnni_is_pointed_to_int4(tmp_path: Path) -> None:

@@ -19,9 +19,10 @@ Memory: the mapped ``.bin`` pages are given back after a compile and its first c
 (``SessionConfig.release_weight_pages``), and a compiled model's intermediate buffers, which stay at the size of
 its largest call, after a call with ``release_memory``.
 
-The inference precision follows the CPU: bf16 where it has AVX-512 BF16 or AMX, f32 elsewhere (where OpenVINO gains
-nothing over ONNX Runtime and the plan does not choose it). A stateful model (the LM) computes in f32 with an f32 KV
-cache everywhere, its activations quantized in groups like its weights (:mod:`cosyvoice_cpu.backends.openvino_lm`).
+The inference precision follows the CPU (:func:`precision_for_cpu`): bf16 where bf16 products outrun f32 ones (AMX,
+or AVX-512 BF16 on an AMD core), f32 elsewhere (an Intel core without AMX; CPUs where the plan does not choose
+OpenVINO). A stateful model (the LM) computes in f32 with an f32 KV cache everywhere, its activations quantized in
+groups like its weights (:mod:`cosyvoice_cpu.backends.openvino_lm`).
 ``openvino`` is imported when a graph is opened, never at import time.
 """
 
@@ -318,11 +319,12 @@ class OpenVinoState(ModelState):
 
 
 def precision_for_cpu() -> str:
-    """``bf16`` where the CPU computes it natively (AVX-512 BF16 or AMX), else ``f32``."""
+    """``bf16`` where this machine's bf16 products outrun its f32 ones (:attr:`~cosyvoice_cpu.hardware.cpu.CpuInfo.
+    fast_bf16`: AMX, or AVX-512 BF16 on an AMD core), else ``f32``."""
     from cosyvoice_cpu.hardware.cpu import read_cpuinfo
 
     cpu = read_cpuinfo()
-    return "bf16" if cpu is not None and (cpu.bf16 or cpu.amx) else "f32"
+    return "bf16" if cpu is not None and cpu.fast_bf16 else "f32"
 
 
 class OpenVino(Backend):

@@ -8,12 +8,13 @@ where the LM is the Qwen2 LM (CosyVoice2, Fun-CosyVoice3), the LM as a stateful 
 - ``onnxruntime``: every graph on ONNX Runtime (what every machine ran before OpenVINO).
 - ``openvino``: every graph that has an OpenVINO model runs on it; a ConfigError when ``openvino`` is missing or
   the directory has no OpenVINO model.
-- ``auto``: OpenVINO for a graph where it was measured to win: the directory has its OpenVINO model, ``openvino``
-  is installed, the CPU computes bf16 natively (AVX-512 BF16 or AMX; OpenVINO's gain is bf16 and VNNI, its f32
-  is no faster than ONNX Runtime's), the graph can be padded to shared shapes where it is padded at all (the
-  estimators' ``pad_exact``; a stateful LM pads its own prefills, its rows carry their own mask), and the machine has
-  memory to spare: OpenVINO's estimator holds more than ONNX Runtime's (:data:`OV_MIN_MEMORY`; measured:
-  docs/backends.md, "Shapes, compiles and memory"). Anything else runs as it always did, on ONNX Runtime.
+- ``auto``: OpenVINO for a graph where it was measured to win: the directory has its OpenVINO model, ``openvino`` is
+  installed, the CPU has AVX-512 BF16 or AMX (the CPUs OpenVINO was measured faster on; it computes there in bf16 or
+  f32 by :attr:`~cosyvoice_cpu.hardware.cpu.CpuInfo.fast_bf16`), the graph can be padded to shared shapes where it
+  is padded at all (the estimators' ``pad_exact``; a stateful LM pads its own prefills, its rows carry their own
+  mask), and the machine has memory to spare: OpenVINO's estimator holds more than ONNX Runtime's
+  (:data:`OV_MIN_MEMORY`; measured: docs/backends.md, "Shapes, compiles and memory"). Anything else runs as it
+  always did, on ONNX Runtime.
 
 Only one backend ever holds a graph's weights: the graph with an OpenVINO plan is not opened in ONNX Runtime.
 """
@@ -50,7 +51,7 @@ LM_INT4_GAIN = (
 )
 # What OpenVINO was measured to gain per graph, for the reason of a missing model (docs/backends.md)
 OV_GAIN = {
-    "flow_estimator": "OpenVINO ran the whole-sentence flow 1.3-1.85x faster",
+    "flow_estimator": "OpenVINO ran the whole-sentence flow 1.1-1.85x faster (1.1x on an Intel core without AMX)",
     "lm": f"OpenVINO's int4 LM decoded {LM_INT4_GAIN} than ONNX Runtime's int8w in the engine, at int4's cost in "
     "argmax agreement, which the export prints: check it (on random weights Fun-CosyVoice3's LM lost far more than "
     "CosyVoice2's, docs/quantization.md)",
@@ -194,8 +195,8 @@ def _auto(entry: GraphEntry, cpu: CpuInfo | None, installed: bool, memory: int |
         return ONNXRUNTIME, f"{what} present, but openvino is not installed (pip install 'cosyvoice-cpu[openvino]')"
     if cpu is None or not (cpu.bf16 or cpu.amx):
         return ONNXRUNTIME, (
-            f"{what} present, but this CPU has neither AVX-512 BF16 nor AMX: OpenVINO's gain is "
-            "bf16/VNNI, its f32 is no faster than ONNX Runtime"
+            f"{what} present, but this CPU has neither AVX-512 BF16 nor AMX: OpenVINO was measured faster "
+            "only on CPUs with one of them (on AVX2 alone it gained nothing)"
         )
     if entry.attrs.get("stateful", False):  # the LM: pads its own prefills, its own rule
         return _auto_lm(entry, what, _isa(cpu))
@@ -211,11 +212,21 @@ def _auto(entry: GraphEntry, cpu: CpuInfo | None, installed: bool, memory: int |
             f"{what} present, but only {memory / 2**30:.1f} GiB of memory is available and it holds more than ONNX "
             f"Runtime's (docs/backends.md); auto wants {OV_MIN_MEMORY >> 30} GiB (--backend openvino to use it anyway)"
         )
-    return OPENVINO, f"{what}; the CPU has {_isa(cpu)}"
+    return OPENVINO, f"{what}; the CPU has {_isa(cpu)}; {_precision(cpu)}"
 
 
 def _isa(cpu: CpuInfo) -> str:
     return "AMX" if cpu.amx else "AVX-512 BF16"
+
+
+def _precision(cpu: CpuInfo) -> str:
+    """The estimator's compute precision on ``cpu`` (``backends.openvino.precision_for_cpu``), for the reason."""
+    if cpu.fast_bf16:
+        return "computed in bf16"
+    return (
+        "computed in f32: bf16 was measured faster only with AMX or on AMD's AVX-512 BF16, and slower than f32 on "
+        "an Intel core without AMX (docs/backends.md)"
+    )
 
 
 def _auto_lm(entry: GraphEntry, what: str, isa: str) -> tuple[str, str]:

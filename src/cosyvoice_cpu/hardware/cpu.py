@@ -38,12 +38,18 @@ def _read(root: Path, rel: str) -> str | None:
         return None
 
 
+# Vendors whose cores with AVX-512 BF16 but no AMX ran OpenVINO's int8 estimator faster in bf16 than ONNX Runtime
+# (AMD Zen 4); an Intel core of that kind ran it faster in f32 than in bf16 (docs/backends.md)
+BF16_VENDORS = frozenset({"AuthenticAMD"})
+
+
 @dataclass(frozen=True)
 class CpuInfo:
     """Facts of ``/proc/cpuinfo``: model name, flags of the first CPU, logical and physical core counts.
 
     ``flags`` are x86 ``flags`` or arm64 ``Features``; :func:`detect` replaces them with what ``cpuid`` says
     (:func:`~cosyvoice_cpu.hardware.features.merge_features`). ``arch`` is "x86_64", "aarch64" or another name.
+    ``vendor`` is x86's ``vendor_id`` ("GenuineIntel", "AuthenticAMD"; "" where cpuinfo has none).
     """
 
     model: str
@@ -52,6 +58,7 @@ class CpuInfo:
     physical: int
     core_of: tuple[tuple[int, str], ...] = ()  # (processor id, "physical id/core id") pairs
     arch: str = ""
+    vendor: str = ""
 
     def physical_in(self, cpus: set[int]) -> int | None:
         """Distinct physical cores among logical CPUs ``cpus`` (None when cpuinfo has no core ids)."""
@@ -83,6 +90,14 @@ class CpuInfo:
         return bool({"amx_bf16", "amx_int8"} & self.flags)
 
     @property
+    def fast_bf16(self) -> bool:
+        """bf16 matrix products outrun f32 ones: AMX tiles, or AVX-512 BF16 on a vendor of :data:`BF16_VENDORS`.
+        Not on an Intel core with AVX-512 BF16 but no AMX (Cooper Lake, or a Sapphire Rapids VM whose AMX the
+        hypervisor hides): there OpenVINO's bf16 products ran slower than its f32 ones (docs/backends.md, "The
+        estimator's precision"), so OpenVINO computes in f32 there (``backends.openvino.precision_for_cpu``)."""
+        return self.amx or (self.bf16 and self.vendor in BF16_VENDORS)
+
+    @property
     def isa(self) -> str:
         """A short label of the int8 kernel family (bench reports): avx512-vnni ... sse2, neon-i8mm, neon-dot, neon."""
         if self.arch == "aarch64":
@@ -101,7 +116,7 @@ def read_cpuinfo(root: Path = ROOT) -> CpuInfo | None:
     text = _read(root, "proc/cpuinfo")
     if not text:
         return None
-    model, flags, arch = "", frozenset(), ""
+    model, flags, arch, vendor = "", frozenset(), "", ""
     logical, cores, core_of = 0, set(), []
     processor = physical_id = core_id = None
     for line in text.splitlines() + [""]:
@@ -119,6 +134,8 @@ def read_cpuinfo(root: Path = ROOT) -> CpuInfo | None:
             processor = int(value) if value.isdigit() else None
         elif key == "model name" and not model:
             model = value
+        elif key == "vendor_id" and not vendor:
+            vendor = value
         elif key in ("flags", "Features") and not flags:
             flags = frozenset(value.split())
             arch = "x86_64" if key == "flags" else "aarch64" if "asimd" in flags else "arm"
@@ -126,7 +143,7 @@ def read_cpuinfo(root: Path = ROOT) -> CpuInfo | None:
             physical_id = value
         elif key == "core id":
             core_id = value
-    return CpuInfo(model or "unknown CPU", flags, logical, len(cores) or logical, tuple(core_of), arch)
+    return CpuInfo(model or "unknown CPU", flags, logical, len(cores) or logical, tuple(core_of), arch, vendor)
 
 
 def cgroup_cpu_limit(root: Path = ROOT) -> float | None:
