@@ -88,6 +88,11 @@ REFERENCE_MACHINES: dict[str, Calibration] = {
     "AMD EPYC Zen 4 VM, 2 cores, 2026-12-02: CosyVoice2 int8w e2e RTF 2.18": Calibration(
         threads=2, copy_gb_s=23.9, sgemm_gflops=184.0, qgemm_gops=743.0, attention_ms=10.7
     ),
+    # medians of 3 (one doctor --speed, two benches' own); family 6 model 207 with AMX hidden by the hypervisor:
+    # AVX-512 VNNI int8 kernels, the OpenVINO estimator in f32 (docs/benchmarks-log.md, "2026-12-07 (stop 63)")
+    "Intel Xeon VM without AMX, 2 cores, 2026-12-07: CosyVoice2 int8w e2e RTF 1.95": Calibration(
+        threads=2, copy_gb_s=13.8, sgemm_gflops=204.0, qgemm_gops=708.0, attention_ms=9.9
+    ),
 }
 
 
