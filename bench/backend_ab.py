@@ -3,15 +3,16 @@
     python bench/backend_ab.py MODEL_DIR [--backends onnxruntime,openvino] [--measure e2e[,lm,first,stream]] \
         [--threads 2] [--runs 4] [--tokens 250] [--compiled-shapes N] [--ov-precision bf16,f32]
 
-``cosyvoice-cpu bench --backend onnxruntime,openvino`` runs each backend in its own process one after the other
-(so each has its own peak RSS), which on a shared, noisy machine can put the two under different loads. Here the
-engines of ``--backends`` (plans: ``auto``, ``onnxruntime``, ``openvino``) are loaded in one process and take turns
-on the bench workload (the registered 3 s voice, a sentence forced to ``--tokens`` tokens, by default 10 s of
-audio; default quality; ``e2e`` and ``lm`` each after their own warm-up run, the streams after one warm-up stream of
-each kind per engine), so their ratio is measured under the same load. ``auto,openvino`` on a directory with an
-int8 ``lm_ov`` compares the LM on ONNX Runtime and on OpenVINO with the same estimator. ``--ov-precision bf16,f32``
-loads every plan but ``onnxruntime`` once per OpenVINO compute precision (labelled ``PLAN@PRECISION``; without it, the
-CPU's own, :func:`~cosyvoice_cpu.backends.openvino.precision_for_cpu`); a stateful LM computes in f32 whatever it says.
+``cosyvoice-cpu bench --backend onnxruntime,openvino`` runs each backend in its own process one after the other (so
+each has its own peak RSS), which on a shared, noisy machine can put the two under different loads. Here the engines
+of ``--backends`` (plans: ``auto``, ``onnxruntime``, ``openvino``) are loaded in one process and take turns on the
+bench workload (the registered 3 s voice, a sentence forced to ``--tokens`` tokens, by default 10 s of audio;
+default quality; ``e2e`` and ``lm`` each after their own warm-up run, the streams after one warm-up stream of each
+kind per engine), so their ratio is measured under the same load. ``auto,openvino`` on a directory with an int8
+``lm_ov`` compares the LM on ONNX Runtime and on OpenVINO with the same estimator. ``--ov-precision bf16,f32`` loads
+every plan but ``onnxruntime`` once per OpenVINO compute precision (labelled ``PLAN@PRECISION``; without it, the
+CPU's own, :func:`~cosyvoice_cpu.backends.openvino_precision.precision_for_cpu`); a stateful LM computes in f32
+whatever it says.
 Each run measures, per ``--measure``:
 
 - ``e2e``: a whole sentence: flow RTF, end-to-end RTF, flow ms per Euler step;
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cosyvoice_cpu.backends.base import ONNXRUNTIME, OPENVINO
+from cosyvoice_cpu.backends.openvino_precision import PRECISIONS
 from cosyvoice_cpu.backends.plan import CHOICES, describe
 from cosyvoice_cpu.backends.registry import BACKENDS
 from cosyvoice_cpu.benchmark.tasks import SHORT_TEXT, TEXT, _config, alternate, listen, load, measure_e2e, measure_lm
@@ -41,7 +43,6 @@ if TYPE_CHECKING:
     from cosyvoice_cpu.engine import Engine
     from cosyvoice_cpu.voices.voice import Voice
 
-PRECISIONS = ("bf16", "f32")  # --ov-precision: OpenVINO's INFERENCE_PRECISION_HINT values the backend takes
 # measure -> (the keys printed, whether a larger value is better)
 KEYS = {
     "e2e": (("flow_rtf", False), ("rtf", False), ("flow_ms_per_step", False)),
@@ -91,8 +92,12 @@ def main() -> None:
     if len(set(backends)) != len(backends):
         ap.error(f"--backends: each plan once (got {args.backends})")
     asked = args.ov_precision.split(",") if args.ov_precision else []
-    if not set(asked) <= set(PRECISIONS) or len(set(asked)) != len(asked):
-        ap.error(f"--ov-precision: each of {', '.join(PRECISIONS)} at most once (got {args.ov_precision})")
+    if unknown := set(asked) - set(PRECISIONS):
+        ap.error(f"--ov-precision: unknown {sorted(unknown)}; choose from {', '.join(PRECISIONS)}")
+    if len(set(asked)) != len(asked):
+        ap.error(f"--ov-precision: each precision once (got {args.ov_precision})")
+    if asked and set(backends) == {ONNXRUNTIME}:
+        ap.error("--ov-precision: no plan here runs OpenVINO (add auto or openvino to --backends)")
     precisions: list[str | None] = [*asked] or [None]
     rate = Manifest.load(args.model_dir).token_frame_rate
     tokens = args.tokens or round(10 * rate)
@@ -145,11 +150,11 @@ def report(results: dict[str, list[dict[str, float]]], names: list[str], plans: 
             for key, higher in KEYS[name]:
                 ratio = med[key] / first[key] if higher else first[key] / med[key]
                 cells.append(f"{key} {med[key]:.3f} ({ratio:.2f}x)")
-        print(f"{label:12s} " + ", ".join(cells))
+        print(f"{label:14s} " + ", ".join(cells))
         for key, _ in (k for name in names for k in KEYS[name]):
-            print(f"{'':12s} {key} runs: {', '.join(f'{r[key]:.3f}' for r in rs)}")
+            print(f"{'':14s} {key} runs: {', '.join(f'{r[key]:.3f}' for r in rs)}")
         for line in plans.get(label, ()):
-            print(f"{'':12s} {line}")
+            print(f"{'':14s} {line}")
 
 
 if __name__ == "__main__":

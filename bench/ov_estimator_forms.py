@@ -18,9 +18,10 @@ adds OpenVINO's per-node time by node and kernel type for both compiles, and the
 (``SNIPPETS_MODE=DISABLE``): fused, the attention's two products and its softmax hide in one ``Subgraph`` node;
 unfused, they run as ``MatMul`` and ``Softmax`` nodes, whose kernels say whether the products ran on AMX tiles
 (``brgemm_avx512_amx...``) and how much of the attention the softmax is. ``--precision`` sets OpenVINO's compute
-precision (default: the CPU's, as the runtime's: :func:`~cosyvoice_cpu.backends.openvino.precision_for_cpu`).
-``--switch`` adds the time to bring a static bucket from OpenVINO's model cache (what a bucket change costs the
-static form). Appends one JSON line to ``--out``. Nothing here is imported by the runtime.
+precision (default: the CPU's, as the runtime's:
+:func:`~cosyvoice_cpu.backends.openvino_precision.precision_for_cpu`). ``--switch`` adds the time to bring a static
+bucket from OpenVINO's model cache (what a bucket change costs the static form). Appends one JSON line to ``--out``.
+Nothing here is imported by the runtime.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from cosyvoice_cpu.backends.buckets import bucket, pad_axis
-from cosyvoice_cpu.backends.openvino import precision_for_cpu
+from cosyvoice_cpu.backends.openvino_precision import PRECISIONS, precision_for_cpu
 from cosyvoice_cpu.benchmark.feeds import estimator_feeds
 from cosyvoice_cpu.flow.graphs import ESTIMATOR_PADDING
 
@@ -117,7 +118,7 @@ def main() -> None:
     ap.add_argument("--unfused", action="store_true", help="with --profile: also the static compile, snippets off")
     ap.add_argument("--switch", action="store_true")
     ap.add_argument("--out", default="bench/results/ov-estimator-forms.jsonl")
-    ap.add_argument("--precision", choices=("bf16", "f32"), default=None, help="default: the CPU's")
+    ap.add_argument("--precision", choices=PRECISIONS, default=None, help="default: the CPU's")
     args = ap.parse_args()
     if args.unfused and not args.profile:
         ap.error("--unfused profiles a compile: it needs --profile")

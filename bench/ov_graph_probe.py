@@ -51,7 +51,8 @@ def session(backend: str, onnx_path: Path, threads: int):
         so.intra_op_num_threads = threads
         sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
         return lambda f: sess.run(None, f)[0]
-    from cosyvoice_cpu.backends.openvino import import_openvino, precision_for_cpu
+    from cosyvoice_cpu.backends.openvino import import_openvino
+    from cosyvoice_cpu.backends.openvino_precision import precision_for_cpu
 
     ov = import_openvino()
 

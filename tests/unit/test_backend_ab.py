@@ -34,22 +34,16 @@ def test_the_backend_probe_measures_every_engine_on_each_measure(tiny_export_dir
         assert bad.returncode == 2 and f"{flag}: " in bad.stderr, bad.stderr
 
 
-def test_the_backend_probe_loads_each_openvino_plan_once_per_precision(
-    tiny_ov_export_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``--ov-precision bf16,f32`` (how the estimator's precision was chosen on an Intel core without AMX,
-    docs/backends.md): every plan but onnxruntime once per precision, labelled ``PLAN@PRECISION``; the backend
-    compiles that engine at the precision and is set back afterwards, also when the load fails."""
-    import subprocess
-    import sys
-
+def test_load_at_sets_the_precision_for_one_engine_and_restores_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``load_at``: the OpenVINO backend compiles that engine's graphs at the precision asked for (it reads it when
+    it opens a graph) and is set back afterwards, also when the load fails."""
     from cosyvoice_cpu.backends.registry import BACKENDS
 
     ab = load_script("bench/backend_ab.py")
     seen: list[str | None] = []
 
     def fake_load(*args: object, **config: object) -> tuple[str, str]:
-        seen.append(BACKENDS["openvino"].precision)
+        seen.append(BACKENDS["openvino"].compute_precision())
         if config.get("fail"):
             raise RuntimeError("load failed")
         return "engine", "voice"
@@ -60,12 +54,23 @@ def test_the_backend_probe_loads_each_openvino_plan_once_per_precision(
         ab.load_at("bf16", "DIR", 1, fail=True)
     assert seen == ["f32", "bf16"] and BACKENDS["openvino"].precision is None
 
-    script = Path(ab.__file__)
+
+def test_the_backend_probe_loads_each_openvino_plan_once_per_precision(tiny_ov_export_dir: Path) -> None:
+    """``--ov-precision bf16,f32`` (how the estimator's precision was chosen on an Intel core without AMX,
+    docs/backends.md): every plan but onnxruntime once per precision, labelled ``PLAN@PRECISION``, each plan's
+    reason naming its precision; unknown, repeated or useless values refused."""
+    import subprocess
+    import sys
+
+    script = Path(load_script("bench/backend_ab.py").__file__)
     cmd = [sys.executable, str(script), str(tiny_ov_export_dir), "--backends", "onnxruntime,openvino", "--runs", "1",
            "--tokens", "20", "--threads", "1", "--measure", "e2e"]  # fmt: skip
     out = subprocess.run([*cmd, "--ov-precision", "bf16,f32"], check=True, capture_output=True, text=True)
     labels = {line.split()[0] for line in out.stdout.splitlines() if not line.startswith(" ")}
     assert labels == {"onnxruntime", "openvino@bf16", "openvino@f32"}, out.stdout
-    for value in ("fp8", "f32,f32"):
+    for value, said in (("fp8", "unknown ['fp8']"), ("f32,f32", "each precision once")):
         bad = subprocess.run([*cmd, "--ov-precision", value], capture_output=True, text=True)
-        assert bad.returncode == 2 and "--ov-precision: " in bad.stderr, bad.stderr
+        assert bad.returncode == 2 and f"--ov-precision: {said}" in bad.stderr, bad.stderr
+    alone = [*cmd[:4], "onnxruntime", *cmd[5:], "--ov-precision", "f32"]
+    bad = subprocess.run(alone, capture_output=True, text=True)
+    assert bad.returncode == 2 and "no plan here runs OpenVINO" in bad.stderr, bad.stderr

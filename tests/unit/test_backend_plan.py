@@ -49,10 +49,12 @@ def test_auto_puts_the_estimator_on_openvino_only_where_the_cpu_has_bf16() -> No
     assert unknown["flow_estimator"].backend in ("onnxruntime", "openvino")
 
 
-def test_the_estimator_computes_in_bf16_only_where_bf16_outruns_f32(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_estimator_computes_in_bf16_only_where_it_was_measured_faster(monkeypatch: pytest.MonkeyPatch) -> None:
     """An Intel core with AVX-512 BF16 but no AMX still gets the OpenVINO estimator (faster than ONNX Runtime in f32)
-    but computes it in f32, where its bf16 products ran slower; the reason doctor prints says which."""
-    from cosyvoice_cpu.backends import openvino
+    but compiled at f32, where its bf16 products ran slower; the plan's reason says what the backend will do, its
+    own precision when it was made with one."""
+    from cosyvoice_cpu.backends import openvino_precision
+    from cosyvoice_cpu.backends.registry import BACKENDS
     from cosyvoice_cpu.hardware import cpu as cpu_module
 
     plans = {c: plan_backends(_graphs(), "auto", c, installed=True, memory=None)["flow_estimator"]
@@ -60,11 +62,15 @@ def test_the_estimator_computes_in_bf16_only_where_bf16_outruns_f32(monkeypatch:
     assert {p.backend for p in plans.values()} == {"openvino"}
     assert "computed in bf16" in plans[BF16].reason and "computed in bf16" in plans[AMX].reason
     assert "computed in f32" in plans[INTEL_BF16].reason and "Intel core without AMX" in plans[INTEL_BF16].reason
-    unknown = _cpu("avx2 fma avx512f avx512_bf16", "")  # no vendor_id: bf16 not measured faster there
-    assert [c.fast_bf16 for c in (BF16, AMX, INTEL_BF16, AVX2, unknown)] == [True, True, False, False, False]
-    for cpu, want in ((BF16, "bf16"), (AMX, "bf16"), (INTEL_BF16, "f32"), (AVX2, "f32"), (None, "f32")):
-        monkeypatch.setattr(cpu_module, "read_cpuinfo", lambda cpu=cpu: cpu)
-        assert openvino.precision_for_cpu() == want, cpu
+    unknown = _cpu("avx2 fma avx512f avx512_bf16", "")  # no vendor_id: bf16 was not measured faster there
+    for cpu, want in ((BF16, "bf16"), (AMX, "bf16"), (INTEL_BF16, "f32"), (AVX2, "f32"), (unknown, "f32")):
+        assert openvino_precision.precision_for_cpu(cpu) == want, cpu
+        hw = SimpleNamespace(cpu=cpu)  # the backend reads the CPU as the plan does (detect: cpuid's features)
+        monkeypatch.setattr(cpu_module, "detect", lambda hw=hw: hw)
+        assert BACKENDS["openvino"].compute_precision() == want, cpu
+    monkeypatch.setattr(BACKENDS["openvino"], "precision", "bf16")  # a backend made with its own precision
+    forced = plan_backends(_graphs(), "auto", INTEL_BF16, installed=True, memory=None)["flow_estimator"]
+    assert "computed in bf16" in forced.reason
 
 
 def test_auto_keeps_onnxruntime_where_memory_is_short() -> None:

@@ -66,19 +66,14 @@ def test_features_cores_quota_and_memory_of_a_container(tmp_path: Path) -> None:
     assert not any("VNNI" in n for n in hw.notes)
 
 
-@pytest.mark.parametrize(("vendor", "flags", "fast"), [
-    ("AuthenticAMD", "avx2 fma avx512f avx512_vnni avx512_bf16", True),  # Zen 4
-    ("GenuineIntel", "avx2 fma avx512f avx512_vnni avx512_bf16 avx512_fp16", False),  # a Xeon whose AMX is hidden
-    ("GenuineIntel", "avx2 fma avx512f avx512_vnni avx512_bf16 amx_bf16 amx_int8 amx_tile", True),
-    ("AuthenticAMD", "avx2 fma", False),
-])  # fmt: skip
-def test_the_vendor_is_read_and_decides_whether_bf16_outruns_f32(tmp_path: Path, vendor: str, flags: str,
-                                                                   fast: bool) -> None:  # fmt: skip
-    """OpenVINO's compute precision (``backends.openvino.precision_for_cpu``) goes by ``fast_bf16``: AVX-512 BF16
-    pays on AMD's cores and with AMX, not on an Intel core without AMX (docs/backends.md)."""
-    root = _root(tmp_path, {"proc/cpuinfo": _cpuinfo(flags, vendor=vendor), "proc/meminfo": MEMINFO})
-    for cpu in (read_cpuinfo(root), detect(root).cpu):  # detect keeps the vendor when it merges cpuid's flags
-        assert (cpu.vendor, cpu.fast_bf16) == (vendor, fast)
+def test_the_vendor_is_read_and_kept_through_cpuids_features(tmp_path: Path) -> None:
+    """``CpuInfo.vendor`` (OpenVINO's compute precision goes by it: ``backends.openvino_precision``), also after
+    ``detect`` replaces the flags with cpuid's."""
+    root = _root(tmp_path, {"proc/cpuinfo": _cpuinfo("sse2 avx2 fma avx512f avx512_bf16", vendor="AuthenticAMD"),
+                            "proc/meminfo": MEMINFO})  # fmt: skip
+    merged = detect(root, cpuid={"AVX2": True, "AVX512F": False}).cpu  # cpuid drops AVX-512
+    assert (read_cpuinfo(root).vendor, merged.vendor, merged.flags != read_cpuinfo(root).flags) == (
+        "AuthenticAMD", "AuthenticAMD", True)  # fmt: skip
 
 
 def test_a_cpu_without_vnni_is_pointed_to_int4(tmp_path: Path) -> None:

@@ -19,10 +19,10 @@ Memory: the mapped ``.bin`` pages are given back after a compile and its first c
 (``SessionConfig.release_weight_pages``), and a compiled model's intermediate buffers, which stay at the size of
 its largest call, after a call with ``release_memory``.
 
-The inference precision follows the CPU (:func:`precision_for_cpu`): bf16 where bf16 products outrun f32 ones (AMX,
-or AVX-512 BF16 on an AMD core), f32 elsewhere (an Intel core without AMX; CPUs where the plan does not choose
-OpenVINO). A stateful model (the LM) computes in f32 with an f32 KV cache everywhere, its activations quantized in
-groups like its weights (:mod:`cosyvoice_cpu.backends.openvino_lm`).
+The inference precision follows the CPU (:mod:`cosyvoice_cpu.backends.openvino_precision`: bf16 with AMX or on
+AMD's AVX-512 BF16, f32 elsewhere) unless the backend was made with one. A stateful model (the LM) computes in f32
+with an f32 KV cache everywhere, its activations quantized in groups like its weights
+(:mod:`cosyvoice_cpu.backends.openvino_lm`).
 ``openvino`` is imported when a graph is opened, never at import time.
 """
 
@@ -52,12 +52,15 @@ from cosyvoice_cpu.backends.base import (
 )
 from cosyvoice_cpu.backends.buckets import BucketedSession
 from cosyvoice_cpu.backends.openvino_lm import stateful_lm_properties
+from cosyvoice_cpu.backends.openvino_precision import precision_for_cpu
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.hardware.pages import release_dir_pages, release_file_pages
 from cosyvoice_cpu.paths import cache_dir
 
 if TYPE_CHECKING:
     import openvino as ov
+
+    from cosyvoice_cpu.hardware.cpu import CpuInfo
 
 logger = logging.getLogger(__name__)
 
@@ -318,15 +321,6 @@ class OpenVinoState(ModelState):
             s.state = import_openvino().Tensor(np.ascontiguousarray(tensors[s.name]))
 
 
-def precision_for_cpu() -> str:
-    """``bf16`` where this machine's bf16 products outrun its f32 ones (:attr:`~cosyvoice_cpu.hardware.cpu.CpuInfo.
-    fast_bf16`: AMX, or AVX-512 BF16 on an AMD core), else ``f32``."""
-    from cosyvoice_cpu.hardware.cpu import read_cpuinfo
-
-    cpu = read_cpuinfo()
-    return "bf16" if cpu is not None and cpu.fast_bf16 else "f32"
-
-
 class OpenVino(Backend):
     """:class:`~cosyvoice_cpu.backends.base.Backend` on OpenVINO's CPU plugin (IR ``.xml`` or ``.onnx`` files).
 
@@ -334,7 +328,7 @@ class OpenVino(Backend):
         cache_dir: OpenVINO's compiled-model cache (None: ``$COSYVOICE_CPU_CACHE/openvino`` or
             ``~/.cache/cosyvoice-cpu/openvino``; "" turns it off).
         max_shapes: compiled shapes kept per session (None: ``SessionConfig.max_shapes``).
-        precision: ``bf16``, ``f32`` or None (by the CPU: :func:`precision_for_cpu`).
+        precision: ``bf16``, ``f32`` or None (by the CPU: :meth:`compute_precision`).
     """
 
     name = OPENVINO
@@ -373,6 +367,11 @@ class OpenVino(Backend):
                 self._core = core
             return self._core
 
+    def compute_precision(self, cpu: CpuInfo | None = None) -> str:
+        """The precision a model that is not stateful compiles at: the backend's own, else ``cpu``'s
+        (:func:`~cosyvoice_cpu.backends.openvino_precision.precision_for_cpu`; None: this machine's)."""
+        return self.precision or precision_for_cpu(cpu)
+
     def _cache_dir(self) -> str:
         return str(cache_dir() / "openvino") if self.cache_dir is None else str(self.cache_dir)
 
@@ -386,7 +385,7 @@ class OpenVino(Backend):
             raise ModelDirError(f"OpenVINO cannot read {path}: {str(e).splitlines()[0]}; re-export the model") from e
         properties: dict[str, str | int] = {
             "PERFORMANCE_HINT": "LATENCY",
-            "INFERENCE_PRECISION_HINT": self.precision or precision_for_cpu(),
+            "INFERENCE_PRECISION_HINT": self.compute_precision(),
         }
         if config.threads:
             properties["INFERENCE_NUM_THREADS"] = int(config.threads)

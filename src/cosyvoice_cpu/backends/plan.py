@@ -10,7 +10,7 @@ where the LM is the Qwen2 LM (CosyVoice2, Fun-CosyVoice3), the LM as a stateful 
   the directory has no OpenVINO model.
 - ``auto``: OpenVINO for a graph where it was measured to win: the directory has its OpenVINO model, ``openvino`` is
   installed, the CPU has AVX-512 BF16 or AMX (the CPUs OpenVINO was measured faster on; it computes there in bf16 or
-  f32 by :attr:`~cosyvoice_cpu.hardware.cpu.CpuInfo.fast_bf16`), the graph can be padded to shared shapes where it
+  f32: :mod:`~cosyvoice_cpu.backends.openvino_precision`), the graph can be padded to shared shapes where it
   is padded at all (the estimators' ``pad_exact``; a stateful LM pads its own prefills, its rows carry their own
   mask), and the machine has memory to spare: OpenVINO's estimator holds more than ONNX Runtime's
   (:data:`OV_MIN_MEMORY`; measured: docs/backends.md, "Shapes, compiles and memory"). Anything else runs as it
@@ -220,12 +220,14 @@ def _isa(cpu: CpuInfo) -> str:
 
 
 def _precision(cpu: CpuInfo) -> str:
-    """The estimator's compute precision on ``cpu`` (``backends.openvino.precision_for_cpu``), for the reason."""
-    if cpu.fast_bf16:
+    """The precision the OpenVINO backend compiles the estimator at on ``cpu``, for the reason."""
+    from cosyvoice_cpu.backends.registry import BACKENDS
+
+    if BACKENDS[OPENVINO].compute_precision(cpu) == "bf16":
         return "computed in bf16"
     return (
-        "computed in f32: bf16 was measured faster only with AMX or on AMD's AVX-512 BF16, and slower than f32 on "
-        "an Intel core without AMX (docs/backends.md)"
+        "computed in f32 (bf16 is kept where it was measured faster than ONNX Runtime: AMX, AMD's AVX-512 BF16; "
+        "on an Intel core without AMX its products measured slower than f32: docs/backends.md)"
     )
 
 

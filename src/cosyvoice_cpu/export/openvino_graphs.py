@@ -11,8 +11,9 @@ for every family. What runs it is :mod:`cosyvoice_cpu.backends.openvino`, chosen
   contract (x, mask, mu, t, spks, cond -> estimator_out) and converted by OpenVINO. Fun-CosyVoice3's DiT takes
   the step's time table (``modulation``) in t's place, so its AdaLN weights (42 % of the DiT's) stay out of the
   compiled model (``export.flow.cosyvoice3.TableEstimatorGraphV3``; the runtime computes the table once per
-  schedule). Weights are stored in float16 (half the file); the CPU plugin computes in bf16 where the CPU has it.
-- ``int8``: NNCF post-training quantization (int8 weights and activations, the bf16 rest), calibrated on the flow's
+  schedule). Weights are stored in float16 (half the file); the CPU plugin computes in bf16 or f32 by the CPU
+  (:mod:`cosyvoice_cpu.backends.openvino_precision`).
+- ``int8``: NNCF post-training quantization (int8 weights and activations, the rest in float), calibrated on the flow's
   own inputs: the estimator feeds of whole flow runs on the plain form in fp32 (:func:`plain_stage`), x_t along
   the Euler path at every step, real-length masks and a voice prompt whose mel is the flow's own output
   (:func:`flow_samples`).

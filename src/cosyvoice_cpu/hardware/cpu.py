@@ -38,11 +38,6 @@ def _read(root: Path, rel: str) -> str | None:
         return None
 
 
-# Vendors whose cores with AVX-512 BF16 but no AMX ran OpenVINO's int8 estimator faster in bf16 than ONNX Runtime
-# (AMD Zen 4); an Intel core of that kind ran it faster in f32 than in bf16 (docs/backends.md)
-BF16_VENDORS = frozenset({"AuthenticAMD"})
-
-
 @dataclass(frozen=True)
 class CpuInfo:
     """Facts of ``/proc/cpuinfo``: model name, flags of the first CPU, logical and physical core counts.
@@ -88,14 +83,6 @@ class CpuInfo:
     def amx(self) -> bool:
         """Intel AMX tiles (bf16 and int8 matrix units, Sapphire Rapids and later)."""
         return bool({"amx_bf16", "amx_int8"} & self.flags)
-
-    @property
-    def fast_bf16(self) -> bool:
-        """bf16 matrix products outrun f32 ones: AMX tiles, or AVX-512 BF16 on a vendor of :data:`BF16_VENDORS`.
-        Not on an Intel core with AVX-512 BF16 but no AMX (Cooper Lake, or a Sapphire Rapids VM whose AMX the
-        hypervisor hides): there OpenVINO's bf16 products ran slower than its f32 ones (docs/backends.md, "The
-        estimator's precision"), so OpenVINO computes in f32 there (``backends.openvino.precision_for_cpu``)."""
-        return self.amx or (self.bf16 and self.vendor in BF16_VENDORS)
 
     @property
     def isa(self) -> str:
