@@ -2,8 +2,8 @@
 
 ``python bench/ov_graph_probe.py -m DIR --graph hift_decode`` (or ``flow_encoder``; a CosyVoice2 directory: the
 feeds follow its contracts and 50 Hz mel / 25 Hz tokens) converts ``DIR``'s ONNX graph to
-OpenVINO (float16 weights, bf16 inference where the CPU has it, one dynamic compile, as the runtime's OpenVINO
-backend opens models) and times both backends, each in its own process (so RSS is its own), in two patterns:
+OpenVINO (float16 weights, bf16 or f32 inference by the runtime's rule, one dynamic compile, as the runtime's
+OpenVINO backend opens models) and times both backends, each in its own process (so RSS is its own), in two patterns:
 
 - ``repeat``: one shape called again and again (what a single-shape micro-benchmark sees);
 - ``distinct``: every call a new length, drawn at random (what whole sentences and vocoder windows do: a

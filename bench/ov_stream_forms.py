@@ -160,7 +160,9 @@ def engine_ab(args: argparse.Namespace) -> None:
     engines = {"ort": load(Path(args.ort), args.threads), args.form: load(Path(args.ort), args.threads)}
     xml = Path(args.work) / f"stream_{args.form.split('-')[1]}.ov.xml"
     flow = engines[args.form][0].flow
-    flow._sessions["stream"] = OpenVino().open(xml, SessionConfig(threads=args.threads, max_shapes=0))
+    precision = "bf16" if args.form.startswith("ov-bf16") else None  # the form's name, else the runtime's rule
+    config = SessionConfig(threads=args.threads, max_shapes=0)
+    flow._sessions["stream"] = OpenVino(precision=precision).open(xml, config)
     rate = engines["ort"][0].manifest.token_frame_rate  # 10 s and 2 s of speech tokens, as the bench forces them
     names = ["first", "stream"]
     report(compare(engines, names, args.runs, round(10 * rate), round(2 * rate)), names, {})

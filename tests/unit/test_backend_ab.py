@@ -57,8 +57,8 @@ def test_load_at_sets_the_precision_for_one_engine_and_restores_it(monkeypatch: 
 
 def test_the_backend_probe_loads_each_openvino_plan_once_per_precision(tiny_ov_export_dir: Path) -> None:
     """``--ov-precision bf16,f32`` (how the estimator's precision was chosen on an Intel core without AMX,
-    docs/backends.md): every plan but onnxruntime once per precision, labelled ``PLAN@PRECISION``, each plan's
-    reason naming its precision; unknown, repeated or useless values refused."""
+    docs/backends.md): every plan but onnxruntime once per precision, labelled ``PLAN@PRECISION``; unknown,
+    repeated or useless values refused."""
     import subprocess
     import sys
 

@@ -118,8 +118,8 @@ def plan_backends(
 
     Args:
         choice: ``auto``, ``onnxruntime`` or ``openvino``.
-        cpu: a :class:`~cosyvoice_cpu.hardware.cpu.CpuInfo` (None: read from /proc/cpuinfo; unknown counts as
-            no bf16).
+        cpu: a :class:`~cosyvoice_cpu.hardware.cpu.CpuInfo` (None: :func:`~cosyvoice_cpu.hardware.cpu.detect`'s,
+            cpuid's features; unknown counts as no bf16).
         installed: whether ``openvino`` is importable (None: look).
         memory: bytes this process may use (-1: read it, :attr:`~cosyvoice_cpu.hardware.cpu.Hardware.memory_for_us`;
             None: unknown, no limit assumed).
@@ -226,7 +226,7 @@ def _precision(cpu: CpuInfo) -> str:
     if BACKENDS[OPENVINO].compute_precision(cpu) == "bf16":
         return "computed in bf16"
     return (
-        "computed in f32 (bf16 is kept where it was measured faster than ONNX Runtime: AMX, AMD's AVX-512 BF16; "
+        "computed in f32 (bf16 is kept only where it was measured faster than ONNX Runtime: AMX, AMD's AVX-512 BF16; "
         "on an Intel core without AMX its products measured slower than f32: docs/backends.md)"
     )
 
