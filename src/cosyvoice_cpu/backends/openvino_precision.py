@@ -1,7 +1,7 @@
 """The compute precision OpenVINO's CPU plugin gets for a model that is not stateful (the flow estimator).
 
-OpenVINO's own default is bf16 on every CPU with AVX-512 BF16 or AMX. Ours (docs/backends.md, "The estimator's
-precision"):
+OpenVINO's own default was bf16 on the Intel core without AMX where it was read. Ours (docs/backends.md, "The
+estimator's precision"):
 
 - bf16 with AMX, and with AVX-512 BF16 on a core of :data:`BF16_VENDORS`: the CPUs where the bf16 estimator was
   measured faster than ONNX Runtime's (never against f32 there);
