@@ -38,19 +38,17 @@ CASES = (
 
 
 def machine_kind() -> str:
-    """ORT's version and the CPU features its kernels dispatch on: results are bitwise stable within one kind."""
+    """ORT's version, the CPU's vendor and the features its kernels dispatch on: results are bitwise stable within
+    one kind. The vendor counts: an Intel Xeon without AMX and a Zen 5 show the same features (AVX-VNNI, AVX-512
+    BF16) but gave different audio (2026-12-07)."""
     import onnxruntime as ort
 
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
+    from cosyvoice_cpu.hardware.cpu import read_cpuinfo
+
+    cpu = read_cpuinfo()
+    flags, vendor = (cpu.flags, cpu.vendor) if cpu is not None else (frozenset(), "")
     wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
-    return f"ort{ort.__version__}:" + ",".join(f for f in wanted if f in flags)
+    return f"ort{ort.__version__}:{vendor}:" + ",".join(f for f in wanted if f in flags)
 
 
 def _prompt_wav(path: Path) -> Path:
