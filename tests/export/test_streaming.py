@@ -206,6 +206,30 @@ def test_int8_stream_graph_takes_float16_caches(fp32_dir: Path, tmp_path: Path) 
     assert np.array_equal(whole[0], whole[1])
 
 
+def test_split_rows_stream_as_one_call_does(fp32_dir: Path, tmp_path: Path) -> None:
+    """The stream estimator's CFG rows as two calls at once (``split_stream_rows``, the default) against one call:
+    the fp32 graph's mel up to kernel rounding; the int8 graph's (one activation scale per call, so one per row
+    there) no farther from the fp32 mel than the one-call int8 mel is."""
+    from cosyvoice_cpu.backends.row_groups import RowGroupSession
+    from cosyvoice_cpu.export.quantize import quantize_int8_dynamic
+    from cosyvoice_cpu.flow.cosyvoice2 import FILES
+
+    int8 = tmp_path / "int8.onnx"
+    quantize_int8_dynamic(fp32_dir / FILES["flow_estimator_stream"], int8, reduce_range=True)
+    mels = {}
+    for name, graph in (("fp32", fp32_dir / FILES["flow_estimator_stream"]), ("int8", int8)):
+        for split in (True, False):
+            stage = CosyVoice2Flow(fp32_dir / FILES["flow_encoder"], fp32_dir / FILES["flow_estimator"], graph,
+                                   fp32_dir / FILES["flow_noise"], threads=2)  # fmt: skip
+            stage.split_stream_rows = split
+            mels[name, split], _ = _stream(stage, 25)
+            assert isinstance(stage.stream_estimator, RowGroupSession) == split
+    rel = {k: float(np.abs(m - mels["fp32", False]).max() / np.abs(mels["fp32", False]).max()) for k, m in mels.items()}
+    print(f"mel rel to the fp32 one-call stream: {rel}")
+    assert rel["fp32", True] < 1e-4
+    assert 0 < rel["int8", True] < 1.25 * rel["int8", False]
+
+
 def test_bounded_context_is_close_and_converges(engine: Engine) -> None:
     full, _ = _stream(engine.flow, None)
     errors = {ctx: float(np.abs(_stream(engine.flow, ctx)[0] - full).mean()) for ctx in (0, 10, 50)}

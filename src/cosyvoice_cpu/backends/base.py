@@ -227,6 +227,10 @@ class SessionConfig:
             compiles per input shape and keeps N shapes compiled per session.
         padding: inputs a backend that compiles per shape may pad to shared sizes (:class:`Padding`; None: run
             every shape as it comes). The session pads and cuts back itself (:mod:`~cosyvoice_cpu.backends.buckets`).
+        row_groups: 0 runs each call as one; N >= 2 splits a call's batch rows into N groups that run at once,
+            each a call on ``threads / N`` intra-op threads (:mod:`~cosyvoice_cpu.backends.row_groups`: for graphs
+            called at small shapes, the stream estimators' CFG rows). Only where ``threads`` is a multiple of N;
+            ONNX Runtime's (other backends run each call as one).
 
     ORT's CPU memory arena stays on for every graph, and by default one arena is shared by every session of the
     process, so the LM, the flow and the vocoder, which run one after the other, reuse one another's memory
@@ -243,12 +247,15 @@ class SessionConfig:
     release_weight_pages: bool = True
     max_shapes: int = 0
     padding: Padding | None = None
+    row_groups: int = 0
 
     def validate(self) -> None:
         if self.threads < 0:
             raise ConfigError(f"threads must be >= 0 (0 = all cores), got {self.threads}")
         if self.max_shapes < 0:
             raise ConfigError(f"max_shapes must be >= 0 (0 = one dynamic compile), got {self.max_shapes}")
+        if self.row_groups < 0 or self.row_groups == 1:
+            raise ConfigError(f"row_groups must be 0 (one call) or >= 2, got {self.row_groups}")
         if not isinstance(self.backend, str) or not self.backend:
             raise ConfigError(f"backend must name an inference backend, got {self.backend!r}")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cosyvoice_cpu.backends.base import ONNXRUNTIME, Backend, BoundRun, GraphSession, NodeInfo, SessionConfig
+from cosyvoice_cpu.backends.row_groups import RowGroupSession
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.hardware.pages import release_file_pages
 
@@ -160,7 +162,14 @@ class OnnxRuntime(Backend):
         return importlib.util.find_spec("onnxruntime") is not None
 
     def open(self, path: Path, config: SessionConfig) -> GraphSession:
-        return OrtSession(make_session(path, config))
+        """The graph as an :class:`OrtSession`; with ``config.row_groups`` (and ``threads`` a multiple of it), a
+        :class:`~cosyvoice_cpu.backends.row_groups.RowGroupSession` over a session of ``threads / row_groups``
+        threads."""
+        groups = config.row_groups
+        if groups < 2 or config.threads < groups or config.threads % groups:
+            return OrtSession(make_session(path, config))
+        split = OrtSession(make_session(path, replace(config, threads=config.threads // groups, row_groups=0)))
+        return RowGroupSession(split, groups, lambda: OrtSession(make_session(path, replace(config, row_groups=0))))
 
     def version(self) -> str | None:
         if not self.available():

@@ -153,7 +153,7 @@ class Family:
         if plan.other_model:
             entry = self.manifest.graphs[plan.key]
             whole = ShapedGraph(model_dir / entry.file.file, plan.backend, bool(entry.attrs.get("pad_exact")))
-        return self.flow_stage.from_dir(
+        flow = self.flow_stage.from_dir(
             model_dir,
             self.manifest.flow,
             threads=sessions,
@@ -161,6 +161,8 @@ class Family:
             arena_shrink_frames=config.arena_shrink_frames,
             whole=whole,
         )
+        flow.split_stream_rows = config.split_stream_rows
+        return flow
 
     # ------------------------------------------------------------------ the LM's prompt
 

@@ -132,6 +132,11 @@ class FlowStage(ABC):
         whole: the whole-sentence estimator on another backend (the OpenVINO model, and whether its calls are
             padded to buckets: :class:`~cosyvoice_cpu.flow.graphs.ShapedGraph`), or None: then ``estimator`` on
             ONNX Runtime (or the stream graph with empty caches, where it serves whole sentences) runs them.
+
+    Attributes:
+        split_stream_rows: run the stream estimator's CFG rows side by side, each row a call on half the threads
+            (:attr:`SessionConfig.row_groups`; ``EngineConfig.split_stream_rows``). Read when the stream graph
+            is opened (on first use).
     """
 
     encoder_io: ClassVar[IO]  # the family's encoder contract
@@ -171,6 +176,7 @@ class FlowStage(ABC):
                 raise ModelDirError(f"{path} is missing; export the model directory again")
         self._sessions: dict[str, GraphSession] = {}
         self._lock = threading.Lock()
+        self.split_stream_rows = True
         self.noise: np.ndarray | None = None  # a fixed noise table (1, 80, frames), for families that have one
 
     @classmethod
@@ -224,7 +230,8 @@ class FlowStage(ABC):
                 path, io = self._estimators[kind]
                 config = as_config(self.threads)
                 if kind == "stream":  # its cache gathers run early: see SessionConfig.priority_order
-                    config = replace(config, priority_order=True)
+                    rows = guidance_rows(self.settings.cfg_rate) if self.split_stream_rows else 0
+                    config = replace(config, priority_order=True, row_groups=rows if rows > 1 else 0)
                 if kind == "whole" and self.whole is not None:  # padding: where its backend compiles per shape
                     padding = ESTIMATOR_PADDING if self.whole.pad else None
                     config = replace(config, backend=self.whole.backend, padding=padding)

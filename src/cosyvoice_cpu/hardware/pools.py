@@ -63,13 +63,24 @@ def blas_pool(maps: Path = Path("/proc/self/maps")) -> tuple[str, int] | None:
     return None
 
 
-def thread_pools(threads: int, lm_batch_rows: int, max_active: int | None = None) -> list[Pool]:
-    """The pools of an engine loaded with ``threads`` intra-op threads and ``lm_batch_rows`` (0: no scheduler);
-    ``max_active`` when a server runs it."""
+def thread_pools(
+    threads: int, lm_batch_rows: int, max_active: int | None = None, split_rows: bool = True
+) -> list[Pool]:
+    """The pools of an engine loaded with ``threads`` intra-op threads, ``lm_batch_rows`` (0: no scheduler) and
+    ``split_rows`` (``EngineConfig.split_stream_rows``); ``max_active`` when a server runs it."""
     pools = [
         Pool("onnxruntime", threads, "intra-op threads per graph call (one pool per session; idle threads sleep)"),
         Pool("openvino", threads, "inference threads per call of an OpenVINO graph; its compile uses TBB's arena"),
     ]
+    if split_rows and threads >= 2 and threads % 2 == 0:
+        pools.append(
+            Pool(
+                "flow-rows",
+                1,
+                "per stream-estimator call, started for it: the second CFG row while the caller runs the first, "
+                f"each on {threads // 2} intra-op thread{'s' if threads > 2 else ''}",
+            )
+        )
     if lm_batch_rows:
         pools.append(
             Pool(

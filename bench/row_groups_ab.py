@@ -1,0 +1,122 @@
+"""The stream estimator's CFG rows side by side (``EngineConfig.split_stream_rows``) against one call, in one process.
+
+    python bench/row_groups_ab.py MODEL_DIR [--threads 2] [--runs 4] [--measure first,stream,four] [--backend auto]
+    python bench/row_groups_ab.py MODEL_DIR --graph-alone [--runs 8]
+
+Two engines on one model directory (``--backend``'s plan), one with the stream estimator's two CFG rows run as two
+calls at once on ``threads / 2`` intra-op threads each (``split``, the default) and one running each call on all
+``threads`` (``one-call``), take turns on the bench workload (``bench/backend_ab.py``'s measures: ``first``, the
+8-character sentence streamed, its first audio; ``stream``, the 10 s sentence streamed, first audio and RTF;
+``e2e``, a whole sentence) plus ``four``: four streamed 10 s sentences at once on four threads sharing the engine
+(wall seconds, as a server with four requests in flight). Prints the medians with each one's ratio to ``split``'s
+(> 1: faster than ``split``) and every run.
+
+``--graph-alone`` times CosyVoice2's stream estimator by itself at the chunk plan's shapes
+(``bench/ov_stream_forms.py``'s, 150 prompt frames; float16 caches for the int8 recipes) with the engine's session
+options: ``one-call``, ``split`` (the backend's :class:`~cosyvoice_cpu.backends.row_groups.RowGroupSession`), and one
+call on a single thread, alternated call by call; ms per call (median of ``--runs``) and the largest difference of
+``split``'s velocity from ``one-call``'s (int8 graphs: the activations' quantization scale is per call, so per row
+group).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from backend_ab import compare, report
+from spinning_ab import four_at_once
+
+from cosyvoice_cpu.backends.base import SessionConfig
+from cosyvoice_cpu.backends.registry import open_graph
+from cosyvoice_cpu.benchmark.tasks import load
+from cosyvoice_cpu.hardware.cpu import detect
+from cosyvoice_cpu.manifest import Manifest
+
+FORMS = {"split": True, "one-call": False}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model_dir", type=Path)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=4)
+    ap.add_argument("--measure", default="first,stream,four", help="comma-separated: first, stream, e2e, four")
+    ap.add_argument("--backend", default="auto", help="the engines' plan (auto, onnxruntime, openvino)")
+    ap.add_argument("--graph-alone", action="store_true", help="the stream estimator alone, no engine")
+    args = ap.parse_args()
+    if args.threads < 2 or args.threads % 2:
+        ap.error("--threads: the rows split only on an even thread count (2 or more)")
+    cpu = detect().cpu
+    print(
+        f"{cpu.model if cpu else 'unknown CPU'} ({cpu.isa if cpu else '?'}), {args.threads} threads, {args.model_dir}"
+    )
+    if args.graph_alone:
+        graph_alone(args.model_dir, args.threads, args.runs)
+        return
+    names = args.measure.split(",")
+    if unknown := set(names) - {"first", "stream", "e2e", "four"}:
+        ap.error(f"--measure: unknown {sorted(unknown)}")
+    rate = Manifest.load(args.model_dir).token_frame_rate
+    tokens, short = round(10 * rate), round(2 * rate)
+    engines = {
+        label: load(args.model_dir, args.threads, backend=args.backend, split_stream_rows=split)
+        for label, split in FORMS.items()
+    }
+    four: dict[str, list[float]] = {label: [] for label in engines}
+    if "four" in names:  # first: compare() closes the engines when it is done
+        for engine, voice in engines.values():
+            four_at_once(engine, voice, tokens, stream=True)  # warm-up: each stream shape's first call
+        for _ in range(args.runs):
+            for label, (engine, voice) in engines.items():
+                four[label].append(four_at_once(engine, voice, tokens, stream=True))
+    if measures := [n for n in names if n != "four"]:
+        report(compare(engines, measures, args.runs, tokens, short), measures, {})
+    else:
+        for engine, _ in engines.values():
+            engine.close()
+    for label, runs in four.items() if "four" in names else ():
+        med, base = statistics.median(runs), statistics.median(four["split"])
+        print(f"{label:14s} four streamed at once {med:.2f} s ({base / med:.2f}x); runs: "
+              + ", ".join(f"{r:.2f}" for r in runs))  # fmt: skip
+
+
+def graph_alone(model_dir: Path, threads: int, runs: int) -> None:
+    """The stream estimator as the engine opens it, one call / split rows / one thread, alternated call by call."""
+    from ov_stream_forms import SHAPES, feeds_for
+
+    path = model_dir / "flow_estimator_stream.onnx"
+    base = SessionConfig(threads=threads, priority_order=True)
+    forms: dict[str, Any] = {
+        "one-call": open_graph(path, base),
+        "split": open_graph(path, SessionConfig(threads=threads, priority_order=True, row_groups=2)),
+        "one thread": open_graph(path, SessionConfig(threads=1, priority_order=True)),
+    }
+    cache = {i.name: i.type for i in forms["one-call"].get_inputs()}.get("prompt_h")
+    if cache is None:
+        raise SystemExit(f"--graph-alone: {path} is not a CosyVoice2 stream estimator (no prompt_h input)")
+    rng = np.random.default_rng(0)
+    for n, c in SHAPES:
+        feeds = feeds_for(n, c, 150, cache == "tensor(float16)", rng)
+        out = {k: s.run(None, feeds)[0] for k, s in forms.items()}
+        diff = float(np.abs(out["split"] - out["one-call"]).max() / np.abs(out["one-call"]).max())
+        times: dict[str, list[float]] = {k: [] for k in forms}
+        for _ in range(runs):
+            for label, s in forms.items():
+                time.sleep(0.03)
+                t0 = time.perf_counter()
+                s.run(None, feeds)
+                times[label].append(time.perf_counter() - t0)
+        med = {k: statistics.median(v) * 1000 for k, v in times.items()}
+        print(f"{n:3d} new + {c:2d} context frames, ms per call (median of {runs}): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in med.items())
+              + f"; one-call / split {med['one-call'] / med['split']:.2f}x; split's velocity differs by {diff:.2e} "
+              "of the largest")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""A call's batch rows run side by side: one graph call split into calls of row groups, each on its own thread.
+
+A graph called at small shapes gives each operator too little work to share across cores. The stream estimators run
+20-100 new frames per call with two CFG rows; ONNX Runtime's pool threads sleep between operators (spinning is off:
+:attr:`~cosyvoice_cpu.backends.base.SessionConfig.spinning`), and waking one for each of a call's ~1600 operators can
+cost what the second core gives. Split by rows instead, each group a whole call on ``threads / groups`` intra-op
+threads (one, on two cores), no thread waits on another inside a call. Rows are independent in the graphs this
+serves: every batched input and output names its batch axis ``batch``, and a group's call gives that group's rows; an
+input without that axis goes to every group whole (a scalar, or Fun-CosyVoice3's one-row time table that every row
+shares). Float results are the whole call's up to kernel rounding, and in int8 graphs up to the dynamic quantization
+of activations: one scale per call, so each group gets a scale of its own (the CFG rows' ranges differ: the
+unconditioned row has mu, spks and cond zeroed). Measured: docs/benchmarks-log.md, "2026-12-07 (stop 64)".
+
+A call that cannot be split (fewer rows than groups: a stream without guidance) runs on a session with every
+thread, opened on first need: a second copy of the graph's weights, only in a process that makes such calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from cosyvoice_cpu.backends.base import BoundRun, GraphSession, NodeInfo
+
+logger = logging.getLogger(__name__)
+
+BATCH_AXIS = "batch"  # the axis name the exporters give every batched input and output
+
+
+def batch_axis(shape: list[int | str | None]) -> int | None:
+    """The position of the axis named :data:`BATCH_AXIS` in a graph input's or output's shape, or None."""
+    return shape.index(BATCH_AXIS) if BATCH_AXIS in shape else None
+
+
+def group_bounds(rows: int, groups: int) -> list[tuple[int, int]]:
+    """``groups`` contiguous (start, stop) row ranges covering ``rows``, the first ones one row longer where the
+    rows do not divide evenly."""
+    step, extra = divmod(rows, groups)
+    bounds, start = [], 0
+    for g in range(groups):
+        stop = start + step + (1 if g < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def _rows(value: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
+    index = (slice(None),) * axis + (slice(start, stop),)
+    return np.ascontiguousarray(value[index])
+
+
+class RowGroupSession(GraphSession):
+    """A :class:`GraphSession` whose calls run their batch rows in ``groups`` groups at once.
+
+    Args:
+        split: the graph opened with ``threads / groups`` intra-op threads; every group's call runs on it (a
+            session runs concurrent calls).
+        groups: row groups per call (>= 2); the first runs on the caller's thread, the others on threads started
+            for the call (a thread start is ~0.1 ms against a stream-estimator call's tens of milliseconds; no pool
+            outlives a call, so nothing is left to a ``fork``).
+        whole: opens the graph with every thread, for calls with fewer rows than ``groups`` (on first need).
+    """
+
+    def __init__(self, split: GraphSession, groups: int, whole: Callable[[], GraphSession]) -> None:
+        if groups < 2:
+            raise ValueError(f"row groups must be >= 2, got {groups}")
+        self.split, self.groups = split, groups
+        self._open_whole = whole
+        self._whole: GraphSession | None = None
+        self._lock = threading.Lock()
+        self._in_axes = {i.name: batch_axis(list(i.shape)) for i in split.get_inputs()}
+        self._out_axes = {o.name: batch_axis(list(o.shape)) for o in split.get_outputs()}
+
+    def get_inputs(self) -> list[NodeInfo]:
+        return self.split.get_inputs()
+
+    def get_outputs(self) -> list[NodeInfo]:
+        return self.split.get_outputs()
+
+    def metadata(self) -> dict[str, str]:
+        return self.split.metadata()
+
+    def prepare(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        self.split.prepare(shapes)
+
+    @property
+    def keeps_working_memory(self) -> bool:
+        return self.split.keeps_working_memory
+
+    def bind_in_place(self, pairs: Mapping[str, tuple[str, np.ndarray]]) -> BoundRun:
+        return self.whole.bind_in_place(pairs)
+
+    @property
+    def whole(self) -> GraphSession:
+        """The graph on every thread (opened now if it is not yet)."""
+        with self._lock:
+            if self._whole is None:
+                logger.info(
+                    "a call with fewer batch rows than %d: opening the graph again on every thread", self.groups
+                )
+                self._whole = self._open_whole()
+            return self._whole
+
+    def rows(self, feeds: Mapping[str, np.ndarray]) -> int | None:
+        """The call's batch rows (every batched input must agree), or None when the call cannot be split."""
+        sizes = {v.shape[a] for k, v in feeds.items() if (a := self._in_axes.get(k)) is not None and a < v.ndim}
+        return sizes.pop() if len(sizes) == 1 else None
+
+    def run(
+        self, output_names: list[str] | None, feeds: Mapping[str, np.ndarray], release_memory: bool = False
+    ) -> list[np.ndarray]:
+        """The outputs of one call on ``feeds``: each row group's call on its own thread, joined along the outputs'
+        batch axes; a call with fewer rows than groups (or an output without a batch axis) runs whole."""
+        names = output_names or [o.name for o in self.split.get_outputs()]
+        rows = self.rows(feeds)
+        if rows is None or rows < self.groups or any(self._out_axes.get(n) is None for n in names):
+            return self.whole.run(names, feeds, release_memory)
+        parts = [
+            {k: v if (a := self._in_axes.get(k)) is None else _rows(v, a, start, stop) for k, v in feeds.items()}
+            for start, stop in group_bounds(rows, self.groups)
+        ]
+        results: list[list[np.ndarray] | None] = [None] * len(parts)
+        errors: list[BaseException] = []
+
+        def call(i: int) -> None:
+            try:
+                results[i] = self.split.run(names, parts[i], release_memory)
+            except BaseException as e:  # handed to the caller, which raises it after every group ended
+                errors.append(e)
+
+        threads = [threading.Thread(target=call, args=(i,), name="cosyvoice-rows") for i in range(1, len(parts))]
+        for t in threads:
+            t.start()
+        call(0)
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        done = [r for r in results if r is not None]
+        return [np.concatenate([r[j] for r in done], axis=self._out_axes[n]) for j, n in enumerate(names)]

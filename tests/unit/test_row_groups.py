@@ -1,0 +1,160 @@
+"""Row groups (``SessionConfig.row_groups``): a call's batch rows split into calls that run at once, joined back.
+
+A fake session checks the split itself (which rows each call gets, on which thread, the join along each output's
+batch axis, the fallbacks and errors); a real ONNX graph checks ONNX Runtime's side: the split session runs on
+``threads / groups`` intra-op threads and gives the one-call outputs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cosyvoice_cpu.backends.base import GraphSession, NodeInfo, SessionConfig
+from cosyvoice_cpu.backends.onnxruntime import OrtSession
+from cosyvoice_cpu.backends.registry import open_graph
+from cosyvoice_cpu.backends.row_groups import RowGroupSession, batch_axis, group_bounds
+from cosyvoice_cpu.errors import ConfigError
+
+
+class _Node:
+    def __init__(self, name: str, shape: list[int | str | None]) -> None:
+        self.name, self.type, self.shape = name, "tensor(float)", shape
+
+
+class RowWise(GraphSession):
+    """y = 2 x (batch on axis 0), h2 = h + 1 (batch on axis 1), n = the call's row count (no batch axis)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, str]] = []  # (rows, thread name) per call
+        self.fail_rows: int | None = None
+
+    def get_inputs(self) -> list[NodeInfo]:
+        return [_Node("x", ["batch", 3]), _Node("h", [4, "batch", "time"]), _Node("k", [])]
+
+    def get_outputs(self) -> list[NodeInfo]:
+        return [_Node("y", ["batch", 3]), _Node("h2", [4, "batch", "time"]), _Node("n", [1])]
+
+    def run(
+        self, output_names: list[str] | None, feeds: Mapping[str, np.ndarray], release_memory: bool = False
+    ) -> list[np.ndarray]:
+        rows = feeds["x"].shape[0]
+        assert feeds["h"].shape[1] == rows and feeds["h"].flags.c_contiguous
+        self.calls.append((rows, threading.current_thread().name))
+        if rows == self.fail_rows:
+            raise RuntimeError(f"a call of {rows} rows failed")
+        out = {"y": 2 * feeds["x"] + feeds["k"], "h2": feeds["h"] + 1, "n": np.array([rows], np.float32)}
+        return [out[n] for n in output_names or ["y", "h2", "n"]]
+
+
+def _feeds(rows: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(rows)
+    return {
+        "x": rng.standard_normal((rows, 3)).astype(np.float32),
+        "h": rng.standard_normal((4, rows, 5)).astype(np.float32),
+        "k": np.array(0.5, np.float32),
+    }
+
+
+def test_rows_split_into_contiguous_groups() -> None:
+    assert group_bounds(2, 2) == [(0, 1), (1, 2)]
+    assert group_bounds(5, 2) == [(0, 3), (3, 5)]
+    assert group_bounds(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert batch_axis([56, "batch", "frames", 256]) == 1 and batch_axis([56, "frames"]) is None
+
+
+def test_each_group_runs_as_its_own_call_at_once_and_the_outputs_join() -> None:
+    split, wholes = RowWise(), []
+    session = RowGroupSession(split, 2, lambda: wholes.append(RowWise()) or wholes[-1])
+    for rows in (2, 4, 5):
+        feeds = _feeds(rows)
+        y, h2 = session.run(["y", "h2"], feeds)
+        np.testing.assert_array_equal(y, 2 * feeds["x"] + 0.5)
+        np.testing.assert_array_equal(h2, feeds["h"] + 1)
+    caller = threading.current_thread().name
+    assert {t for _, t in split.calls} == {caller, "cosyvoice-rows"}  # the second group: a thread of its own
+    assert [r for r, t in split.calls if t == caller] == [1, 2, 3]  # the first group (the larger one) stays here
+    assert [r for r, t in split.calls if t != caller] == [1, 2, 2]
+    assert not wholes  # splittable calls never open the graph on every thread
+
+
+def test_a_call_that_cannot_split_runs_whole_on_every_thread() -> None:
+    split, wholes = RowWise(), []
+    session = RowGroupSession(split, 2, lambda: wholes.append(RowWise()) or wholes[-1])
+    feeds = _feeds(1)  # one row (a stream without guidance)
+    np.testing.assert_array_equal(session.run(["y"], feeds)[0], 2 * feeds["x"] + 0.5)
+    session.run(["y", "n"], _feeds(2))  # an output without a batch axis cannot be joined
+    session.run(None, _feeds(2))
+    assert split.calls == [] and len(wholes) == 1  # opened once, on first need
+    assert [r for r, _ in wholes[0].calls] == [1, 2, 2]
+
+
+def test_a_failing_group_raises_after_every_group_ended() -> None:
+    split = RowWise()
+    session = RowGroupSession(split, 2, RowWise)
+    split.fail_rows = 2
+    with pytest.raises(RuntimeError, match="2 rows failed"):
+        session.run(["y"], _feeds(4))
+    assert len(split.calls) == 2  # the other group ran to its end: no call is left running
+    with pytest.raises(ValueError, match=">= 2"):
+        RowGroupSession(split, 1, RowWise)
+    with pytest.raises(ConfigError, match="row_groups"):
+        SessionConfig(row_groups=1).validate()
+
+
+def _graph(path: Path) -> Path:
+    """y = x @ W (batch on axis 0), g = h * 2 (batch on axis 1)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32), "W")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"]), helper.make_node("Add", ["h", "h"], ["g"])],
+        "rows",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "time", 16]),
+            helper.make_tensor_value_info("h", TensorProto.FLOAT, [3, "batch", 4]),
+        ],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "time", 8]),
+            helper.make_tensor_value_info("g", TensorProto.FLOAT, [3, "batch", 4]),
+        ],
+        [w],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_onnx_runtime_splits_on_a_thread_share_and_gives_the_one_call_outputs(tmp_path: Path) -> None:
+    path = _graph(tmp_path / "rows.onnx")
+    one = open_graph(path, SessionConfig(threads=2))
+    split = open_graph(path, SessionConfig(threads=2, row_groups=2))
+    assert isinstance(one, OrtSession) and isinstance(split, RowGroupSession)
+    assert isinstance(split.split, OrtSession)
+    assert split.split.ort.get_session_options().intra_op_num_threads == 1
+    assert one.ort.get_session_options().intra_op_num_threads == 2
+    rng = np.random.default_rng(1)
+    feeds = {
+        "x": rng.standard_normal((2, 7, 16)).astype(np.float32),
+        "h": rng.standard_normal((3, 2, 4)).astype(np.float32),
+    }
+    for a, b in zip(split.run(None, feeds), one.run(None, feeds)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    whole = split.whole  # a one-row call's session: every thread
+    assert isinstance(whole, OrtSession) and whole.ort.get_session_options().intra_op_num_threads == 2
+    # a thread count the groups do not divide: one call on every thread
+    odd = open_graph(path, SessionConfig(threads=3, row_groups=2))
+    assert isinstance(odd, OrtSession) and odd.ort.get_session_options().intra_op_num_threads == 3
+
+
+def test_doctor_lists_the_row_thread_where_the_rows_split() -> None:
+    from cosyvoice_cpu.hardware.pools import thread_pools
+
+    rows = {t: [p for p in thread_pools(t, 4) if p.name == "flow-rows"] for t in (1, 2, 3, 4)}
+    assert [len(rows[t]) for t in (1, 2, 3, 4)] == [0, 1, 0, 1]
+    assert "each on 2 intra-op threads" in rows[4][0].what
+    assert not [p for p in thread_pools(2, 4, split_rows=False) if p.name == "flow-rows"]
