@@ -194,14 +194,25 @@ def test_one_flow_estimator_serves_both_modes(tiny_export_dir: Path) -> None:
     # priority-based node order: the per-layer new_h gathers run early instead of holding every layer's input
     import onnxruntime as ort
 
-    order = engine.flow.stream_estimator.ort.get_session_options().execution_order  # an OrtSession
+    from cosyvoice_cpu.backends.row_groups import RowGroupSession
+
+    stream = engine.flow.stream_estimator  # its CFG rows split on an even thread count (an OrtSession underneath)
+    assert isinstance(stream, RowGroupSession) == (engine.threads % 2 == 0)
+    order = getattr(stream, "split", stream).ort.get_session_options().execution_order
     assert order == ort.ExecutionOrder.PRIORITY_BASED
     engine.synthesize_wav("Hello.", voice, SynthesisConfig(seed=1, stream=True))
     assert set(engine.flow._sessions) == {"stream"}
     whole_only = Engine.load(tiny_export_dir, EngineConfig(streaming_estimator=False))
     other = whole_only.synthesize_wav("Hello.", voice, SynthesisConfig(seed=1))
     assert set(whole_only.flow._sessions) == {"whole"}
-    assert other.shape == wav.shape and np.abs(other - wav).max() < 1e-4 * np.abs(wav).max()
+    # the stream graph as one call per step gives the whole-sentence graph's audio; its rows as two calls (the
+    # default) move it by their own int8 activation scales only
+    one = Engine.load(tiny_export_dir, EngineConfig(split_stream_rows=False)).synthesize_wav(
+        "Hello.", voice, SynthesisConfig(seed=1)
+    )
+    rel = {k: np.abs(w - one).max() / np.abs(one).max() for k, w in (("whole", other), ("split", wav))}
+    print(f"against the stream graph's one call: {rel}")
+    assert other.shape == wav.shape == one.shape and rel["whole"] < 1e-4 and rel["split"] < 1e-3
 
 
 def test_long_vocoder_calls_run_in_windows_with_the_same_samples(engine: Engine, voice: Voice,

@@ -72,15 +72,6 @@ def thread_pools(
         Pool("onnxruntime", threads, "intra-op threads per graph call (one pool per session; idle threads sleep)"),
         Pool("openvino", threads, "inference threads per call of an OpenVINO graph; its compile uses TBB's arena"),
     ]
-    if split_rows and threads >= 2 and threads % 2 == 0:
-        pools.append(
-            Pool(
-                "flow-rows",
-                1,
-                "per stream-estimator call, started for it: the second CFG row while the caller runs the first, "
-                f"each on {threads // 2} intra-op thread{'s' if threads > 2 else ''}",
-            )
-        )
     if lm_batch_rows:
         pools.append(
             Pool(
@@ -92,6 +83,15 @@ def thread_pools(
         )
     if max_active:
         pools.append(Pool("server", max_active, "synthesis threads, one per request in flight"))
+    if split_rows and threads >= 2 and threads % 2 == 0:
+        pools.append(
+            Pool(
+                "flow-rows",
+                1,
+                "per stream-estimator call, started for it: the second CFG row while the caller runs the first, "
+                f"each on {threads // 2} intra-op thread{'s' if threads > 2 else ''}",
+            )
+        )
     import numpy  # noqa: F401  # loads its BLAS (the engine's process always has NumPy)
 
     blas = blas_pool()
