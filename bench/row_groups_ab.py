@@ -2,6 +2,7 @@
 
     python bench/row_groups_ab.py MODEL_DIR [--threads 2] [--runs 4] [--measure first,stream,four] [--backend auto]
     python bench/row_groups_ab.py MODEL_DIR --graph-alone [--runs 8]
+    python bench/row_groups_ab.py MODEL_DIR --gate OFFICIAL_DIR [--runs 3]
 
 Two engines on one model directory (``--backend``'s plan), one with the stream estimator's two CFG rows run as two
 calls at once on ``threads / 2`` intra-op threads each (``split``, the default) and one running each call on all
@@ -17,6 +18,11 @@ options: ``one-call``, ``split`` (the backend's :class:`~cosyvoice_cpu.backends.
 call on a single thread, alternated call by call; ms per call (median of ``--runs``) and the largest difference of
 ``split``'s velocity from ``one-call``'s (int8 graphs: the activations' quantization scale is per call, so per row
 group).
+
+``--gate`` asks what the split does to quality: the export's streamed-mel gate of CosyVoice2 (three chunks on cached
+activations, unbounded context, against the PyTorch reference of ``OFFICIAL_DIR``, the checkpoint ``MODEL_DIR`` was
+exported from; :func:`~cosyvoice_cpu.export.flow.cosyvoice2.verify_flow`'s) on ``MODEL_DIR``'s graphs, split and as
+one call, on ``--runs`` random inputs (seeds 0, 1, ...): the largest relative mel error of each. Needs torch.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ def main() -> None:
     ap.add_argument("--measure", default="first,stream,four", help="comma-separated: first, stream, e2e, four")
     ap.add_argument("--backend", default="auto", help="the engines' plan (auto, onnxruntime, openvino)")
     ap.add_argument("--graph-alone", action="store_true", help="the stream estimator alone, no engine")
+    ap.add_argument("--gate", type=Path, default=None, help="the streamed-mel gate against this reference checkpoint")
     args = ap.parse_args()
     if args.threads < 2 or args.threads % 2:
         ap.error("--threads: the rows split only on an even thread count (2 or more)")
@@ -57,6 +64,9 @@ def main() -> None:
     )
     if args.graph_alone:
         graph_alone(args.model_dir, args.threads, args.runs)
+        return
+    if args.gate is not None:
+        gate(args.model_dir, args.gate, args.threads, args.runs)
         return
     names = args.measure.split(",")
     if unknown := set(names) - {"first", "stream", "e2e", "four"}:
@@ -116,6 +126,32 @@ def graph_alone(model_dir: Path, threads: int, runs: int) -> None:
               + ", ".join(f"{k} {v:.1f}" for k, v in med.items())
               + f"; one-call / split {med['one-call'] / med['split']:.2f}x; split's velocity differs by {diff:.2e} "
               "of the largest")  # fmt: skip
+
+
+def gate(model_dir: Path, official: Path, threads: int, runs: int) -> None:
+    """The streamed-mel gate's error, split and as one call, for ``runs`` seeds of random inputs."""
+    import torch
+
+    from cosyvoice_cpu.export.flow.cosyvoice2 import FILES, _gate_stream, _settings
+    from cosyvoice_cpu.flow.cosyvoice2 import CosyVoice2Flow
+    from cosyvoice_cpu.workshop.parts import load_reference
+
+    flow = load_reference(official, ("flow",)).flow.eval()
+    cfg = flow.config
+    paths = [model_dir / FILES[k] for k in ("flow_encoder", "flow_estimator", "flow_estimator_stream", "flow_noise")]
+    for seed in range(runs):
+        gen = torch.Generator().manual_seed(seed)
+        prompt = torch.randint(0, cfg.vocab_size, (20,), generator=gen).numpy()
+        tokens = torch.randint(0, cfg.vocab_size, (37 + cfg.pre_lookahead_len,), generator=gen).numpy()
+        feat = (torch.randn(40, 80, generator=gen) * 0.5).numpy()
+        emb = torch.randn(1, 192, generator=gen).numpy()
+        errors = {}
+        for label, split in FORMS.items():
+            stage = CosyVoice2Flow(*paths, settings=_settings(flow), threads=threads)
+            stage.split_stream_rows = split
+            with torch.inference_mode():
+                errors[label] = _gate_stream(flow, stage, prompt, tokens, feat, emb, 1.0).value
+        print(f"seed {seed}: streamed mel rel err " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
 
 
 if __name__ == "__main__":
