@@ -100,11 +100,11 @@ class EngineConfig:
             Each compiled shape holds its own copy of everything, and a shape not in memory costs a compile or a
             load from OpenVINO's on-disk cache on the request path (``SessionConfig.max_shapes``; measured:
             docs/backends.md).
-        split_stream_rows: run the stream estimator's two CFG rows side by side, each as a call on half the
-            threads, instead of one call on all of them (``SessionConfig.row_groups``; with an odd thread count,
-            one call). At the chunks' small shapes a call's operators are too small to share cores: measured
-            1.3-1.6x faster per call on 2 cores (docs/benchmarks-log.md, "2026-12-07 (stop 64)"). A stream
-            without guidance (``cfg_rate`` 0) opens the graph again on every thread.
+        split_stream_rows: with 2 threads, run the stream estimator's two CFG rows side by side, each as a call
+            on one thread, instead of one call on both (``SessionConfig.row_groups``; other thread counts keep one
+            call). At the chunks' small shapes a call's operators are too small to share cores (measured:
+            docs/benchmarks-log.md, "2026-12-07 (stop 64)"). A stream without guidance (``cfg_rate`` 0) opens the
+            graph again on both threads.
         compile_ahead: compile the whole-sentence OpenVINO estimator in a background thread at load, so the first
             sentence does not wait for it (a no-op on ONNX Runtime). False compiles it on the first sentence: for
             a process that only makes voices (``voice add``). Either way :meth:`Engine.close` (and the interpreter

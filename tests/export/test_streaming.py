@@ -226,8 +226,9 @@ def test_split_rows_stream_as_one_call_does(fp32_dir: Path, tmp_path: Path) -> N
             assert isinstance(stage.stream_estimator, RowGroupSession) == split
     rel = {k: float(np.abs(m - mels["fp32", False]).max() / np.abs(mels["fp32", False]).max()) for k, m in mels.items()}
     print(f"mel rel to the fp32 one-call stream: {rel}")
-    assert rel["fp32", True] < 1e-4
-    assert 0 < rel["int8", True] < 1.25 * rel["int8", False]
+    assert rel["fp32", True] < 1e-4  # measured: bitwise equal here
+    assert not np.array_equal(mels["int8", True], mels["int8", False])  # the split ran: its own scales per row
+    assert rel["int8", True] < 1.25 * rel["int8", False]
 
 
 def test_bounded_context_is_close_and_converges(engine: Engine) -> None:

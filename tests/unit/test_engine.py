@@ -196,20 +196,22 @@ def test_one_flow_estimator_serves_both_modes(tiny_export_dir: Path) -> None:
 
     from cosyvoice_cpu.backends.row_groups import RowGroupSession
 
-    stream = engine.flow.stream_estimator  # its CFG rows split on an even thread count (an OrtSession underneath)
-    assert isinstance(stream, RowGroupSession) == (engine.threads % 2 == 0)
+    stream = engine.flow.stream_estimator  # its CFG rows split on 2 threads (an OrtSession underneath)
+    assert isinstance(stream, RowGroupSession) == (engine.threads == 2)
     order = getattr(stream, "split", stream).ort.get_session_options().execution_order
     assert order == ort.ExecutionOrder.PRIORITY_BASED
     engine.synthesize_wav("Hello.", voice, SynthesisConfig(seed=1, stream=True))
     assert set(engine.flow._sessions) == {"stream"}
+    assert getattr(stream, "_whole", None) is None  # both modes split: no second copy of the graph opened
     whole_only = Engine.load(tiny_export_dir, EngineConfig(streaming_estimator=False))
     other = whole_only.synthesize_wav("Hello.", voice, SynthesisConfig(seed=1))
     assert set(whole_only.flow._sessions) == {"whole"}
     # the stream graph as one call per step gives the whole-sentence graph's audio; its rows as two calls (the
     # default) move it by their own int8 activation scales only
-    one = Engine.load(tiny_export_dir, EngineConfig(split_stream_rows=False)).synthesize_wav(
-        "Hello.", voice, SynthesisConfig(seed=1)
-    )
+    one_call = Engine.load(tiny_export_dir, EngineConfig(split_stream_rows=False))
+    one = one_call.synthesize_wav("Hello.", voice, SynthesisConfig(seed=1))
+    for e in (engine, whole_only, one_call):
+        e.close()
     rel = {k: np.abs(w - one).max() / np.abs(one).max() for k, w in (("whole", other), ("split", wav))}
     print(f"against the stream graph's one call: {rel}")
     assert other.shape == wav.shape == one.shape and rel["whole"] < 1e-4 and rel["split"] < 1e-3

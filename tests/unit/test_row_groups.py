@@ -29,9 +29,10 @@ class _Node:
 class RowWise(GraphSession):
     """y = 2 x (batch on axis 0), h2 = h + 1 (batch on axis 1), n = the call's row count (no batch axis)."""
 
-    def __init__(self) -> None:
+    def __init__(self, barrier: threading.Barrier | None = None) -> None:
         self.calls: list[tuple[int, str]] = []  # (rows, thread name) per call
         self.fail_rows: int | None = None
+        self.barrier = barrier  # every call waits there for the others: calls in sequence would time out
 
     def get_inputs(self) -> list[NodeInfo]:
         return [_Node("x", ["batch", 3]), _Node("h", [4, "batch", "time"]), _Node("k", [])]
@@ -45,6 +46,8 @@ class RowWise(GraphSession):
         rows = feeds["x"].shape[0]
         assert feeds["h"].shape[1] == rows and feeds["h"].flags.c_contiguous
         self.calls.append((rows, threading.current_thread().name))
+        if self.barrier is not None:
+            self.barrier.wait()
         if rows == self.fail_rows:
             raise RuntimeError(f"a call of {rows} rows failed")
         out = {"y": 2 * feeds["x"] + feeds["k"], "h2": feeds["h"] + 1, "n": np.array([rows], np.float32)}
@@ -68,7 +71,7 @@ def test_rows_split_into_contiguous_groups() -> None:
 
 
 def test_each_group_runs_as_its_own_call_at_once_and_the_outputs_join() -> None:
-    split, wholes = RowWise(), []
+    split, wholes = RowWise(threading.Barrier(2, timeout=10)), []
     session = RowGroupSession(split, 2, lambda: wholes.append(RowWise()) or wholes[-1])
     for rows in (2, 4, 5):
         feeds = _feeds(rows)
@@ -82,24 +85,27 @@ def test_each_group_runs_as_its_own_call_at_once_and_the_outputs_join() -> None:
     assert not wholes  # splittable calls never open the graph on every thread
 
 
-def test_a_call_that_cannot_split_runs_whole_on_every_thread() -> None:
+def test_a_call_with_fewer_rows_than_groups_runs_whole_on_every_thread(caplog: pytest.LogCaptureFixture) -> None:
     split, wholes = RowWise(), []
     session = RowGroupSession(split, 2, lambda: wholes.append(RowWise()) or wholes[-1])
     feeds = _feeds(1)  # one row (a stream without guidance)
     np.testing.assert_array_equal(session.run(["y"], feeds)[0], 2 * feeds["x"] + 0.5)
-    session.run(["y", "n"], _feeds(2))  # an output without a batch axis cannot be joined
-    session.run(None, _feeds(2))
-    assert split.calls == [] and len(wholes) == 1  # opened once, on first need
-    assert [r for r, _ in wholes[0].calls] == [1, 2, 2]
+    session.run(None, _feeds(1))
+    assert split.calls == [] and len(wholes) == 1 and [r for r, _ in wholes[0].calls] == [1, 1]  # opened once
+    # a call that breaks the contract (an output without a batch axis) runs as one call, said, no second copy
+    session.run(["y", "n"], _feeds(2))
+    assert [r for r, _ in split.calls] == [2] and len(wholes) == 1
+    assert "cannot be split" in caplog.text
 
 
 def test_a_failing_group_raises_after_every_group_ended() -> None:
     split = RowWise()
     session = RowGroupSession(split, 2, RowWise)
-    split.fail_rows = 2
-    with pytest.raises(RuntimeError, match="2 rows failed"):
-        session.run(["y"], _feeds(4))
-    assert len(split.calls) == 2  # the other group ran to its end: no call is left running
+    for failing in (2, 3):  # 5 rows: the caller's group has 3, the other thread's 2
+        split.fail_rows, split.calls = failing, []
+        with pytest.raises(RuntimeError, match=f"{failing} rows failed"):
+            session.run(["y"], _feeds(5))
+        assert sorted(r for r, _ in split.calls) == [2, 3]  # both groups ran: none is left running
     with pytest.raises(ValueError, match=">= 2"):
         RowGroupSession(split, 1, RowWise)
     with pytest.raises(ConfigError, match="row_groups"):
@@ -146,15 +152,16 @@ def test_onnx_runtime_splits_on_a_thread_share_and_gives_the_one_call_outputs(tm
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
     whole = split.whole  # a one-row call's session: every thread
     assert isinstance(whole, OrtSession) and whole.ort.get_session_options().intra_op_num_threads == 2
-    # a thread count the groups do not divide: one call on every thread
-    odd = open_graph(path, SessionConfig(threads=3, row_groups=2))
-    assert isinstance(odd, OrtSession) and odd.ort.get_session_options().intra_op_num_threads == 3
+    # more threads than groups: one call on every thread (concurrent calls would share one pool)
+    for threads in (3, 4):
+        other = open_graph(path, SessionConfig(threads=threads, row_groups=2))
+        assert isinstance(other, OrtSession) and other.ort.get_session_options().intra_op_num_threads == threads
 
 
 def test_doctor_lists_the_row_thread_where_the_rows_split() -> None:
     from cosyvoice_cpu.hardware.pools import thread_pools
 
     rows = {t: [p for p in thread_pools(t, 4) if p.name == "flow-rows"] for t in (1, 2, 3, 4)}
-    assert [len(rows[t]) for t in (1, 2, 3, 4)] == [0, 1, 0, 1]
-    assert "each on 2 intra-op threads" in rows[4][0].what
+    assert [len(rows[t]) for t in (1, 2, 3, 4)] == [0, 1, 0, 0]
+    assert "each a call on one thread" in rows[2][0].what
     assert not [p for p in thread_pools(2, 4, split_rows=False) if p.name == "flow-rows"]

@@ -228,9 +228,10 @@ class SessionConfig:
         padding: inputs a backend that compiles per shape may pad to shared sizes (:class:`Padding`; None: run
             every shape as it comes). The session pads and cuts back itself (:mod:`~cosyvoice_cpu.backends.buckets`).
         row_groups: 0 runs each call as one; N >= 2 splits a call's batch rows into N groups that run at once,
-            each a call on ``threads / N`` intra-op threads (:mod:`~cosyvoice_cpu.backends.row_groups`: for graphs
-            called at small shapes, the stream estimators' CFG rows). Only where ``threads`` is a multiple of N;
-            ONNX Runtime's (other backends run each call as one).
+            each a call on one intra-op thread (:mod:`~cosyvoice_cpu.backends.row_groups`: for graphs called at
+            small shapes, the stream estimators' CFG rows). Only where ``threads`` is N (calls at once on one
+            session share its one pool, so more threads would not reach the groups); ONNX Runtime's (other
+            backends run each call as one).
 
     ORT's CPU memory arena stays on for every graph, and by default one arena is shared by every session of the
     process, so the LM, the flow and the vocoder, which run one after the other, reuse one another's memory

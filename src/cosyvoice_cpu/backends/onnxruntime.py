@@ -162,13 +162,14 @@ class OnnxRuntime(Backend):
         return importlib.util.find_spec("onnxruntime") is not None
 
     def open(self, path: Path, config: SessionConfig) -> GraphSession:
-        """The graph as an :class:`OrtSession`; with ``config.row_groups`` (and ``threads`` a multiple of it), a
-        :class:`~cosyvoice_cpu.backends.row_groups.RowGroupSession` over a session of ``threads / row_groups``
-        threads."""
+        """The graph as an :class:`OrtSession`; with ``config.row_groups`` equal to ``threads``, a
+        :class:`~cosyvoice_cpu.backends.row_groups.RowGroupSession` over a one-thread session (the groups' calls
+        share the session, and concurrent calls share its one intra-op pool: with more threads than groups they
+        would not get a share each)."""
         groups = config.row_groups
-        if groups < 2 or config.threads < groups or config.threads % groups:
+        if groups < 2 or config.threads != groups:
             return OrtSession(make_session(path, config))
-        split = OrtSession(make_session(path, replace(config, threads=config.threads // groups, row_groups=0)))
+        split = OrtSession(make_session(path, replace(config, threads=1, row_groups=0)))
         return RowGroupSession(split, groups, lambda: OrtSession(make_session(path, replace(config, row_groups=0))))
 
     def version(self) -> str | None:

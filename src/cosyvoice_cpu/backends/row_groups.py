@@ -2,17 +2,20 @@
 
 A graph called at small shapes gives each operator too little work to share across cores. The stream estimators run
 20-100 new frames per call with two CFG rows; ONNX Runtime's pool threads sleep between operators (spinning is off:
-:attr:`~cosyvoice_cpu.backends.base.SessionConfig.spinning`), and waking one for each of a call's ~1600 operators can
-cost what the second core gives. Split by rows instead, each group a whole call on ``threads / groups`` intra-op
-threads (one, on two cores), no thread waits on another inside a call. Rows are independent in the graphs this
-serves: every batched input and output names its batch axis ``batch``, and a group's call gives that group's rows; an
-input without that axis goes to every group whole (a scalar, or Fun-CosyVoice3's one-row time table that every row
-shares). Float results are the whole call's up to kernel rounding, and in int8 graphs up to the dynamic quantization
-of activations: one scale per call, so each group gets a scale of its own (the CFG rows' ranges differ: the
-unconditioned row has mu, spks and cond zeroed). Measured: docs/benchmarks-log.md, "2026-12-07 (stop 64)".
+:attr:`~cosyvoice_cpu.backends.base.SessionConfig.spinning`), and waking one for each of a call's operators can cost
+what the second core gives (measured: docs/benchmarks-log.md, "2026-12-07 (stop 64)"). Split by rows instead, each
+group a whole call on one thread: no thread waits on another inside a call. Rows are independent in the graphs this
+serves: every batched input and output names its batch axis ``batch``, and a group's call gives that group's rows.
+An input without that axis goes to every group whole: a scalar, or Fun-CosyVoice3's time table ``modulation``,
+which the runtime feeds as one row that every row shares (a table of one row per batch row would not split: its
+axis is ``time_rows``). Float results are the whole call's up to kernel rounding, and in int8 graphs up to the
+dynamic quantization of activations: one scale per call, so each group gets a scale of its own (the CFG rows'
+ranges differ: the unconditioned row has mu, spks and cond zeroed).
 
-A call that cannot be split (fewer rows than groups: a stream without guidance) runs on a session with every
-thread, opened on first need: a second copy of the graph's weights, only in a process that makes such calls.
+A call with fewer rows than groups (a stream without guidance) runs on a session with every thread, opened on first
+need: a second copy of the graph's weights, only in a process that makes such calls. A call that cannot be split
+otherwise (batched inputs that disagree on their rows, an output without a batch axis) runs as one call on the
+one-thread session, with a warning: a graph or a caller that breaks the contract above.
 """
 
 from __future__ import annotations
@@ -56,11 +59,11 @@ class RowGroupSession(GraphSession):
     """A :class:`GraphSession` whose calls run their batch rows in ``groups`` groups at once.
 
     Args:
-        split: the graph opened with ``threads / groups`` intra-op threads; every group's call runs on it (a
+        split: the graph opened with one intra-op thread; every group's call runs on it (a
             session runs concurrent calls).
         groups: row groups per call (>= 2); the first runs on the caller's thread, the others on threads started
-            for the call (a thread start is ~0.1 ms against a stream-estimator call's tens of milliseconds; no pool
-            outlives a call, so nothing is left to a ``fork``).
+            for the call (a thread start is far shorter than a stream-estimator call; no pool outlives a call, so
+            nothing is left to a ``fork``).
         whole: opens the graph with every thread, for calls with fewer rows than ``groups`` (on first need).
     """
 
@@ -116,28 +119,34 @@ class RowGroupSession(GraphSession):
         batch axes; a call with fewer rows than groups (or an output without a batch axis) runs whole."""
         names = output_names or [o.name for o in self.split.get_outputs()]
         rows = self.rows(feeds)
-        if rows is None or rows < self.groups or any(self._out_axes.get(n) is None for n in names):
+        if rows is not None and rows < self.groups:
             return self.whole.run(names, feeds, release_memory)
+        if rows is None or any(self._out_axes.get(n) is None for n in names):
+            logger.warning("a call whose rows cannot be split (%s): one call on one thread", sorted(feeds))
+            return self.split.run(names, feeds, release_memory)
         parts = [
             {k: v if (a := self._in_axes.get(k)) is None else _rows(v, a, start, stop) for k, v in feeds.items()}
             for start, stop in group_bounds(rows, self.groups)
         ]
         results: list[list[np.ndarray] | None] = [None] * len(parts)
-        errors: list[BaseException] = []
+        errors: list[BaseException | None] = [None] * len(parts)
 
         def call(i: int) -> None:
             try:
                 results[i] = self.split.run(names, parts[i], release_memory)
-            except BaseException as e:  # handed to the caller, which raises it after every group ended
-                errors.append(e)
+            except Exception as e:  # handed to the caller, which raises it after every group ended
+                errors[i] = e
 
         threads = [threading.Thread(target=call, args=(i,), name="cosyvoice-rows") for i in range(1, len(parts))]
         for t in threads:
             t.start()
-        call(0)
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        try:
+            call(0)  # an interrupt here (Ctrl-C) propagates as it is, once the other groups ended
+        finally:
+            for t in threads:
+                t.join()
+        for e in errors:  # the caller's group's error first, then the others' in order
+            if e is not None:
+                raise e
         done = [r for r in results if r is not None]
         return [np.concatenate([r[j] for r in done], axis=self._out_axes[n]) for j, n in enumerate(names)]

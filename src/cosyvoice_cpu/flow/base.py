@@ -134,9 +134,9 @@ class FlowStage(ABC):
             ONNX Runtime (or the stream graph with empty caches, where it serves whole sentences) runs them.
 
     Attributes:
-        split_stream_rows: run the stream estimator's CFG rows side by side, each row a call on half the threads
-            (:attr:`SessionConfig.row_groups`; ``EngineConfig.split_stream_rows``). Read when the stream graph
-            is opened (on first use).
+        split_stream_rows: run the stream estimator's CFG rows side by side, each row a call on one thread, where
+            the stage has as many threads as rows (:attr:`SessionConfig.row_groups`;
+            ``EngineConfig.split_stream_rows``). Read when the stream graph is opened (on first use).
     """
 
     encoder_io: ClassVar[IO]  # the family's encoder contract

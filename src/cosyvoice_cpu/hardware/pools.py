@@ -83,13 +83,13 @@ def thread_pools(
         )
     if max_active:
         pools.append(Pool("server", max_active, "synthesis threads, one per request in flight"))
-    if split_rows and threads >= 2 and threads % 2 == 0:
+    if split_rows and threads == 2:
         pools.append(
             Pool(
                 "flow-rows",
                 1,
                 "per stream-estimator call, started for it: the second CFG row while the caller runs the first, "
-                f"each on {threads // 2} intra-op thread{'s' if threads > 2 else ''}",
+                "each a call on one thread",
             )
         )
     import numpy  # noqa: F401  # loads its BLAS (the engine's process always has NumPy)
