@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -57,6 +58,29 @@ def feeds_for(n: int, c: int, p: int, half: bool, rng: np.random.Generator) -> d
     f["context_h"] = rng.standard_normal((LAYERS, 2, c, WIDTH)).astype(cache)
     f["keep_frames"] = np.array(min(n, 50), np.int64)
     return f
+
+
+def half_caches(session: Any, path: Path, flag: str) -> bool:
+    """Whether a CosyVoice2 stream estimator session takes float16 caches; SystemExit naming ``flag`` when the
+    graph at ``path`` is no CosyVoice2 stream estimator."""
+    cache = {i.name: i.type for i in session.get_inputs()}.get("prompt_h")
+    if cache is None:
+        raise SystemExit(f"{flag}: {path} is not a CosyVoice2 stream estimator (no prompt_h input)")
+    return cache == "tensor(float16)"
+
+
+def alternated_ms(forms: dict[str, Any], feeds: dict[str, np.ndarray], runs: int) -> dict[str, float]:
+    """Median ms per call of each session on ``feeds`` over ``runs`` rounds, the sessions alternated call by call
+    with a 30 ms pause before each (a spinning pool of the previous session would otherwise take the next one's
+    cores)."""
+    times: dict[str, list[float]] = {k: [] for k in forms}
+    for _ in range(runs):
+        for label, s in forms.items():
+            time.sleep(0.03)
+            t0 = time.perf_counter()
+            s.run(None, feeds)
+            times[label].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) * 1000 for k, v in times.items()}
 
 
 def export(args: argparse.Namespace) -> None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +96,7 @@ def main() -> None:
 
 def graph_alone(model_dir: Path, threads: int, runs: int) -> None:
     """The stream estimator as the engine opens it, one call / split rows / one thread, alternated call by call."""
-    from ov_stream_forms import SHAPES, feeds_for
+    from ov_stream_forms import SHAPES, alternated_ms, feeds_for, half_caches
 
     path = model_dir / "flow_estimator_stream.onnx"
     base = SessionConfig(threads=threads, priority_order=True)
@@ -106,22 +105,13 @@ def graph_alone(model_dir: Path, threads: int, runs: int) -> None:
         "split": open_graph(path, SessionConfig(threads=threads, priority_order=True, row_groups=2)),
         "one thread": open_graph(path, SessionConfig(threads=1, priority_order=True)),
     }
-    cache = {i.name: i.type for i in forms["one-call"].get_inputs()}.get("prompt_h")
-    if cache is None:
-        raise SystemExit(f"--graph-alone: {path} is not a CosyVoice2 stream estimator (no prompt_h input)")
+    half = half_caches(forms["one-call"], path, "--graph-alone")
     rng = np.random.default_rng(0)
     for n, c in SHAPES:
-        feeds = feeds_for(n, c, 150, cache == "tensor(float16)", rng)
+        feeds = feeds_for(n, c, 150, half, rng)
         out = {k: s.run(None, feeds)[0] for k, s in forms.items()}
         diff = float(np.abs(out["split"] - out["one-call"]).max() / np.abs(out["one-call"]).max())
-        times: dict[str, list[float]] = {k: [] for k in forms}
-        for _ in range(runs):
-            for label, s in forms.items():
-                time.sleep(0.03)
-                t0 = time.perf_counter()
-                s.run(None, feeds)
-                times[label].append(time.perf_counter() - t0)
-        med = {k: statistics.median(v) * 1000 for k, v in times.items()}
+        med = alternated_ms(forms, feeds, runs)
         print(f"{n:3d} new + {c:2d} context frames, ms per call (median of {runs}): "
               + ", ".join(f"{k} {v:.1f}" for k, v in med.items())
               + f"; one-call / split {med['one-call'] / med['split']:.2f}x; split's velocity differs by {diff:.2e} "

@@ -148,7 +148,7 @@ def graph_engines(model_dir: Path, threads: int, stems: set[str]) -> dict[str, t
 def graph_alone(model_dir: Path, threads: int, runs: int) -> None:
     """CosyVoice2's stream estimator alone as the engine opens it, spinning off / on / on with the stop,
     alternated call by call."""
-    from ov_stream_forms import SHAPES, feeds_for
+    from ov_stream_forms import SHAPES, alternated_ms, feeds_for, half_caches
 
     from cosyvoice_cpu.backends import onnxruntime as backend
 
@@ -160,23 +160,15 @@ def graph_alone(model_dir: Path, threads: int, runs: int) -> None:
             return backend.make_session(path, config)
 
     forms = {"off": session(False, False), "on": session(True, False), "on, stop": session(True, True)}
-    cache = {i.name: i.type for i in forms["off"].get_inputs()}.get("prompt_h")
-    if cache is None:
-        raise SystemExit(f"--graph-alone: {path} is not a CosyVoice2 stream estimator (no prompt_h input)")
+    half = half_caches(forms["off"], path, "--graph-alone")
     rng = np.random.default_rng(0)
     for n, c in SHAPES:
-        feeds = feeds_for(n, c, 150, cache == "tensor(float16)", rng)
-        times: dict[str, list[float]] = {k: [] for k in forms}
+        feeds = feeds_for(n, c, 150, half, rng)
         for s in forms.values():
             s.run(None, feeds)
-        for _ in range(runs):
-            for label, s in forms.items():
-                time.sleep(0.03)
-                t0 = time.perf_counter()
-                s.run(None, feeds)
-                times[label].append(time.perf_counter() - t0)
+        med = alternated_ms(forms, feeds, runs)
         print(f"{n:3d} new + {c:2d} context frames, ms per call (median of {runs}): "
-              + ", ".join(f"{k} {statistics.median(v) * 1000:.1f}" for k, v in times.items()))  # fmt: skip
+              + ", ".join(f"{k} {v:.1f}" for k, v in med.items()))  # fmt: skip
 
 
 def main() -> None:
