@@ -5,8 +5,8 @@
     python bench/row_groups_ab.py MODEL_DIR --gate OFFICIAL_DIR [--runs 3]
 
 Two engines on one model directory (``--backend``'s plan), one with the stream estimator's two CFG rows run as two
-calls at once on ``threads / 2`` intra-op threads each (``split``, the default) and one running each call on all
-``threads`` (``one-call``), take turns on the bench workload (``bench/backend_ab.py``'s measures: ``first``, the
+calls at once on one intra-op thread each (``split``, the default) and one running each call on both threads
+(``one-call``), take turns on the bench workload (``bench/backend_ab.py``'s measures: ``first``, the
 8-character sentence streamed, its first audio; ``stream``, the 10 s sentence streamed, first audio and RTF;
 ``e2e``, a whole sentence) plus ``four``: four streamed 10 s sentences at once on four threads sharing the engine
 (wall seconds, as a server with four requests in flight). Prints the medians with each one's ratio to ``split``'s
@@ -55,8 +55,8 @@ def main() -> None:
     ap.add_argument("--graph-alone", action="store_true", help="the stream estimator alone, no engine")
     ap.add_argument("--gate", type=Path, default=None, help="the streamed-mel gate against this reference checkpoint")
     args = ap.parse_args()
-    if args.threads < 2 or args.threads % 2:
-        ap.error("--threads: the rows split only on an even thread count (2 or more)")
+    if args.threads != 2:
+        ap.error("--threads: the rows split only with 2 threads (SessionConfig.row_groups)")
     cpu = detect().cpu
     print(
         f"{cpu.model if cpu else 'unknown CPU'} ({cpu.isa if cpu else '?'}), {args.threads} threads, {args.model_dir}"

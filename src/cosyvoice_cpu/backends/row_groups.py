@@ -59,8 +59,8 @@ class RowGroupSession(GraphSession):
     """A :class:`GraphSession` whose calls run their batch rows in ``groups`` groups at once.
 
     Args:
-        split: the graph opened with one intra-op thread; every group's call runs on it (a
-            session runs concurrent calls).
+        split: the graph opened with one intra-op thread; every group's call runs on it (a session runs
+            concurrent calls).
         groups: row groups per call (>= 2); the first runs on the caller's thread, the others on threads started
             for the call (a thread start is far shorter than a stream-estimator call; no pool outlives a call, so
             nothing is left to a ``fork``).
@@ -116,7 +116,8 @@ class RowGroupSession(GraphSession):
         self, output_names: list[str] | None, feeds: Mapping[str, np.ndarray], release_memory: bool = False
     ) -> list[np.ndarray]:
         """The outputs of one call on ``feeds``: each row group's call on its own thread, joined along the outputs'
-        batch axes; a call with fewer rows than groups (or an output without a batch axis) runs whole."""
+        batch axes; a call with fewer rows than groups runs on :attr:`whole`, one that cannot be split otherwise as
+        one call on the one-thread session (module docstring)."""
         names = output_names or [o.name for o in self.split.get_outputs()]
         rows = self.rows(feeds)
         if rows is not None and rows < self.groups:
