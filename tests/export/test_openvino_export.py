@@ -86,7 +86,7 @@ def test_openvino_runs_whole_sentences_close_to_onnxruntime_padded_to_buckets(ov
     assert isinstance(session, BucketedSession) and session.calls == 10
     frames = a.shape[2] + voice.mel.shape[0]
     assert session.padded == 10 * (bucket(frames) - frames)
-    assert [s[0][2] for s in session.session.shapes] == [bucket(frames)]  # one compiled shape
+    assert [s[0][2] for s in session.wrapped.shapes] == [bucket(frames)]  # one compiled shape
     wave = ov.synthesize_wav("Hello there, this is a test.", voice)
     assert len(wave) > 0 and np.isfinite(wave).all()
     streamed = list(ov.synthesize("Streamed as well.", voice, SynthesisConfig(stream=True)))  # stays on ORT
@@ -116,10 +116,10 @@ def test_openvino_synthesizes_with_torch_blocked(ov_int8_dir: Path, tmp_path: Pa
         f"e = Engine.load({str(ov_int8_dir)!r}, EngineConfig(threads=1, backend='openvino', lm_batch_rows=0))\n"
         "e.family.warming.join()  # compiled in the background at load, before any sentence\n"
         "s = e.flow.estimator\n"
-        "assert s.calls == 0 and s.session.compiles == 1 and s.session.shapes == [()]  # one dynamic compile\n"
+        "assert s.calls == 0 and s.wrapped.compiles == 1 and s.wrapped.shapes == [()]  # one dynamic compile\n"
         f"v = e.make_voice({str(prompt)!r}, 'Hello there.')\n"
         "w = e.synthesize_wav('Hello.', v)\n"
-        "assert s.calls > 0 and len(w) > 0 and s.session.compiles == 1\n"
+        "assert s.calls > 0 and len(w) > 0 and s.wrapped.compiles == 1\n"
         "assert 'torch' not in {m.split('.')[0] for m, mod in sys.modules.items() if mod is not None}\n"
         "print('ok')\n"
     )

@@ -198,7 +198,7 @@ def test_one_flow_estimator_serves_both_modes(tiny_export_dir: Path) -> None:
 
     stream = engine.flow.stream_estimator  # its CFG rows split on 2 threads (an OrtSession underneath)
     assert isinstance(stream, RowGroupSession) == (engine.threads == 2)
-    order = getattr(stream, "split", stream).ort.get_session_options().execution_order
+    order = getattr(stream, "wrapped", stream).ort.get_session_options().execution_order
     assert order == ort.ExecutionOrder.PRIORITY_BASED
     engine.synthesize_wav("Hello.", voice, SynthesisConfig(seed=1, stream=True))
     assert set(engine.flow._sessions) == {"stream"}

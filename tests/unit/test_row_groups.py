@@ -140,8 +140,8 @@ def test_onnx_runtime_splits_on_a_thread_share_and_gives_the_one_call_outputs(tm
     one = open_graph(path, SessionConfig(threads=2))
     split = open_graph(path, SessionConfig(threads=2, row_groups=2))
     assert isinstance(one, OrtSession) and isinstance(split, RowGroupSession)
-    assert isinstance(split.split, OrtSession)
-    assert split.split.ort.get_session_options().intra_op_num_threads == 1
+    assert isinstance(split.wrapped, OrtSession)
+    assert split.wrapped.ort.get_session_options().intra_op_num_threads == 1
     assert one.ort.get_session_options().intra_op_num_threads == 2
     rng = np.random.default_rng(1)
     feeds = {

@@ -151,6 +151,31 @@ class ModelState(ABC):
         """Make ``tensors`` (every state name -> an array of the state's type) the state."""
 
 
+class WrappedSession(GraphSession):
+    """A session over another (``wrapped``) that changes how calls run (pads them, splits their rows) but not what the
+    graph is: its inputs, outputs, metadata, compiles ahead and working memory are the wrapped session's. ``run`` is
+    the wrapper's own; in-place binding and state are not passed through (a wrapper that changes calls decides)."""
+
+    def __init__(self, wrapped: GraphSession) -> None:
+        self.wrapped = wrapped
+
+    def get_inputs(self) -> list[NodeInfo]:
+        return self.wrapped.get_inputs()
+
+    def get_outputs(self) -> list[NodeInfo]:
+        return self.wrapped.get_outputs()
+
+    def metadata(self) -> dict[str, str]:
+        return self.wrapped.metadata()
+
+    def prepare(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        self.wrapped.prepare(shapes)
+
+    @property
+    def keeps_working_memory(self) -> bool:
+        return self.wrapped.keeps_working_memory
+
+
 class CopyingRun:
     """:class:`BoundRun` for any :class:`GraphSession`: feeds the buffers, copies the paired outputs back."""
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from cosyvoice_cpu.backends.base import GraphSession, NodeInfo, Padding
+from cosyvoice_cpu.backends.base import GraphSession, Padding, WrappedSession
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def pad_axis(feeds: Mapping[str, np.ndarray], padding: Padding, size: int) -> di
     return out
 
 
-class BucketedSession(GraphSession):
+class BucketedSession(WrappedSession):
     """A session that pads every call to a :func:`bucket` and cuts the outputs back (see the module docstring).
 
     ``calls`` and ``padded`` count the calls and the padded positions (of ``padding.inputs[0]``'s axis).
@@ -64,21 +64,9 @@ class BucketedSession(GraphSession):
     """
 
     def __init__(self, session: GraphSession, padding: Padding) -> None:
-        self.session, self.padding = session, padding
+        super().__init__(session)
+        self.padding = padding
         self.calls = self.padded = 0
-
-    def get_inputs(self) -> list[NodeInfo]:
-        return self.session.get_inputs()
-
-    def get_outputs(self) -> list[NodeInfo]:
-        return self.session.get_outputs()
-
-    def metadata(self) -> dict[str, str]:
-        return self.session.metadata()
-
-    @property
-    def keeps_working_memory(self) -> bool:
-        return self.session.keeps_working_memory
 
     def run(
         self, output_names: list[str] | None, feeds: Mapping[str, np.ndarray], release_memory: bool = False
@@ -90,8 +78,8 @@ class BucketedSession(GraphSession):
         self.calls += 1
         self.padded += padded - size
         if padded == size:
-            return self.session.run(output_names, feeds, release_memory)
-        outs = self.session.run(output_names, pad_axis(feeds, self.padding, padded), release_memory)
+            return self.wrapped.run(output_names, feeds, release_memory)
+        outs = self.wrapped.run(output_names, pad_axis(feeds, self.padding, padded), release_memory)
         cut = (slice(None),) * axis + (slice(0, size),)
         return [o[cut] if o.ndim > axis and o.shape[axis] == padded else o for o in outs]
 
@@ -102,4 +90,4 @@ class BucketedSession(GraphSession):
             shape = list(shapes[name])
             shape[axis] = bucket(shape[axis])
             rounded[name] = tuple(shape)
-        self.session.prepare(rounded)
+        self.wrapped.prepare(rounded)

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from cosyvoice_cpu.backends.base import BoundRun, GraphSession, NodeInfo
+from cosyvoice_cpu.backends.base import BoundRun, GraphSession, WrappedSession
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +55,12 @@ def _rows(value: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
     return np.ascontiguousarray(value[index])
 
 
-class RowGroupSession(GraphSession):
+class RowGroupSession(WrappedSession):
     """A :class:`GraphSession` whose calls run their batch rows in ``groups`` groups at once.
 
     Args:
-        split: the graph opened with one intra-op thread; every group's call runs on it (a session runs
-            concurrent calls).
+        split: the graph opened with one intra-op thread (``wrapped``); every group's call runs on it (a session
+            runs concurrent calls).
         groups: row groups per call (>= 2); the first runs on the caller's thread, the others on threads started
             for the call (a thread start is far shorter than a stream-estimator call; no pool outlives a call, so
             nothing is left to a ``fork``).
@@ -70,28 +70,13 @@ class RowGroupSession(GraphSession):
     def __init__(self, split: GraphSession, groups: int, whole: Callable[[], GraphSession]) -> None:
         if groups < 2:
             raise ValueError(f"row groups must be >= 2, got {groups}")
-        self.split, self.groups = split, groups
+        super().__init__(split)
+        self.groups = groups
         self._open_whole = whole
         self._whole: GraphSession | None = None
         self._lock = threading.Lock()
         self._in_axes = {i.name: batch_axis(list(i.shape)) for i in split.get_inputs()}
         self._out_axes = {o.name: batch_axis(list(o.shape)) for o in split.get_outputs()}
-
-    def get_inputs(self) -> list[NodeInfo]:
-        return self.split.get_inputs()
-
-    def get_outputs(self) -> list[NodeInfo]:
-        return self.split.get_outputs()
-
-    def metadata(self) -> dict[str, str]:
-        return self.split.metadata()
-
-    def prepare(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
-        self.split.prepare(shapes)
-
-    @property
-    def keeps_working_memory(self) -> bool:
-        return self.split.keeps_working_memory
 
     def bind_in_place(self, pairs: Mapping[str, tuple[str, np.ndarray]]) -> BoundRun:
         return self.whole.bind_in_place(pairs)
@@ -118,13 +103,13 @@ class RowGroupSession(GraphSession):
         """The outputs of one call on ``feeds``: each row group's call on its own thread, joined along the outputs'
         batch axes; a call with fewer rows than groups runs on :attr:`whole`, one that cannot be split otherwise as
         one call on the one-thread session (module docstring)."""
-        names = output_names or [o.name for o in self.split.get_outputs()]
+        names = output_names or [o.name for o in self.wrapped.get_outputs()]
         rows = self.rows(feeds)
         if rows is not None and rows < self.groups:
             return self.whole.run(names, feeds, release_memory)
         if rows is None or any(self._out_axes.get(n) is None for n in names):
             logger.warning("a call whose rows cannot be split (%s): one call on one thread", sorted(feeds))
-            return self.split.run(names, feeds, release_memory)
+            return self.wrapped.run(names, feeds, release_memory)
         parts = [
             {k: v if (a := self._in_axes.get(k)) is None else _rows(v, a, start, stop) for k, v in feeds.items()}
             for start, stop in group_bounds(rows, self.groups)
@@ -134,7 +119,7 @@ class RowGroupSession(GraphSession):
 
         def call(i: int) -> None:
             try:
-                results[i] = self.split.run(names, parts[i], release_memory)
+                results[i] = self.wrapped.run(names, parts[i], release_memory)
             except Exception as e:  # handed to the caller, which raises it after every group ended
                 errors[i] = e
 

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from cosyvoice_cpu.backends.base import ONNXRUNTIME, SessionConfig
+from cosyvoice_cpu.backends.base import ONNXRUNTIME, GraphSession, SessionConfig, WrappedSession
 from cosyvoice_cpu.backends.buckets import BucketedSession, bucket
 from cosyvoice_cpu.backends.openvino import OpenVino, import_openvino
 from cosyvoice_cpu.errors import ExportError, MissingExtraError
@@ -100,25 +100,18 @@ def export_plain_estimator(estimator_graph: Any, path: Path) -> None:
         torch_export(estimator_graph, args, path, input_names=names, output_names=["estimator_out"], dynamic_axes=axes)
 
 
-class _Recorder:
+class _Recorder(WrappedSession):
     """A session wrapper that keeps a copy of every feed dict it is run with (the calibration samples)."""
 
-    def __init__(self, session: Any) -> None:
-        self.session, self.feeds = session, []
+    def __init__(self, session: GraphSession) -> None:
+        super().__init__(session)
+        self.feeds: list[dict[str, np.ndarray]] = []
 
-    def get_inputs(self) -> list[Any]:
-        return self.session.get_inputs()
-
-    def get_outputs(self) -> list[Any]:
-        return self.session.get_outputs()
-
-    @property
-    def keeps_working_memory(self) -> bool:
-        return self.session.keeps_working_memory
-
-    def run(self, names: Any, feeds: dict[str, Any], options: Any = None) -> list[Any]:
+    def run(
+        self, output_names: list[str] | None, feeds: Mapping[str, np.ndarray], release_memory: bool = False
+    ) -> list[np.ndarray]:
         self.feeds.append({k: np.array(v, copy=True) for k, v in feeds.items()})
-        return self.session.run(names, feeds, options)
+        return self.wrapped.run(output_names, feeds, release_memory)
 
 
 def flow_stage(
@@ -227,7 +220,7 @@ def flow_samples(
         for i, args in enumerate(sentences):
             stage.inference(**args, rng=np.random.default_rng(seed + i))
     finally:
-        stage._sessions["whole"] = recorder.session
+        stage._sessions["whole"] = recorder.wrapped
     return recorder.feeds
 
 
