@@ -1,12 +1,13 @@
-"""The stream estimator's CFG rows side by side (``EngineConfig.split_stream_rows``) against one call, in one process.
+"""The flow estimators' CFG rows side by side (``EngineConfig.split_rows``) against one call, in one process.
 
     python bench/row_groups_ab.py MODEL_DIR [--threads 2] [--runs 4] [--measure first,stream,four] [--backend auto]
     python bench/row_groups_ab.py MODEL_DIR --graph-alone [--runs 8]
     python bench/row_groups_ab.py MODEL_DIR --gate OFFICIAL_DIR [--runs 3]
 
-Two engines on one model directory (``--backend``'s plan), one with the stream estimator's two CFG rows run as two
-calls at once on one intra-op thread each (``split``, the default) and one running each call on both threads
-(``one-call``), take turns on the bench workload (``bench/backend_ab.py``'s measures: ``first``, the
+Two engines on one model directory (``--backend``'s plan), one with each estimator call's two CFG rows run as two
+calls at once on one intra-op thread each (``split``, the default: the stream estimator, and the whole-sentence
+estimator where ONNX Runtime runs it, as CosyVoice-300M's does in every mode) and one running each call on both
+threads (``one-call``), take turns on the bench workload (``bench/backend_ab.py``'s measures: ``first``, the
 8-character sentence streamed, its first audio; ``stream``, the 10 s sentence streamed, first audio and RTF;
 ``e2e``, a whole sentence) plus ``four``: four streamed 10 s sentences at once on four threads sharing the engine
 (wall seconds, as a server with four requests in flight). Prints the medians with each one's ratio to ``split``'s
@@ -73,7 +74,7 @@ def main() -> None:
     rate = Manifest.load(args.model_dir).token_frame_rate
     tokens, short = round(10 * rate), round(2 * rate)
     engines = {
-        label: load(args.model_dir, args.threads, backend=args.backend, split_stream_rows=split)
+        label: load(args.model_dir, args.threads, backend=args.backend, split_rows=split)
         for label, split in FORMS.items()
     }
     four: dict[str, list[float]] = {label: [] for label in engines}
@@ -138,7 +139,7 @@ def gate(model_dir: Path, official: Path, threads: int, runs: int) -> None:
         errors = {}
         for label, split in FORMS.items():
             stage = CosyVoice2Flow(*paths, settings=_settings(flow), threads=threads)
-            stage.split_stream_rows = split
+            stage.split_rows = split
             with torch.inference_mode():
                 errors[label] = _gate_stream(flow, stage, prompt, tokens, feat, emb, 1.0).value
         print(f"seed {seed}: streamed mel rel err " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))

@@ -23,7 +23,7 @@ at the chunk plan's shapes (``bench/ov_stream_forms.py``'s, 150 prompt frames) w
 the stop, the three sessions alternated call by call with a 30 ms pause before each call (a spinning pool of the
 previous session would otherwise take the cores of the next one).
 
-Every engine here runs the stream estimator as one call per step (``split_stream_rows=False``, as when these
+Every engine here runs the stream estimator as one call per step (``split_rows=False``, as when these
 measurements were made): the split form's calls run on a one-thread session, which has no pool to spin.
 """
 
@@ -135,7 +135,7 @@ def graph_engines(model_dir: Path, threads: int, stems: set[str]) -> dict[str, t
         spun: set[str] = set()
         with spinning_graphs(stems if spin else set(), stop, spun):
             # the stream graph as one call per step (the split rows' session is single-threaded: nothing spins)
-            engine, voice = load(model_dir, threads, backend="onnxruntime", split_stream_rows=False)
+            engine, voice = load(model_dir, threads, backend="onnxruntime", split_rows=False)
             for _ in engine.synthesize(SHORT_TEXT, voice, _config(SHORT_TOKENS, stream=True)):
                 pass
         if spin and spun != stems:
@@ -188,11 +188,11 @@ def main() -> None:
     if args.graphs:
         engines = graph_engines(args.model_dir, args.threads, {g.strip() for g in args.graphs.split(",")})
     else:
-        engines = {"spinning off": load(args.model_dir, args.threads, split_stream_rows=False)}
+        engines = {"spinning off": load(args.model_dir, args.threads, split_rows=False)}
     if args.lm_spin_us is None and not args.graphs:
-        engines["spinning on"] = load(args.model_dir, args.threads, spinning=True, split_stream_rows=False)
+        engines["spinning on"] = load(args.model_dir, args.threads, spinning=True, split_rows=False)
     for us in [] if args.lm_spin_us is None else [int(x) for x in args.lm_spin_us.split(",")]:
-        engines[f"LM {us} us"] = load(args.model_dir, args.threads, split_stream_rows=False)
+        engines[f"LM {us} us"] = load(args.model_dir, args.threads, split_rows=False)
         lm_spinning(engines[f"LM {us} us"][0], args.model_dir, args.threads, us)
 
     def measure(engine: Any, voice: Any) -> dict[str, float]:

@@ -100,11 +100,12 @@ class EngineConfig:
             Each compiled shape holds its own copy of everything, and a shape not in memory costs a compile or a
             load from OpenVINO's on-disk cache on the request path (``SessionConfig.max_shapes``; measured:
             docs/backends.md).
-        split_stream_rows: with 2 threads, run the stream estimator's two CFG rows side by side, each as a call
-            on one thread, instead of one call on both (``SessionConfig.row_groups``; other thread counts keep one
-            call). At the chunks' small shapes a call's operators are too small to share cores (measured:
-            docs/benchmarks-log.md, "2026-12-07 (stop 64)"). A stream without guidance (``cfg_rate`` 0) opens the
-            graph again on both threads.
+        split_rows: with 2 threads, run a flow estimator call's two CFG rows side by side, each as a call on one
+            thread, instead of one call on both (``SessionConfig.row_groups``; other thread counts keep one call):
+            the stream estimator's, and the whole-sentence estimator's where it runs on ONNX Runtime. At the
+            chunks' and short sentences' shapes a call's operators are too small to share cores (measured:
+            docs/benchmarks-log.md, "2026-12-07"). A call without guidance (``cfg_rate`` 0) opens the graph again
+            on both threads.
         compile_ahead: compile the whole-sentence OpenVINO estimator in a background thread at load, so the first
             sentence does not wait for it (a no-op on ONNX Runtime). False compiles it on the first sentence: for
             a process that only makes voices (``voice add``). Either way :meth:`Engine.close` (and the interpreter
@@ -128,7 +129,7 @@ class EngineConfig:
     backend: str = "auto"
     compiled_shapes: int = 0
     compile_ahead: bool = True
-    split_stream_rows: bool = True
+    split_rows: bool = True
 
     def validate(self) -> EngineConfig:
         _types(
@@ -172,7 +173,7 @@ class EngineConfig:
         need(0 <= self.threads <= 512, "threads", self.threads, "0 (auto) to 512")
         need(0 <= self.leave_cores <= 64, "leave_cores", self.leave_cores, "0 to 64")
         need(isinstance(self.compile_ahead, bool), "compile_ahead", self.compile_ahead, "True or False")
-        need(isinstance(self.split_stream_rows, bool), "split_stream_rows", self.split_stream_rows, "True or False")
+        need(isinstance(self.split_rows, bool), "split_rows", self.split_rows, "True or False")
         return self
 
 

@@ -7,7 +7,7 @@ behaviour. Float results depend on the kernels ONNX Runtime picks for the CPU, s
 record one (``COSYVOICE_PIN_RECORD=1 python -m pytest tests/export/test_pinned_audio.py`` on a commit whose
 audio is known good). A record is never rewritten silently: a changed hash fails.
 
-The engine runs each stream-estimator call as one (``split_stream_rows=False``), as when the records were made:
+The engine runs each flow-estimator call as one (``split_rows=False``), as when the records were made:
 the split form (the default since 2026-12-07) gives each CFG row its own int8 activation scale, so other bits on
 every machine kind, and only this machine's kind could be recorded again then. The split form is held to the
 one-call form's quality instead (``tests/export/test_streaming.py``).
@@ -68,7 +68,7 @@ def _digest(wave: np.ndarray) -> str:
 
 
 def _hashes(model_dir: Path, prompt: Path) -> dict[str, str]:
-    engine = Engine.load(model_dir, EngineConfig(threads=2, split_stream_rows=False))
+    engine = Engine.load(model_dir, EngineConfig(threads=2, split_rows=False))
     try:
         voice = engine.make_voice(prompt, "Good morning everyone.", name="pin")
         return {

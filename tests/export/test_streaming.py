@@ -207,7 +207,7 @@ def test_int8_stream_graph_takes_float16_caches(fp32_dir: Path, tmp_path: Path) 
 
 
 def test_split_rows_stream_as_one_call_does(fp32_dir: Path, tmp_path: Path) -> None:
-    """The stream estimator's CFG rows as two calls at once (``split_stream_rows``, the default) against one call:
+    """The stream estimator's CFG rows as two calls at once (``split_rows``, the default) against one call:
     the fp32 graph's mel up to kernel rounding; the int8 graph's (one activation scale per call, so one per row
     there) no farther from the fp32 mel than the one-call int8 mel is."""
     from cosyvoice_cpu.backends.row_groups import RowGroupSession
@@ -221,7 +221,7 @@ def test_split_rows_stream_as_one_call_does(fp32_dir: Path, tmp_path: Path) -> N
         for split in (True, False):
             stage = CosyVoice2Flow(fp32_dir / FILES["flow_encoder"], fp32_dir / FILES["flow_estimator"], graph,
                                    fp32_dir / FILES["flow_noise"], threads=2)  # fmt: skip
-            stage.split_stream_rows = split
+            stage.split_rows = split
             mels[name, split], _ = _stream(stage, 25)
             assert isinstance(stage.stream_estimator, RowGroupSession) == split
     rel = {k: float(np.abs(m - mels["fp32", False]).max() / np.abs(mels["fp32", False]).max()) for k, m in mels.items()}

@@ -203,18 +203,24 @@ def test_one_flow_estimator_serves_both_modes(tiny_export_dir: Path) -> None:
     engine.synthesize_wav("Hello.", voice, SynthesisConfig(seed=1, stream=True))
     assert set(engine.flow._sessions) == {"stream"}
     assert getattr(stream, "_whole", None) is None  # both modes split: no second copy of the graph opened
-    whole_only = Engine.load(tiny_export_dir, EngineConfig(streaming_estimator=False))
+    whole_only = Engine.load(tiny_export_dir, EngineConfig(streaming_estimator=False, split_rows=False))
     other = whole_only.synthesize_wav("Hello.", voice, SynthesisConfig(seed=1))
     assert set(whole_only.flow._sessions) == {"whole"}
-    # the stream graph as one call per step gives the whole-sentence graph's audio; its rows as two calls (the
+    whole_split = Engine.load(tiny_export_dir, EngineConfig(streaming_estimator=False))  # the whole graph splits too
+    assert isinstance(whole_split.flow.estimator, RowGroupSession) == (whole_split.threads == 2)
+    other_split = whole_split.synthesize_wav("Hello.", voice, SynthesisConfig(seed=1))
+    # the stream graph as one call per step gives the whole-sentence graph's audio; the rows as two calls (the
     # default) move it by their own int8 activation scales only
-    one_call = Engine.load(tiny_export_dir, EngineConfig(split_stream_rows=False))
+    one_call = Engine.load(tiny_export_dir, EngineConfig(split_rows=False))
     one = one_call.synthesize_wav("Hello.", voice, SynthesisConfig(seed=1))
-    for e in (engine, whole_only, one_call):
+    for e in (engine, whole_only, whole_split, one_call):
         e.close()
-    rel = {k: np.abs(w - one).max() / np.abs(one).max() for k, w in (("whole", other), ("split", wav))}
+    pairs = (("whole", other), ("split", wav), ("whole split", other_split))
+    rel = {k: np.abs(w - one).max() / np.abs(one).max() for k, w in pairs}
     print(f"against the stream graph's one call: {rel}")
-    assert other.shape == wav.shape == one.shape and rel["whole"] < 1e-4 and rel["split"] < 1e-3
+    assert other.shape == wav.shape == other_split.shape == one.shape and rel["whole"] < 1e-4
+    assert rel["split"] < 1e-3 and rel["whole split"] < 1e-3
+    assert whole_split.threads != 2 or rel["whole split"] > 0  # int8: each row's call quantizes with its own scale
 
 
 def test_long_vocoder_calls_run_in_windows_with_the_same_samples(engine: Engine, voice: Voice,

@@ -161,7 +161,7 @@ class Family:
             arena_shrink_frames=config.arena_shrink_frames,
             whole=whole,
         )
-        flow.split_stream_rows = config.split_stream_rows
+        flow.split_rows = config.split_rows
         return flow
 
     # ------------------------------------------------------------------ the LM's prompt

@@ -134,9 +134,9 @@ class FlowStage(ABC):
             ONNX Runtime (or the stream graph with empty caches, where it serves whole sentences) runs them.
 
     Attributes:
-        split_stream_rows: run the stream estimator's CFG rows side by side, each row a call on one thread, where
-            the stage has as many threads as rows (:attr:`SessionConfig.row_groups`;
-            ``EngineConfig.split_stream_rows``). Read when the stream graph is opened (on first use).
+        split_rows: run an estimator call's CFG rows side by side, each row a call on one thread, where the stage
+            has as many threads as rows (:attr:`SessionConfig.row_groups`, which only ONNX Runtime acts on;
+            ``EngineConfig.split_rows``). Read when an estimator is opened (on first use).
     """
 
     encoder_io: ClassVar[IO]  # the family's encoder contract
@@ -176,7 +176,7 @@ class FlowStage(ABC):
                 raise ModelDirError(f"{path} is missing; export the model directory again")
         self._sessions: dict[str, GraphSession] = {}
         self._lock = threading.Lock()
-        self.split_stream_rows = True
+        self.split_rows = True
         self.noise: np.ndarray | None = None  # a fixed noise table (1, 80, frames), for families that have one
 
     @classmethod
@@ -228,10 +228,10 @@ class FlowStage(ABC):
         with self._lock:
             if kind not in self._sessions:
                 path, io = self._estimators[kind]
-                config = as_config(self.threads)
+                rows = guidance_rows(self.settings.cfg_rate) if self.split_rows else 0
+                config = replace(as_config(self.threads), row_groups=rows if rows > 1 else 0)
                 if kind == "stream":  # its cache gathers run early: see SessionConfig.priority_order
-                    rows = guidance_rows(self.settings.cfg_rate) if self.split_stream_rows else 0
-                    config = replace(config, priority_order=True, row_groups=rows if rows > 1 else 0)
+                    config = replace(config, priority_order=True)
                 if kind == "whole" and self.whole is not None:  # padding: where its backend compiles per shape
                     padding = ESTIMATOR_PADDING if self.whole.pad else None
                     config = replace(config, backend=self.whole.backend, padding=padding)

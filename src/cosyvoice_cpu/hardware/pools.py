@@ -67,7 +67,7 @@ def thread_pools(
     threads: int, lm_batch_rows: int, max_active: int | None = None, split_rows: bool = True
 ) -> list[Pool]:
     """The pools of an engine loaded with ``threads`` intra-op threads, ``lm_batch_rows`` (0: no scheduler) and
-    ``split_rows`` (``EngineConfig.split_stream_rows``); ``max_active`` when a server runs it."""
+    ``split_rows`` (``EngineConfig.split_rows``); ``max_active`` when a server runs it."""
     pools = [
         Pool("onnxruntime", threads, "intra-op threads per graph call (one pool per session; idle threads sleep)"),
         Pool("openvino", threads, "inference threads per call of an OpenVINO graph; its compile uses TBB's arena"),
@@ -88,8 +88,8 @@ def thread_pools(
             Pool(
                 "flow-rows",
                 1,
-                "per stream-estimator call, started for it: the second CFG row while the caller runs the first, "
-                "each a call on one thread",
+                "per flow-estimator call on ONNX Runtime, started for it: the second CFG row while the caller "
+                "runs the first, each a call on one thread",
             )
         )
     import numpy  # noqa: F401  # loads its BLAS (the engine's process always has NumPy)
