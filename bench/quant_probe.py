@@ -47,6 +47,7 @@ def probe(model_dir: Path, threads: int, size: str) -> dict:
     m = Manifest.load(model_dir)
     lm = LMSession.from_dir(model_dir, m.graphs["lm"].attrs, threads=threads)
     flow = CosyVoice2Flow.from_dir(model_dir, m.flow, threads=threads)
+    flow.split_rows = False  # one call per step, as the recorded figures were taken (EngineConfig.split_rows)
     voc = Vocoder.from_dir(model_dir, m.graphs["hift_decode"].attrs, threads=threads)
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)

@@ -3,6 +3,7 @@
     python bench/row_groups_ab.py MODEL_DIR [--threads 2] [--runs 4] [--measure first,stream,four] [--backend auto]
     python bench/row_groups_ab.py MODEL_DIR --graph-alone [--runs 8]
     python bench/row_groups_ab.py MODEL_DIR --gate OFFICIAL_DIR [--runs 3]
+    python bench/row_groups_ab.py MODEL_DIR --memory [--runs 2] [--backend auto]
 
 Two engines on one model directory (``--backend``'s plan), one with each estimator call's two CFG rows run as two
 calls at once on one intra-op thread each (``split``, the default: the stream estimator, and the whole-sentence
@@ -24,12 +25,20 @@ group).
 activations, unbounded context, against the PyTorch reference of ``OFFICIAL_DIR``, the checkpoint ``MODEL_DIR`` was
 exported from; :func:`~cosyvoice_cpu.export.flow.cosyvoice2.verify_flow`'s) on ``MODEL_DIR``'s graphs, split and as
 one call, on ``--runs`` random inputs (seeds 0, 1, ...): the largest relative mel error of each. Needs torch.
+
+``--memory`` asks what the split costs in memory, which one process holding both engines cannot tell: each form
+loads alone in a process of its own (the forms alternating, ``--runs`` processes each), streams the 10 s sentence
+twice, then speaks it whole four times (twice the bench's whole-sentence measure: a warm-up and a run); the
+process's peak RSS (``VmHWM``) after load, after the streams and after the whole sentences, in MB (medians).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +48,7 @@ from spinning_ab import four_at_once
 
 from cosyvoice_cpu.backends.base import SessionConfig
 from cosyvoice_cpu.backends.registry import open_graph
-from cosyvoice_cpu.benchmark.tasks import load
+from cosyvoice_cpu.benchmark.tasks import TEXT, _config, listen, load, measure_e2e, peak_rss_mb
 from cosyvoice_cpu.hardware.cpu import detect
 from cosyvoice_cpu.manifest import Manifest
 
@@ -55,9 +64,14 @@ def main() -> None:
     ap.add_argument("--backend", default="auto", help="the engines' plan (auto, onnxruntime, openvino)")
     ap.add_argument("--graph-alone", action="store_true", help="the stream estimator alone, no engine")
     ap.add_argument("--gate", type=Path, default=None, help="the streamed-mel gate against this reference checkpoint")
+    ap.add_argument("--memory", action="store_true", help="each form's peak RSS, in processes of their own")
+    ap.add_argument("--memory-form", choices=FORMS, help=argparse.SUPPRESS)  # one --memory process
     args = ap.parse_args()
     if args.threads != 2:
         ap.error("--threads: the rows split only with 2 threads (SessionConfig.row_groups)")
+    if args.memory_form:
+        memory_form(args.model_dir, args.threads, args.backend, args.memory_form)
+        return
     cpu = detect().cpu
     print(
         f"{cpu.model if cpu else 'unknown CPU'} ({cpu.isa if cpu else '?'}), {args.threads} threads, {args.model_dir}"
@@ -67,6 +81,9 @@ def main() -> None:
         return
     if args.gate is not None:
         gate(args.model_dir, args.gate, args.threads, args.runs)
+        return
+    if args.memory:
+        memory(args.model_dir, args.threads, args.runs, args.backend)
         return
     names = args.measure.split(",")
     if unknown := set(names) - {"first", "stream", "e2e", "four"}:
@@ -117,6 +134,37 @@ def graph_alone(model_dir: Path, threads: int, runs: int) -> None:
               + ", ".join(f"{k} {v:.1f}" for k, v in med.items())
               + f"; one-call / split {med['one-call'] / med['split']:.2f}x; split's velocity differs by {diff:.2e} "
               "of the largest")  # fmt: skip
+
+
+def memory(model_dir: Path, threads: int, runs: int, backend: str) -> None:
+    """Each form's peaks in processes of their own, alternated (``--memory``)."""
+    peaks: dict[str, list[dict[str, float]]] = {label: [] for label in FORMS}
+    for _ in range(runs):
+        for label in FORMS:
+            cmd = [sys.executable, __file__, str(model_dir), "--threads", str(threads), "--backend", backend]
+            done = subprocess.run([*cmd, "--memory-form", label], capture_output=True, text=True)
+            if done.returncode:
+                sys.exit(f"the {label} process failed ({done.returncode}):\n{done.stderr}")
+            peaks[label].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    for label, found in peaks.items():
+        print(f"{label:9s} peak RSS, MB (median of {runs}): "
+              + ", ".join(f"{k} {statistics.median(p[k] for p in found):.0f}" for k in found[0])
+              + "; runs: " + "; ".join(" / ".join(f"{v:.0f}" for v in p.values()) for p in found))  # fmt: skip
+
+
+def memory_form(model_dir: Path, threads: int, backend: str, label: str) -> None:
+    """One form's engine alone in this process: its peaks as one JSON line."""
+    engine, voice = load(model_dir, threads, backend=backend, split_rows=FORMS[label])
+    tokens = round(10 * Manifest.load(model_dir).token_frame_rate)
+    found = {"load": peak_rss_mb()}
+    for _ in range(2):
+        listen(engine, voice, TEXT, _config(tokens, stream=True))
+    found["streams"] = peak_rss_mb()
+    for _ in range(2):
+        measure_e2e(engine, voice, tokens, 1)
+    found["whole"] = peak_rss_mb()
+    engine.close()
+    print(json.dumps(found))
 
 
 def gate(model_dir: Path, official: Path, threads: int, runs: int) -> None:

@@ -254,7 +254,7 @@ class SessionConfig:
             every shape as it comes). The session pads and cuts back itself (:mod:`~cosyvoice_cpu.backends.buckets`).
         row_groups: 0 runs each call as one; N >= 2 splits a call's batch rows into N groups that run at once,
             each a call on one intra-op thread (:mod:`~cosyvoice_cpu.backends.row_groups`: for graphs called at
-            small shapes, the stream estimators' CFG rows). Only where ``threads`` is N (calls at once on one
+            small shapes, the flow estimators' CFG rows). Only where ``threads`` is N (calls at once on one
             session share its one pool, so more threads would not reach the groups); ONNX Runtime's (other
             backends run each call as one).
 

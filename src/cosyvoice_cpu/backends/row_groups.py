@@ -1,7 +1,8 @@
 """A call's batch rows run side by side: one graph call split into calls of row groups, each on its own thread.
 
 A graph called at small shapes gives each operator too little work to share across cores. The stream estimators run
-20-100 new frames per call with two CFG rows; ONNX Runtime's pool threads sleep between operators (spinning is off:
+20-100 new frames per call with two CFG rows (the whole-sentence estimator a few hundred: CosyVoice-300M's streamed
+windows); ONNX Runtime's pool threads sleep between operators (spinning is off:
 :attr:`~cosyvoice_cpu.backends.base.SessionConfig.spinning`), and waking one for each of a call's operators can cost
 what the second core gives (measured: docs/benchmarks-log.md, "2026-12-07 (stop 64)"). Split by rows instead, each
 group a whole call on one thread: no thread waits on another inside a call. Rows are independent in the graphs this
@@ -62,7 +63,7 @@ class RowGroupSession(WrappedSession):
         split: the graph opened with one intra-op thread (``wrapped``); every group's call runs on it (a session
             runs concurrent calls).
         groups: row groups per call (>= 2); the first runs on the caller's thread, the others on threads started
-            for the call (a thread start is far shorter than a stream-estimator call; no pool outlives a call, so
+            for the call (a thread start is far shorter than an estimator call; no pool outlives a call, so
             nothing is left to a ``fork``).
         whole: opens the graph with every thread, for calls with fewer rows than ``groups`` (on first need).
     """
