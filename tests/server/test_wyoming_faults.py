@@ -73,6 +73,15 @@ def test_a_malformed_event_gets_an_error_and_a_closed_connection(wyoming_server:
     still_serving(wyoming_server)
 
 
+def test_a_refused_event_with_input_behind_it_still_gets_its_error(wyoming_server: WyomingServer) -> None:
+    """The server reads and drops what follows a refused event before it closes: a close with input unread resets
+    the connection, and the client's asyncio reader then raises the reset instead of the error it was sent."""
+    data = b'{"type": "synthesize", "payload_length": 1000000000}\n' + b"\0" * 1_000_000
+    for _ in range(5):
+        assert _error(asyncio.run(raw(wyoming_server, data))).code == "bad_event"
+    still_serving(wyoming_server)
+
+
 def test_an_unknown_event_gets_an_error_and_the_connection_goes_on(wyoming_server: WyomingServer) -> None:
     async def run() -> tuple[Event, Event]:
         async with AsyncTcpClient("127.0.0.1", wyoming_server.port, read_timeout=5) as c:

@@ -2,13 +2,14 @@
 ``audio-stop``; ``synthesize-start``/``-chunk``/``-stop`` -> per sentence ``audio-start``/chunks/``audio-stop``, then
 ``synthesize-stopped``; ``ping`` -> ``pong``; anything else -> ``error``.
 
-Events are read by the ``wyoming`` package's ``async_read_event`` through :class:`BoundedReader`, which refuses
-an announced data or payload length past the limit before reading it. Synthesis runs as a task beside the reading
-loop, so ``describe`` is answered while audio is made (on the loop, with the voices listed off it: never behind
-a synthesis slot), a client that hangs up is seen at once and its work is cancelled, and streamed text is fed
-while earlier sentences are spoken. A request the server refuses (bad text, unknown voice or language, server
-busy) or a synthesis that fails gets an ``error`` event (``text``, ``code``) and the connection is closed: Home
-Assistant reads a TTS answer until ``audio-stop`` or the end of the connection and skips other events.
+Events are read by the ``wyoming`` package's ``async_read_event`` through
+:class:`~cosyvoice_cpu.server.wyoming_reader.BoundedReader`, which refuses an announced data or payload length past
+the limit before reading it. Synthesis runs as a task beside the reading loop, so ``describe`` is answered while
+audio is made (on the loop, with the voices listed off it: never behind a synthesis slot), a client that hangs up is
+seen at once and its work is cancelled, and streamed text is fed while earlier sentences are spoken. A request the
+server refuses (bad text, unknown voice or language, server busy) or a synthesis that fails gets an ``error`` event
+(``text``, ``code``) and the connection is closed (after a bad event, in order: :func:`~.wyoming_reader.linger`):
+Home Assistant reads a TTS answer until ``audio-stop`` or the end of the connection and skips other events.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from cosyvoice_cpu.errors import ConfigError, WorkCancelled
 from cosyvoice_cpu.server.checks import RequestProblem, check_text
 from cosyvoice_cpu.server.speech import AudioTooLong, Cancelled, Job, Rejected, TimedOut
 from cosyvoice_cpu.server.wyoming_audio import WIDTH, TextInbox, pump, resolve_voice
+from cosyvoice_cpu.server.wyoming_reader import BoundedReader, linger
 
 if TYPE_CHECKING:
     from cosyvoice_cpu.config import AudioChunk
@@ -39,38 +41,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ENDPOINT = "wyoming"  # the metrics label of Wyoming syntheses
-
-
-class BoundedReader:
-    """The connection's StreamReader as ``async_read_event`` uses it, refusing data or payload lengths over
-    ``limit`` (bytes) before reading them; remembers why it stopped (:meth:`problem`)."""
-
-    def __init__(self, reader: asyncio.StreamReader, limit: int) -> None:
-        self.reader, self.limit = reader, limit
-        self.line = b""
-        self.refused: str | None = None
-
-    async def readline(self) -> bytes:
-        try:
-            self.line = await self.reader.readline()
-        except ValueError:  # the header line ran past the reader's buffer limit (64 KiB)
-            self.refused = "an event header line longer than 64 KiB"
-            raise
-        return self.line
-
-    async def readexactly(self, n: int) -> bytes:
-        if not isinstance(n, int) or n > self.limit:
-            self.refused = f"an event announcing {n!r} bytes of data or payload (this server takes {self.limit})"
-            raise ValueError(self.refused)
-        return await self.reader.readexactly(n)
-
-    def problem(self) -> str | None:
-        """Why the last read gave no event although the connection did not end cleanly (None: it ended)."""
-        if self.refused:
-            return self.refused
-        if self.line:
-            return f"a malformed event header: {self.line[:120]!r}"
-        return None
 
 
 class CosyVoiceHandler(AsyncEventHandler):
@@ -87,6 +57,7 @@ class CosyVoiceHandler(AsyncEventHandler):
         self.stream_chars = 0
         self.job: Job | None = None
         self.closed = False
+        self.failed = False  # an error event was sent
 
     # ------------------------------------------------------------------ the connection
 
@@ -95,6 +66,7 @@ class CosyVoiceHandler(AsyncEventHandler):
         service = self.service
         if service.connections >= self.options.max_connections:
             await self.fail(f"the server has {service.connections} connections open, its limit; retry later", "busy")
+            await linger(self.reader, self.writer)
             self.writer.close()
             return
         service.connections += 1
@@ -107,6 +79,8 @@ class CosyVoiceHandler(AsyncEventHandler):
         finally:
             service.connections -= 1
             service.handlers.discard(self)
+            if self.failed:  # an error was sent: let the client read it before the connection ends
+                await linger(self.reader, self.writer)
             await self.close()
 
     async def _next_event(self) -> Event | None:
@@ -141,6 +115,7 @@ class CosyVoiceHandler(AsyncEventHandler):
 
     async def fail(self, message: str, code: str) -> None:
         """Send an ``error`` event (if the client is still there)."""
+        self.failed = True
         try:
             await self.write_event(Error(text=message, code=code).event())
         except (ConnectionError, RuntimeError):
