@@ -134,3 +134,36 @@ def test_the_servers_take_a_default_step_count(command: str, capsys: pytest.Capt
             parser.parse_args([command, "-m", "D", "--flow-steps", bad])
         err = capsys.readouterr().err
         assert "--flow-steps" in err and "from 1 to 100" in err, err
+
+
+@pytest.mark.parametrize("command", ["say", "voice", "serve", "wyoming", "doctor", "demo"])
+def test_every_engine_command_takes_no_split_rows(command: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--no-split-rows`` (``EngineConfig.split_rows``) reaches the engine each command loads: through
+    ``backend_options`` for all, through ``server_engine_config`` for the servers, and to ``Engine.load`` for the
+    commands that speak."""
+    from cosyvoice_cpu.cli.common import backend_options, server_engine_config
+
+    positional = {"say": ["hi"], "voice": ["list"]}.get(command, [])
+    parser = build_parser()
+    default = parser.parse_args([command, "-m", "D", *positional])
+    one_call = parser.parse_args([command, "-m", "D", "--no-split-rows", *positional])
+    assert backend_options(default)["split_rows"] is True and backend_options(one_call)["split_rows"] is False
+    if command in ("serve", "wyoming"):
+        assert server_engine_config(default, 2).split_rows and not server_engine_config(one_call, 2).split_rows
+    if command == "say":
+        from cosyvoice_cpu.cli.speech import _engine
+        from cosyvoice_cpu.engine import Engine
+
+        seen = []
+        monkeypatch.setattr(Engine, "load", classmethod(lambda cls, model, config: seen.append(config)))
+        _engine(default)
+        _engine(one_call)
+        assert [c.split_rows for c in seen] == [True, False]
+
+
+def test_pool_lines_follow_split_rows() -> None:
+    """``doctor`` and ``serve`` print the pools of the engine as configured: no row thread without the split."""
+    from cosyvoice_cpu.hardware.pools import pool_lines
+
+    assert any(line.startswith("flow-rows") for line in pool_lines(2, 4, cores=2))
+    assert not any(line.startswith("flow-rows") for line in pool_lines(2, 4, cores=2, split_rows=False))

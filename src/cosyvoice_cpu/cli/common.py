@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from cosyvoice_cpu.backends.plan import CHOICES
 from cosyvoice_cpu.config import (
@@ -18,7 +19,8 @@ from cosyvoice_cpu.errors import MissingExtraError
 
 
 def add_backend_args(parser: argparse.ArgumentParser) -> None:
-    """``--backend`` and ``--compiled-shapes`` (``EngineConfig.backend``, ``EngineConfig.compiled_shapes``)."""
+    """``--backend``, ``--compiled-shapes`` and ``--no-split-rows`` (``EngineConfig.backend``,
+    ``EngineConfig.compiled_shapes``, ``EngineConfig.split_rows``; :func:`backend_options` reads them)."""
     parser.add_argument(
         "--backend",
         default="auto",
@@ -35,6 +37,19 @@ def add_backend_args(parser: argparse.ArgumentParser) -> None:
         "(static, somewhat faster, each holding its own memory; docs/backends.md) and keeps "
         "N",
     )
+    parser.add_argument(
+        "--no-split-rows",
+        dest="split_rows",
+        action="store_false",
+        help="with 2 threads, run each flow-estimator call on ONNX Runtime as one call on both threads instead of "
+        "its two guidance rows side by side, one thread each (the default: faster streamed chunks and first "
+        "audio, docs/streaming.md); for a box where other work keeps a core busy",
+    )
+
+
+def backend_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``EngineConfig`` fields of :func:`add_backend_args`' flags, as keyword arguments."""
+    return {"backend": args.backend, "compiled_shapes": args.compiled_shapes, "split_rows": args.split_rows}
 
 
 def seconds(value: str) -> float:
@@ -120,8 +135,7 @@ def server_engine_config(args: argparse.Namespace, lm_batch_rows: int) -> Engine
         lm_batch_rows=lm_batch_rows,
         prompt_cache_mb=args.prompt_cache_mb,
         prompt_cache_fp16=args.prompt_cache_fp16,
-        backend=args.backend,
-        compiled_shapes=args.compiled_shapes,
+        **backend_options(args),
     ).validate()
 
 

@@ -213,7 +213,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from cosyvoice_cpu.config import DEFAULT_LM_BATCH_ROWS
     from cosyvoice_cpu.hardware.pools import pool_lines
 
-    for line in pool_lines(hw.threads(), DEFAULT_LM_BATCH_ROWS, hw.usable_cores):
+    for line in pool_lines(hw.threads(), DEFAULT_LM_BATCH_ROWS, hw.usable_cores, split_rows=args.split_rows):
         print(f"pools        {line}")
     for note in hw.notes:
         print(f"note         {note}")

@@ -86,7 +86,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from cosyvoice_cpu.hardware.pools import pool_lines
     from cosyvoice_cpu.server.protocol import timed_protocol
 
-    for line in pool_lines(engine.threads, rows, detect().usable_cores, settings.max_active):
+    split = engine_config.split_rows
+    for line in pool_lines(engine.threads, rows, detect().usable_cores, settings.max_active, split):
         logger.info("thread pools: %s", line)  # the server's synthesis threads beside the engine's (doctor: none)
 
     config = uvicorn.Config(

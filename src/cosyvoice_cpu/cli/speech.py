@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cosyvoice_cpu.backends.plan import describe
-from cosyvoice_cpu.cli.common import add_backend_args
+from cosyvoice_cpu.cli.common import add_backend_args, backend_options
 from cosyvoice_cpu.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -55,9 +55,8 @@ def _engine(args: argparse.Namespace, compile_ahead: bool = True) -> Engine:
         EngineConfig(
             threads=args.threads,
             streaming_estimator=stream,
-            backend=args.backend,
-            compiled_shapes=args.compiled_shapes,
             compile_ahead=compile_ahead,
+            **backend_options(args),
         ),
     )
 
@@ -236,9 +235,7 @@ def demo_runtime(args: argparse.Namespace) -> int:
 
     model = Path(args.model) if args.model else DEMO_MODEL
     t0 = time.perf_counter()
-    with Engine.load(
-        model, EngineConfig(threads=args.threads, backend=args.backend, compiled_shapes=args.compiled_shapes)
-    ) as engine:
+    with Engine.load(model, EngineConfig(threads=args.threads, **backend_options(args))) as engine:
         t1 = time.perf_counter()
         voice = engine.make_voice(_tone_wav(), "Good morning everyone.", name="demo")
         t2 = time.perf_counter()

@@ -101,9 +101,11 @@ def thread_pools(
     return pools
 
 
-def pool_lines(threads: int, lm_batch_rows: int, cores: int, max_active: int | None = None) -> list[str]:
+def pool_lines(
+    threads: int, lm_batch_rows: int, cores: int, max_active: int | None = None, split_rows: bool = True
+) -> list[str]:
     """:func:`thread_pools` as ``doctor`` prints them, and the most threads that compute at once."""
-    pools = thread_pools(threads, lm_batch_rows, max_active)
+    pools = thread_pools(threads, lm_batch_rows, max_active, split_rows)
     lines = [f"{p.name}: {p.threads} thread{'s' if p.threads != 1 else ''}, {p.what}" for p in pools]
     stages = 2 if lm_batch_rows else 1  # with the scheduler, a stream's LM decodes ahead while its flow runs
     busy = stages * threads
