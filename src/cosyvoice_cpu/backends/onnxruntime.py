@@ -22,6 +22,7 @@ from cosyvoice_cpu.backends.base import ONNXRUNTIME, Backend, BoundRun, GraphSes
 from cosyvoice_cpu.backends.row_groups import RowGroupSession
 from cosyvoice_cpu.errors import ConfigError, ModelDirError
 from cosyvoice_cpu.hardware.pages import release_file_pages
+from cosyvoice_cpu.hardware.pools import splits_rows
 
 if TYPE_CHECKING:
     import onnxruntime as ort
@@ -162,12 +163,11 @@ class OnnxRuntime(Backend):
         return importlib.util.find_spec("onnxruntime") is not None
 
     def open(self, path: Path, config: SessionConfig) -> GraphSession:
-        """The graph as an :class:`OrtSession`; with ``config.row_groups`` equal to ``threads``, a
-        :class:`~cosyvoice_cpu.backends.row_groups.RowGroupSession` over a one-thread session (the groups' calls
-        share the session, and concurrent calls share its one intra-op pool: with more threads than groups they
-        would not get a share each)."""
+        """The graph as an :class:`OrtSession`; where ``config.row_groups`` splits
+        (:func:`~cosyvoice_cpu.hardware.pools.splits_rows`: as many groups as threads), a
+        :class:`~cosyvoice_cpu.backends.row_groups.RowGroupSession` over a one-thread session."""
         groups = config.row_groups
-        if groups < 2 or config.threads != groups:
+        if not splits_rows(config.threads, groups):
             return OrtSession(make_session(path, config))
         split = OrtSession(make_session(path, replace(config, threads=1, row_groups=0)))
         return RowGroupSession(split, groups, lambda: OrtSession(make_session(path, replace(config, row_groups=0))))

@@ -63,6 +63,17 @@ def blas_pool(maps: Path = Path("/proc/self/maps")) -> tuple[str, int] | None:
     return None
 
 
+GUIDED_ROWS = 2  # a flow-estimator call's rows with guidance (flow.guidance.guidance_rows)
+
+
+def splits_rows(threads: int, groups: int) -> bool:
+    """Whether a call split into ``groups`` row groups runs them as one-thread calls at once on a session of
+    ``threads`` threads (``SessionConfig.row_groups``): only where each group gets a thread of its own. Concurrent
+    calls on one ONNX Runtime session share its one intra-op pool, so with more threads than groups they would not
+    get a share each."""
+    return groups >= 2 and threads == groups
+
+
 def thread_pools(
     threads: int, lm_batch_rows: int, max_active: int | None = None, split_rows: bool = True
 ) -> list[Pool]:
@@ -83,7 +94,7 @@ def thread_pools(
         )
     if max_active:
         pools.append(Pool("server", max_active, "synthesis threads, one per request in flight"))
-    if split_rows and threads == 2:
+    if split_rows and splits_rows(threads, GUIDED_ROWS):
         pools.append(
             Pool(
                 "flow-rows",
