@@ -34,6 +34,8 @@ BF16 = _cpu("avx2 fma avx512f avx512_vnni avx512_bf16", "AuthenticAMD")  # a Zen
 AMX = _cpu("avx2 fma avx512f avx512_vnni amx_bf16 amx_int8", "GenuineIntel")
 INTEL_BF16 = _cpu("avx2 fma avx512f avx512_vnni avx512_bf16 avx512_fp16", "GenuineIntel")  # AMX hidden
 AVX2 = _cpu("avx2 fma", "AuthenticAMD")
+VNNI = _cpu("avx2 fma avx512f avx512_vnni", "GenuineIntel")  # Cascade Lake, Ice Lake: no bf16 arithmetic
+SKYLAKE = _cpu("avx2 fma avx512f", "GenuineIntel")  # AVX-512 without VNNI
 
 
 def test_auto_puts_the_estimator_on_openvino_only_where_the_cpu_has_bf16() -> None:
@@ -44,9 +46,29 @@ def test_auto_puts_the_estimator_on_openvino_only_where_the_cpu_has_bf16() -> No
     assert all(p.backend == "onnxruntime" and p.key == k for k, p in plan.items() if k != "flow_estimator")
     assert plan_backends(_graphs(), "auto", AMX, installed=True, memory=None)["flow_estimator"].backend == "openvino"
     avx2 = plan_backends(_graphs(), "auto", AVX2, installed=True)["flow_estimator"]
-    assert avx2.backend == "onnxruntime" and "neither AVX-512 BF16 nor AMX" in avx2.reason
+    assert avx2.backend == "onnxruntime" and "neither AMX, AVX-512 BF16 nor AVX-512 VNNI" in avx2.reason
     unknown = plan_backends(_graphs(), "auto", None, installed=True)  # /proc/cpuinfo unreadable: no bf16
     assert unknown["flow_estimator"].backend in ("onnxruntime", "openvino")
+
+
+def test_auto_takes_openvino_on_avx512_vnni_without_bf16_in_f32() -> None:
+    """A Cascade Lake / Ice Lake (AVX-512 VNNI, no bf16 arithmetic) runs OpenVINO's f32 kernels with int8 layers,
+    all an Intel core without AMX uses (measured with OpenVINO's kernels capped at that instruction set: the int4
+    LM 1.73x faster than ONNX Runtime's, docs/backends.md); AVX-512 without VNNI (Skylake) keeps ONNX Runtime."""
+    from cosyvoice_cpu.backends import openvino_precision
+
+    plan = plan_backends(_with_lm_ov(), "auto", VNNI, installed=True, memory=None, family="cosyvoice2")
+    assert plan["flow_estimator"].backend == "openvino" and plan["lm"].backend == "openvino"
+    assert "the CPU has AVX-512 VNNI" in plan["flow_estimator"].reason and "AVX-512 VNNI" in plan["lm"].reason
+    assert "computed in f32 (this CPU has no bf16 arithmetic)" in plan["flow_estimator"].reason
+    assert openvino_precision.precision_for_cpu(VNNI) == "f32"
+    missing = plan_backends(_graphs(with_ov=False), "auto", VNNI, installed=True, memory=None, family="cosyvoice2")
+    assert "--openvino int8" in missing["flow_estimator"].reason and "--openvino-lm int4" in missing["lm"].reason
+    skylake = plan_backends(_with_lm_ov(), "auto", SKYLAKE, installed=True, memory=None, family="cosyvoice2")
+    assert {p.backend for p in skylake.values()} == {"onnxruntime"}
+    assert (
+        "none needed" in plan_backends(_graphs(with_ov=False), "auto", SKYLAKE, installed=True)["flow_estimator"].reason
+    )
 
 
 def test_the_estimator_computes_in_bf16_only_where_it_was_measured_faster(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -221,8 +243,9 @@ def test_auto_keeps_the_int8_stateful_lm_on_onnxruntime_where_it_measured_no_fas
 
 
 def test_the_stateful_lm_stays_on_onnxruntime_where_auto_says_why() -> None:
-    avx2 = plan_backends(_with_lm_ov(), "auto", AVX2, installed=True, memory=None)["lm"]
-    assert avx2.backend == "onnxruntime" and "neither AVX-512 BF16 nor AMX" in avx2.reason
+    for cpu in (AVX2, SKYLAKE):
+        lm = plan_backends(_with_lm_ov(), "auto", cpu, installed=True, memory=None)["lm"]
+        assert lm.backend == "onnxruntime" and "neither AMX, AVX-512 BF16 nor AVX-512 VNNI" in lm.reason, cpu
     missing = plan_backends(_with_lm_ov(), "auto", BF16, installed=False, memory=None)["lm"]
     assert missing.backend == "onnxruntime" and "openvino is not installed" in missing.reason
     explicit = plan_backends(_with_lm_ov(), "onnxruntime", BF16, installed=True)["lm"]

@@ -9,12 +9,12 @@ where the LM is the Qwen2 LM (CosyVoice2, Fun-CosyVoice3), the LM as a stateful 
 - ``openvino``: every graph that has an OpenVINO model runs on it; a ConfigError when ``openvino`` is missing or
   the directory has no OpenVINO model.
 - ``auto``: OpenVINO for a graph where it was measured to win: the directory has its OpenVINO model, ``openvino`` is
-  installed, the CPU has AVX-512 BF16 or AMX (the CPUs OpenVINO was measured faster on; it computes there in bf16 or
-  f32: :mod:`~cosyvoice_cpu.backends.openvino_precision`), the graph can be padded to shared shapes where it
-  is padded at all (the estimators' ``pad_exact``; a stateful LM pads its own prefills, its rows carry their own
-  mask), and the machine has memory to spare: OpenVINO's estimator holds more than ONNX Runtime's
-  (:data:`OV_MIN_MEMORY`; measured: docs/backends.md, "Shapes, compiles and memory"). Anything else runs as it
-  always did, on ONNX Runtime.
+  installed, the CPU has AMX, AVX-512 BF16 or AVX-512 VNNI (:func:`openvino_isa`: the CPUs OpenVINO was measured
+  faster on; it computes there in bf16 or f32: :mod:`~cosyvoice_cpu.backends.openvino_precision`), the graph can be
+  padded to shared shapes where it is padded at all (the estimators' ``pad_exact``; a stateful LM pads its own
+  prefills, its rows carry their own mask), and the machine has memory to spare: OpenVINO's estimator holds more
+  than ONNX Runtime's (:data:`OV_MIN_MEMORY`; measured: docs/backends.md, "Shapes, compiles and memory"). Anything
+  else runs as it always did, on ONNX Runtime.
 
 Only one backend ever holds a graph's weights: the graph with an OpenVINO plan is not opened in ONNX Runtime.
 """
@@ -46,12 +46,13 @@ OPENVINO_EXPORTABLE = frozenset({"flow_estimator", "lm"})
 EXPORT_OPENVINO = "cosyvoice-cpu export --from OFFICIAL_DIR --to MODEL_DIR --openvino int8"
 # The stateful int4 LM against ONNX Runtime's int8w, alternated in the engine (docs/backends.md, "The LM on OpenVINO")
 LM_INT4_GAIN = (
-    "1.35x faster on an AVX-512 BF16 Zen 4 (end to end 1.17x, less memory) and 1.52x faster on an AMX Xeon "
-    "(prefill 1.45x)"
+    "1.35x faster on an AVX-512 BF16 Zen 4 (end to end 1.17x, less memory), 1.52x faster on an AMX Xeon "
+    "(prefill 1.45x) and 1.73x faster on an Intel Xeon held to AVX-512 VNNI (end to end 1.09-1.26x)"
 )
 # What OpenVINO was measured to gain per graph, for the reason of a missing model (docs/backends.md)
 OV_GAIN = {
-    "flow_estimator": "OpenVINO ran the whole-sentence flow 1.1-1.85x faster (1.1x on an Intel core without AMX)",
+    "flow_estimator": "OpenVINO ran the whole-sentence flow 1.1-1.85x faster (on an Intel core without AMX, in f32: "
+    "0.92-1.15x, about even)",
     "lm": f"OpenVINO's int4 LM decoded {LM_INT4_GAIN} than ONNX Runtime's int8w in the engine, at int4's cost in "
     "argmax agreement, which the export prints: check it (on random weights Fun-CosyVoice3's LM lost far more than "
     "CosyVoice2's, docs/quantization.md)",
@@ -63,6 +64,7 @@ OV_EXPORT = {"flow_estimator": EXPORT_OPENVINO, "lm": EXPORT_OPENVINO + " --open
 # engine and a server gets the fast one.
 OV_MIN_MEMORY = 3 << 30
 NO_MODEL = "no OpenVINO model of this graph in the directory"
+NO_ISA = "neither AMX, AVX-512 BF16 nor AVX-512 VNNI"  # openvino_isa None, in the plan's reasons
 
 
 @dataclass(frozen=True)
@@ -180,12 +182,13 @@ def _missing(key: str, cpu: CpuInfo | None, installed: bool, memory: int | None)
     """The reason under ``auto`` for graph ``key``, of which ``export --openvino`` could have written an OpenVINO
     model but did not: on a CPU where that model would run faster, with the command that writes it."""
     reason = NO_MODEL
-    if cpu is None or not (cpu.bf16 or cpu.amx):
-        return reason + " (none needed: this CPU has neither AVX-512 BF16 nor AMX, ONNX Runtime is as fast here)"
+    isa = openvino_isa(cpu)
+    if isa is None:
+        return reason + f" (none needed: this CPU has {NO_ISA}, ONNX Runtime is as fast here)"
     if memory is not None and memory < OV_MIN_MEMORY:
         return reason + f" (none needed: {memory / 2**30:.1f} GiB of memory is too little for it)"
     install = "" if installed else "pip install 'cosyvoice-cpu[openvino,openvino-export]', then "
-    return f"{reason}; this CPU has {_isa(cpu)}; {OV_GAIN[key]} (docs/backends.md): {install}{OV_EXPORT[key]}"
+    return f"{reason}; this CPU has {isa}; {OV_GAIN[key]} (docs/backends.md): {install}{OV_EXPORT[key]}"
 
 
 def _auto(entry: GraphEntry, cpu: CpuInfo | None, installed: bool, memory: int | None) -> tuple[str, str]:
@@ -193,13 +196,14 @@ def _auto(entry: GraphEntry, cpu: CpuInfo | None, installed: bool, memory: int |
     what = f"OpenVINO model {entry.file.file} ({entry.precision})"
     if not installed:
         return ONNXRUNTIME, f"{what} present, but openvino is not installed (pip install 'cosyvoice-cpu[openvino]')"
-    if cpu is None or not (cpu.bf16 or cpu.amx):
+    isa = openvino_isa(cpu)
+    if cpu is None or isa is None:
         return ONNXRUNTIME, (
-            f"{what} present, but this CPU has neither AVX-512 BF16 nor AMX: OpenVINO was measured faster "
-            "only on CPUs with one of them (on AVX2 alone it gained nothing)"
+            f"{what} present, but this CPU has {NO_ISA}: OpenVINO was measured faster only on CPUs with one of "
+            "them (on AVX2 alone it gained nothing)"
         )
     if entry.attrs.get("stateful", False):  # the LM: pads its own prefills, its own rule
-        return _auto_lm(entry, what, _isa(cpu))
+        return _auto_lm(entry, what, isa)
     if not entry.attrs.get("pad_exact", False):
         return ONNXRUNTIME, (
             f"{what} present, but padding changes this graph's output (pad_exact false: it "
@@ -212,11 +216,24 @@ def _auto(entry: GraphEntry, cpu: CpuInfo | None, installed: bool, memory: int |
             f"{what} present, but only {memory / 2**30:.1f} GiB of memory is available and it holds more than ONNX "
             f"Runtime's (docs/backends.md); auto wants {OV_MIN_MEMORY >> 30} GiB (--backend openvino to use it anyway)"
         )
-    return OPENVINO, f"{what}; the CPU has {_isa(cpu)}; {_precision(cpu)}"
+    return OPENVINO, f"{what}; the CPU has {isa}; {_precision(cpu)}"
 
 
-def _isa(cpu: CpuInfo) -> str:
-    return "AMX" if cpu.amx else "AVX-512 BF16"
+def openvino_isa(cpu: CpuInfo | None) -> str | None:
+    """What makes ``auto`` consider OpenVINO on ``cpu`` (the label its reasons print), or None: AMX, AVX-512 BF16,
+    or AVX-512 VNNI alone (Cascade Lake, Ice Lake): OpenVINO's f32 kernels with int8 layers, which an Intel core
+    without AMX runs (:mod:`~cosyvoice_cpu.backends.openvino_precision`), need no more, and with its kernels capped
+    at that instruction set (``ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI``) the int4 LM decoded 1.73x faster than ONNX
+    Runtime's int8w (docs/backends.md, "CPUs with AVX-512 VNNI but no BF16"). None: an unreadable CPU, AVX2 alone."""
+    if cpu is None:
+        return None
+    if cpu.amx:
+        return "AMX"
+    if cpu.bf16:
+        return "AVX-512 BF16"
+    if cpu.avx512 and "avx512_vnni" in cpu.flags:
+        return "AVX-512 VNNI"
+    return None
 
 
 def _precision(cpu: CpuInfo) -> str:
@@ -225,6 +242,8 @@ def _precision(cpu: CpuInfo) -> str:
 
     if BACKENDS[OPENVINO].compute_precision(cpu) == "bf16":
         return "computed in bf16"
+    if not (cpu.bf16 or cpu.amx):
+        return "computed in f32 (this CPU has no bf16 arithmetic)"
     return (
         "computed in f32 (bf16 is kept only where it was measured faster than ONNX Runtime: AMX, AMD's AVX-512 BF16; "
         "on an Intel core without AMX its products measured slower than f32: docs/backends.md)"

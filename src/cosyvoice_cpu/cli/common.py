@@ -26,8 +26,8 @@ def add_backend_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=CHOICES,
         help="inference backend for the graphs with an OpenVINO model in the directory: auto (per "
-        "graph from the CPU: OpenVINO where it has bf16; `doctor -m DIR` prints the plan), "
-        "onnxruntime, or openvino",
+        "graph from the CPU: OpenVINO where it has AMX, AVX-512 BF16 or AVX-512 VNNI; `doctor -m DIR` prints "
+        "the plan), onnxruntime, or openvino",
     )
     parser.add_argument(
         "--compiled-shapes",

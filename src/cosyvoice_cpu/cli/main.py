@@ -289,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["none", "bf16", "int8"],
         help="also write an OpenVINO model of the whole-sentence flow estimator: int8 (NNCF, calibrated "
         "on the flow's own inputs) or bf16 weights-as-float16, and (CosyVoice2, Fun-CosyVoice3) the LM as a "
-        "stateful OpenVINO model (--openvino-lm); run by --backend auto on CPUs with bf16 (needs the "
+        "stateful OpenVINO model (--openvino-lm); run by --backend auto on CPUs with AVX-512 VNNI (needs the "
         "[openvino-export] extra)",
     )
     e.add_argument(

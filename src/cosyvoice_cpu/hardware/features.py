@@ -16,7 +16,7 @@ Instruction-set floors of the x86-64 wheels the runtime loads:
 - onnxruntime: no documented floor; MLAS picks its SSE, AVX, AVX2 or AVX-512 kernels at run time from ``cpuid``
   (its maintainers: microsoft/onnxruntime#7010). Its non-AVX2 kernels have not been run on this project's graphs.
 - OpenVINO (optional extra): "Intel Atom processor with Intel SSE4.2 support" (https://docs.openvino.ai/
-  systemrequirements); ``--backend auto`` picks it only on CPUs with AVX-512 BF16 or AMX anyway.
+  systemrequirements); ``--backend auto`` picks it only on CPUs with AVX-512 VNNI anyway.
 
 So the refusal left is NumPy's own, explained (:func:`floor_problem`); a wheel that crashes with ``SIGILL`` anyway
 is caught by :func:`cosyvoice_cpu.probes.calibrate.probe_kernels` in a child process (``cosyvoice-cpu doctor``).
