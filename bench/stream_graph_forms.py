@@ -91,21 +91,8 @@ def _kv_cache_graph(est: Any) -> Any:
 
     class Graph(cs.StreamEstimatorGraph):
         def forward(self, x, mu, t, spks, cond, prompt_h, context_h, conv_state, keep_frames):  # type: ignore[no-untyped-def]
-            est = self.est
-            size = torch._shape_as_tensor(x)[2]
-            run = Run(prompt_h, context_h, conv_state, torch.arange(torch.clamp(size - keep_frames, min=0), size))
-            t_emb = est.time_mlp(cs.timestep_embedding(t, est.in_channels))
-            h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.size(2)), cond], dim=1)
-            down, up = est.down_blocks[0], est.up_blocks[0]
-            h = run.stage(down, h, t_emb)
-            skip = h
-            h = run.conv(down[2], h)
-            for mid in est.mid_blocks:
-                h = run.stage(mid, h, t_emb)
-            h = run.stage(up, torch.cat([h, skip], dim=1), t_emb)
-            h = run.conv(up[2], h)
-            h = run.causal_block(est.final_block, h)
-            return est.final_proj(h), torch.stack(run.new_h), torch.cat(run.new_conv, dim=1)
+            run = Run(prompt_h, context_h, conv_state, cs.kept_frames(x, keep_frames))
+            return self.estimate(run, x, mu, t, spks, cond)
 
     return Graph(est)
 

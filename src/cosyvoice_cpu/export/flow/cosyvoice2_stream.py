@@ -86,11 +86,15 @@ class StreamEstimatorGraph(nn.Module):
         conv_state: torch.Tensor,
         keep_frames: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        est = self.est
         past = torch.cat([prompt_h, context_h], dim=2)  # (L, B, T_past, C)
-        # the chunk frames new_h returns, from the input's shape (traced as ops, so they stay dynamic)
-        size = torch._shape_as_tensor(x)[2]
-        run = _Run(past, conv_state, torch.arange(torch.clamp(size - keep_frames, min=0), size))
+        return self.estimate(_Run(past, conv_state, kept_frames(x, keep_frames)), x, mu, t, spks, cond)
+
+    def estimate(
+        self, run: _Run, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The estimator's modules in forward order on the chunk, the past read and the new caches collected by
+        ``run`` -> (velocity, new_h, new_conv_state)."""
+        est = self.est
         t_emb = est.time_mlp(timestep_embedding(t, est.in_channels))
         h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.size(2)), cond], dim=1)
         down, up = est.down_blocks[0], est.up_blocks[0]
@@ -104,6 +108,13 @@ class StreamEstimatorGraph(nn.Module):
         h = run.causal_block(est.final_block, h)
         velocity = est.final_proj(h)
         return velocity, torch.stack(run.new_h), torch.cat(run.new_conv, dim=1)
+
+
+def kept_frames(x: torch.Tensor, keep_frames: torch.Tensor) -> torch.Tensor:
+    """The indices of the chunk frames whose caches the graph returns: the last ``keep_frames`` of ``x`` (B, 80, T),
+    from its shape (traced as ops, so they stay dynamic)."""
+    size = torch._shape_as_tensor(x)[2]
+    return torch.arange(torch.clamp(size - keep_frames, min=0), size)
 
 
 class _Run:
