@@ -161,9 +161,27 @@ def test_every_engine_command_takes_no_split_rows(command: str, monkeypatch: pyt
         assert [c.split_rows for c in seen] == [True, False]
 
 
-def test_pool_lines_follow_split_rows() -> None:
-    """``doctor`` and ``serve`` print the pools of the engine as configured: no row thread without the split."""
-    from cosyvoice_cpu.hardware.pools import pool_lines
+def test_doctor_and_demo_pass_no_split_rows_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``doctor`` prints the pools of the engine as configured (no row thread with ``--no-split-rows``); ``demo``
+    loads its engine with it."""
+    from cosyvoice_cpu.engine import Engine
+    from cosyvoice_cpu.hardware import pools
 
-    assert any(line.startswith("flow-rows") for line in pool_lines(2, 4, cores=2))
-    assert not any(line.startswith("flow-rows") for line in pool_lines(2, 4, cores=2, split_rows=False))
+    asked: list[bool] = []
+    real = pools.pool_lines
+    monkeypatch.setattr(pools, "pool_lines", lambda *a, **k: asked.append(k["split_rows"]) or real(*a, **k))
+    main(["doctor"])  # its exit status says how fit this machine is: not asked here
+    main(["doctor", "--no-split-rows"])
+    assert asked == [True, False]
+
+    class Loaded(Exception):
+        pass
+
+    def load(cls: type, model: object, config: object) -> None:
+        asked.append(config.split_rows)  # type: ignore[attr-defined]
+        raise Loaded
+
+    monkeypatch.setattr(Engine, "load", classmethod(load))
+    with pytest.raises(Loaded):
+        main(["demo", "--no-split-rows", "-o", str(tmp_path / "x.wav")])
+    assert asked[-1] is False

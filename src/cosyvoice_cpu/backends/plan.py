@@ -9,12 +9,12 @@ where the LM is the Qwen2 LM (CosyVoice2, Fun-CosyVoice3), the LM as a stateful 
 - ``openvino``: every graph that has an OpenVINO model runs on it; a ConfigError when ``openvino`` is missing or
   the directory has no OpenVINO model.
 - ``auto``: OpenVINO for a graph where it was measured to win: the directory has its OpenVINO model, ``openvino`` is
-  installed, the CPU has AMX, AVX-512 BF16 or AVX-512 VNNI (:func:`openvino_isa`: the CPUs OpenVINO was measured
-  faster on; it computes there in bf16 or f32: :mod:`~cosyvoice_cpu.backends.openvino_precision`), the graph can be
-  padded to shared shapes where it is padded at all (the estimators' ``pad_exact``; a stateful LM pads its own
-  prefills, its rows carry their own mask), and the machine has memory to spare: OpenVINO's estimator holds more
-  than ONNX Runtime's (:data:`OV_MIN_MEMORY`; measured: docs/backends.md, "Shapes, compiles and memory"). Anything
-  else runs as it always did, on ONNX Runtime.
+  installed, the CPU has AMX, AVX-512 BF16 or AVX-512 VNNI (:func:`openvino_isa`: the CPUs OpenVINO was measured, or
+  for AVX-512 VNNI alone emulated, faster on; it computes there in bf16 or f32:
+  :mod:`~cosyvoice_cpu.backends.openvino_precision`), the graph can be padded to shared shapes where it is padded at
+  all (the estimators' ``pad_exact``; a stateful LM pads its own prefills, its rows carry their own mask), and the
+  machine has memory to spare: OpenVINO's estimator holds more than ONNX Runtime's (:data:`OV_MIN_MEMORY`; measured:
+  docs/backends.md, "Shapes, compiles and memory"). Anything else runs as it always did, on ONNX Runtime.
 
 Only one backend ever holds a graph's weights: the graph with an OpenVINO plan is not opened in ONNX Runtime.
 """
@@ -223,8 +223,10 @@ def openvino_isa(cpu: CpuInfo | None) -> str | None:
     """What makes ``auto`` consider OpenVINO on ``cpu`` (the label its reasons print), or None: AMX, AVX-512 BF16,
     or AVX-512 VNNI alone (Cascade Lake, Ice Lake): OpenVINO's f32 kernels with int8 layers, which an Intel core
     without AMX runs (:mod:`~cosyvoice_cpu.backends.openvino_precision`), need no more, and with its kernels capped
-    at that instruction set (``ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI``) the int4 LM decoded 1.73x faster than ONNX
-    Runtime's int8w (docs/backends.md, "CPUs with AVX-512 VNNI but no BF16"). None: an unreadable CPU, AVX2 alone."""
+    at that instruction set (``ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI``: the estimator's and the LM's kernels the same
+    as uncapped) the int4 LM decoded 1.73x faster than ONNX Runtime's int8w (docs/backends.md, "CPUs with AVX-512
+    VNNI but no BF16"; emulated on a newer Xeon, not run on such a CPU). None: an unreadable CPU, AVX2 alone, AVX-512
+    without VNNI."""
     if cpu is None:
         return None
     if cpu.amx:
