@@ -3,10 +3,10 @@
     python bench/stream_graph_forms.py --from OFFICIAL_DIR --work WORK [--forms fused-kv,plain,kv-cache] \
         [--threads 1,2] [--runs 12] [--prompt 150]
 
-A first streamed chunk spends most of its time on the 150 prompt frames every call attends to (ORT's profiler, one
-thread, one row, 20 new frames: 22.9 ms a call without a prompt, 43.9 with 150 frames: the keys/values projection,
-``MultiHeadAttention`` and the cache's ``Concat``/``Cast``; ``bench/ort_profile.py``). This traces the stream graph
-of a full-size official CosyVoice2 directory in four forms, each quantized as the ``int8w`` export does
+A first streamed chunk spends about half its time on the prompt frames every call attends to (the keys/values
+projection, ``MultiHeadAttention`` and the caches' ``Concat``/``Cast``: ``bench/ort_profile.py`` with and without
+``--dim prompt_frames=150``; figures in docs/streaming.md, "Graph forms measured and not taken"). This traces the stream
+graph of a full-size official CosyVoice2 directory in four forms, each quantized as the ``int8w`` export does
 (``quantize_int8_dynamic`` with 7-bit weights, float16 caches):
 
 - ``default``: the shipped form (the caches hold each block's ``norm1`` outputs; keys and values are two
@@ -14,8 +14,8 @@ of a full-size official CosyVoice2 directory in four forms, each quantized as th
 - ``fused-kv``: keys and values as one ``MatMul`` on the concatenated weights, split after (per-channel weights
   and one activation scale per input: the int8 graph's outputs are bit-identical to ``default``'s);
 - ``plain``: attention as ``MatMul -> Softmax -> MatMul`` (the whole-sentence OpenVINO form);
-- ``kv-cache``: the prompt cache holds each block's keys and values instead of ``norm1`` (4x its memory: 87 ->
-  ~345 MB for a 3 s voice at 10 steps with CFG), so a call projects only the context and the chunk.
+- ``kv-cache``: the prompt cache holds each block's keys and values instead of ``norm1`` (4x its memory), so a call
+  projects only the context and the chunk.
 
 The forms take turns on random feeds at the default chunk plan's shapes (20 new frames on the prompt alone, then
 40/60/100 after 50 frames of context), per ``--threads``: 1 thread with one row (a call of the engine's split rows,

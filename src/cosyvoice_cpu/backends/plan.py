@@ -224,9 +224,9 @@ def openvino_isa(cpu: CpuInfo | None) -> str | None:
     or AVX-512 VNNI alone (Cascade Lake, Ice Lake): OpenVINO's f32 kernels with int8 layers, which an Intel core
     without AMX runs (:mod:`~cosyvoice_cpu.backends.openvino_precision`), need no more, and with its kernels capped
     at that instruction set (``ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI``: the estimator's and the LM's kernels the same
-    as uncapped) the int4 LM decoded 1.73x faster than ONNX Runtime's int8w (docs/backends.md, "CPUs with AVX-512
-    VNNI but no BF16"; emulated on a newer Xeon, not run on such a CPU). None: an unreadable CPU, AVX2 alone, AVX-512
-    without VNNI."""
+    as uncapped) the int4 LM decoded faster than ONNX Runtime's int8w (:data:`LM_INT4_GAIN`; docs/backends.md, "CPUs
+    with AVX-512 VNNI but no BF16"; emulated on a newer Xeon, not run on such a CPU). None: an unreadable CPU, AVX2
+    alone, AVX-512 without VNNI."""
     if cpu is None:
         return None
     if cpu.amx:
