@@ -42,6 +42,8 @@ def test_bench_command_writes_the_report(tiny_export_dir: Path, tmp_path: Path, 
     assert rc == 0
     result = json.loads((out / "bench.json").read_text())
     ours = result["ours"]
+    assert result["split_rows"] is True and ours["split_rows"] is True  # the default, and the report is silent
+    assert "--no-split-rows" not in (out / "bench.md").read_text()
     assert ours["default"]["audio_s"] == pytest.approx(30 / 25) and ours["default"]["rtf"] > 0
     assert ours["lm_decode_tok_s"] > 0 and ours["first_audio_short"]["first_audio_s"] > 0
     assert 0 < ours["fast"]["fast_mel_l1"] < ours["fast"]["mel_abs_mean"]
@@ -190,9 +192,10 @@ def test_forced_ratio_gives_a_text_stream_passage_its_length(tiny_export_dir: Pa
 def test_bench_text_stream_only_writes_its_section(tiny_export_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "ts"
     rc = main(["bench", "-m", str(tiny_export_dir), "--text-stream", "only", "--runs", "1", "--text-rate", "200",
-               "--reply", "Check valve seven now. Then call me.", "--out", str(out)])  # fmt: skip
+               "--reply", "Check valve seven now. Then call me.", "--no-split-rows", "--out", str(out)])  # fmt: skip
     assert rc == 0
     ts = json.loads((out / "bench.json").read_text())["text_stream"]
+    assert ts["split_rows"] is False  # the flag reached the child's engine
     assert ts["text_stream"]["mode"] == "interleaved" and ts["by_sentence"]["passages"] == 2
     assert len(ts["sentence_tokens"]) == 2 and ts["first_audio_ratio"] > 0
     assert ts["text_stream"]["audio_s"] > 0 and ts["by_sentence"]["audio_s"] > 0
@@ -200,6 +203,7 @@ def test_bench_text_stream_only_writes_its_section(tiny_export_dir: Path, tmp_pa
     assert len(run["passage_at_s"]) == 2 and len(run["boundary_gap_s"]) == 1  # one boundary between 2 sentences
     md = (out / "bench.md").read_text()
     assert "### Text that is still being written (CosyVoice2-0.5B)" in md and "| how it is spoken |" in md
+    assert "threads (`--no-split-rows`: each estimator call on both threads)" in md
 
 
 def test_first_audio_counts_what_a_listener_of_the_stream_waits_for(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -199,8 +199,7 @@ def markdown(result: JsonObject, plots: list[str]) -> str:
     lines = [
         f"Model: {result['model']}. Workload: {result['tokens']} speech tokens ({_audio_s(result):.0f} s) "
         f"per sentence, a registered 3 s voice, medians of {result['runs']} runs after a warm-up.",
-        f"Machine: {m['cpu']} ({m['isa']}), {m['usable_cores']} usable cores, {m['memory_gb']} GB; {m['threads']} "
-        f"threads; onnxruntime {m['onnxruntime']}; load average before the run {m['load_avg_before'][0]:.2f}.",
+        _machine_line(result),
         *(
             [f"Calibration (cosyvoice_cpu.probes.calibrate): {Calibration.from_dict(m['calibration']).summary()}."]
             if "calibration" in m
@@ -282,10 +281,13 @@ def markdown(result: JsonObject, plots: list[str]) -> str:
 
 
 def _machine_line(result: JsonObject) -> str:
+    """The machine, threads and engine options a result was measured with (reports from before ``split_rows`` was
+    recorded ran with the default)."""
     m = result["machine"]
+    rows = "" if result.get("split_rows", True) else " (`--no-split-rows`: each estimator call on both threads)"
     return (
         f"Machine: {m['cpu']} ({m['isa']}), {m['usable_cores']} usable cores, {m['memory_gb']} GB; {m['threads']} "
-        f"threads; onnxruntime {m['onnxruntime']}; load average before the run {m['load_avg_before'][0]:.2f}."
+        f"threads{rows}; onnxruntime {m['onnxruntime']}; load average before the run {m['load_avg_before'][0]:.2f}."
     )
 
 

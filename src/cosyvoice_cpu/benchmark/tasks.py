@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -261,14 +262,17 @@ def graph_backends(plan: Mapping[str, GraphPlan]) -> dict[str, str]:
 
 
 def task_single(
-    model_dir: Path, threads: int, tokens: int, short_tokens: int, runs: int, fast_steps: int, backend: str = "auto"
+    model_dir: Path, threads: int, tokens: int, short_tokens: int, runs: int, fast_steps: int, **options: Any
 ) -> dict:
+    """Every single-stream measure on one engine loaded with ``options`` (``EngineConfig`` fields: ``backend``,
+    ``split_rows``)."""
     t0 = time.perf_counter()
-    engine, voice = load(model_dir, threads, backend=backend)
+    engine, voice = load(model_dir, threads, **options)
     out: JsonObject = {
         "load_s": time.perf_counter() - t0,
         "rss_after_load_mb": peak_rss_mb(),
-        "backend": backend,
+        "backend": options.get("backend", "auto"),
+        "split_rows": engine.config.split_rows,
         "plan": describe(engine.plan),
         "graph_backends": graph_backends(engine.plan),
     }
@@ -287,12 +291,12 @@ def task_single(
     return out
 
 
-def task_concurrent(model_dir: Path, threads: int, tokens: int, streams: int, runs: int, backend: str = "auto") -> dict:
+def task_concurrent(model_dir: Path, threads: int, tokens: int, streams: int, runs: int, **options: Any) -> dict:
     """``streams`` threads share one engine, each synthesizing ``runs`` sentences; sentences per second.
 
     The engine runs the LM scheduler (as the server does), so the streams' LM steps are batched.
     """
-    engine, voice = load(model_dir, threads, lm_batch_rows=streams, backend=backend)
+    engine, voice = load(model_dir, threads, lm_batch_rows=streams, **options)
     engine.synthesize_wav(TEXT, voice, _config(tokens))  # warm-up
     errors: list[BaseException] = []
 
@@ -332,15 +336,15 @@ def task_concurrent(model_dir: Path, threads: int, tokens: int, streams: int, ru
     }
 
 
-def task_threads(model_dir: Path, threads: int, tokens: int, runs: int, backend: str = "auto") -> dict:
-    engine, voice = load(model_dir, threads, backend=backend)
+def task_threads(model_dir: Path, threads: int, tokens: int, runs: int, **options: Any) -> dict:
+    engine, voice = load(model_dir, threads, **options)
     return {"threads": threads, **measure_e2e(engine, voice, tokens, runs), "peak_rss_mb": peak_rss_mb()}
 
 
-def task_text_stream(model_dir: Path, threads: int, runs: int, args: argparse.Namespace) -> dict:
+def task_text_stream(model_dir: Path, threads: int, runs: int, args: argparse.Namespace, **options: Any) -> dict:
     """The text-stream workload (:mod:`cosyvoice_cpu.benchmark.text_stream`): ``args.reply`` or a reply of
     ``args.sentences`` x ``args.sentence_tokens`` text tokens, written at ``args.rate`` tokens/s."""
-    engine, voice = load(model_dir, threads, backend=args.backend)
+    engine, voice = load(model_dir, threads, **options)
     reply = args.reply or text_stream.reply_text(engine.tokenizer, args.sentences, args.sentence_tokens)
     out = text_stream.measure(engine, voice, reply, args.rate, runs, args.speech_ratio)
     prompt = engine.lm_prompt(voice)  # the first speech token waits for 5 * ceil(Ts / 15) text tokens, Tp included
@@ -348,6 +352,7 @@ def task_text_stream(model_dir: Path, threads: int, runs: int, args: argparse.Na
     eop = engine.lm.facts.endofprompt_id  # Fun-CosyVoice3: what precedes <|endofprompt|> goes in before the text
     text = text[text.index(eop) + 1 :] if eop in text else text
     out.update(reply=reply, voice_tokens=len(prompt.speech), transcript_tokens=len(text))
+    out["split_rows"] = engine.config.split_rows
     out["peak_rss_mb"] = peak_rss_mb()
     engine.close()
     return out
@@ -365,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--fast-steps", type=int, default=5)
     ap.add_argument("--backend", choices=CHOICES, default="auto")
+    ap.add_argument("--no-split-rows", dest="split_rows", action="store_false", help="EngineConfig.split_rows off")
     ap.add_argument("--rate", type=float, default=text_stream.RATE, help="text-stream: text tokens/s written")
     ap.add_argument("--reply", default="", help="text-stream: the reply (default: a made one)")
     ap.add_argument("--sentences", type=int, default=text_stream.SENTENCES)
@@ -372,16 +378,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speech-ratio", type=float, default=text_stream.SPEECH_RATIO)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    options = {"backend": args.backend, "split_rows": args.split_rows}
     if args.task == "single":
         out = task_single(
-            args.model_dir, args.threads, args.tokens, args.short_tokens, args.runs, args.fast_steps, args.backend
+            args.model_dir, args.threads, args.tokens, args.short_tokens, args.runs, args.fast_steps, **options
         )
     elif args.task == "concurrent":
-        out = task_concurrent(args.model_dir, args.threads, args.tokens, args.streams, args.runs, args.backend)
+        out = task_concurrent(args.model_dir, args.threads, args.tokens, args.streams, args.runs, **options)
     elif args.task == "threads":
-        out = task_threads(args.model_dir, args.threads, args.tokens, args.runs, args.backend)
+        out = task_threads(args.model_dir, args.threads, args.tokens, args.runs, **options)
     else:
-        out = task_text_stream(args.model_dir, args.threads, args.runs, args)
+        out = task_text_stream(args.model_dir, args.threads, args.runs, args, **options)
     json.dump({"task": args.task, "threads": args.threads, "tokens": args.tokens, **out}, sys.stdout)
     print()
     return 0

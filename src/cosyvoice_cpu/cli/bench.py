@@ -25,7 +25,7 @@ from pathlib import Path
 from cosyvoice_cpu.backends.plan import CHOICES, may_use_openvino
 from cosyvoice_cpu.benchmark.report import write_report
 from cosyvoice_cpu.benchmark.tasks import energy_counters
-from cosyvoice_cpu.cli.common import need_export_extra
+from cosyvoice_cpu.cli.common import add_split_rows_arg, need_export_extra
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.facts import FAMILIES, facts
 from cosyvoice_cpu.hardware.cpu import detect
@@ -70,6 +70,7 @@ def _child(cmd: list[str], what: str) -> JsonObject:
 
 def _task(model_dir: Path, task: str, threads: int, args: argparse.Namespace, **extra: JsonValue) -> JsonObject:
     extra.setdefault("backend", args.backends[0])
+    flags = [] if args.split_rows else ["--no-split-rows"]
     cmd = [
         sys.executable,
         "-m",
@@ -83,6 +84,7 @@ def _task(model_dir: Path, task: str, threads: int, args: argparse.Namespace, **
         str(args.tokens),
         "--runs",
         str(args.runs),
+        *flags,
     ]
     for k, v in extra.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
@@ -209,6 +211,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "token_rate": rate,
         "runs": args.runs,
         "machine": machine_facts(threads),
+        "split_rows": args.split_rows,
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     partial = args.out / "bench.partial.json"  # progress survives a failure later in the run
@@ -261,6 +264,7 @@ def _text_stream_only(args: argparse.Namespace, model_dir: Path, what: str, thre
         "token_rate": rate,
         "runs": args.runs,
         "machine": machine_facts(threads),
+        "split_rows": args.split_rows,
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -303,6 +307,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "estimator, the rest). Without -m, a backend other than onnxruntime exports the fixture with "
         "--openvino int8 (the OpenVINO flow estimator and, CosyVoice2/3, the stateful LM)",
     )
+    add_split_rows_arg(b)
     b.add_argument("--tokens", type=int, default=0, help="speech tokens per sentence (default 10 s: 250 at 25 Hz)")
     b.add_argument("--short-tokens", type=int, default=0, help="tokens for the 8-character sentence (default 2 s)")
     b.add_argument("--runs", type=int, default=3, help="timed repetitions after a warm-up (medians)")

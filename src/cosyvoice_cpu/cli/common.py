@@ -37,6 +37,11 @@ def add_backend_args(parser: argparse.ArgumentParser) -> None:
         "(static, somewhat faster, each holding its own memory; docs/backends.md) and keeps "
         "N",
     )
+    add_split_rows_arg(parser)
+
+
+def add_split_rows_arg(parser: argparse.ArgumentParser) -> None:
+    """``--no-split-rows`` (``EngineConfig.split_rows`` off, as ``args.split_rows``)."""
     parser.add_argument(
         "--no-split-rows",
         dest="split_rows",
