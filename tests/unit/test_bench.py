@@ -350,3 +350,32 @@ def test_the_lm_shapes_probe_reports_every_prompt_length_twice(tiny_export_dir: 
         assert bad.returncode == 2 and "--repeat must be at least 1" in bad.stderr, flag
     bad = subprocess.run([*cmd, "--prefill", "both"], capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "only the stateful (OpenVINO) LM prefills in pieces" in bad.stderr
+
+
+def test_stream_timeline_records_every_graph_call_by_thread(tiny_export_dir: Path) -> None:
+    """``bench/stream_timeline.py`` on a streamed sentence: the LM's calls on the scheduler's thread, the flow's and
+    the vocoder's on the caller's; the caller's time outside graphs counts a guidance-row thread's call as inside
+    (the caller waits for it); the backends' methods are their own again afterwards."""
+    from cosyvoice_cpu.backends.onnxruntime import OrtBoundRun, OrtSession
+    from cosyvoice_cpu.benchmark.tasks import load
+
+    timeline = load_script("bench/stream_timeline.py")
+    calls = [("a", "caller", 0.0, 1.0), ("b", "cosyvoice-rows", 0.5, 2.0), ("lm", "lm-scheduler", 0.0, 5.0),
+             ("c", "caller", 3.0, 4.0)]  # fmt: skip
+    assert timeline.outside(calls, {"caller", "cosyvoice-rows"}, 6.0) == pytest.approx(3.0)  # 2-3 and 4-6
+    assert timeline.outside(calls, {"caller"}, 6.0) == pytest.approx(4.0)
+    originals = (OrtSession.run, OrtBoundRun.run)
+    rec = timeline.instrument()
+    try:
+        engine, voice = load(tiny_export_dir, 2)
+        run = timeline.one_run(engine, voice, rec, True, 40)
+        engine.close()
+    finally:
+        rec.restore()
+    assert (OrtSession.run, OrtBoundRun.run) == originals
+    graphs = run["graphs"]
+    assert graphs["lm.onnx @ lm-scheduler"]["calls"] >= 40  # prefill + a step per token
+    assert graphs["hift_decode.onnx @ caller"]["calls"] == len(run["chunks"]) > 1
+    assert any(k.startswith("flow_estimator_stream.onnx @ ") for k in graphs)
+    assert run["audio_s"] == pytest.approx(40 / 25) and 0 <= run["caller_outside_graphs_s"] < run["wall_s"]
+    assert run["cpu_s"] > 0 and run["cores_busy"] > 0
