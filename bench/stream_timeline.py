@@ -3,20 +3,19 @@
     python bench/stream_timeline.py MODEL_DIR [--threads 2] [--backend auto] [--runs 3] [--mode stream|whole]
         [--lm-threads N] [--no-split-rows] [--json OUT]
 
-Same workload as ``cosyvoice-cpu bench`` (the registered 3 s voice, the 10 s sentence forced to 250 tokens, the
-voice's prompt cache warm after a warm-up run). Every call of every graph (ONNX Runtime sessions and IO bindings,
-OpenVINO compiled models and stateful requests) is recorded with the Python thread that made it: the caller (the
-flow and the vocoder of ``engine.synthesize``), ``lm-scheduler`` (the LM decoding ahead) and ``cosyvoice-rows``
-(the second guidance row of a split flow-estimator call). Per run it prints the wall time, when each chunk came,
-the process's CPU time (every thread; divided by the wall time: the cores kept busy, at most ``--threads`` when
-nothing else runs) and per graph and thread the seconds inside calls. "caller outside graphs" is the caller's wall
-time in no graph call (its own, or a guidance-row thread's, which it waits for): waiting for the LM's tokens, plus
-NumPy glue.
+Same workload as ``cosyvoice-cpu bench`` (the registered 3 s voice, the bench's sentence forced to ``--tokens`` speech
+tokens: 250 = 10 s at 25 Hz; the voice's prompt cache warm after a warm-up run). Every call of every graph (ONNX Runtime
+sessions and IO bindings, OpenVINO compiled models and stateful requests) is recorded with the Python thread that made
+it: the caller (the flow and the vocoder of ``engine.synthesize``), ``lm-scheduler`` (the LM decoding ahead) and
+``cosyvoice-rows`` (the second guidance row of a split flow-estimator call). Per run it prints the wall time, when each
+chunk came, the process's CPU time (every thread; divided by the wall time: the cores kept busy, at most the usable
+cores) and per graph and thread the seconds inside calls. "caller outside graphs" is the caller's wall time in no graph
+call (its own, or a guidance-row thread's, which it waits for): waiting for the LM's tokens, plus NumPy glue.
 
-``--lm-threads N`` compiles the stateful OpenVINO LM with N threads instead of the engine's ``--threads`` (a probe
-of the LM's share of a saturated machine; no engine option does this). ``--mode whole`` synthesizes the sentence
-in one piece instead (each stage alone on the machine). Timing is what the bench's wall clocks measure; the
-recording adds two clock reads per call.
+``--lm-threads N`` compiles the stateful OpenVINO LM with N threads instead of the engine's ``--threads`` (a probe of
+the LM's share of a saturated machine; no engine option does this; an LM on ONNX Runtime is left as it is). ``--mode
+whole`` synthesizes the sentence in one piece instead (each stage alone on the machine). Timing is what the bench's wall
+clocks measure; the recording adds two clock reads per call.
 """
 
 from __future__ import annotations
@@ -109,7 +108,7 @@ def outside(calls: list[Call], threads: set[str], wall: float) -> float:
 
 
 def one_run(engine: Any, voice: Any, rec: Recorder, stream: bool, tokens: int) -> dict[str, Any]:
-    """One synthesis of the 10 s sentence forced to ``tokens`` (streamed or whole): wall and CPU seconds, the
+    """One synthesis of the bench's sentence forced to ``tokens`` (streamed or whole): wall and CPU seconds, the
     chunks' arrival, seconds and calls per graph and thread, the caller's time outside graphs."""
     rec.start()
     cpu0 = time.process_time()
@@ -155,7 +154,7 @@ def main() -> None:
         engine.close()
     finally:
         rec.restore()
-    lm = f", LM on {args.lm_threads} OpenVINO threads" if args.lm_threads else ""
+    lm = f", a stateful OpenVINO LM on {args.lm_threads} threads" if args.lm_threads else ""
     print(f"{args.model_dir.name}: {args.mode}, {args.threads} threads, --backend {args.backend}{lm}")
     for i, r in enumerate(runs):
         print(

@@ -284,7 +284,7 @@ def _machine_line(result: JsonObject) -> str:
     """The machine, threads and engine options a result was measured with (reports from before ``split_rows`` was
     recorded ran with the default)."""
     m = result["machine"]
-    rows = "" if result.get("split_rows", True) else " (`--no-split-rows`: each estimator call on both threads)"
+    rows = "" if result.get("split_rows", True) else " (`--no-split-rows`: estimator calls not split by guidance row)"
     return (
         f"Machine: {m['cpu']} ({m['isa']}), {m['usable_cores']} usable cores, {m['memory_gb']} GB; {m['threads']} "
         f"threads{rows}; onnxruntime {m['onnxruntime']}; load average before the run {m['load_avg_before'][0]:.2f}."
