@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from cosyvoice_cpu.benchmark.tasks import TEXT, _config, load, peak_rss_mb
+from cosyvoice_cpu.benchmark.machine import peak_rss_mb
+from cosyvoice_cpu.benchmark.tasks import TEXT, _config, load
 from cosyvoice_cpu.engine import Timings
 from cosyvoice_cpu.hardware.pages import status_mb
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from cosyvoice_cpu.benchmark.feeds import estimator_feeds
-from cosyvoice_cpu.benchmark.tasks import peak_rss_mb
+from cosyvoice_cpu.benchmark.machine import peak_rss_mb
 
 SHAPES = {"tiny": {"prefill": 60, "frames": 200, "voc_frames": 100}, "full": {"prefill": 100, "frames": 650,
                                                                                "voc_frames": 500}}  # fmt: skip

@@ -48,7 +48,8 @@ from spinning_ab import four_at_once
 
 from cosyvoice_cpu.backends.base import SessionConfig
 from cosyvoice_cpu.backends.registry import open_graph
-from cosyvoice_cpu.benchmark.tasks import TEXT, _config, listen, load, measure_e2e, peak_rss_mb
+from cosyvoice_cpu.benchmark.machine import peak_rss_mb
+from cosyvoice_cpu.benchmark.tasks import TEXT, _config, listen, load, measure_e2e
 from cosyvoice_cpu.hardware.cpu import detect
 from cosyvoice_cpu.manifest import Manifest
 

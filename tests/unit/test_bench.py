@@ -79,13 +79,15 @@ def test_bench_command_writes_the_report(tiny_export_dir: Path, tmp_path: Path, 
     assert streamed["stalls"] >= 0 and streamed["stall_s"] >= 0
     assert (streamed["stall_s"] > 0) == (streamed["stalls"] > 0)
     assert f"{streamed['stalls']:g} stalls, {streamed['stall_s']:.1f} s in all" in md
+    cores = result["machine"]["usable_cores"]  # how much of the machine the streamed sentence kept busy
+    assert 0 < streamed["cores_busy"] and f"; {streamed['cores_busy']:.2f} of {cores} usable cores busy" in md
     del result["machine"]["calibration"]  # a result written before the calibration existed still renders
     del result["ours"]["lm_prefix_positions"]  # ... or before the LM prefix cache
     del result["ours"]["graph_backends"]  # ... or before the plan was recorded
-    for task in ("first_audio_long", "first_audio_short"):  # ... or before the stalls were counted
+    for task in ("first_audio_long", "first_audio_short"):  # ... or before the stalls and busy cores were counted
         result["ours"][task] = {k: result["ours"][task][k] for k in ("first_audio_s", "stream_rtf")}
     old = markdown(result, [])
-    assert " stalls, " not in old and "whole streamed RTF" in old
+    assert " stalls, " not in old and "whole streamed RTF" in old and "usable cores busy" not in old
     assert "Calibration (" not in old and "LM prefill:" not in old and "### Targets (issue 5)" in old
     assert "| ours (--backend auto) |" in old
     for png in ("stage_split.png", "memory_vs_streams.png", "rtf_vs_threads.png"):

@@ -32,6 +32,14 @@ def _stalls(streamed: JsonObject) -> str:
     return f" ({streamed['stalls']:g} stalls, {streamed['stall_s']:.1f} s in all)"
 
 
+def _cores_busy(streamed: JsonObject, machine: JsonObject) -> str:
+    """'; C of N usable cores busy': the streamed sentence's CPU seconds per second (a figure near the usable cores
+    says the machine, not the schedule, set its pace); '' for a report written before it was measured."""
+    if "cores_busy" not in streamed:
+        return ""
+    return f"; {streamed['cores_busy']:.2f} of {machine['usable_cores']} usable cores busy"
+
+
 def _f(value: object, fmt: str = ".2f") -> str:
     return "–" if value is None else format(value, fmt)
 
@@ -226,7 +234,8 @@ def markdown(result: JsonObject, plots: list[str]) -> str:
         f"Streaming: first chunk after {o['first_audio_short']['first_audio_s']:.2f} s (8-character "
         f"sentence) / {o['first_audio_long']['first_audio_s']:.2f} s ({_audio_s(result):.0f} s "
         "utterance), whole streamed RTF "
-        f"{o['first_audio_long']['stream_rtf']:.3f}{_stalls(o['first_audio_long'])}; prompt cache "
+        f"{o['first_audio_long']['stream_rtf']:.3f}{_stalls(o['first_audio_long'])}"
+        f"{_cores_busy(o['first_audio_long'], result['machine'])}; prompt cache "
         f"{o['prompt_cache_mb']:.0f} MB.",
     ]
     if o.get("lm_prefix_positions"):  # results from before the LM prefix cache have none

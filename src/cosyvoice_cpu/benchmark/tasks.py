@@ -16,7 +16,6 @@ import argparse
 import json
 import logging
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -30,9 +29,9 @@ import numpy as np
 
 from cosyvoice_cpu.backends.plan import CHOICES, GraphPlan, describe
 from cosyvoice_cpu.benchmark import text_stream
+from cosyvoice_cpu.benchmark.machine import energy_counters, peak_rss_mb, read_energy_j
 from cosyvoice_cpu.config import DEFAULT_LM_BATCH_ROWS, EngineConfig, SynthesisConfig
 from cosyvoice_cpu.engine import Engine, Timings
-from cosyvoice_cpu.hardware.pages import status_mb
 from cosyvoice_cpu.jsontypes import JsonObject
 from cosyvoice_cpu.voices.voice import Voice
 
@@ -45,36 +44,6 @@ TEXT = (
 SHORT_TEXT = "请注意三号线过热"  # the guide's 8-character sentence
 PROMPT_TEXT = "This is the voice of the plant's announcement system."
 TOKEN_RATE = 25  # CosyVoice2/3 speech tokens per second (reports before the rate was recorded; v1: 50)
-POWERCAP = Path("/sys/class/powercap")
-
-
-def energy_counters() -> dict[str, Path]:
-    """Readable RAPL/powercap energy counters (microjoules) by zone name; empty when none is readable."""
-    found = {}
-    for zone in sorted(POWERCAP.glob("*:*")) if POWERCAP.is_dir() else []:
-        f = zone / "energy_uj"
-        try:
-            int(f.read_text())
-        except (OSError, ValueError):
-            continue
-        name = zone / "name"
-        found[name.read_text().strip() if name.is_file() else zone.name] = f
-    return found
-
-
-def read_energy_j(counters: dict[str, Path]) -> float | None:
-    """The counters' sum in joules, or None without counters (wrap-around is ignored: runs are short)."""
-    return sum(int(f.read_text()) for f in counters.values()) / 1e6 if counters else None
-
-
-def peak_rss_mb() -> float:
-    """Peak resident set size of this process image so far (MB): ``VmHWM``, else ``ru_maxrss``.
-
-    ``ru_maxrss`` survives ``fork`` + ``exec``: a task child started by a parent that had just written and exported
-    the full-size fixture (GBs of torch) reported the parent's peak as its own. ``VmHWM`` belongs to the new image.
-    """
-    peak = status_mb("VmHWM")
-    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _prompt_wav(path: Path, seconds: float = 3.0, sr: int = 16000) -> Path:
@@ -225,14 +194,17 @@ def listen(engine: Engine, voice: Voice, text: str, config: SynthesisConfig) -> 
     """One streamed synthesis (``config.stream``) heard by a :class:`~cosyvoice_cpu.benchmark.text_stream.Playback`
     listener who starts playing at the first chunk: seconds to the first chunk, the streamed RTF (call to the last
     chunk, per second of audio), ``chunks`` with audio, ``stalls`` (times the audio ran dry before the next chunk
-    came) and ``stall_s`` (their total)."""
+    came), ``stall_s`` (their total) and ``cores_busy`` (the process's CPU seconds per second of the synthesis: near
+    the usable cores, the machine was the limit)."""
     play, chunks = text_stream.Playback(), 0
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for chunk in engine.synthesize(text, voice, config):
         play.add(time.perf_counter() - t0, chunk.duration)
         chunks += chunk.duration > 0
+    cores = (time.process_time() - cpu0) / (time.perf_counter() - t0)
     s = play.summary(0.0, 0.0)
-    return {"chunks": chunks, **{k: float(s[k]) for k in ("first_audio_s", "stream_rtf", "stalls", "stall_s")}}
+    keys = ("first_audio_s", "stream_rtf", "stalls", "stall_s")
+    return {"chunks": chunks, **{k: float(s[k]) for k in keys}, "cores_busy": cores}
 
 
 def first_audio(engine: Engine, voice: Voice, text: str, tokens: int, runs: int) -> dict[str, float]:

@@ -23,8 +23,8 @@ from collections.abc import MutableMapping
 from pathlib import Path
 
 from cosyvoice_cpu.backends.plan import CHOICES, may_use_openvino
+from cosyvoice_cpu.benchmark.machine import energy_counters
 from cosyvoice_cpu.benchmark.report import write_report
-from cosyvoice_cpu.benchmark.tasks import energy_counters
 from cosyvoice_cpu.cli.common import add_split_rows_arg, need_export_extra
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.facts import FAMILIES, facts
