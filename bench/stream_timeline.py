@@ -32,6 +32,7 @@ from typing import Any
 from cosyvoice_cpu.backends import onnxruntime as ort_backend
 from cosyvoice_cpu.backends import openvino as ov_backend
 from cosyvoice_cpu.benchmark.tasks import TEXT, _config, load
+from cosyvoice_cpu.cli.common import add_split_rows_arg
 
 Call = tuple[str, str, float, float]  # graph, thread role, start, end (seconds from the synthesis call)
 
@@ -142,7 +143,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=250)
     ap.add_argument("--mode", choices=["stream", "whole"], default="stream")
     ap.add_argument("--lm-threads", type=int, default=0, help="the stateful OpenVINO LM's threads (0: --threads)")
-    ap.add_argument("--no-split-rows", dest="split_rows", action="store_false")
+    add_split_rows_arg(ap)
     ap.add_argument("--json", type=Path, help="also write every run as JSON here")
     args = ap.parse_args()
     rec = instrument(args.lm_threads)
