@@ -151,7 +151,10 @@ def test_the_other_families_export_a_gated_bf16_model(family: str, request: pyte
     engine = Engine.load(out, EngineConfig(threads=2, backend="openvino", lm_batch_rows=0))
     assert engine.flow.whole is not None and engine.flow.whole.pad is True
     voice = next(iter(engine.builtin_voices().values()), None) or _voice(engine)
-    assert len(engine.synthesize_wav("Hello there.", voice)) > 0
+    # seeded, and min_tokens masks every stop id for 10 tokens: Fun-CosyVoice3 keeps only id S out below its min
+    # length, so the random tiny LM drew one of its 200 stop ids first in ~3 % of unseeded runs (no speech)
+    config = SynthesisConfig(seed=0, min_tokens=10)
+    assert len(engine.synthesize_wav("Hello there.", voice, config)) > 0
     assert time_input in {i.name for i in engine.flow.estimator.get_inputs()}
     engine.close()
 
