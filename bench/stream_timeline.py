@@ -1,7 +1,7 @@
 """Where a streamed sentence's time goes: every graph call with its thread, and how much of the machine was busy.
 
     python bench/stream_timeline.py MODEL_DIR [--threads 2] [--backend auto] [--runs 3] [--mode stream|whole]
-        [--lm-threads N] [--no-split-rows] [--json OUT]
+        [--short] [--lm-threads N] [--no-split-rows] [--json OUT]
 
 Same workload as ``cosyvoice-cpu bench`` (the registered 3 s voice, the bench's sentence forced to ``--tokens`` speech
 tokens: 250 = 10 s at 25 Hz; the voice's prompt cache warm after a warm-up run). Every call of every graph (ONNX Runtime
@@ -11,6 +11,10 @@ it: the caller (the flow and the vocoder of ``engine.synthesize``), ``lm-schedul
 chunk came, the process's CPU time (every thread; divided by the wall time: the cores kept busy, at most the usable
 cores) and per graph and thread the seconds inside calls. "caller outside graphs" is the caller's wall time in no graph
 call (its own, or a guidance-row thread's, which it waits for): waiting for the LM's tokens, plus NumPy glue.
+
+Streamed, each run also says where its **first audio** went: per graph and thread the seconds of the calls before the
+first chunk came, and the LM's calls one by one (its prefill pieces, then a step per token). ``--short`` speaks the
+bench's 8-character sentence (2 s, 50 tokens: the bench's "first audio, 8 characters") instead of the 10 s one.
 
 ``--lm-threads N`` compiles the stateful OpenVINO LM with N threads instead of the engine's ``--threads`` (a probe of
 the LM's share of a saturated machine; no engine option does this; an LM on ONNX Runtime is left as it is). ``--mode
@@ -31,7 +35,7 @@ from typing import Any
 
 from cosyvoice_cpu.backends import onnxruntime as ort_backend
 from cosyvoice_cpu.backends import openvino as ov_backend
-from cosyvoice_cpu.benchmark.tasks import TEXT, _config, load
+from cosyvoice_cpu.benchmark.tasks import SHORT_TEXT, TEXT, _config, load
 from cosyvoice_cpu.cli.common import add_split_rows_arg
 
 Call = tuple[str, str, float, float]  # graph, thread role, start, end (seconds from the synthesis call)
@@ -108,13 +112,29 @@ def outside(calls: list[Call], threads: set[str], wall: float) -> float:
     return wall - inside
 
 
-def one_run(engine: Any, voice: Any, rec: Recorder, stream: bool, tokens: int) -> dict[str, Any]:
-    """One synthesis of the bench's sentence forced to ``tokens`` (streamed or whole): wall and CPU seconds, the
-    chunks' arrival, seconds and calls per graph and thread, the caller's time outside graphs."""
+def before(calls: list[Call], until: float) -> tuple[dict[str, dict[str, float]], list[float]]:
+    """The calls that started before ``until`` (the first chunk's arrival): seconds (clipped at ``until``) and calls
+    per graph and thread, in order of their first call; and the LM scheduler's calls in ms, one by one."""
+    spent: dict[str, dict[str, float]] = {}
+    lm: list[float] = []
+    for graph, thread, a, b in sorted(calls, key=lambda c: c[2]):
+        if a >= until:
+            break
+        entry = spent.setdefault(f"{graph} @ {thread}", {"s": 0.0, "calls": 0})
+        entry["s"] += min(b, until) - a
+        entry["calls"] += 1
+        if thread == "lm-scheduler":
+            lm.append(round((b - a) * 1000, 1))
+    return spent, lm
+
+
+def one_run(engine: Any, voice: Any, rec: Recorder, stream: bool, tokens: int, text: str = TEXT) -> dict[str, Any]:
+    """One synthesis of ``text`` forced to ``tokens`` (streamed or whole): wall and CPU seconds, the chunks' arrival,
+    seconds and calls per graph and thread, the caller's time outside graphs, where the first chunk's time went."""
     rec.start()
     cpu0 = time.process_time()
     chunks = []
-    for chunk in engine.synthesize(TEXT, voice, _config(tokens, stream=stream)):
+    for chunk in engine.synthesize(text, voice, _config(tokens, stream=stream)):
         chunks.append((round(time.perf_counter() - rec.t0, 3), round(chunk.duration, 3)))
     wall, cpu = time.perf_counter() - rec.t0, time.process_time() - cpu0
     busy: dict[str, float] = collections.defaultdict(float)
@@ -122,6 +142,8 @@ def one_run(engine: Any, voice: Any, rec: Recorder, stream: bool, tokens: int) -
     for graph, thread, a, b in rec.calls:
         busy[f"{graph} @ {thread}"] += b - a
         count[f"{graph} @ {thread}"] += 1
+    first = next((t for t, d in chunks if d > 0), wall)
+    spent, lm_ms = before(rec.calls, first)
     return {
         "wall_s": wall,
         "cpu_s": cpu,
@@ -131,6 +153,9 @@ def one_run(engine: Any, voice: Any, rec: Recorder, stream: bool, tokens: int) -
         "graphs": {k: {"s": busy[k], "calls": count[k]} for k in sorted(busy, key=lambda k: -busy[k])},
         # a guidance-row thread lives inside one of the caller's calls, which waits for it
         "caller_outside_graphs_s": outside(rec.calls, {"caller", "cosyvoice-rows"}, wall),
+        "first_audio_s": first,
+        "before_first_audio": spent,
+        "lm_calls_before_first_audio_ms": lm_ms,
     }
 
 
@@ -140,23 +165,26 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=250)
+    ap.add_argument("--tokens", type=int, default=0, help="speech tokens (default 250, --short 50)")
     ap.add_argument("--mode", choices=["stream", "whole"], default="stream")
+    ap.add_argument("--short", action="store_true", help="the 8-character sentence (50 tokens unless --tokens)")
     ap.add_argument("--lm-threads", type=int, default=0, help="the stateful OpenVINO LM's threads (0: --threads)")
     add_split_rows_arg(ap)
     ap.add_argument("--json", type=Path, help="also write every run as JSON here")
     args = ap.parse_args()
+    text, tokens = (SHORT_TEXT, args.tokens or 50) if args.short else (TEXT, args.tokens or 250)
     rec = instrument(args.lm_threads)
     try:
         engine, voice = load(args.model_dir, args.threads, backend=args.backend, split_rows=args.split_rows)
         stream = args.mode == "stream"
-        one_run(engine, voice, rec, stream, args.tokens)  # warm-up: the voice's prompt cache, first-call costs
-        runs = [one_run(engine, voice, rec, stream, args.tokens) for _ in range(args.runs)]
+        one_run(engine, voice, rec, stream, tokens, text)  # warm-up: the voice's prompt cache, first-call costs
+        runs = [one_run(engine, voice, rec, stream, tokens, text) for _ in range(args.runs)]
         engine.close()
     finally:
         rec.restore()
     lm = f", a stateful OpenVINO LM on {args.lm_threads} threads" if args.lm_threads else ""
-    print(f"{args.model_dir.name}: {args.mode}, {args.threads} threads, --backend {args.backend}{lm}")
+    said = f"{text!r}, {tokens} tokens"
+    print(f"{args.model_dir.name}: {said}, {args.mode}, {args.threads} threads, --backend {args.backend}{lm}")
     for i, r in enumerate(runs):
         print(
             f"run {i}: wall {r['wall_s']:.2f} s for {r['audio_s']:.2f} s of audio "
@@ -166,9 +194,15 @@ def main() -> None:
         )
         for key, g in r["graphs"].items():
             print(f"    {key:45s} {g['s']:7.2f} s {g['calls']:5d} calls")
+        if stream:
+            print(f"  first audio at {r['first_audio_s']:.3f} s; the calls before it:")
+            for key, g in r["before_first_audio"].items():
+                print(f"    {key:45s} {g['s']:7.3f} s {g['calls']:5d} calls")
+            print(f"    the LM's calls, ms: {r['lm_calls_before_first_audio_ms']}")
     walls = [r["wall_s"] / r["audio_s"] for r in runs]
     cores = [r["cores_busy"] for r in runs]
-    print(f"median RTF {statistics.median(walls):.3f}, median cores busy {statistics.median(cores):.2f}")
+    first = f", median first audio {statistics.median(r['first_audio_s'] for r in runs):.3f} s" if stream else ""
+    print(f"median RTF {statistics.median(walls):.3f}, median cores busy {statistics.median(cores):.2f}{first}")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs}, indent=1))
 

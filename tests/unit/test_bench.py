@@ -366,6 +366,9 @@ def test_stream_timeline_records_every_graph_call_by_thread(tiny_export_dir: Pat
              ("c", "caller", 3.0, 4.0)]  # fmt: skip
     assert timeline.outside(calls, {"caller", "cosyvoice-rows"}, 6.0) == pytest.approx(3.0)  # 2-3 and 4-6
     assert timeline.outside(calls, {"caller"}, 6.0) == pytest.approx(4.0)
+    spent, lm_ms = timeline.before(calls, 3.0)  # c starts at 3.0: after; the LM's call is clipped at 3.0
+    assert list(spent) == ["a @ caller", "lm @ lm-scheduler", "b @ cosyvoice-rows"]
+    assert spent["lm @ lm-scheduler"] == {"s": pytest.approx(3.0), "calls": 1} and lm_ms == [5000.0]
     originals = (OrtSession.run, OrtBoundRun.run)
     rec = timeline.instrument()
     engine, voice = load(tiny_export_dir, 2)
@@ -382,3 +385,12 @@ def test_stream_timeline_records_every_graph_call_by_thread(tiny_export_dir: Pat
     assert rows["calls"] == graphs["flow_estimator_stream.onnx @ caller"]["calls"] > 0
     assert run["audio_s"] == pytest.approx(40 / 25) and 0 <= run["caller_outside_graphs_s"] < run["wall_s"]
     assert run["cpu_s"] > 0 and run["cores_busy"] > 0
+    # the first chunk came after the LM's first tokens, the encoder's and the estimator's calls for it (and, in this
+    # first run, the voice's prompt cache)
+    assert run["first_audio_s"] == next(t for t, d in run["chunks"] if d > 0)
+    first = run["before_first_audio"]
+    assert first["lm.onnx @ lm-scheduler"]["calls"] == len(run["lm_calls_before_first_audio_ms"]) > 1
+    assert first["flow_encoder.onnx @ caller"]["calls"] >= 1 and first["hift_decode.onnx @ caller"]["calls"] >= 1
+    estimator = "flow_estimator_stream.onnx @ caller"
+    assert 0 < first[estimator]["calls"] < graphs[estimator]["calls"]
+    assert sum(g["s"] for k, g in first.items() if "@ caller" in k) <= run["first_audio_s"]
