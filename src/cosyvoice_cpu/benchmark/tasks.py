@@ -201,7 +201,8 @@ def listen(engine: Engine, voice: Voice, text: str, config: SynthesisConfig) -> 
     for chunk in engine.synthesize(text, voice, config):
         play.add(time.perf_counter() - t0, chunk.duration)
         chunks += chunk.duration > 0
-    cores = (time.process_time() - cpu0) / (time.perf_counter() - t0)
+    wall = max(time.perf_counter() - t0, 1e-9)  # a (fake) clock that did not move divides by no zero
+    cores = (time.process_time() - cpu0) / wall
     s = play.summary(0.0, 0.0)
     keys = ("first_audio_s", "stream_rtf", "stalls", "stall_s")
     return {"chunks": chunks, **{k: float(s[k]) for k in keys}, "cores_busy": cores}
