@@ -111,20 +111,21 @@ class RowGroupSession(WrappedSession):
         if rows is None or any(self._out_axes.get(n) is None for n in names):
             logger.warning("a call whose rows cannot be split (%s): one call on one thread", sorted(feeds))
             return self.wrapped.run(names, feeds, release_memory)
-        parts = [
-            {k: v if (a := self._in_axes.get(k)) is None else _rows(v, a, start, stop) for k, v in feeds.items()}
-            for start, stop in group_bounds(rows, self.groups)
-        ]
-        results: list[list[np.ndarray] | None] = [None] * len(parts)
-        errors: list[BaseException | None] = [None] * len(parts)
+        bounds = group_bounds(rows, self.groups)
+        results: list[list[np.ndarray] | None] = [None] * len(bounds)
+        errors: list[BaseException | None] = [None] * len(bounds)
 
         def call(i: int) -> None:
-            try:
-                results[i] = self.wrapped.run(names, parts[i], release_memory)
+            start, stop = bounds[i]
+            try:  # each group copies its own rows out of the batched inputs, on its own thread
+                part = {
+                    k: v if (a := self._in_axes.get(k)) is None else _rows(v, a, start, stop) for k, v in feeds.items()
+                }
+                results[i] = self.wrapped.run(names, part, release_memory)
             except Exception as e:  # handed to the caller, which raises it after every group ended
                 errors[i] = e
 
-        threads = [threading.Thread(target=call, args=(i,), name="cosyvoice-rows") for i in range(1, len(parts))]
+        threads = [threading.Thread(target=call, args=(i,), name="cosyvoice-rows") for i in range(1, len(bounds))]
         for t in threads:
             t.start()
         try:
