@@ -45,6 +45,21 @@ from cosyvoice_cpu.flow.guidance import guidance_rows, guide, guided_rows
 logger = logging.getLogger(__name__)
 
 
+def stable_prompt_frames(prompt_tokens: int, ratio: int, lookahead: int, chunk: int) -> int:
+    """Frames of a ``prompt_tokens``-token prompt that a :class:`CosyVoice3PromptCache` holds: its complete
+    ``chunk``-frame chunks ending at least ``lookahead`` tokens before its end (their mu cannot depend on generated
+    tokens). The first push of every stream computes the prompt's other frames again, with its new frames."""
+    return max(0, prompt_tokens - lookahead) * ratio // chunk * chunk
+
+
+def cheapest_prompt_lengths(prompt_tokens: int, ratio: int, lookahead: int, chunk: int) -> tuple[int, int]:
+    """The prompt lengths in tokens (the nearest at most ``prompt_tokens``, the next one above it) whose first push
+    computes only the look-ahead's ``lookahead * ratio`` prompt frames again; (0, n) where no shorter one exists."""
+    step = chunk // ratio
+    shorter = prompt_tokens - (prompt_tokens - lookahead) % step
+    return max(shorter, 0), shorter + step
+
+
 @dataclass
 class CosyVoice3PromptCache:
     """The prompt's committed chunks (frames ``[0, frames)``) for one voice and one (steps, cfg_rate).
@@ -86,8 +101,8 @@ class CosyVoice3PromptCache:
         s = stage.settings
         tokens = token_ids(prompt_tokens, "prompt_tokens")
         feat = prompt_frames(prompt_feat, tokens.shape[1] * s.token_mel_ratio)
-        stable = max(0, tokens.shape[1] - s.pre_lookahead_len) * s.token_mel_ratio
-        frames = stable // stage.chunk_frames * stage.chunk_frames
+        frames = stable_prompt_frames(tokens.shape[1], s.token_mel_ratio, s.pre_lookahead_len, stage.chunk_frames)
+        _say_first_push(tokens.shape[1], frames, s.token_mel_ratio, s.pre_lookahead_len, stage.chunk_frames)
         rows = guidance_rows(cfg_rate)
         layers, width, state, hist = stream_layout(sess)
         empty = np.zeros((layers, rows, 0, width), wire)
@@ -267,6 +282,25 @@ class CosyVoice3FlowStream:
         if self.context_tokens is None or a.shape[2] <= self.context_tokens * self.ratio:
             return a
         return np.ascontiguousarray(a[:, :, a.shape[2] - self.context_tokens * self.ratio :])
+
+
+def _say_first_push(prompt_tokens: int, frames: int, ratio: int, lookahead: int, chunk: int) -> None:
+    """Log (INFO) a voice whose streamed requests' first push computes over half a chunk of its prompt again, with
+    the prompt lengths that would compute least."""
+    again = prompt_tokens * ratio - frames
+    if again <= chunk // 2:
+        return
+    shorter, longer = cheapest_prompt_lengths(prompt_tokens, ratio, lookahead, chunk)
+    logger.info(
+        "this voice's prompt is %d speech tokens: the first streamed chunk of every request computes %d of the "
+        "prompt's mel frames again at each Euler step; a prompt of %s%d tokens would compute %d (first audio: "
+        'docs/streaming.md, "First audio depends on the voice\'s length")',
+        prompt_tokens,
+        again,
+        f"{shorter} or " if shorter > lookahead else "",
+        longer,
+        lookahead * ratio,
+    )
 
 
 def _next_state(state: np.ndarray, conv_in: np.ndarray, n: int, hist: int) -> np.ndarray:
