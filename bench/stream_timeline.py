@@ -133,16 +133,18 @@ def one_run(engine: Any, voice: Any, rec: Recorder, stream: bool, tokens: int, t
     seconds and calls per graph and thread, the caller's time outside graphs, where the first chunk's time went."""
     rec.start()
     cpu0 = time.process_time()
-    chunks = []
+    chunks, first = [], None
     for chunk in engine.synthesize(text, voice, _config(tokens, stream=stream)):
-        chunks.append((round(time.perf_counter() - rec.t0, 3), round(chunk.duration, 3)))
+        now = time.perf_counter() - rec.t0
+        chunks.append((round(now, 3), round(chunk.duration, 3)))
+        first = now if first is None and chunk.duration > 0 else first
     wall, cpu = time.perf_counter() - rec.t0, time.process_time() - cpu0
     busy: dict[str, float] = collections.defaultdict(float)
     count: collections.Counter[str] = collections.Counter()
     for graph, thread, a, b in rec.calls:
         busy[f"{graph} @ {thread}"] += b - a
         count[f"{graph} @ {thread}"] += 1
-    first = next((t for t, d in chunks if d > 0), wall)
+    first = wall if first is None else first
     spent, lm_ms = before(rec.calls, first)
     return {
         "wall_s": wall,

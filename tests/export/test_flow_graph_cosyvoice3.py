@@ -5,7 +5,6 @@ finalize=...)``)."""
 
 from __future__ import annotations
 
-import logging
 import shutil
 import subprocess
 import sys
@@ -252,27 +251,25 @@ def test_the_engines_chunks_end_on_attention_chunks(flow, stage: CosyVoice3Flow)
 
 @pytest.mark.parametrize(("n_prompt", "again"), [(75, 50), (78, 6)])
 def test_the_first_push_computes_the_prompts_open_frames_again(
-    flow, stage: CosyVoice3Flow, n_prompt: int, again: int, caplog: pytest.LogCaptureFixture
+    flow, stage: CosyVoice3Flow, n_prompt: int, again: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The first push's window is the prompt frames the prompt cache does not hold (6 for a prompt of 25k + 3
-    tokens, up to 54) plus its new frames, at every Euler step; a voice that computes over half a chunk again is
-    named in the log with the prompt lengths that would compute least (docs/streaming.md)."""
+    tokens, up to 54) plus its new frames, at every Euler step; a cache whose voice computes over half a chunk
+    again carries the advice the engine logs, with the prompt lengths that would compute least (docs/streaming.md)."""
     prompt, tokens, emb, feat = _inputs(flow, n_prompt, 13, seed=3)
-    with caplog.at_level(logging.INFO, logger="cosyvoice_cpu.flow.cosyvoice3_stream"):
-        fs = CosyVoice3FlowStream(stage, prompt.numpy()[0], feat.numpy()[0], emb.numpy(), context_tokens=None)
+    fs = CosyVoice3FlowStream(stage, prompt.numpy()[0], feat.numpy()[0], emb.numpy(), context_tokens=None)
     assert 2 * n_prompt - fs.prompt.frames == 2 * n_prompt - stable_prompt_frames(n_prompt, 2, 3, 50) == again
     assert cheapest_prompt_lengths(n_prompt, 2, 3, 50) == ((53, 78) if n_prompt == 75 else (78, 103))
     sizes: list[int] = []
     run = fs.sess.run
-    fs.sess.run = lambda names, feeds: sizes.append(feeds["x"].shape[2]) or run(names, feeds)  # type: ignore[method-assign]
+    monkeypatch.setattr(fs.sess, "run", lambda names, feeds: sizes.append(feeds["x"].shape[2]) or run(names, feeds))
     t = tokens[0].numpy()
     fs.push(t[:10], t[10:13])
     assert sizes == [again + 20] * stage.settings.n_timesteps
-    said = [r.getMessage() for r in caplog.records if "first streamed chunk" in r.getMessage()]
-    assert said == (["this voice's prompt is 75 speech tokens: the first streamed chunk of every request computes 50 "
-                     "of the prompt's mel frames again at each Euler step; a prompt of 53 or 78 tokens would compute 6 "
-                     '(first audio: docs/streaming.md, "First audio depends on the voice\'s length")']
-                    if again > 25 else [])  # fmt: skip
+    assert fs.prompt.advice == ("its prompt is 75 speech tokens: the first streamed chunk of every request computes 50 "
+                                "of the prompt's mel frames again at each Euler step; a prompt of 53 or 78 tokens "
+                                "would compute 6 (first audio: docs/streaming.md, \"First audio depends on the "
+                                "voice's length\")" if again > 25 else None)  # fmt: skip
 
 
 def test_a_provisional_complete_chunk_is_not_committed(flow, stage: CosyVoice3Flow) -> None:

@@ -387,7 +387,7 @@ def test_stream_timeline_records_every_graph_call_by_thread(tiny_export_dir: Pat
     assert run["cpu_s"] > 0 and run["cores_busy"] > 0
     # the first chunk came after the LM's first tokens, the encoder's and the estimator's calls for it (and, in this
     # first run, the voice's prompt cache)
-    assert run["first_audio_s"] == next(t for t, d in run["chunks"] if d > 0)
+    assert run["first_audio_s"] == pytest.approx(next(t for t, d in run["chunks"] if d > 0), abs=1e-3)
     first = run["before_first_audio"]
     assert first["lm.onnx @ lm-scheduler"]["calls"] == len(run["lm_calls_before_first_audio_ms"]) > 1
     assert first["flow_encoder.onnx @ caller"]["calls"] >= 1 and first["hift_decode.onnx @ caller"]["calls"] >= 1

@@ -23,6 +23,7 @@ MIB = 1 << 20
 @dataclass
 class FakeCache:
     nbytes: int
+    advice: str | None = None
 
 
 class FakeVoice:
@@ -42,7 +43,7 @@ class Kind:
 
     def build(self, stage, prompt_tokens, prompt_feat, embedding, n_timesteps, cfg_rate, dtype):
         self.built += 1
-        return FakeCache(int(prompt_tokens[0]))
+        return FakeCache(int(prompt_tokens[0]), "its prompt is long" if prompt_tokens[0] % 2 else None)
 
 
 def caches(budget_mib: int) -> tuple[PromptCaches, Kind]:
@@ -91,6 +92,21 @@ def test_a_budget_of_zero_keeps_none_without_warning(caplog: pytest.LogCaptureFi
             get(lru, FakeVoice("v", MIB), request)
             get(lru, FakeVoice("v", MIB), request)
     assert kind.built == 2 and lru.nbytes == 0 and not caplog.records
+
+
+def test_a_caches_advice_is_logged_once_a_voice(caplog: pytest.LogCaptureFixture) -> None:
+    """A family's advice on streaming a voice (Fun-CosyVoice3: its prompt's length) reaches the log with the voice's
+    name once, however often its caches are built (here every request: a budget of 0); a voice the cache has nothing
+    to say about logs nothing."""
+    lru, kind = caches(0)
+    odd, even = FakeVoice("odd", MIB + 1), FakeVoice("even", MIB)
+    with caplog.at_level(logging.INFO, logger="cosyvoice_cpu.flow.prompt_caches"):
+        for _ in range(2):
+            get(lru, odd, {})
+            get(lru, even, {})
+            lru.get(odd, 5, 0.7)  # other solver settings: another cache, the same voice
+    assert kind.built == 6
+    assert [r.getMessage() for r in caplog.records] == ["voice 'odd': its prompt is long"]
 
 
 def test_held_bytes_count_the_caches_only_running_requests_hold() -> None:

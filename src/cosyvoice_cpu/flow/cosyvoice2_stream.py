@@ -49,12 +49,14 @@ class CosyVoice2PromptCache:
             graph takes float16 caches (the int8 recipes), else float32 or float16 storage as ``build(dtype=)``
             asks (float16: half the memory, widened to float32 for each call of a float32 graph).
         conv: per Euler step, (rows, S, 2) float32 causal-convolution states at the prompt's end.
+        advice: None (the whole prompt is cached: its length costs no streamed chunk anything again).
     """
 
     mu: np.ndarray
     spks: np.ndarray
     h: list[np.ndarray]
     conv: list[np.ndarray]
+    advice: str | None = None
 
     @property
     def nbytes(self) -> int:

@@ -11,7 +11,8 @@ which a non-final call already has. So within each Euler step, a *complete* 50-f
   of v3, :mod:`cosyvoice_cpu.export.flow.cosyvoice3_stream`);
 * a push runs the estimator on the *window* = the open (incomplete) chunk's earlier frames + the new frames,
   then commits the chunks that became complete. Extra work per push: at most 49 recomputed frames, none when
-  the push before ended on a chunk boundary: :attr:`grid` asks the engine's chunk plan for such ends
+  the push before ended on a chunk boundary (the first push: the prompt frames the prompt cache does not hold, 6
+  to 54: :func:`stable_prompt_frames`): :attr:`grid` asks the engine's chunk plan for such ends
   (:class:`~cosyvoice_cpu.flow.common.ChunkPlan`), as the official chunk hops (25 tokens, the first padded to
   the prompt's boundary) are;
 * the prompt's complete chunks whose mu cannot depend on generated tokens (those ending at least
@@ -60,6 +61,22 @@ def cheapest_prompt_lengths(prompt_tokens: int, ratio: int, lookahead: int, chun
     return max(shorter, 0), shorter + step
 
 
+def first_push_advice(prompt_tokens: int, frames: int, ratio: int, lookahead: int, chunk: int) -> str | None:
+    """What to tell the user of a voice whose streamed requests' first push computes over half a chunk of its prompt
+    again (``frames``: the prompt frames its cache holds), with the prompt lengths that would compute least; None
+    for a voice that computes less again."""
+    again = prompt_tokens * ratio - frames
+    if again <= chunk // 2:
+        return None
+    shorter, longer = cheapest_prompt_lengths(prompt_tokens, ratio, lookahead, chunk)
+    lengths = f"{shorter} or {longer}" if shorter > lookahead else f"{longer}"
+    return (
+        f"its prompt is {prompt_tokens} speech tokens: the first streamed chunk of every request computes {again} of "
+        f"the prompt's mel frames again at each Euler step; a prompt of {lengths} tokens would compute "
+        f'{lookahead * ratio} (first audio: docs/streaming.md, "First audio depends on the voice\'s length")'
+    )
+
+
 @dataclass
 class CosyVoice3PromptCache:
     """The prompt's committed chunks (frames ``[0, frames)``) for one voice and one (steps, cfg_rate).
@@ -70,6 +87,8 @@ class CosyVoice3PromptCache:
             float16 caches (the int8 recipes), else float32 or float16 storage as ``build(dtype=)`` asks
             (float16: half the memory, widened to float32 for each call of a float32 graph).
         conv: per Euler step, (rows, 2D, K-1) float32 conv position embedding inputs before frame ``frames``.
+        advice: when the first push of every stream computes over half a chunk of the prompt again, how many
+            frames and the prompt lengths that would compute least (:func:`first_push_advice`); else None.
     """
 
     frames: int
@@ -77,6 +96,7 @@ class CosyVoice3PromptCache:
     k: list[np.ndarray]
     v: list[np.ndarray]
     conv: list[np.ndarray]
+    advice: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -102,7 +122,7 @@ class CosyVoice3PromptCache:
         tokens = token_ids(prompt_tokens, "prompt_tokens")
         feat = prompt_frames(prompt_feat, tokens.shape[1] * s.token_mel_ratio)
         frames = stable_prompt_frames(tokens.shape[1], s.token_mel_ratio, s.pre_lookahead_len, stage.chunk_frames)
-        _say_first_push(tokens.shape[1], frames, s.token_mel_ratio, s.pre_lookahead_len, stage.chunk_frames)
+        advice = first_push_advice(tokens.shape[1], frames, s.token_mel_ratio, s.pre_lookahead_len, stage.chunk_frames)
         rows = guidance_rows(cfg_rate)
         layers, width, state, hist = stream_layout(sess)
         empty = np.zeros((layers, rows, 0, width), wire)
@@ -111,7 +131,7 @@ class CosyVoice3PromptCache:
         if frames == 0:
             _, spks = stage.encode(tokens[:, :1] if tokens.shape[1] else np.zeros((1, 1), np.int64), [], emb)
             none = empty.astype(dtype)
-            return cls(0, spks, [none] * steps, [none] * steps, [conv0] * steps)
+            return cls(0, spks, [none] * steps, [none] * steps, [conv0] * steps, advice)
         mu, spks = stage.encode(tokens, [], emb)
         feeds = {
             **guided_rows(mu[:, :, :frames], spks, feat[:, :, :frames], rows),
@@ -125,7 +145,7 @@ class CosyVoice3PromptCache:
             "chunk_frames": np.array(stage.chunk_frames, np.int64),
         }
         x = stage.initial_noise(None, 1, frames)
-        cache = cls(frames, spks, [], [], [])
+        cache = cls(frames, spks, [], [], [], advice)
         schedule = stage.schedule(steps)
         for (_, dt), time_feed in zip(schedule, stage.time_feeds(sess, schedule, rows)):
             feeds.update(x=np.concatenate([x] * rows), **time_feed)
@@ -282,25 +302,6 @@ class CosyVoice3FlowStream:
         if self.context_tokens is None or a.shape[2] <= self.context_tokens * self.ratio:
             return a
         return np.ascontiguousarray(a[:, :, a.shape[2] - self.context_tokens * self.ratio :])
-
-
-def _say_first_push(prompt_tokens: int, frames: int, ratio: int, lookahead: int, chunk: int) -> None:
-    """Log (INFO) a voice whose streamed requests' first push computes over half a chunk of its prompt again, with
-    the prompt lengths that would compute least."""
-    again = prompt_tokens * ratio - frames
-    if again <= chunk // 2:
-        return
-    shorter, longer = cheapest_prompt_lengths(prompt_tokens, ratio, lookahead, chunk)
-    logger.info(
-        "this voice's prompt is %d speech tokens: the first streamed chunk of every request computes %d of the "
-        "prompt's mel frames again at each Euler step; a prompt of %s%d tokens would compute %d (first audio: "
-        'docs/streaming.md, "First audio depends on the voice\'s length")',
-        prompt_tokens,
-        again,
-        f"{shorter} or " if shorter > lookahead else "",
-        longer,
-        lookahead * ratio,
-    )
 
 
 def _next_state(state: np.ndarray, conv_in: np.ndarray, n: int, hist: int) -> np.ndarray:

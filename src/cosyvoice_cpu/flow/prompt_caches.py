@@ -27,7 +27,12 @@ logger = logging.getLogger(__name__)
 
 
 class PromptCache(Protocol):
-    """A voice's cached prompt activations for one solver setting (a family's stream module defines one)."""
+    """A voice's cached prompt activations for one solver setting (a family's stream module defines one).
+
+    ``advice``: what the family has to say about streaming this voice (logged once per voice), or None.
+    """
+
+    advice: str | None
 
     @property
     def nbytes(self) -> int: ...
@@ -85,6 +90,7 @@ class PromptCaches:
         self._items: OrderedDict[CacheKey, PromptCache] = OrderedDict()
         self._lock = threading.Lock()
         self._too_big: set[str] = set()  # voice fingerprints warned about (once a voice)
+        self._advised: set[str] = set()  # voice fingerprints whose cache's advice was logged (once a voice)
         self._retains = 0  # how many times retain() ran: a build that overlapped one checks its voice is still kept
         self._kept: set[str] = set()  # the fingerprints the last retain() kept
         # every cache a request still holds (weakly: a cache goes when its last request ends and the LRU has let it
@@ -125,6 +131,7 @@ class PromptCaches:
             stale = [key for key in self._items if key[0] not in keep]
             freed = sum(self._items.pop(key).nbytes for key in stale)
             self._too_big &= keep
+            self._advised &= keep
         if stale:
             logger.info("dropped %d prompt caches (%.0f MB) of voices no longer served", len(stale), freed / 1e6)
         return freed
@@ -177,6 +184,11 @@ class PromptCaches:
             with self._lock:
                 del self._building[key]
             building.set()
+        with self._lock:
+            advise = cache.advice is not None and voice.fingerprint not in self._advised
+            self._advised.add(voice.fingerprint)
+        if advise:
+            logger.info("voice %r: %s", voice.name, cache.advice)
         if cache.nbytes > self.budget:  # too big to keep: the requests using it share it, a later one builds it again
             if self.budget and voice.fingerprint not in self._too_big:  # a budget of 0 keeps none by choice
                 self._too_big.add(voice.fingerprint)
