@@ -83,16 +83,12 @@ def role(thread: str) -> str:
     return next((r for r in ("lm-scheduler", "cosyvoice-rows") if thread.startswith(r)), thread)
 
 
-def _ort_name(session: Any) -> str:
-    return Path(getattr(session, "_model_path", None) or "onnx graph").name
-
-
 def instrument(lm_threads: int = 0) -> Recorder:
     """Every backend's graph calls recorded (and the stateful OpenVINO LM on ``lm_threads``, 0: as configured) until
     the recorder's :meth:`Recorder.restore`."""
     rec = Recorder()
-    rec.wrap(ort_backend.OrtSession, "run", lambda s: _ort_name(s.ort))
-    rec.wrap(ort_backend.OrtBoundRun, "run", lambda s: _ort_name(s.session))
+    rec.wrap(ort_backend.OrtSession, "run", lambda s: s.name)
+    rec.wrap(ort_backend.OrtBoundRun, "run", lambda s: s.name)
     rec.wrap(ov_backend.OpenVinoSession, "run", lambda s: s.name)
     rec.wrap(ov_backend.OpenVinoState, "run", lambda s: s.name)
     if lm_threads:

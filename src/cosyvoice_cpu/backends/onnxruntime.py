@@ -103,10 +103,11 @@ def shrink_after_run() -> ort.RunOptions:
 
 
 class OrtSession(GraphSession):
-    """ONNX Runtime's ``InferenceSession`` as a :class:`~cosyvoice_cpu.backends.base.GraphSession` (``ort``)."""
+    """ONNX Runtime's ``InferenceSession`` as a :class:`~cosyvoice_cpu.backends.base.GraphSession` (``ort``);
+    ``name``: the graph's file name (for logs and probes, as OpenVINO's sessions have it)."""
 
-    def __init__(self, inner: ort.InferenceSession) -> None:
-        self.ort = inner
+    def __init__(self, inner: ort.InferenceSession, name: str = "onnx graph") -> None:
+        self.ort, self.name = inner, name
 
     def get_inputs(self) -> list[NodeInfo]:
         return list(self.ort.get_inputs())
@@ -126,15 +127,17 @@ class OrtSession(GraphSession):
     def bind_in_place(self, pairs: Mapping[str, tuple[str, np.ndarray]]) -> BoundRun:
         """IO binding: each buffer is bound by its address as both the input and its paired output, so the graph
         (GroupQueryAttention writing the new positions into its ``present`` cache) updates it without a copy."""
-        return OrtBoundRun(self.ort, pairs)
+        return OrtBoundRun(self.ort, pairs, self.name)
 
 
 class OrtBoundRun:
     """A :class:`~cosyvoice_cpu.backends.base.BoundRun` on one ORT IO binding, reused call after call: a call
     rebinds only ``feeds`` and ``outputs`` (the caller keeps the bound buffers alive; this keeps views of them)."""
 
-    def __init__(self, session: ort.InferenceSession, pairs: Mapping[str, tuple[str, np.ndarray]]) -> None:
-        self.session = session
+    def __init__(
+        self, session: ort.InferenceSession, pairs: Mapping[str, tuple[str, np.ndarray]], name: str = "onnx graph"
+    ) -> None:
+        self.session, self.name = session, name
         self.io = session.io_binding()
         self.buffers = []
         for name, (output, buf) in pairs.items():
@@ -168,9 +171,11 @@ class OnnxRuntime(Backend):
         :class:`~cosyvoice_cpu.backends.row_groups.RowGroupSession` over a one-thread session."""
         groups = config.row_groups
         if not splits_rows(config.threads, groups):
-            return OrtSession(make_session(path, config))
-        split = OrtSession(make_session(path, replace(config, threads=1, row_groups=0)))
-        return RowGroupSession(split, groups, lambda: OrtSession(make_session(path, replace(config, row_groups=0))))
+            return OrtSession(make_session(path, config), path.name)
+        split = OrtSession(make_session(path, replace(config, threads=1, row_groups=0)), path.name)
+        return RowGroupSession(
+            split, groups, lambda: OrtSession(make_session(path, replace(config, row_groups=0)), path.name)
+        )
 
     def version(self) -> str | None:
         if not self.available():
