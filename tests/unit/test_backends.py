@@ -29,6 +29,9 @@ def test_graphs_open_through_the_configured_backend() -> None:
     assert emb.shape == (1, 192)
     (again,) = sess.run(None, {sess.get_inputs()[0].name: feats}, release_memory=True)  # ORT's arena shrink
     assert np.array_equal(again, emb)
+    assert sess.name == "campplus.onnx"  # the graph's file name, for logs and probes (OpenVINO's sessions too)
+    with pytest.raises(ConfigError, match=r"^campplus.onnx: input: an in-place buffer must be C-contiguous float32"):
+        sess.bind_in_place({"input": ("output", np.zeros((1, 50, 80), np.float64))})
 
 
 def test_an_unknown_backend_or_a_missing_graph_is_a_clear_error(tmp_path: Path) -> None:

@@ -140,10 +140,12 @@ class OrtBoundRun:
         self.session, self.name = session, name
         self.io = session.io_binding()
         self.buffers = []
-        for name, (output, buf) in pairs.items():
+        for input_name, (output, buf) in pairs.items():
             if buf.dtype != np.float32 or not buf.flags.c_contiguous:
-                raise ConfigError(f"{name}: an in-place buffer must be C-contiguous float32, got {buf.dtype}")
-            self.io.bind_input(name, "cpu", 0, np.float32, buf.shape, buf.ctypes.data)
+                raise ConfigError(
+                    f"{self.name}: {input_name}: an in-place buffer must be C-contiguous float32, got {buf.dtype}"
+                )
+            self.io.bind_input(input_name, "cpu", 0, np.float32, buf.shape, buf.ctypes.data)
             self.io.bind_output(output, "cpu", 0, np.float32, buf.shape, buf.ctypes.data)
             self.buffers.append(buf)
 
