@@ -180,13 +180,12 @@ class PromptCaches:
             )
             with self._lock:
                 self._in_use[key] = cache
+                advise = cache.advice is not None and voice.fingerprint not in self._advised
+                self._advised.add(voice.fingerprint)
         finally:
             with self._lock:
                 del self._building[key]
             building.set()
-        with self._lock:
-            advise = cache.advice is not None and voice.fingerprint not in self._advised
-            self._advised.add(voice.fingerprint)
         if advise:
             logger.info("voice %r: %s", voice.name, cache.advice)
         if cache.nbytes > self.budget:  # too big to keep: the requests using it share it, a later one builds it again
