@@ -282,6 +282,11 @@ def test_a_provisional_complete_chunk_is_not_committed(flow, stage: CosyVoice3Fl
     a = CosyVoice3FlowStream(*args, context_tokens=None)
     a.push(t[:40], t[40:41])  # window [100, 200): frames up to 196 stable, commit 150
     assert a.committed == 150 and all(k.shape[2] == 50 for k in a.ctx_k)
+    # the stage splits its calls by CFG row (2 threads): every cache keeps each row contiguous, so a row's call
+    # takes it as a view (backends.row_groups.rows_apart)
+    assert stage.stream_estimator.rows_apart
+    for cache in (a.prompt.k[0], a.prompt.v[0], a.ctx_k[0], a.ctx_v[0]):
+        assert all(cache[:, r].flags.c_contiguous for r in range(2)) and not cache.flags.c_contiguous
     b = CosyVoice3FlowStream(*args, context_tokens=None)
     b.push(t[:38], t[38:41])  # window [100, 196): all stable, commit 150
     assert b.committed == 150

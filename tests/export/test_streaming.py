@@ -222,8 +222,11 @@ def test_split_rows_stream_as_one_call_does(fp32_dir: Path, tmp_path: Path) -> N
             stage = CosyVoice2Flow(fp32_dir / FILES["flow_encoder"], fp32_dir / FILES["flow_estimator"], graph,
                                    fp32_dir / FILES["flow_noise"], threads=2)  # fmt: skip
             stage.split_rows = split
-            mels[name, split], _ = _stream(stage, 25)
+            mels[name, split], fs = _stream(stage, 25)
             assert isinstance(stage.stream_estimator, RowGroupSession) == split
+            # the caches as the session takes them without a copy: each CFG row contiguous where the rows split
+            for cache in (fs.prompt.h[0], fs.ctx_h[0]):
+                assert cache[:, 1].flags.c_contiguous == split and cache.flags.c_contiguous != split
     rel = {k: float(np.abs(m - mels["fp32", False]).max() / np.abs(mels["fp32", False]).max()) for k, m in mels.items()}
     print(f"mel rel to the fp32 one-call stream: {rel}")
     assert rel["fp32", True] < 1e-4  # measured: bitwise equal here

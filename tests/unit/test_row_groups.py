@@ -17,8 +17,9 @@ import pytest
 from cosyvoice_cpu.backends.base import GraphSession, NodeInfo, SessionConfig
 from cosyvoice_cpu.backends.onnxruntime import OrtSession
 from cosyvoice_cpu.backends.registry import open_graph
-from cosyvoice_cpu.backends.row_groups import RowGroupSession, batch_axis, group_bounds
+from cosyvoice_cpu.backends.row_groups import RowGroupSession, batch_axis, group_bounds, rows_apart
 from cosyvoice_cpu.errors import ConfigError
+from cosyvoice_cpu.flow.graphs import extend_cache
 
 
 class _Node:
@@ -31,6 +32,7 @@ class RowWise(GraphSession):
 
     def __init__(self, barrier: threading.Barrier | None = None) -> None:
         self.calls: list[tuple[int, str]] = []  # (rows, thread name) per call
+        self.seen_h: list[np.ndarray] = []  # the ``h`` each call was given
         self.fail_rows: int | None = None
         self.barrier = barrier  # every call waits there for the others: calls in sequence would time out
 
@@ -46,6 +48,7 @@ class RowWise(GraphSession):
         rows = feeds["x"].shape[0]
         assert feeds["h"].shape[1] == rows and feeds["h"].flags.c_contiguous
         self.calls.append((rows, threading.current_thread().name))
+        self.seen_h.append(feeds["h"])
         if self.barrier is not None:
             self.barrier.wait()
         if rows == self.fail_rows:
@@ -83,6 +86,39 @@ def test_each_group_runs_as_its_own_call_at_once_and_the_outputs_join() -> None:
     assert [r for r, t in split.calls if t == caller] == [1, 2, 3]  # the first group (the larger one) stays here
     assert [r for r, t in split.calls if t != caller] == [1, 2, 2]
     assert not wholes  # splittable calls never open the graph on every thread
+
+
+def test_rows_laid_out_apart_reach_their_calls_without_a_copy() -> None:
+    """An input with an inner batch axis laid out rows apart reaches each group's call as a view of the caller's
+    array (a C-ordered one is copied row by row); an output with an inner batch axis comes back laid out so."""
+    split = RowWise()
+    session = RowGroupSession(split, 2, RowWise)
+    assert session.rows_apart and not split.rows_apart
+    feeds = _feeds(2)
+    h = rows_apart(feeds["h"].shape, np.float32, 1)
+    h[...] = feeds["h"]
+    assert h.shape == (4, 2, 5) and not h.flags.c_contiguous and np.array_equal(h, feeds["h"])
+    y, h2 = session.run(["y", "h2"], {**feeds, "h": h})
+    assert [np.shares_memory(seen, h) for seen in split.seen_h] == [True, True]
+    np.testing.assert_array_equal(h2, feeds["h"] + 1)
+    assert all(h2[:, r].flags.c_contiguous for r in range(2)) and not h2.flags.c_contiguous
+    assert y.flags.c_contiguous  # batch axis first: C order is rows apart already
+    session.run(["h2"], feeds)
+    assert not any(np.shares_memory(seen, feeds["h"]) for seen in split.seen_h[2:])
+
+
+@pytest.mark.parametrize("apart", [False, True])
+def test_a_cache_grows_by_its_new_frames_in_the_sessions_layout(apart: bool) -> None:
+    """``flow.graphs.extend_cache``: the cache's frames then the new ones, the last ``keep`` of them, laid out as the
+    session takes them (rows apart for a session that splits its calls by rows)."""
+    sess = RowGroupSession(RowWise(), 2, RowWise) if apart else RowWise()
+    rng = np.random.default_rng(0)
+    cache, new = (rng.standard_normal((3, 2, n, 4)).astype(np.float16) for n in (5, 3))
+    for keep, frames in ((None, 8), (6, 6), (2, 2), (0, 0)):
+        out = extend_cache(sess, cache, new, keep)
+        np.testing.assert_array_equal(out, np.concatenate([cache, new], axis=2)[:, :, 8 - frames :])
+        assert out.dtype == np.float16 and (out[:, 1].flags.c_contiguous == apart or frames == 0)
+    assert extend_cache(sess, cache, new[:, :, :0]) is cache  # nothing new, nothing dropped: no copy
 
 
 def test_a_call_with_fewer_rows_than_groups_runs_whole_on_every_thread(caplog: pytest.LogCaptureFixture) -> None:

@@ -122,6 +122,14 @@ class GraphSession(ABC):
         graph's call reuses)."""
         return False
 
+    @property
+    def rows_apart(self) -> bool:
+        """Whether a batched input whose batch axis is not its first is best laid out with each batch row contiguous
+        (:func:`~cosyvoice_cpu.backends.row_groups.rows_apart`). True for a session that splits calls by rows: each
+        group's call then takes its row as a view, not a copy. False for one that runs whole calls, which takes a
+        C-ordered input without a copy (ONNX Runtime copies one that is not C-contiguous)."""
+        return False
+
     def open_state(self) -> ModelState:
         """A new inference request of this stateful graph, with an empty state of its own."""
         raise ConfigError("this graph keeps no state between calls; it has no ModelState to open")
@@ -153,8 +161,9 @@ class ModelState(ABC):
 
 class WrappedSession(GraphSession):
     """A session over another (``wrapped``) that changes how calls run (pads them, splits their rows) but not what the
-    graph is: its inputs, outputs, metadata, compiles ahead and working memory are the wrapped session's. ``run`` is
-    the wrapper's own; in-place binding and state are not passed through (a wrapper that changes calls decides)."""
+    graph is: its inputs, outputs, metadata, compiles ahead, working memory and preferred input layout are the wrapped
+    session's. ``run`` is the wrapper's own; in-place binding and state are not passed through (a wrapper that changes
+    calls decides)."""
 
     def __init__(self, wrapped: GraphSession) -> None:
         self.wrapped = wrapped
@@ -174,6 +183,10 @@ class WrappedSession(GraphSession):
     @property
     def keeps_working_memory(self) -> bool:
         return self.wrapped.keeps_working_memory
+
+    @property
+    def rows_apart(self) -> bool:
+        return self.wrapped.rows_apart
 
 
 class CopyingRun:

@@ -17,6 +17,12 @@ A call with fewer rows than groups (a stream without guidance) runs on a session
 need: a second copy of the graph's weights, only in a process that makes such calls. A call that cannot be split
 otherwise (batched inputs that disagree on their rows, an output without a batch axis) runs as one call on the
 one-thread session, with a warning: a graph or a caller that breaks the contract above.
+
+Each group's call takes its rows C-contiguous. A row along an inner batch axis (the stream estimators' caches,
+``(layers, batch, frames, width)``) is strided in a C-ordered array and was copied for every call: a few ms per
+cache input per call at full size (docs/benchmarks-log.md, "2026-12-07 (stop 70)"). The session says it prefers
+its batched inputs :func:`rows_apart` (``GraphSession.rows_apart``), joins such outputs that way, and the flow
+streams keep their caches so: a group's row is then a view.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import threading
 from collections.abc import Callable, Mapping
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from cosyvoice_cpu.backends.base import BoundRun, GraphSession, WrappedSession
 
@@ -51,7 +58,32 @@ def group_bounds(rows: int, groups: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def rows_apart(shape: tuple[int, ...], dtype: DTypeLike, axis: int) -> np.ndarray:
+    """An uninitialized array of ``shape`` laid out with ``axis`` outermost in memory: each slice along it (a batch
+    row) is contiguous, so a group of one row is a view, where a C-ordered array's row along an inner axis is
+    strided and must be copied for its call (C order itself where ``axis`` is 0)."""
+    order = (axis, *(i for i in range(len(shape)) if i != axis))
+    return np.moveaxis(np.empty([shape[i] for i in order], dtype), 0, axis)
+
+
+def join_rows(parts: list[np.ndarray], axis: int) -> np.ndarray:
+    """``parts`` joined along their batch ``axis``, laid out :func:`rows_apart` (one copy, as a concatenation)."""
+    if axis == 0:
+        return np.concatenate(parts, axis=0)
+    shape = list(parts[0].shape)
+    shape[axis] = sum(p.shape[axis] for p in parts)
+    out = rows_apart(tuple(shape), np.result_type(*parts), axis)
+    start = 0
+    for part in parts:
+        stop = start + part.shape[axis]
+        out[(slice(None),) * axis + (slice(start, stop),)] = part
+        start = stop
+    return out
+
+
 def _rows(value: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
+    """The rows ``[start, stop)`` along ``axis``, C-contiguous: a view where they already are (:func:`rows_apart`),
+    else a copy."""
     index = (slice(None),) * axis + (slice(start, stop),)
     return np.ascontiguousarray(value[index])
 
@@ -83,6 +115,10 @@ class RowGroupSession(WrappedSession):
         return self.whole.bind_in_place(pairs)
 
     @property
+    def rows_apart(self) -> bool:
+        return True
+
+    @property
     def whole(self) -> GraphSession:
         """The graph on every thread (opened now if it is not yet)."""
         with self._lock:
@@ -102,8 +138,8 @@ class RowGroupSession(WrappedSession):
         self, output_names: list[str] | None, feeds: Mapping[str, np.ndarray], release_memory: bool = False
     ) -> list[np.ndarray]:
         """The outputs of one call on ``feeds``: each row group's call on its own thread, joined along the outputs'
-        batch axes; a call with fewer rows than groups runs on :attr:`whole`, one that cannot be split otherwise as
-        one call on the one-thread session (module docstring)."""
+        batch axes (:func:`join_rows`); a call with fewer rows than groups runs on :attr:`whole`, one that cannot be
+        split otherwise as one call on the one-thread session (module docstring)."""
         names = output_names or [o.name for o in self.wrapped.get_outputs()]
         rows = self.rows(feeds)
         if rows is not None and rows < self.groups:
@@ -137,4 +173,4 @@ class RowGroupSession(WrappedSession):
             if e is not None:
                 raise e
         done = [r for r in results if r is not None]
-        return [np.concatenate([r[j] for r in done], axis=self._out_axes[n]) for j, n in enumerate(names)]
+        return [join_rows([r[j] for r in done], self._out_axes[n]) for j, n in enumerate(names)]

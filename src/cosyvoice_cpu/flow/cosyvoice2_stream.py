@@ -33,7 +33,7 @@ from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.flow.base import N_MELS, token_ids
 from cosyvoice_cpu.flow.common import chunk_ids, prompt_frames, stream_session
 from cosyvoice_cpu.flow.cosyvoice2 import CosyVoice2Flow, stream_layout
-from cosyvoice_cpu.flow.graphs import cache_dtype, cache_storage
+from cosyvoice_cpu.flow.graphs import cache_dtype, cache_storage, extend_cache
 from cosyvoice_cpu.flow.guidance import guidance_rows, guide, guided_rows
 
 logger = logging.getLogger(__name__)
@@ -211,14 +211,20 @@ class CosyVoice2FlowStream:
             )
             v, new_h, self.conv[k] = self.sess.run(None, feeds)
             x = x + dt * guide(v, self.cfg_rate, 1)
-            self.ctx_h[k] = self._trim(np.concatenate([self.ctx_h[k], new_h], axis=2))
+            self.ctx_h[k] = extend_cache(self.sess, self.ctx_h[k], new_h, self._context_frames)
         return x
 
+    @property
+    def _context_frames(self) -> int | None:
+        """Frames of history the caches keep (None: all)."""
+        return None if self.context_tokens is None else self.context_tokens * self.ratio
+
     def _trim(self, a: np.ndarray) -> np.ndarray:
-        """Keep the last ``context_tokens * ratio`` frames along axis 2 (the time axis of mu and the caches)."""
-        if self.context_tokens is None or a.shape[2] <= self.context_tokens * self.ratio:
+        """Keep the last ``context_tokens * ratio`` frames along axis 2 (the time axis of mu)."""
+        frames = self._context_frames
+        if frames is None or a.shape[2] <= frames:
             return a
-        return np.ascontiguousarray(a[:, :, a.shape[2] - self.context_tokens * self.ratio :])
+        return np.ascontiguousarray(a[:, :, a.shape[2] - frames :])
 
 
 def _encode(stage: CosyVoice2Flow, prompt_tokens: np.ndarray, embedding: ArrayLike) -> tuple[np.ndarray, np.ndarray]:

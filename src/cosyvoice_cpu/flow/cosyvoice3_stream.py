@@ -40,7 +40,7 @@ from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.flow.base import token_ids
 from cosyvoice_cpu.flow.common import chunk_ids, prompt_frames, stream_session
 from cosyvoice_cpu.flow.cosyvoice3 import CosyVoice3Flow, stream_layout
-from cosyvoice_cpu.flow.graphs import cache_dtype, cache_storage
+from cosyvoice_cpu.flow.graphs import cache_dtype, cache_storage, extend_cache
 from cosyvoice_cpu.flow.guidance import guidance_rows, guide, guided_rows
 
 logger = logging.getLogger(__name__)
@@ -292,16 +292,15 @@ class CosyVoice3FlowStream:
             v, new_k, new_v, conv_in = self.sess.run(None, feeds)
             x = x + dt * guide(v, self.cfg_rate, 1)
             if n_commit:
-                self.ctx_k[k] = self._trim(np.concatenate([self.ctx_k[k], new_k], axis=2))
-                self.ctx_v[k] = self._trim(np.concatenate([self.ctx_v[k], new_v], axis=2))
+                self.ctx_k[k] = extend_cache(self.sess, self.ctx_k[k], new_k, self._context_frames)
+                self.ctx_v[k] = extend_cache(self.sess, self.ctx_v[k], new_v, self._context_frames)
                 self.conv[k] = _next_state(self.conv[k], conv_in, n_commit, self.hist)
         return x
 
-    def _trim(self, a: np.ndarray) -> np.ndarray:
-        """Keep the last ``context_tokens * ratio`` committed frames (axis 2)."""
-        if self.context_tokens is None or a.shape[2] <= self.context_tokens * self.ratio:
-            return a
-        return np.ascontiguousarray(a[:, :, a.shape[2] - self.context_tokens * self.ratio :])
+    @property
+    def _context_frames(self) -> int | None:
+        """Committed generated frames the caches keep (None: all)."""
+        return None if self.context_tokens is None else self.context_tokens * self.ratio
 
 
 def _next_state(state: np.ndarray, conv_in: np.ndarray, n: int, hist: int) -> np.ndarray:

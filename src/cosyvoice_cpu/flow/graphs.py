@@ -1,5 +1,5 @@
 """The flow graphs' contracts (inputs with dtype and rank, outputs) and the checked opening of a flow graph;
-what the stream estimators' cache inputs say about their layout and dtype.
+what the stream estimators' cache inputs say about their layout and dtype, and how their caches grow.
 
 The contracts shared by families are here (the encoder of the chunk-streamed families, the official estimator); each
 family module holds its own (:data:`cosyvoice_cpu.flow.cosyvoice2.STREAM_IO`, ...). They are the exporter's
@@ -17,6 +17,7 @@ import numpy as np
 
 from cosyvoice_cpu.backends.base import GraphSession, Padding, SessionConfig, as_config, check_io
 from cosyvoice_cpu.backends.registry import open_graph
+from cosyvoice_cpu.backends.row_groups import rows_apart
 from cosyvoice_cpu.errors import ModelDirError
 
 # ({input: (dtypes, rank)}, (output | (output, dtypes))); dtypes like "float|float16"
@@ -111,3 +112,20 @@ def cache_storage(
     half the memory, widened per call) for a float32 graph; always float16 for a graph that takes float16."""
     wire = cache_dtype(sess, name)
     return wire, wire if wire == np.float16 else requested
+
+
+def extend_cache(sess: GraphSession, cache: np.ndarray, new: np.ndarray, keep: int | None = None) -> np.ndarray:
+    """A stream estimator's (L, B, T, W) cache followed by its (L, B, N, W) new frames along the frame axis, only the
+    last ``keep`` frames where ``keep`` is not None: one copy, laid out as ``sess`` takes it without another (each
+    batch row contiguous where the session splits calls by rows: ``GraphSession.rows_apart``)."""
+    total = cache.shape[2] + new.shape[2]
+    frames = total if keep is None else min(keep, total)
+    if frames == cache.shape[2] and new.shape[2] == 0:
+        return cache
+    shape = (cache.shape[0], cache.shape[1], frames, cache.shape[3])
+    dtype = np.result_type(cache, new)
+    out = rows_apart(shape, dtype, 1) if sess.rows_apart else np.empty(shape, dtype)
+    old = max(0, cache.shape[2] - (total - frames))  # the cached frames kept, then the last new ones
+    out[:, :, :old] = cache[:, :, cache.shape[2] - old :]
+    out[:, :, old:] = new[:, :, new.shape[2] - (frames - old) :]
+    return out
