@@ -19,10 +19,10 @@ otherwise (batched inputs that disagree on their rows, an output without a batch
 one-thread session, with a warning: a graph or a caller that breaks the contract above.
 
 Each group's call takes its rows C-contiguous. A row along an inner batch axis (the stream estimators' caches,
-``(layers, batch, frames, width)``) is strided in a C-ordered array and was copied for every call: a few ms per
-cache input per call at full size (docs/benchmarks-log.md, "2026-12-07 (stop 70)"). The session says it prefers
-its batched inputs :func:`rows_apart` (``GraphSession.rows_apart``), joins such outputs that way, and the flow
-streams keep their caches so: a group's row is then a view.
+``(layers, batch, frames, width)``) is strided in a C-ordered array and would be copied for every call (measured:
+docs/benchmarks-log.md, "2026-12-07 (stop 70)"). The session says it prefers its batched inputs :func:`rows_apart`
+(``GraphSession.rows_apart``), joins such outputs that way, and the flow streams keep their caches so: a group's
+row is then a view.
 """
 
 from __future__ import annotations
