@@ -104,7 +104,7 @@ def test_rows_laid_out_apart_reach_their_calls_without_a_copy() -> None:
     assert all(h2[:, r].flags.c_contiguous for r in range(2)) and not h2.flags.c_contiguous
     assert y.flags.c_contiguous  # batch axis first: C order is rows apart already
     session.run(["h2"], feeds)
-    assert not any(np.shares_memory(seen, feeds["h"]) for seen in split.seen_h[2:])
+    assert len(split.seen_h) == 4 and not any(np.shares_memory(seen, feeds["h"]) for seen in split.seen_h[2:])
 
 
 @pytest.mark.parametrize("apart", [False, True])
@@ -114,10 +114,13 @@ def test_a_cache_grows_by_its_new_frames_in_the_sessions_layout(apart: bool) -> 
     sess = RowGroupSession(RowWise(), 2, RowWise) if apart else RowWise()
     rng = np.random.default_rng(0)
     cache, new = (rng.standard_normal((3, 2, n, 4)).astype(np.float16) for n in (5, 3))
-    for keep, frames in ((None, 8), (6, 6), (2, 2), (0, 0)):
+    for keep, frames in ((None, 8), (10, 8), (6, 6), (2, 2), (1, 1), (0, 0)):
         out = extend_cache(sess, cache, new, keep)
         np.testing.assert_array_equal(out, np.concatenate([cache, new], axis=2)[:, :, 8 - frames :])
         assert out.dtype == np.float16 and (out[:, 1].flags.c_contiguous == apart or frames == 0)
+    first = extend_cache(sess, cache[:, :, :0], new, 2)  # a stream's first push: an empty context
+    np.testing.assert_array_equal(first, new[:, :, 1:])
+    assert first[:, 1].flags.c_contiguous == apart
     assert extend_cache(sess, cache, new[:, :, :0]) is cache  # nothing new, nothing dropped: no copy
 
 

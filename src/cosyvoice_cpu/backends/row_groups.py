@@ -153,7 +153,7 @@ class RowGroupSession(WrappedSession):
 
         def call(i: int) -> None:
             start, stop = bounds[i]
-            try:  # each group copies its own rows out of the batched inputs, on its own thread
+            try:  # each group takes its own rows of the batched inputs (a copy unless laid out rows apart)
                 part = {
                     k: v if (a := self._in_axes.get(k)) is None else _rows(v, a, start, stop) for k, v in feeds.items()
                 }

@@ -120,10 +120,10 @@ def extend_cache(sess: GraphSession, cache: np.ndarray, new: np.ndarray, keep: i
     batch row contiguous where the session splits calls by rows: ``GraphSession.rows_apart``)."""
     total = cache.shape[2] + new.shape[2]
     frames = total if keep is None else min(keep, total)
-    if frames == cache.shape[2] and new.shape[2] == 0:
-        return cache
-    shape = (cache.shape[0], cache.shape[1], frames, cache.shape[3])
     dtype = np.result_type(cache, new)
+    if frames == cache.shape[2] and new.shape[2] == 0:
+        return cache.astype(dtype, copy=False)
+    shape = (cache.shape[0], cache.shape[1], frames, cache.shape[3])
     out = rows_apart(shape, dtype, 1) if sess.rows_apart else np.empty(shape, dtype)
     old = max(0, cache.shape[2] - (total - frames))  # the cached frames kept, then the last new ones
     out[:, :, :old] = cache[:, :, cache.shape[2] - old :]
