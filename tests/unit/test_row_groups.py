@@ -122,6 +122,13 @@ def test_a_cache_grows_by_its_new_frames_in_the_sessions_layout(apart: bool) -> 
     np.testing.assert_array_equal(first, new[:, :, 1:])
     assert first[:, 1].flags.c_contiguous == apart
     assert extend_cache(sess, cache, new[:, :, :0]) is cache  # nothing new, nothing dropped: no copy
+    # a chunk as long as the bound replaces the context: the new frames as they are, if in the session's layout
+    laid = extend_cache(sess, np.zeros_like(cache[:, :, :0]), new)
+    assert extend_cache(sess, cache, laid, 3) is laid
+    other = new if apart else rows_apart(new.shape, new.dtype, 1)  # the other layout: copied into the session's
+    other[...] = new
+    out = extend_cache(sess, cache, other, 3)
+    assert out is not other and np.array_equal(out, new) and out[:, 1].flags.c_contiguous == apart
 
 
 def test_a_call_with_fewer_rows_than_groups_runs_whole_on_every_thread(caplog: pytest.LogCaptureFixture) -> None:

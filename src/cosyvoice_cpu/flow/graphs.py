@@ -116,13 +116,17 @@ def cache_storage(
 
 def extend_cache(sess: GraphSession, cache: np.ndarray, new: np.ndarray, keep: int | None = None) -> np.ndarray:
     """A stream estimator's (L, B, T, W) cache followed by its (L, B, N, W) new frames along the frame axis, only the
-    last ``keep`` frames where ``keep`` is not None: one copy, laid out as ``sess`` takes it without another (each
-    batch row contiguous where the session splits calls by rows: ``GraphSession.rows_apart``)."""
+    last ``keep`` frames where ``keep`` is not None: one copy (none where the result is ``new`` as it is), laid out as
+    ``sess`` takes it without another (each batch row contiguous where the session splits calls by rows:
+    ``GraphSession.rows_apart``)."""
     total = cache.shape[2] + new.shape[2]
     frames = total if keep is None else min(keep, total)
     dtype = np.result_type(cache, new)
     if frames == cache.shape[2] and new.shape[2] == 0:
         return cache.astype(dtype, copy=False)
+    taken = np.moveaxis(new, 1, 0) if sess.rows_apart else new  # C-contiguous when laid out as the session takes it
+    if frames == new.shape[2] and new.dtype == dtype and taken.flags.c_contiguous:
+        return new  # the new frames alone (a chunk as long as the bound), already in the session's layout
     shape = (cache.shape[0], cache.shape[1], frames, cache.shape[3])
     out = rows_apart(shape, dtype, 1) if sess.rows_apart else np.empty(shape, dtype)
     old = max(0, cache.shape[2] - (total - frames))  # the cached frames kept, then the last new ones
