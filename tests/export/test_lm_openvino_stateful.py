@@ -171,3 +171,20 @@ def test_int4_weights_fit_a_small_lm(lm, tmp_path: Path) -> None:
     ref, ours, err = _greedy_vs_reference(lm, _compile(lm, tmp_path, "int4"))
     assert np.mean(np.array(ref) == np.array(ours)) >= 0.75
     assert err < INT4_RTOL
+
+
+def test_projections_of_one_input_are_one_weight_layer(lm) -> None:
+    """Query/key/value and gate/up are stacked: 4 weight layers per decoder layer (qkv, o, gate_up, down) and the
+    head, the stacked ones as wide as their parts together (the logp equal the reference's: the tests above)."""
+    from cosyvoice_cpu.export.lm.openvino_stateful import convert_stateful
+
+    q = lm.cfg.qwen
+    widths = []
+    for op in convert_stateful(lm).get_ops():
+        weight = op.input_value(1).get_node() if op.get_type_name() == "MatMul" else None
+        if weight is not None and weight.get_type_name() == "Constant":
+            widths.append(int(weight.get_output_shape(0)[0]))
+    qkv = (q.num_attention_heads + 2 * q.num_key_value_heads) * q.head_dim
+    per_layer = [qkv, q.hidden_size, 2 * q.intermediate_size, q.hidden_size]
+    head = lm.llm_decoder.out_features
+    assert sorted(widths) == sorted(per_layer * q.num_hidden_layers + [head])

@@ -17,7 +17,12 @@ Model contract (B rows, S new positions, P positions already in the state, D hid
 The graph is converted from a torch module that reads the reference weights (:class:`StatefulLMGraph`): attention
 as ``scaled_dot_product_attention`` over ``Concat(past, new)`` with the grouped KV heads broadcast, the form the
 CPU plugin's stateful-SDPA fusion turns into one node that keeps the cache inside (so nothing is copied per
-step). The embedding tables stay outside, as for the ONNX graph (:mod:`cosyvoice_cpu.export.lm.qwen2`).
+step). The projections that read one input are one weight layer each: query, key and value one, gate and up one
+(their weights stacked on the output axis, split after), so a decode step runs 4 products per layer instead of 7.
+NNCF compresses per output channel (int8) or in groups along the input axis (int4), so the stacked layer's weights
+compress to the same values as the separate ones (measured: the same logp to the bit, int4, full size;
+docs/backends.md, "The LM on OpenVINO"). The embedding tables stay outside, as for the ONNX graph
+(:mod:`cosyvoice_cpu.export.lm.qwen2`).
 """
 
 from __future__ import annotations
@@ -54,8 +59,9 @@ def _module_class() -> Any:
 
         forward(inputs_embeds (B, S, D), attention_mask (B, P+S), position_ids (B, S), past_key_0, past_value_0,
         ..., each (B, Hkv, P, Dh)) -> (logp (B, V), present_key_0, present_value_0, ..., each (B, Hkv, P+S, Dh)).
-        The layers are the reference's own modules; only the attention is written out here (RoPE from explicit
-        positions, padding-aware causal mask, grouped heads broadcast as transformers' ``repeat_kv`` does).
+        The layers are the reference's own modules; the attention and the MLP are written out here (RoPE from
+        explicit positions, padding-aware causal mask, grouped heads broadcast as transformers' ``repeat_kv`` does),
+        with query/key/value and gate/up each one stacked weight layer (:func:`_stacked`).
         """
 
         def __init__(self, lm: Any) -> None:
@@ -63,6 +69,10 @@ def _module_class() -> Any:
             q = lm.cfg.qwen
             self.layers, self.norm, self.head = lm.backbone.layers, lm.backbone.norm, lm.llm_decoder
             self.h, self.hkv, self.dh = q.num_attention_heads, q.num_key_value_heads, q.head_dim
+            self.inter = q.intermediate_size
+            attn = [layer.self_attn for layer in self.layers]
+            self.qkv = nn.ModuleList(_stacked([a.q_proj, a.k_proj, a.v_proj]) for a in attn)
+            self.gate_up = nn.ModuleList(_stacked([layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in self.layers)
             exps = torch.arange(0, self.dh, 2, dtype=torch.int64).float() / self.dh
             self.register_buffer("inv_freq", 1.0 / (q.rope_theta**exps), persistent=False)  # as rope_cos_sin
 
@@ -84,9 +94,10 @@ def _module_class() -> Any:
             x, presents = embeds, []
             for i, layer in enumerate(self.layers):
                 a, hn = layer.self_attn, layer.input_layernorm(x)
-                qh = a.q_proj(hn).view(b, s, self.h, self.dh).transpose(1, 2)
-                k = a.k_proj(hn).view(b, s, self.hkv, self.dh).transpose(1, 2)
-                v = a.v_proj(hn).view(b, s, self.hkv, self.dh).transpose(1, 2)
+                qh, k, v = self.qkv[i](hn).split([self.h * self.dh, self.hkv * self.dh, self.hkv * self.dh], -1)
+                qh = qh.view(b, s, self.h, self.dh).transpose(1, 2)
+                k = k.view(b, s, self.hkv, self.dh).transpose(1, 2)
+                v = v.view(b, s, self.hkv, self.dh).transpose(1, 2)
                 qh, k = self._rotate(qh, cos, sin), self._rotate(k, cos, sin)
                 k, v = torch.cat([past[2 * i], k], dim=2), torch.cat([past[2 * i + 1], v], dim=2)
                 presents += [k, v]
@@ -95,9 +106,23 @@ def _module_class() -> Any:
                 vv = v[:, :, None].expand(b, self.hkv, rep, total, self.dh).reshape(b, self.h, total, self.dh)
                 out = F.scaled_dot_product_attention(qh, kk, vv, attn_mask=mask)
                 x = x + a.o_proj(out.transpose(1, 2).reshape(b, s, self.h * self.dh))
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
+                gate, up = self.gate_up[i](layer.post_attention_layernorm(x)).split([self.inter, self.inter], -1)
+                x = x + layer.mlp.down_proj(F.silu(gate) * up)  # the reference MLP's down(silu(gate(x)) * up(x))
             logp = F.log_softmax(self.head(self.norm(x[:, -1])), dim=-1)
             return (logp, *presents)
+
+    def _stacked(parts: list[nn.Linear]) -> nn.Linear:
+        """One ``Linear`` computing ``parts`` (same input) side by side: weights and biases stacked on the output
+        axis, in order, so ``split`` by their widths gives each part's output."""
+        weight = torch.cat([p.weight.detach() for p in parts])
+        biased = any(p.bias is not None for p in parts)  # a part without a bias adds zeros
+        out = nn.Linear(weight.shape[1], weight.shape[0], bias=biased)
+        with torch.no_grad():
+            out.weight.copy_(weight)
+            if biased:
+                zeros = [torch.zeros(p.out_features) for p in parts]
+                out.bias.copy_(torch.cat([z if p.bias is None else p.bias for p, z in zip(parts, zeros)]))
+        return out.requires_grad_(False)
 
     return StatefulLMGraph
 
