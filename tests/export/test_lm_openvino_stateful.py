@@ -84,6 +84,16 @@ def test_greedy_tokens_equal_the_reference(lm, compiled) -> None:
     assert err < RTOL
 
 
+def test_fun_cosyvoice3s_lm_gives_the_reference_greedy_tokens(tiny_v3_model_dir: Path, tmp_path: Path) -> None:
+    """The same graph module over Fun-CosyVoice3's LM (its head wider than the speech table, no head bias)."""
+    from cosyvoice_cpu.workshop.parts import load_reference
+
+    v3 = load_reference(tiny_v3_model_dir, stages=("lm",)).lm.eval()
+    ref, ours, err = _greedy_vs_reference(v3, _compile(v3, tmp_path, "none"))
+    assert ours == ref
+    assert err < RTOL
+
+
 def test_contract_names(compiled) -> None:
     assert [p.get_any_name() for p in compiled.inputs] == [
         "inputs_embeds",

@@ -17,8 +17,9 @@ Model contract (B rows, S new positions, P positions already in the state, D hid
 The graph is converted from a torch module that reads the reference weights (:class:`StatefulLMGraph`): attention
 as ``scaled_dot_product_attention`` over ``Concat(past, new)`` with the grouped KV heads broadcast, the form the
 CPU plugin's stateful-SDPA fusion turns into one node that keeps the cache inside (so nothing is copied per
-step). The projections that read one input are one weight layer each: query, key and value one, gate and up one
-(their weights stacked on the output axis, split after), so a decode step runs 4 products per layer instead of 7.
+step). The projections that read one input are one weight layer each, as in the ONNX graph: query, key and value one,
+gate and up one (their weights stacked on the output axis, split after), so a decode step runs 4 products per layer
+instead of 7.
 NNCF compresses per output channel (int8) or in groups along the input axis (int4), so the stacked layer's weights
 compress to the same values as the separate ones (measured: the same logp to the bit, int4, full size;
 docs/backends.md, "The LM on OpenVINO"). The embedding tables stay outside, as for the ONNX graph
