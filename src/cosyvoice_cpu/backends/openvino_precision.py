@@ -4,7 +4,7 @@ OpenVINO's own default was bf16 on the Intel core without AMX where it was read.
 estimator's precision"):
 
 - bf16 with AMX, and with AVX-512 BF16 on a core of :data:`BF16_VENDORS`: the CPUs where the bf16 estimator was
-  measured faster than ONNX Runtime's (never against f32 there);
+  measured faster than ONNX Runtime's (against f32 only on a Zen 5, where bf16 was the faster);
 - f32 elsewhere: an Intel core with AVX-512 BF16 but no AMX, where OpenVINO's bf16 matrix products measured slower
   than its f32 ones and the int8 estimator ran faster in f32; a CPU whose vendor is unknown; a CPU without bf16.
 

@@ -44,7 +44,8 @@ OV_SUFFIX = "_ov"  # manifest key of a graph's OpenVINO model: "<graph>_ov"
 # get it. The LM only for the families whose facts say ``openvino_lm`` (:func:`openvino_exportable`).
 OPENVINO_EXPORTABLE = frozenset({"flow_estimator", "lm"})
 EXPORT_OPENVINO = "cosyvoice-cpu export --from OFFICIAL_DIR --to MODEL_DIR --openvino int8"
-# The stateful int4 LM against ONNX Runtime's int8w, alternated in the engine (docs/backends.md, "The LM on OpenVINO")
+# The stateful int4 LM against ONNX Runtime's int8w in the engine, alternated (the Zen 5's: the bench, one backend after
+# the other) (docs/backends.md, "The LM on OpenVINO")
 LM_INT4_GAIN = (
     "1.35x faster on an AVX-512 BF16 Zen 4 (end to end 1.17x, less memory), 1.23x on a Zen 5, 1.52x faster on an "
     "AMX Xeon (prefill 1.45x) and 1.73x faster on an Intel Xeon held to AVX-512 VNNI (end to end 1.09-1.26x)"

@@ -14,16 +14,15 @@ Model contract (B rows, S new positions, P positions already in the state, D hid
   (every row: a row with nothing to feed gets a padding position, ``attention_mask`` 0). ``reset_state()`` empties
   them; ``query_state()`` reads or writes them (a prefix cache's copy in or out).
 
-The graph is converted from a torch module that reads the reference weights (:class:`StatefulLMGraph`): attention
-as ``scaled_dot_product_attention`` over ``Concat(past, new)`` with the grouped KV heads broadcast, the form the
-CPU plugin's stateful-SDPA fusion turns into one node that keeps the cache inside (so nothing is copied per
-step). The projections that read one input are one weight layer each, as in the ONNX graph: query, key and value one,
-gate and up one (their weights stacked on the output axis, split after), so a decode step runs 4 products per layer
-instead of 7.
+The graph is converted from a torch module that reads the reference weights (:class:`StatefulLMGraph`): attention as
+``scaled_dot_product_attention`` over ``Concat(past, new)`` with the grouped KV heads broadcast, the form the CPU
+plugin's stateful-SDPA fusion turns into one node that keeps the cache inside (so nothing is copied per step). The
+projections that read one input are one weight layer each, as in the ONNX graph: query, key and value one, gate and up
+one (their weights stacked on the output axis, split after), so a decode step runs 4 products per layer instead of 7.
 NNCF compresses per output channel (int8) or in groups along the input axis (int4), so the stacked layer's weights
-compress to the same values as the separate ones (measured: the same logp to the bit, int4, full size;
-docs/backends.md, "The LM on OpenVINO"). The embedding tables stay outside, as for the ONNX graph
-(:mod:`cosyvoice_cpu.export.lm.qwen2`).
+compress to the same values as the separate ones (measured on the full-size int4 LM: the same logp to the bit with
+OpenVINO's activation quantization off, the same sampled tokens with it on; docs/backends.md, "The LM on OpenVINO"). The
+embedding tables stay outside, as for the ONNX graph (:mod:`cosyvoice_cpu.export.lm.qwen2`).
 """
 
 from __future__ import annotations
@@ -117,7 +116,7 @@ def _module_class() -> Any:
         axis, in order, so ``split`` by their widths gives each part's output."""
         weight = torch.cat([p.weight.detach() for p in parts])
         biased = any(p.bias is not None for p in parts)  # a part without a bias adds zeros
-        out = nn.Linear(weight.shape[1], weight.shape[0], bias=biased)
+        out = torch.nn.utils.skip_init(nn.Linear, weight.shape[1], weight.shape[0], bias=biased)  # no random init
         with torch.no_grad():
             out.weight.copy_(weight)
             if biased:
