@@ -4,10 +4,15 @@
 (SSE4.2, no AVX), so NumPy and ONNX Runtime take the kernels that CPU would get. ``qemu-aarch64 -L ROOT
 ROOT/usr/bin/python3.11 ...`` runs an arm64 Python (Debian's, unpacked in ROOT) on arm64 wheels.
 
-Two things emulation does not do, which is why speed under it means nothing and a clean run does not prove that
-no newer instruction was executed: qemu's TCG translates every instruction it knows whatever ``-cpu`` says (an
-AVX2 program runs under ``-cpu Denverton``), and it is 10-200x slower than the host. What it does prove is the
-dispatch: the kernels chosen from ``cpuid``/hwcaps and their numerics.
+Speed under emulation means nothing (qemu's TCG is 10-200x slower than the host), and a clean run is weak proof that
+no newer instruction ran (this note said until 2026-12-07 that TCG translates AVX2 under ``-cpu Denverton``; that
+day qemu 7.2.22, Debian 12, refused AVX2 and FMA under ``-cpu Denverton`` and ``-cpu IvyBridge``: SIGILL, a scratch
+program). What it does prove is the dispatch: the kernels chosen from ``cpuid``/hwcaps and their numerics.
+
+NumPy's OpenBLAS (``scipy_openblas``) did not take its kernels from the emulated ``cpuid`` on a Zen 5 host: it named
+its core "Haswell" under every model, and NumPy's import (a sanity ``dot``) died of SIGILL under ``-cpu Denverton``
+(2026-12-07, qemu 7.2, NumPy 2.4.5 and 2.4.6). :func:`x86_argv` sets ``OPENBLAS_CORETYPE`` to the core such a CPU
+gets (:data:`X86_OPENBLAS`). The runtime makes no BLAS call; NumPy's own kernels still follow ``cpuid``.
 
 qemu 7.2's ``qemu-aarch64`` shows the guest the host's ``/proc/cpuinfo``; ONNX Runtime's cpuinfo library reads it
 at import, finds no ARM processor in an x86 file and crashes (SIGSEGV). qemu resolves the guest's paths under its
@@ -32,6 +37,8 @@ X86_MODELS = {
     "IvyBridge": "Xeon E5 v2: AVX, no AVX2/FMA",
     "Haswell-v4": "AVX2 + FMA, no AVX-512/VNNI",
 }
+# OpenBLAS's core for each (OPENBLAS_CORETYPE): what it detects on such a CPU (module docstring)
+X86_OPENBLAS = {"Denverton": "NEHALEM", "IvyBridge": "SANDYBRIDGE", "Haswell-v4": "HASWELL"}
 # arm64 cores qemu 7.2 emulates, with the /proc/cpuinfo a real one shows (part number, Features)
 _ARM_BASE = "fp asimd evtstrm aes pmull sha1 sha2 crc32"
 ARM_MODELS = {
@@ -53,11 +60,13 @@ def qemu(arch: str) -> str | None:
 
 
 def x86_argv(cpu: str, python: str, args: list[str]) -> list[str]:
-    """The command that runs ``python args...`` with ``cpuid`` answering as the x86 CPU model ``cpu``."""
+    """The command that runs ``python args...`` with ``cpuid`` answering as the x86 CPU model ``cpu`` (and OpenBLAS
+    on that CPU's core, :data:`X86_OPENBLAS`; a model without one keeps OpenBLAS's own choice)."""
     binary = qemu("x86_64")
     if binary is None:
         raise FileNotFoundError("qemu-x86_64 is not installed (Debian: apt-get install qemu-user)")
-    return [binary, "-cpu", cpu, python, *args]
+    core = ["-E", f"OPENBLAS_CORETYPE={X86_OPENBLAS[cpu]}"] if cpu in X86_OPENBLAS else []
+    return [binary, "-cpu", cpu, *core, python, *args]
 
 
 def arm_argv(cpu: str, root: Path, args: list[str], python: str = "usr/bin/python3.11") -> list[str]:
