@@ -17,7 +17,7 @@ import pytest
 from cosyvoice_cpu.backends.base import GraphSession, NodeInfo, SessionConfig
 from cosyvoice_cpu.backends.onnxruntime import OrtSession
 from cosyvoice_cpu.backends.registry import open_graph
-from cosyvoice_cpu.backends.row_groups import RowGroupSession, batch_axis, group_bounds, rows_apart
+from cosyvoice_cpu.backends.row_groups import RowGroupSession, batch_axis, group_bounds, join_rows, rows_apart
 from cosyvoice_cpu.errors import ConfigError
 from cosyvoice_cpu.flow.graphs import extend_cache
 
@@ -125,8 +125,7 @@ def test_a_cache_grows_by_its_new_frames_in_the_sessions_layout(apart: bool) -> 
     # a chunk as long as the bound replaces the context: the new frames as they are, if in the session's layout
     laid = extend_cache(sess, np.zeros_like(cache[:, :, :0]), new)
     assert extend_cache(sess, cache, laid, 3) is laid
-    other = new if apart else rows_apart(new.shape, new.dtype, 1)  # the other layout: copied into the session's
-    other[...] = new
+    other = new if apart else join_rows([new], 1)  # the other layout: copied into the session's
     out = extend_cache(sess, cache, other, 3)
     assert out is not other and np.array_equal(out, new) and out[:, 1].flags.c_contiguous == apart
 
