@@ -120,8 +120,7 @@ def _module_class() -> Any:
         with torch.no_grad():
             out.weight.copy_(weight)
             if biased:
-                zeros = [torch.zeros(p.out_features) for p in parts]
-                out.bias.copy_(torch.cat([z if p.bias is None else p.bias for p, z in zip(parts, zeros)]))
+                out.bias.copy_(torch.cat([torch.zeros(p.out_features) if p.bias is None else p.bias for p in parts]))
         return out.requires_grad_(False)
 
     return StatefulLMGraph
